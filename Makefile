@@ -1,0 +1,31 @@
+SHELL := /bin/bash
+# Two commands from nothing: `make demo` and `make test`.
+# Everything lands in .venv (created if missing); torch is pinned to the CPU wheel.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+export OMP_NUM_THREADS ?= 2
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: demo test build venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt 2> >(grep -v "is ignored: it is neither" >&2)
+	touch $@
+
+# C++ CPU kernels (and CUDA where a toolkit + GPU torch exist) built in place.
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+demo: build
+	bash examples/cpu_demo.sh
+
+test: build
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf build *.egg-info sparsebalance/*.so
