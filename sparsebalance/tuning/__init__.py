@@ -1,1 +1,17 @@
-"""SparseBalance: tuning."""
+"""Dynamic sparsity tuning (DST): per-micro-batch, per-stage attention budgets.
+
+Planners are pure functions of an :class:`Instance` (predicted op times and
+retained attention as functions of the budget) returning a :class:`Plan`:
+``anchor_plan`` (the paper's anchor-guided thresholding) and
+``critical_path_plan`` (pipeline-aware). ``hook`` feeds a plan into megatron's
+real schedules. CLI: ``python -m sparsebalance.tuning plan ...``.
+"""
+
+from .anchor import anchor_indices, anchor_plan
+from .critical_path import critical_path_indices, critical_path_plan, raise_indices
+from .instance import Instance, instance_from_json, instance_to_json
+from .plan import Plan, make_plan, static_plan
+
+__all__ = ["Instance", "Plan", "anchor_indices", "anchor_plan", "critical_path_indices",
+           "critical_path_plan", "instance_from_json", "instance_to_json", "make_plan",
+           "raise_indices", "static_plan"]

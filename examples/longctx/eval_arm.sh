@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Step 3: score one trained run on the held-out eval set.
+#   bash examples/longctx/eval_arm.sh ARM SEED
+# Every arm is scored with DENSE attention (the same yardstick for all: it
+# measures what the weights learned). With EVAL_SPARSE=1 the two sparse arms are
+# also scored with the sparse attention they were trained with (eval_sparse.json;
+# not used by collect.py).
+# Output: $RUNS_DIR/ARM/seedSEED/eval_dense.json (+ eval_sparse.json)
+set -euo pipefail
+source "$(dirname "$0")/config.sh"
+ARM=${1:?usage: eval_arm.sh ARM SEED}
+SEED=${2:?usage: eval_arm.sh ARM SEED}
+arm_flags "$ARM" >/dev/null
+RUN=$RUNS_DIR/$ARM/seed$SEED
+cd "$SB_ROOT"
+export OMP_NUM_THREADS=${EVAL_THREADS:-2}   # evaluation is one process: use both cores
+"$PYTHON" tools/eval_longctx.py --load "$RUN/ckpt" --data "$DATA_DIR/eval.jsonl" --mode greedy \
+    --quiet --output "$RUN/eval_dense.json"
+if [[ $ARM != dense && $EVAL_SPARSE == 1 ]]; then
+    "$PYTHON" tools/eval_longctx.py --load "$RUN/ckpt" --data "$DATA_DIR/eval.jsonl" --mode greedy \
+        --quiet --sparse-attention --output "$RUN/eval_sparse.json"
+fi

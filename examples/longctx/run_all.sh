@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The whole long-context comparison: data, 3 arms x 2 seeds of training under the
+# same wall-clock budget, evaluation, results/longctx_accuracy.json.
+#   bash examples/longctx/run_all.sh           (about 3 x 2 x (BUDGET_S + ~15 min eval) on 2 cores)
+# Runs are sequential (each uses both cores). A finished run (train_meta.json and
+# eval_dense.json present) is not repeated, so the script can be resumed.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+source "$HERE/config.sh"
+[[ -f $DATA_DIR/train_text_document.idx && -f $DATA_DIR/eval.jsonl ]] || bash "$HERE/make_data.sh"
+for SEED in $SEEDS; do
+    for ARM in $ARMS; do
+        RUN=$RUNS_DIR/$ARM/seed$SEED
+        [[ -f $RUN/train_meta.json ]] || bash "$HERE/train_arm.sh" "$ARM" "$SEED"
+        [[ -f $RUN/eval_dense.json ]] || bash "$HERE/eval_arm.sh" "$ARM" "$SEED"
+    done
+done
+# shellcheck disable=SC2086
+"$PYTHON" "$HERE/collect.py" --runs-dir "$RUNS_DIR" --arms $ARMS --seeds $SEEDS \
+    --needle-length "$NEEDLE_LENGTH" --mean-lengths $MEAN_LENGTHS --output "$RESULT_FILE"

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Step 2: train one arm with one seed under the shared wall-clock budget.
+#   bash examples/longctx/train_arm.sh ARM SEED      ARM in: dense megatron sparsebalance
+#
+# PP=2 on CPU: torchrun starts one process per pipeline stage (gloo). The LR is
+# constant after warm-up, so cutting training at the budget does not interact
+# with a decay schedule, and faster arms simply take more steps.
+#
+# Wall-clock budget: pretrain_gpt.py has no time-limit flag, so the budget is
+# enforced with its --exit-signal-handler: BUDGET_S seconds after launch a
+# watchdog sends SIGUSR1 to the two workers; torchrun runs with USR1 ignored,
+# the workers finish the current step, save a checkpoint and exit 0. If they
+# have not exited 10 minutes later they are killed (the run then has no final
+# checkpoint and the script fails). The budget includes start-up, equally for
+# every arm. A run that reaches MAX_ITERS first ends normally.
+#
+# The sparsebalance arm passes --sparse-balance (wired by the lead in
+# pretrain_gpt.py: SAB packing + DST budgets on top of --sparse-attention); the
+# script stops with a clear message if this checkout's driver lacks the flag.
+#
+# Output: $RUNS_DIR/ARM/seedSEED/{ckpt/,train.log,train_meta.json}
+set -euo pipefail
+source "$(dirname "$0")/config.sh"
+ARM=${1:?usage: train_arm.sh ARM SEED}
+SEED=${2:?usage: train_arm.sh ARM SEED}
+FLAGS=$(arm_flags "$ARM")
+cd "$SB_ROOT"
+for f in $FLAGS; do
+    if [[ $f == --* ]] && ! "$PYTHON" pretrain_gpt.py --help 2>/dev/null | grep -q -- "$f\b"; then
+        echo "train_arm.sh: pretrain_gpt.py in this checkout has no $f flag (needed by arm $ARM)" >&2
+        exit 2
+    fi
+done
+[[ -f $DATA_DIR/train_text_document.idx ]] || { echo "train_arm.sh: run make_data.sh first" >&2; exit 2; }
+
+RUN=$RUNS_DIR/$ARM/seed$SEED
+mkdir -p "$RUN/ckpt"
+start=$(date +%s.%N)
+# shellcheck disable=SC2086
+bash -c 'trap "" USR1; exec "$@"' _ \
+    "$TORCHRUN" --standalone --nproc-per-node 2 pretrain_gpt.py --cpu --distributed-backend gloo \
+        --pipeline-model-parallel-size 2 \
+        --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" \
+        --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH" \
+        --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH" \
+        --lr "$LR" --lr-decay-style constant --lr-warmup-iters "$WARMUP" --train-iters "$MAX_ITERS" \
+        --weight-decay 0.01 --clip-grad 1.0 --seed "$SEED" \
+        --data-path "$DATA_DIR/train_text_document" --split 100,0,0 --tokenizer-type ByteTokenizer \
+        --save "$RUN/ckpt" --load "$RUN/ckpt" --save-interval "$SAVE_INTERVAL" --exit-signal-handler \
+        --log-interval 10 --no-progress-bar --eval-interval 0 \
+        $FLAGS > "$RUN/train.log" 2>&1 &
+TR=$!
+# Watchdog: at the budget, USR1 to the workers (torchrun's children, each in its own
+# session, so a process-group signal would not reach them); SIGKILL if still alive later.
+(
+    sleep "$BUDGET_S"
+    kill -USR1 $(pgrep -P "$TR") 2>/dev/null || true
+    sleep 600
+    kill -KILL $(pgrep -P "$TR") "$TR" 2>/dev/null || true
+) &
+WD=$!
+set +e
+wait "$TR"
+rc=$?
+set -e
+kill "$WD" 2>/dev/null || true
+end=$(date +%s.%N)
+if [[ $rc -ne 0 ]]; then
+    echo "train_arm.sh: training of $ARM seed $SEED failed (exit $rc); see $RUN/train.log" >&2
+    exit 1
+fi
+"$PYTHON" - "$RUN/train_meta.json" "$ARM" "$SEED" "$start" "$end" "$BUDGET_S" "$FLAGS" <<'PY'
+import json, os, sys
+path, arm, seed, start, end, budget, flags = sys.argv[1:]
+meta = {"arm": arm, "seed": int(seed), "wall_clock_s": round(float(end) - float(start), 1),
+        "budget_s": float(budget), "arm_flags": flags.split(),
+        "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS", "0"))}
+tmp = path + ".tmp"
+with open(tmp, "w") as f:
+    json.dump(meta, f, indent=1)
+os.replace(tmp, path)
+PY
+echo "trained $ARM seed $SEED in $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.0f", b - a}') s -> $RUN"

@@ -1,0 +1,244 @@
+"""Command line of ``pretrain_gpt.py``: Megatron-LM flag names for the common subset.
+
+:func:`build_parser` has no side effects (tools such as ``tools/profile_latency.py``
+reuse it to accept "the same flags as pretrain_gpt.py"); :func:`parse_args` adds
+validation and turns every usage error into ONE line on stderr and exit code 2.
+Checks needing the world size read ``WORLD_SIZE`` (set by torchrun; 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn, Optional, Sequence
+
+
+class UsageError(Exception):
+    """Bad command line or input; reported as one line, exit code 2."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse without the usage dump: errors are one line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        usage_error(message, prog=self.prog)
+
+
+def usage_error(message: str, prog: str = "pretrain_gpt.py", code: int = 2) -> NoReturn:
+    """Print ``prog: error: message`` on stderr and exit with ``code``."""
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}")
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _non_negative(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}")
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    """The full flag set of ``pretrain_gpt.py`` (no validation beyond types)."""
+    p = _OneLineParser(
+        prog=prog,
+        description="GPT training on megatron-core with packed documents (CPU/gloo or GPU/NCCL).",
+        allow_abbrev=False,  # a typo must never silently match another flag
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    pos, nonneg = _positive, _non_negative
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=pos(int), default=4, help="transformer layers")
+    g.add_argument("--hidden-size", type=pos(int), default=128, help="model width")
+    g.add_argument("--ffn-hidden-size", type=pos(int), default=None, help="MLP width (default 4 x hidden)")
+    g.add_argument("--num-attention-heads", type=pos(int), default=4, help="query heads")
+    g.add_argument("--num-query-groups", type=pos(int), default=None,
+                   help="key/value heads for GQA (default: = attention heads)")
+    g.add_argument("--seq-length", type=int, default=1024,
+                   help="tokens per micro-batch (packed documents, THD)")
+    g.add_argument("--max-position-embeddings", type=pos(int), default=None,
+                   help="longest position (default: --seq-length)")
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--vocab-size", type=pos(int), default=None,
+                   help="vocabulary size (default: from the tokenizer)")
+    g.add_argument("--bf16", action="store_true", help="bf16 weights/activations (GPU only)")
+
+    g = p.add_argument_group("sparse attention")
+    g.add_argument("--sparse-attention", action="store_true",
+                   help="block top-k sparse attention in the core_attention slot")
+    g.add_argument("--sb-block-size", type=pos(int), default=64, help="key/query block, tokens")
+    g.add_argument("--sb-topk", type=pos(int), default=8, help="key blocks kept per query block")
+    g.add_argument("--sb-attention-backend", default="auto",
+                   help="sparse kernel backend by name (auto picks the best available)")
+    g.add_argument("--sb-dense-layers", type=pos(int), nargs="*", default=[],
+                   help="1-based layer numbers kept dense")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=pos(int), default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=pos(int), default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=pos(int), default=None,
+                   help="enables the interleaved 1F1B schedule")
+    g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
+                   help="default: nccl with CUDA, gloo otherwise")
+    g.add_argument("--distributed-timeout-minutes", type=pos(float), default=10.0,
+                   help="a collective waiting longer than this fails (dead rank) instead of hanging")
+    g.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is available")
+
+    g = p.add_argument_group("batching")
+    g.add_argument("--micro-batch-size", type=pos(int), default=1,
+                   help="packed sequences per micro-batch (THD packing requires 1)")
+    g.add_argument("--global-batch-size", type=pos(int), default=None,
+                   help="micro-batches x DP per step (default: micro-batch size x DP)")
+    g.add_argument("--sb-batching", choices=("megatron", "concat"), default="megatron",
+                   help="packing: whole documents in order (megatron) or concatenation (concat)")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=nonneg(float), default=3e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=nonneg(float), default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
+                   default="cosine")
+    g.add_argument("--lr-warmup-iters", type=nonneg(int), default=0)
+    g.add_argument("--weight-decay", type=nonneg(float), default=0.01)
+    g.add_argument("--clip-grad", type=nonneg(float), default=1.0, help="global grad-norm clip (0: off)")
+    g.add_argument("--train-iters", type=pos(int), default=20)
+    g.add_argument("--seed", type=nonneg(int), default=1234)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset")
+    g.add_argument("--split", default="98,2,0", help="train,valid,test weights over documents")
+    g.add_argument("--tokenizer-type", choices=("ByteTokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
+                   default="ByteTokenizer")
+    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+
+    g = p.add_argument_group("logging, evaluation, checkpoints")
+    g.add_argument("--log-interval", type=pos(int), default=1)
+    g.add_argument("--eval-interval", type=nonneg(int), default=0, help="0: no evaluation")
+    g.add_argument("--eval-iters", type=nonneg(int), default=2)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
+    g.add_argument("--load", default=None,
+                   help="resume from this directory (if equal to --save, an empty one starts fresh)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM/SIGUSR1 finish the step, save, exit 0")
+    g.add_argument("--no-progress-bar", action="store_true", help="plain log lines only")
+    return p
+
+
+def _split(text: str) -> tuple[float, float, float]:
+    try:
+        parts = [float(x) for x in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise UsageError(f"--split: expected comma-separated numbers, got {text!r}")
+    parts = (parts + [0.0, 0.0])[:3]
+    if any(x < 0 for x in parts) or parts[0] <= 0:
+        raise UsageError(f"--split: the train weight must be > 0 and none negative, got {text!r}")
+    total = sum(parts)
+    return tuple(x / total for x in parts)  # type: ignore[return-value]
+
+
+def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
+    """Check cross-flag consistency and fill derived fields; raises :class:`UsageError`."""
+    ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.seq_length < 2:
+        raise UsageError(f"--seq-length must be >= 2 (a token and its target), got {args.seq_length}")
+    if ws % (tp * pp):
+        raise UsageError(f"world size {ws} is not divisible by TP x PP = {tp * pp}")
+    args.world_size = ws
+    args.data_parallel_size = dp = ws // (tp * pp)
+    if pp > args.num_layers:
+        raise UsageError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {args.num_layers}")
+    if args.num_layers % pp:
+        raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    vpl = args.num_layers_per_virtual_pipeline_stage
+    args.virtual_pipeline_model_parallel_size = None
+    if vpl is not None:
+        if pp < 2:
+            raise UsageError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+        if (args.num_layers // pp) % vpl:
+            raise UsageError(f"layers per stage ({args.num_layers // pp}) not divisible by "
+                             f"--num-layers-per-virtual-pipeline-stage {vpl}")
+        args.virtual_pipeline_model_parallel_size = args.num_layers // pp // vpl
+    if args.micro_batch_size != 1:
+        raise UsageError("--micro-batch-size must be 1: a micro-batch is one packed THD sequence "
+                         "of --seq-length tokens (raise --seq-length or --global-batch-size instead)")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                         f"micro-batch size x DP = {args.micro_batch_size} x {dp}")
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
+        raise UsageError(f"the interleaved schedule needs micro-batches per rank "
+                         f"({args.num_microbatches}) divisible by PP {pp}")
+    if args.hidden_size % args.num_attention_heads:
+        raise UsageError(f"--hidden-size {args.hidden_size} not divisible by "
+                         f"--num-attention-heads {args.num_attention_heads}")
+    if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
+        raise UsageError(f"--num-attention-heads {args.num_attention_heads} not divisible by "
+                         f"--num-query-groups {args.num_query_groups}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.max_position_embeddings < args.seq_length:
+        raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} < --seq-length {args.seq_length}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.lr_warmup_iters > args.train_iters:
+        raise UsageError(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}")
+    bad = [n for n in args.sb_dense_layers if n > args.num_layers]
+    if bad:
+        raise UsageError(f"--sb-dense-layers {bad[0]} is beyond --num-layers {args.num_layers}")
+    args.split_fractions = _split(args.split)
+    if args.data_path is None:
+        raise UsageError("--data-path is required (make one with tools/make_corpus.py or tools/preprocess_data.py)")
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(args.data_path + ext):
+            raise UsageError(f"--data-path: {args.data_path + ext} does not exist")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise UsageError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model <tokenizer.json>")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.save_interval and not args.save:
+        raise UsageError("--save-interval needs --save")
+    if args.exit_signal_handler and not args.save:
+        raise UsageError("--exit-signal-handler needs --save (it saves a checkpoint before exiting)")
+    if args.load is not None and not os.path.isdir(args.load):
+        raise UsageError(f"--load: {args.load} is not a directory")
+    return args
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
+    """Parse and validate; any usage error prints one line and exits with code 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return validate(args, world_size)
+    except UsageError as e:
+        usage_error(str(e), prog=parser.prog)

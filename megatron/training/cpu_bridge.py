@@ -1,0 +1,190 @@
+"""Run megatron-core's own pipeline schedules and optimizer on CPU (gloo).
+
+megatron-core 0.16 is written for CUDA. Its 1F1B / interleaved schedules, p2p
+layer and FP32 optimizer are device-agnostic except for a handful of spots that
+name CUDA explicitly (measured on 0.16.1). We do NOT re-implement any of them; instead each patched
+megatron module gets its own view of ``torch`` (:class:`_CpuTorchView`) in which
+
+* ``torch.cuda.current_device()`` is the CPU device (p2p receive buffers),
+* ``torch.cuda.synchronize()`` is a no-op (after batched p2p; gloo is synchronous),
+* tensor factories given ``device="cuda"`` allocate on CPU (the schedules' token
+  counter; the FP32 optimizer's scale / overflow scalars).
+
+Everything else on the view is the real ``torch``. Only these modules see it:
+
+==========================================  ====================================
+module                                      why
+==========================================  ====================================
+``pipeline_parallel.p2p_communication``     receive buffers, synchronize
+``pipeline_parallel.schedules``             ``total_num_tokens`` on ``"cuda"``
+``distributed.param_and_grad_buffer``       DDP grad/param buffers on the current device
+``models.common.embeddings.``               RoPE moves ``inv_freq`` to the current device
+``rotary_pos_embedding``                    at the first forward
+``optimizer.optimizer``                     FP32 optimizer scalars on ``"cuda"``
+==========================================  ====================================
+
+Gradient clipping is the one place a device view is not enough:
+``clip_grad_by_total_norm_fp32`` asserts ``param.grad.type() ==
+'torch.cuda.FloatTensor'`` and the norm uses a CUDA multi-tensor kernel. We swap
+the two functions *as the optimizer module sees them* for CPU versions with the
+same semantics (global L2 norm: squares summed locally, all-reduced over the
+optimizer's grad-stats group = model-parallel ranks, then every grad scaled by
+``max_norm / (norm + 1e-6)`` when that is < 1). That keeps megatron's
+``MegatronOptimizer.step()`` (grad copy, norm, clip, Adam, checkpoint
+``sharded_state_dict``) in charge rather than a parallel CPU optimizer.
+
+The bridge is installed only when CUDA is unavailable or ``--cpu`` is given, and
+is idempotent. :func:`bridged_modules` lists what was patched (tests assert it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import types
+from typing import Any, List, Optional, Union
+
+import torch
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "empty_like")
+_PATCHED: list[str] = []
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map any CUDA device spec to CPU, leave everything else alone."""
+    if device is None:
+        return None
+    if isinstance(device, int):  # a CUDA ordinal, as torch.cuda.current_device() returns
+        return torch.device("cpu")
+    if torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CpuCuda:
+    """``torch.cuda`` as the patched modules see it."""
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """gloo collectives are complete when they return: nothing to wait for."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorchView(types.ModuleType):
+    """The real ``torch`` except ``cuda`` and CUDA-placed tensor factories."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, self._wrap(getattr(torch, name)))
+
+    @staticmethod
+    def _wrap(fn):
+        def factory(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        factory.__name__ = fn.__name__
+        return factory
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _local_grads(params: List[torch.nn.Parameter]) -> List[torch.Tensor]:
+    from megatron.core.utils import to_local_if_dtensor
+
+    return [to_local_if_dtensor(g).detach() for g in params]
+
+
+def cpu_get_grad_norm_fp32(
+    grads_for_norm: Union[List[torch.Tensor], torch.Tensor],
+    norm_type: Union[int, float] = 2,
+    grad_stats_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> float:
+    """Global grad norm (same contract as megatron's ``get_grad_norm_fp32``).
+
+    ``grads_for_norm`` are this rank's grads already filtered by megatron (no
+    shared or tensor-parallel duplicates); partial sums are combined across
+    ``grad_stats_parallel_group`` so every rank gets the model-wide norm.
+    """
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    grads = _local_grads(grads_for_norm)
+    norm_type = float(norm_type)
+    if norm_type == math.inf:
+        local = max((g.abs().max().float() for g in grads), default=torch.zeros([]))
+        total = torch.tensor([float(local)], dtype=torch.float64)
+        torch.distributed.all_reduce(
+            total, op=torch.distributed.ReduceOp.MAX, group=grad_stats_parallel_group
+        )
+        return float(total[0])
+    # float64 accumulation: the norm must not depend on how layers are split into stages
+    total = torch.zeros(1, dtype=torch.float64)
+    for g in grads:
+        total += torch.linalg.vector_norm(g.double(), norm_type) ** norm_type
+    torch.distributed.all_reduce(
+        total, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group
+    )
+    return float(total[0]) ** (1.0 / norm_type)
+
+
+def cpu_clip_grad_by_total_norm_fp32(
+    parameters: Union[List[torch.Tensor], torch.Tensor],
+    max_norm: Union[int, float],
+    total_norm: float,
+    use_decoupled_grad: bool = False,
+) -> None:
+    """Scale grads in place by ``max_norm / (total_norm + 1e-6)`` when that is < 1."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(_local_grads(grads), clip_coeff)
+
+
+def cuda_bridge_needed(force_cpu: bool = False) -> bool:
+    """True when megatron must run on CPU: ``--cpu`` or no usable CUDA device."""
+    return force_cpu or not torch.cuda.is_available()
+
+
+def install_cpu_bridge(force_cpu: bool = False) -> bool:
+    """Patch the CUDA-only spots listed in the module docstring; returns whether it did.
+
+    Args:
+        force_cpu: install even if CUDA is available (``--cpu``).
+    """
+    if not cuda_bridge_needed(force_cpu):
+        return False
+    if _PATCHED:
+        return True
+    view = _CpuTorchView()
+    for name in (
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "megatron.core.pipeline_parallel.schedules",
+        "megatron.core.distributed.param_and_grad_buffer",
+        "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "megatron.core.optimizer.optimizer",
+    ):
+        module = importlib.import_module(name)
+        module.torch = view
+        _PATCHED.append(name)
+    opt = importlib.import_module("megatron.core.optimizer.optimizer")
+    opt.get_grad_norm_fp32 = cpu_get_grad_norm_fp32
+    opt.clip_grad_by_total_norm_fp32 = cpu_clip_grad_by_total_norm_fp32
+    return True
+
+
+def bridged_modules() -> tuple[str, ...]:
+    """Names of the megatron modules whose ``torch`` is the CPU view."""
+    return tuple(_PATCHED)

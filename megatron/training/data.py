@@ -1,0 +1,140 @@
+"""Packed THD micro-batches from a megatron-core indexed dataset.
+
+The packing plan comes from :class:`sparsebalance.batching.sampler.PackingSampler`
+(``--sb-batching``): per step, ``plan.ranks[dp_rank][m]`` is the list of
+``(doc_id, offset, length)`` segments of micro-batch ``m``. Every pipeline and
+data-parallel rank runs the same sampler with the same seed, so all stages of a
+pipeline see the same micro-batches without communication.
+
+A micro-batch is a dict of ``[1, T]`` tensors, ``T`` = sum of its segment lengths
+(no padding at all: megatron's ``variable_seq_lengths`` lets each micro-batch
+have its own ``T``)::
+
+    tokens        int64  input ids
+    labels        int64  next token of the same document (0 where there is none)
+    loss_mask     float  1 where the label is a real next token, 0 at a document's last token
+    position_ids  int64  0.. restarting at every segment (RoPE positions per document)
+    cu_seqlens    int32  [n_segments + 1] segment boundaries: attention stays inside one
+    budget        (optional) per-stage top-k for DST; :func:`forward_step` hands it to
+                  ``sparsebalance.runtime.set_budget`` when the micro-batch is pulled
+
+A segment is a whole document or a ``--seq-length`` chunk of a longer one (the
+chunk attends only within itself, as in Megatron); the chunk's last position is
+still trained on the next token of the document when there is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+Segment = Tuple[int, int, int]
+
+
+def split_documents(n_docs: int, fractions: Sequence[float]) -> List[np.ndarray]:
+    """Contiguous train/valid/test document-id ranges for ``--split`` fractions."""
+    bounds = np.rint(np.cumsum([0.0, *fractions]) * n_docs).astype(np.int64)
+    bounds[-1] = n_docs
+    return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(len(fractions))]
+
+
+def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment]) -> Dict[str, torch.Tensor]:
+    """THD micro-batch dict (see module docstring) for ``segments``.
+
+    Args:
+        dataset: megatron ``IndexedDataset``; ``doc_ids[d]`` is the dataset index of doc ``d``.
+        segments: ``(doc, offset, length)`` with ``doc`` indexing ``doc_ids``.
+    """
+    lengths = dataset.sequence_lengths
+    toks, labs, mask, pos, cu = [], [], [], [], [0]
+    for doc, off, length in segments:
+        idx = int(doc_ids[doc])
+        doc_len = int(lengths[idx])
+        if length <= 0 or off < 0 or off + length > doc_len:
+            raise ValueError(f"segment {(doc, off, length)} outside document {idx} of {doc_len} tokens")
+        has_next = off + length < doc_len
+        ids = np.asarray(dataset.get(idx, offset=off, length=length + has_next), dtype=np.int64)
+        toks.append(ids[:length])
+        lab = np.zeros(length, dtype=np.int64)
+        lab[: len(ids) - 1] = ids[1:]
+        labs.append(lab)
+        m = np.ones(length, dtype=np.float32)
+        if not has_next:
+            m[-1] = 0.0
+        mask.append(m)
+        pos.append(np.arange(length, dtype=np.int64))
+        cu.append(cu[-1] + length)
+    if not segments:
+        raise ValueError("empty micro-batch: the packing plan gave no segments")
+    cat = lambda xs: torch.from_numpy(np.concatenate(xs)).unsqueeze(0)
+    return {
+        "tokens": cat(toks),
+        "labels": cat(labs),
+        "loss_mask": cat(mask),
+        "position_ids": cat(pos),
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+    }
+
+
+@dataclass
+class StepBatches:
+    """This rank's micro-batches of one step plus what the logs need."""
+
+    microbatches: List[Dict[str, torch.Tensor]]
+    """M micro-batch dicts in pipeline order."""
+    global_tokens: int
+    """Tokens in the whole global batch (all DP ranks), for throughput."""
+    global_docs: int
+    """Segments in the global batch."""
+
+    def iterators(self, num_chunks: int) -> List[Iterator]:
+        """One iterator per model chunk: every virtual stage walks the same micro-batches."""
+        return [iter(self.microbatches) for _ in range(num_chunks)]
+
+
+class PackedDataLoader:
+    """Steps of packed micro-batches for one DP rank, driven by ``PackingSampler``.
+
+    Args:
+        dataset: megatron ``IndexedDataset``.
+        doc_ids: dataset indices of the documents this loader draws from (a split).
+        dp, dp_rank: data-parallel size and this rank's index.
+        micro_batches: micro-batches per rank per step.
+        seq_length: token capacity of a micro-batch.
+        strategy: ``--sb-batching`` name.
+        seed: sampler seed (same on every rank).
+        shuffle: shuffle the document order per epoch.
+    """
+
+    def __init__(self, dataset, doc_ids: np.ndarray, *, dp: int, dp_rank: int, micro_batches: int,
+                 seq_length: int, strategy: str, seed: int, shuffle: bool = True) -> None:
+        from sparsebalance.batching.sampler import PackingSampler
+
+        if len(doc_ids) == 0:
+            raise ValueError("doc_ids: the split has no documents")
+        self.dataset = dataset
+        self.doc_ids = np.asarray(doc_ids, dtype=np.int64)
+        self.dp_rank = dp_rank
+        lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
+        self.sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
+                                      strategy=strategy, seed=seed, shuffle=shuffle)
+
+    def next_step(self) -> StepBatches:
+        """Plan the next step (identically on every rank) and build this rank's micro-batches."""
+        plan = self.sampler.next_step()
+        mine = plan.ranks[self.dp_rank]
+        all_segments = [seg for rank in plan.ranks for mb in rank for seg in mb]
+        return StepBatches(
+            microbatches=[build_microbatch(self.dataset, self.doc_ids, mb) for mb in mine],
+            global_tokens=int(sum(s[2] for s in all_segments)),
+            global_docs=len(all_segments),
+        )
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)

@@ -1,0 +1,68 @@
+"""Write and open megatron-core indexed datasets (``<prefix>.bin`` / ``<prefix>.idx``).
+
+Writing goes through megatron-core's ``IndexedDatasetBuilder`` into a temporary
+prefix that is renamed into place only when complete (``.bin`` first, ``.idx``
+last), so an interrupted write never leaves a dataset that opens. Reading goes
+through ``IndexedDataset``; :func:`open_dataset` turns a missing or corrupt
+dataset into a ``ValueError`` with one readable line.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import numpy as np
+
+
+def write_documents(prefix: str, documents: Iterable[np.ndarray], vocab_size: int) -> int:
+    """Write token-id documents (1-D int arrays) to ``prefix``; returns the count.
+
+    Tokens are stored as uint16 when ``vocab_size <= 65536`` (else int32).
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = np.uint16 if vocab_size <= 65536 else np.int32
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    tmp = f"{prefix}.tmp-{os.getpid()}"
+    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+    n = 0
+    try:
+        for doc in documents:
+            doc = np.asarray(doc)
+            if doc.size == 0:
+                continue
+            # a numpy array: the builder casts it to its dtype (a torch tensor would not be cast)
+            builder.add_document(doc.astype(dtype), [doc.size])
+            n += 1
+        builder.finalize(tmp + ".idx")
+        if n == 0:
+            raise ValueError("no non-empty documents to write")
+        os.replace(tmp + ".bin", prefix + ".bin")
+        os.replace(tmp + ".idx", prefix + ".idx")
+    finally:
+        for ext in (".bin", ".idx"):
+            if os.path.exists(tmp + ext):
+                os.remove(tmp + ext)
+    return n
+
+
+def open_dataset(prefix: str):
+    """``IndexedDataset`` for ``prefix``; ValueError (one line) if missing or corrupt."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            raise ValueError(f"data path {prefix + ext} does not exist")
+    try:
+        ds = IndexedDataset(prefix, mmap=True)
+        lengths = np.asarray(ds.sequence_lengths)
+        expected = int(lengths.sum()) * np.dtype(ds.index.dtype).itemsize
+    except Exception as e:  # megatron asserts on a bad header; report it as bad data
+        raise ValueError(f"data path {prefix}: not a valid indexed dataset ({type(e).__name__}: {e})".rstrip(": ")) from None
+    actual = os.path.getsize(prefix + ".bin")
+    if len(lengths) == 0:
+        raise ValueError(f"data path {prefix}: dataset has no documents")
+    if actual != expected:
+        raise ValueError(f"data path {prefix}: .bin holds {actual} bytes but the index describes {expected}")
+    return ds

@@ -1,0 +1,163 @@
+"""Model, optimizer and LR schedule from megatron-core pieces.
+
+* :func:`transformer_config` — ``TransformerConfig`` from the parsed args. Packed
+  THD micro-batches have a different token count each, so
+  ``variable_seq_lengths=True`` (p2p exchanges shapes first) and nothing is
+  padded; the loss is per token (``calculate_per_token_loss``): the step's loss
+  is sum over all real tokens of the global batch / their number, whatever the
+  DP x PP layout.
+* :func:`build_model` — one ``GPTModel`` per virtual pipeline chunk, wrapped in
+  megatron-core's ``DistributedDataParallel``.
+* :func:`build_optimizer` — ``get_megatron_optimizer`` (Adam) and
+  ``OptimizerParamScheduler``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List
+
+import torch
+
+
+def layer_spec(args):
+    """Layer spec for GPTModel: dense varlen attention, or the sparse one with --sparse-attention."""
+    if args.sparse_attention:
+        # Imported lazily: the sparse module is optional until --sparse-attention is used.
+        from sparsebalance.attention.sparse import get_gpt_layer_sparse_spec
+
+        return get_gpt_layer_sparse_spec(
+            block_size=args.sb_block_size,
+            topk=args.sb_topk,
+            backend=args.sb_attention_backend,
+            dense_layers=tuple(args.sb_dense_layers),
+            normalization=args.normalization,
+        )
+    from sparsebalance.attention.spec import get_gpt_layer_dense_spec
+
+    return get_gpt_layer_dense_spec(normalization=args.normalization)
+
+
+def transformer_config(args, use_cpu: bool):
+    """megatron-core ``TransformerConfig`` for the parsed args."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        normalization=args.normalization,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        hidden_dropout=0.0,  # dropout would fork megatron's CUDA RNG tracker
+        attention_dropout=0.0,
+        use_cpu_initialization=use_cpu,
+        variable_seq_lengths=True,
+        # megatron rejects variable_seq_lengths with the default MoE dispatcher even
+        # without experts; alltoall is the one it accepts (unused: we have no MoE).
+        moe_token_dispatcher_type="alltoall",
+        calculate_per_token_loss=True,
+        # Fused kernels are CUDA-only; on CPU use the unfused paths.
+        bias_activation_fusion=not use_cpu,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
+
+
+def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
+    """``GPTModel`` chunks of this pipeline rank (one per virtual stage), DDP-wrapped."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+
+    spec = layer_spec(args)
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=False,
+            position_embedding_type=args.position_embedding_type,
+            vp_stage=stage,
+        )
+        if not torch.cuda.is_available() or args.cpu:
+            chunk = chunk.cpu()
+        else:
+            chunk = chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    return [
+        DistributedDataParallel(
+            config=config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # Bucketing only matters for overlapping comm on GPU; one buffer per chunk suffices.
+            disable_bucketing=(i > 0),
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_optimizer(args, model: List[torch.nn.Module]):
+    """megatron-core Adam (``get_megatron_optimizer``) and ``OptimizerParamScheduler``."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        clip_grad=args.clip_grad,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    decay_iters = max(args.train_iters - args.lr_warmup_iters, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_warmup_iters + decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def global_param_names(chunk: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
+    """``{name: param}`` with layer indices made global (``layer_number - 1``), so
+    names agree between PP layouts; used to compare runs."""
+    inner = chunk.module if hasattr(chunk, "module") else chunk
+    layers = inner.decoder.layers if hasattr(inner, "decoder") else []
+    offset = {str(i): layer.layer_number - 1 for i, layer in enumerate(layers)}
+    out = {}
+    for name, param in inner.named_parameters():
+        out[_LAYER.sub(lambda m: f"{m.group(1)}layers.{offset[m.group(2)]}.", name, count=1)] = param
+    return out

@@ -1,0 +1,156 @@
+"""One training (or evaluation) step through megatron-core's own pipeline schedules.
+
+``get_forward_backward_func()`` picks no-pipelining, 1F1B or interleaved 1F1B;
+we only supply :func:`forward_step` (pull a micro-batch, run ``GPTModel`` on it
+as packed THD) and the per-token loss. Gradients are finalised by
+megatron-core's ``finalize_model_grads`` (DP all-reduce, then scaling by the
+number of loss tokens of the whole global batch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+
+
+class StageTimers:
+    """The ``config.timers`` megatron's schedules call (``timers(name).start()/stop()``).
+
+    Accumulates wall seconds per name on this rank; the schedules time
+    ``forward-compute`` and ``backward-compute`` per micro-batch, which are this
+    pipeline stage's forward / backward compute time.
+    """
+
+    class _Timer:
+        def __init__(self, owner: "StageTimers", name: str) -> None:
+            self.owner, self.name, self.t0 = owner, name, None
+
+        def start(self, barrier: bool = False) -> None:
+            self.t0 = time.perf_counter()
+
+        def stop(self, barrier: bool = False) -> None:
+            if self.t0 is not None:
+                self.owner.totals[self.name] += time.perf_counter() - self.t0
+                self.t0 = None
+
+    def __init__(self) -> None:
+        self.totals: Dict[str, float] = defaultdict(float)
+        self._timers: Dict[str, StageTimers._Timer] = {}
+
+    def __call__(self, name: str, log_level: int = 0) -> "_Timer":
+        if name not in self._timers:
+            self._timers[name] = StageTimers._Timer(self, name)
+        return self._timers[name]
+
+    def pop(self) -> Dict[str, float]:
+        """Seconds accumulated since the last pop, by timer name."""
+        out, self.totals = dict(self.totals), defaultdict(float)
+        return out
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss in megatron's 3-tuple form: (sum of token losses, token count, report).
+
+    ``output_tensor`` is GPTModel's per-token cross entropy ``[1, T]``.
+    """
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach().clone(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def forward_step(data_iterator, model):
+    """megatron ``forward_step_func``: next packed micro-batch -> (output, loss_func)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from sparsebalance import runtime
+
+    batch = next(data_iterator)
+    # DST seam: a micro-batch may carry its attention budget for this stage; the
+    # sparse attention modules read it through sparsebalance.runtime. No budget
+    # means the module default (--sb-topk).
+    runtime.set_budget(batch.get("budget"), microbatch=batch.get("microbatch"))
+    device = _device_of(model)
+    get = lambda k: batch[k].to(device, non_blocking=True)
+    cu = get("cu_seqlens")
+    max_len = int((batch["cu_seqlens"][1:] - batch["cu_seqlens"][:-1]).max())
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    output = model(get("tokens"), get("position_ids"), None, labels=get("labels"),
+                   packed_seq_params=packed)
+    return output, partial(loss_func, get("loss_mask"))
+
+
+@dataclass
+class StepResult:
+    """What one step measured on this rank (loss only meaningful on the last stage)."""
+
+    loss_sum: float
+    """Sum of token losses over this DP rank's micro-batches (0 off the last stage)."""
+    loss_tokens: float
+    """Loss tokens behind ``loss_sum``."""
+    grad_norm: Optional[float] = None
+    """Global grad norm before clipping (None in evaluation)."""
+    skipped: bool = False
+    """Optimizer skipped the update (inf/nan grads)."""
+    stage_times: Dict[str, float] = field(default_factory=dict)
+    """Seconds by schedule timer (forward-compute, backward-compute) on this rank."""
+
+
+def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool) -> StepResult:
+    """Forward (and backward) of one global batch through megatron's schedule."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_backward = get_forward_backward_func()
+    iters = batches.iterators(len(model))
+    outputs = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iters if len(model) > 1 else iters[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(batches.microbatches),
+        seq_length=args.seq_length,  # an upper bound; variable_seq_lengths sends true shapes
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+    loss_sum = sum(float(o["lm loss"][0]) for o in outputs) if outputs else 0.0
+    loss_tokens = sum(float(o["lm loss"][1]) for o in outputs) if outputs else 0.0
+    return StepResult(loss_sum=loss_sum, loss_tokens=loss_tokens)
+
+
+def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) -> StepResult:
+    """Zero grads, run the schedule, finalize grads, Adam step, LR step."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    result = run_schedule(args, model, batches, forward_only=False)
+    update_ok, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    result.grad_norm = grad_norm
+    result.skipped = not update_ok
+    result.stage_times = timers.pop()
+    return result
+
+
+def evaluate(args, model, loader, iters: int) -> StepResult:
+    """Forward-only loss over ``iters`` steps of the validation loader."""
+    for chunk in model:
+        chunk.eval()
+    total = StepResult(0.0, 0.0)
+    with torch.no_grad():
+        for _ in range(iters):
+            r = run_schedule(args, model, loader.next_step(), forward_only=True)
+            total.loss_sum += r.loss_sum
+            total.loss_tokens += r.loss_tokens
+    for chunk in model:
+        chunk.train()
+    return total

@@ -1,0 +1,137 @@
+"""Block top-k sparse attention for megatron-core's ``core_attention`` slot.
+
+:class:`SparseAttention` has the constructor and forward signature of
+megatron-core 0.16's ``DotProductAttention`` plus four spec params
+(``block_size``, ``topk``, ``backend``, ``dense_layers``). Per call it reads the
+current micro-batch's budget from :mod:`sparsebalance.runtime` (falling back to
+its static ``topk``), runs :func:`sparsebalance.ops.sparse_attention` (or dense
+causal attention for layers in ``dense_layers`` or a ``None`` budget) and
+records the kept/causal pair counts with ``record_attention``.
+
+Layouts as in :mod:`sparsebalance.attention.dense`: THD ``[T, H, D]`` with
+``packed_seq_params.cu_seqlens_q`` (returns ``[T, H * D]``) or SBHD
+``[S, B, H, D]`` (returns ``[S, B, H * D]``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from sparsebalance import runtime
+from sparsebalance.attention.dense import causal_varlen_attention
+from sparsebalance.attention.spec import get_gpt_layer_spec
+from sparsebalance.ops import BACKENDS, sparse_attention
+
+
+class SparseAttention(MegatronModule):
+    """Block top-k sparse causal attention with ``DotProductAttention``'s signature.
+
+    Extra keyword args (ModuleSpec params):
+        block_size: routing block size in tokens.
+        topk: static budget (key blocks besides sink and diagonal) when the runtime
+            sets none; ``None`` means dense.
+        backend: kernel backend name ("auto", "reference", "cpu", "triton", "cuda").
+        dense_layers: 1-based global layer numbers that stay dense.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        *,
+        block_size: int = 64,
+        topk: Optional[int] = 8,
+        backend: str = "auto",
+        dense_layers: Iterable[int] = (),
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("context parallelism is not supported by SparseAttention")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"attn_mask_type must be causal, got {attn_mask_type}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if topk is not None and (not isinstance(topk, int) or topk < 0):
+            raise ValueError(f"topk must be None or an int >= 0, got {topk!r}")
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale
+        self.block_size = block_size
+        self.topk = topk
+        self.backend = backend
+        self.dense_layers = frozenset(int(x) for x in dense_layers)
+
+    def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
+        """``[T, H, D]`` attention over documents of ``cu_seqlens``; records what it did."""
+        topk = None if self.layer_number in self.dense_layers else runtime.get_budget(
+            self.topk, layer_number=self.layer_number)
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).detach().cpu().long()
+        causal = int((lens * (lens + 1) // 2).sum()) * q.shape[1]
+        if topk is None:
+            out, kept = causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale), causal
+        else:
+            out, dens = sparse_attention(q, k, v, cu_seqlens, topk=topk, block_size=self.block_size,
+                                         softmax_scale=self.softmax_scale, backend=self.backend,
+                                         return_density=True)
+            kept = round(dens * causal)
+        runtime.record_attention(runtime.AttentionRecord(
+            layer_number=self.layer_number, microbatch=None, topk=topk, kept_pairs=kept,
+            causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
+        return out
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by SparseAttention")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
+            out = self._attend(query, key, value, cu)
+            return out.reshape(out.shape[0], -1)
+        # SBHD: every sequence of the batch is one document of length S.
+        S, B, H, D = query.shape
+        to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
+        out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu)
+        return out.reshape(B, S, H * D).transpose(0, 1).contiguous()
+
+
+def get_gpt_layer_sparse_spec(
+    *,
+    block_size: int,
+    topk: Optional[int],
+    backend: str = "auto",
+    dense_layers: Iterable[int] = (),
+    use_te: Optional[bool] = None,
+    normalization: str = "LayerNorm",
+) -> ModuleSpec:
+    """megatron-core's GPT layer spec with :class:`SparseAttention` as ``core_attention``.
+
+    Args mirror the flags ``--sb-block-size``, ``--sb-topk``, ``--sb-attention-backend``,
+    ``--sb-dense-layers`` (1-based layer numbers); ``use_te`` and ``normalization`` are
+    passed to :func:`sparsebalance.attention.spec.get_gpt_layer_spec`.
+    """
+    params = dict(block_size=block_size, topk=topk, backend=backend,
+                  dense_layers=tuple(int(x) for x in dense_layers))
+    return get_gpt_layer_spec(SparseAttention, params, use_te=use_te, normalization=normalization)

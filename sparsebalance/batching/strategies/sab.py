@@ -1,0 +1,304 @@
+"""``sab``: sparsity-aware batching by predicted latency.
+
+Objective, lexicographic: (1) the largest per-rank predicted pipeline (1F1B) step
+time, (2) the spread of micro-batch times, (3) the order of micro-batches within a
+rank. Cost of an item = what it adds to the *bottleneck* pipeline stage (fwd + bwd,
+from the predictor at the planned budget, i.e. with its sparsity), because in 1F1B
+the slowest stage paces the steady state.
+
+Steps of one plan:
+
+1. Window: carried items (oldest first, forced ones must go) plus the stream prefix
+   that fills ``sab_fill`` (default 0.9, about what megatron packing reaches) of the
+   step's tokens.
+2. Shape: in 1F1B the fill and drain bubbles scale with the first micro-batch's
+   forward and the last one's backward, so equal micro-batches are not optimal:
+   :func:`pipeline_profile` finds the per-position share of a rank's work that
+   minimises the 1F1B time (a deterministic pattern search on the pipeline model).
+   Option ``sab_profile="flat"`` plans equal micro-batches instead.
+3. Assign: items by decreasing cost (forced first) to the bin with the least
+   ``load / target share`` that has token room (proportional LPT); items that fit
+   nowhere are deferred.
+4. Order: per rank, match bins to positions by cost rank, then improve by pair swaps
+   evaluated exactly with the vectorised 1F1B model.
+5. Improve: up to ``sab_moves`` (default 8) single-item moves off the slowest rank
+   (to another rank, or to another micro-batch of the same rank) chosen by the batched
+   1F1B model while they lower (step time, sum of rank times); re-order touched ranks.
+
+Items that fit nowhere are carried (bounded by ``max_carry_steps`` and the carry
+cap); SAB does not hold documents back on purpose: with ranks balanced to ~0.1%
+by the moves there was nothing left for deliberate delays to buy on the shared
+length files (see the batching report).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from sparsebalance.batching.pipemodel import one_f_one_b_ms
+from sparsebalance.batching.plan import Carried, PackContext, Packing
+from sparsebalance.batching.stream import StreamCursor
+from sparsebalance.batching.strategies.common import (build_window, finish, rank_interleaved,
+                                                      settle)
+
+
+@lru_cache(maxsize=64)
+def pipeline_profile(M: int, fwd: tuple, bwd: tuple) -> np.ndarray:
+    """Per-position work shares (mean 1) that minimise 1F1B time of one rank.
+
+    Args:
+        M: micro-batches per rank.
+        fwd, bwd: per-stage times of a typical micro-batch (ms); position m runs
+            ``x_m`` times them.
+
+    Returns:
+        [M] shares, mean 1, each >= 0.05.
+    """
+    f0, b0 = np.asarray(fwd), np.asarray(bwd)
+    x = np.ones(M)
+
+    def t(xs):
+        return one_f_one_b_ms(xs[..., :, None] * f0, xs[..., :, None] * b0)
+
+    best = float(t(x))
+    pairs = [(i, j) for i in range(M) for j in range(M) if i != j]
+    step = 0.2
+    while step > 0.005:
+        cand = np.repeat(x[None, :], len(pairs), axis=0)
+        for c, (i, j) in enumerate(pairs):
+            d = max(min(step, cand[c, j] - 0.05), 0.0)
+            cand[c, i] += d
+            cand[c, j] -= d
+        tt = t(cand)
+        k = int(np.argmin(tt))
+        if tt[k] < best - 1e-9:
+            best, x = float(tt[k]), cand[k]
+        else:
+            step /= 2
+    return x / x.mean()
+
+
+def _proportional_lpt(c: np.ndarray, length: np.ndarray, forced: np.ndarray,
+                      share: np.ndarray, const: float, S: int, exact: int = 0) -> np.ndarray:
+    """Items (forced first, then by decreasing cost ``c``) to the bin with token room
+    that minimises ``(load + c) / share``; returns the bin per item (-1: no room).
+
+    The first ``exact`` items (default ``4 * K``, the heavy ones, where the choice
+    matters) use that rule exactly; the rest are small relative to a bin, where it
+    is close to "least ``load / share`` first", done K items at a time.
+    """
+    K = share.size
+    exact = exact or 4 * K
+    order = np.lexsort((-c, ~forced))
+    assign = np.full(c.size, -1, dtype=np.int64)
+    tok = np.zeros(K, dtype=np.int64)
+    load = np.full(K, const)
+    for i in order[:exact].tolist():
+        room = tok <= S - length[i]
+        if not room.any():
+            continue
+        b = int(np.argmin(np.where(room, (load + c[i]) / share, np.inf)))
+        assign[i] = b
+        tok[b] += length[i]
+        load[b] += c[i]
+    # Small items in rounds of K: the round's i-th largest item goes to the bin with
+    # the i-th smallest load / share if it has room; misfits wait for the next round.
+    # A round that places nothing ends the rounds; the exact rule takes what is left.
+    pending = order[exact:]
+    while pending.size:
+        chunk = pending[:K]
+        bins = np.argsort(load / share, kind="stable")[:chunk.size]
+        fits = tok[bins] + length[chunk] <= S
+        if not fits.any():
+            break
+        b, it = bins[fits], chunk[fits]
+        assign[it] = b
+        tok[b] += length[it]
+        load[b] += c[it]
+        pending = np.concatenate([chunk[~fits], pending[K:]])
+    for i in pending.tolist():
+        room = tok <= S - length[i]
+        if room.any():
+            bi = int(np.argmin(np.where(room, (load + c[i]) / share, np.inf)))
+            assign[i] = bi
+            tok[bi] += length[i]
+            load[bi] += c[i]
+    return assign
+
+
+def order_ranks(fwd: np.ndarray, bwd: np.ndarray, prof: np.ndarray, rounds: int = 64,
+                init: np.ndarray | None = None):
+    """Order of each rank's bins: cost-rank matched to ``prof`` (or ``init``), then
+    best-improvement pair swaps until no swap helps any rank (a local optimum per rank;
+    ``rounds`` only bounds the loop). All ranks are evaluated in one batched
+    pipeline-model call per round.
+
+    Args:
+        fwd, bwd: [R, M, pp] bin stage times of R ranks.
+        init: [R, M] starting orders (default: matched to ``prof``).
+    Returns:
+        (orders [R, M] bin index per position, times [R] 1F1B step time per rank).
+    """
+    R, M = fwd.shape[:2]
+    w = (fwd + bwd).max(axis=2)
+    orders = np.empty((R, M), dtype=np.int64)
+    orders[:, np.argsort(prof, kind="stable")] = np.argsort(w, axis=1, kind="stable")
+    if init is not None:
+        orders = np.array(init, dtype=np.int64)
+    rr = np.arange(R)[:, None]
+    best = one_f_one_b_ms(fwd[rr, orders], bwd[rr, orders])
+    if M < 2:
+        return orders, best
+    iu, ju = np.triu_indices(M, 1)
+    c = np.arange(iu.size)
+    active = np.ones(R, dtype=bool)
+    for _ in range(rounds):
+        idx = np.flatnonzero(active)
+        if idx.size == 0:
+            break
+        cand = np.repeat(orders[idx][:, None, :], iu.size, axis=1)  # [r, C, M]
+        cand[:, c, iu], cand[:, c, ju] = orders[idx][:, ju], orders[idx][:, iu]
+        r3 = idx[:, None, None]
+        tt = one_f_one_b_ms(fwd[r3, cand], bwd[r3, cand])  # [r, C]
+        k = np.argmin(tt, axis=1)
+        t_new = tt[np.arange(idx.size), k]
+        better = t_new < best[idx] - 1e-9
+        upd = idx[better]
+        orders[upd] = cand[np.flatnonzero(better), k[better]]
+        best[upd] = t_new[better]
+        active[idx[~better]] = False
+    return orders, best
+
+
+def pack_sab(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packing:
+    """SAB packing of one step (see the module docstring)."""
+    cost = ctx.cost
+    if cost is None:
+        raise ValueError("strategy 'sab' needs a predictor")
+    K, S, M, dp = ctx.num_bins, ctx.seq_length, ctx.micro_batches, ctx.dp
+    fill = float(ctx.options.get("sab_fill", 0.9))
+    win = build_window(carried, stream, ctx, int(K * S * fill))
+    const = cost.stage_const_ms().sum(axis=0)  # [pp] fwd+bwd constant per micro-batch
+
+    def assign_fn(w):
+        li = cost.layer_item_ms(w.length, w.doc)  # [2, n]
+        st = cost.stage_item_ms(w.length, w.doc, layer_item=li)  # [pp, n]
+        bott = int(np.argmax(st.sum(axis=1) + K * const))
+        c = st[bott]
+        # Typical micro-batch: the window's mean bin.
+        f_typ, b_typ = cost.stage_times(li.sum(axis=1)[None, :] / K,
+                                        np.array([w.length.sum() / K]))
+        # The profile depends on the stage times' proportions only: quantise them (to
+        # 5% of the largest) so consecutive steps share the cached search.
+        scale = float(max(f_typ.max(), b_typ.max(), 1e-12))
+        if ctx.options.get("sab_profile", "pipeline") == "flat":
+            prof = np.ones(M)
+        else:
+            prof = pipeline_profile(M, tuple(np.round(f_typ[0] / scale * 20) / 20),
+                                    tuple(np.round(b_typ[0] / scale * 20) / 20))
+        share = np.tile(prof, dp)
+        # Visit bins round-robin over ranks so that ties (e.g. equal shares) spread
+        # heavy items over ranks instead of filling rank 0 first.
+        perm = np.array(rank_interleaved(ctx))
+        local = _proportional_lpt(c, w.length, w.forced, share[perm], float(const[bott]), S)
+        assign = np.where(local >= 0, perm[np.maximum(local, 0)], -1)
+        return assign, (li, prof)
+
+    win, assign, (li, prof) = settle(win, stream, ctx, assign_fn)
+    orders = _rebalance(cost, li, win.length, assign, ctx, prof,
+                        int(ctx.options.get("sab_moves", 8)))
+    mb_order = [r * M + int(j) for r in range(dp) for j in orders[r]]
+    return finish(win, assign, ctx, mb_order)
+
+
+def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
+               ctx: PackContext, prof: np.ndarray, max_moves: int,
+               max_items: int = 24) -> np.ndarray:
+    """Order every rank, then move single items off the slowest rank while that lowers
+    (step time, sum of rank times) lexicographically. Updates ``assign`` in place.
+
+    Each round evaluates every (item of the slowest rank, other bin with token room)
+    move (at most ``max_items`` items, spread over the cost order) at once with the
+    batched 1F1B model, keeping the bins' positions; the best move is applied if it
+    improves, and the touched ranks are re-ordered at the end. Moves inside the
+    slowest rank reshape its micro-batches for the pipeline; moves to other ranks
+    balance ranks. Returns ``[dp, M]`` bin (rank-local) per position.
+    """
+    K, M, dp, S = ctx.num_bins, ctx.micro_batches, ctx.dp, ctx.seq_length
+    placed = assign >= 0
+    a = assign[placed]
+    layer = np.stack([np.bincount(a, weights=li[p, placed], minlength=K) for p in range(2)],
+                     axis=1)  # bincount: np.add.at is ~50x slower for thousands of items
+    tok = np.bincount(a, weights=length[placed], minlength=K).astype(np.int64)
+    fwd, bwd = cost.stage_times(layer, tok)
+    orders, T = order_ranks(fwd.reshape(dp, M, -1), bwd.reshape(dp, M, -1), prof)
+    touched: set = set()
+    for _ in range(max_moves):
+        r = int(np.argmax(T))
+        items = np.flatnonzero((assign >= 0) & (assign // M == r))
+        if items.size == 0:
+            break
+        if items.size > max_items:  # evenly spaced over the cost order: big and small
+            by_cost = items[np.argsort(li[0, items] + li[1, items], kind="stable")]
+            items = by_cost[np.linspace(0, items.size - 1, max_items).round().astype(np.int64)]
+        a = assign[items]  # [n] source bins
+        pos = np.empty(K, dtype=np.int64)
+        for q in range(dp):
+            pos[q * M + orders[q]] = np.arange(M)
+        # Source rank without each item.
+        fa, ba = cost.stage_times(layer[a] - li[:, items].T, tok[a] - length[items])
+        F = np.repeat(fwd[r * M + orders[r]][None], items.size, axis=0)
+        B = np.repeat(bwd[r * M + orders[r]][None], items.size, axis=0)
+        F[np.arange(items.size), pos[a]] = fa
+        B[np.arange(items.size), pos[a]] = ba
+        # Destination bins (any other bin) with token room.
+        ii, bb = np.meshgrid(np.arange(items.size), np.arange(K), indexing="ij")
+        ii, bb = ii.ravel(), bb.ravel()
+        ok = (bb != a[ii]) & (tok[bb] + length[items[ii]] <= S)
+        ii, bb = ii[ok], bb[ok]
+        if ii.size == 0:
+            break
+        fb, bb_ = cost.stage_times(layer[bb] + li[:, items[ii]].T, tok[bb] + length[items[ii]])
+        q = bb // M
+        same = q == r
+        # Destination rank's times; for a move inside rank r both bins change.
+        F2 = fwd[(q * M)[:, None] + orders[q]]
+        B2 = bwd[(q * M)[:, None] + orders[q]]
+        n2 = np.arange(ii.size)
+        F2[same] = F[ii[same]]
+        B2[same] = B[ii[same]]
+        F2[n2, pos[bb]] = fb
+        B2[n2, pos[bb]] = bb_
+        # One batched pipeline-model call for the source and destination candidates.
+        t_all = one_f_one_b_ms(np.concatenate([F, F2]), np.concatenate([B, B2]))
+        t_src, t_dst = t_all[:items.size], t_all[items.size:]
+        t_src_m = np.where(same, t_dst, t_src[ii])
+        # New step time (max over ranks) and, to break ties, the new sum of rank times.
+        others = np.repeat(T[None, :], ii.size, axis=0)
+        others[n2, r] = t_src_m
+        others[n2, q] = t_dst
+        new_step = others.max(axis=1)
+        new_sum = others.sum(axis=1)
+        k = int(np.lexsort((new_sum, new_step))[0])
+        if (new_step[k], new_sum[k]) >= (T.max() - 1e-9, T.sum() - 1e-6):
+            break
+        i, b = int(items[ii[k]]), int(bb[k])
+        src = int(assign[i])
+        assign[i] = b
+        layer[src] -= li[:, i]
+        layer[b] += li[:, i]
+        tok[src] -= length[i]
+        tok[b] += length[i]
+        for j in (src, b):
+            f1, b1 = cost.stage_times(layer[j][None], tok[j:j + 1])
+            fwd[j], bwd[j] = f1[0], b1[0]
+        T[r], T[b // M] = t_src_m[k], t_dst[k]
+        touched.update((r, b // M))
+    # Positions were kept during the moves; re-ordering from them can only help.
+    if touched:
+        t = sorted(touched)
+        orders[t], _ = order_ranks(fwd.reshape(dp, M, -1)[t], bwd.reshape(dp, M, -1)[t], prof,
+                                   init=orders[t])
+    return orders

@@ -1,0 +1,103 @@
+"""Backend registry: one name -> implementation map, resolved once per call.
+
+Every implementation has the signature
+``impl(q, k, v, cu_seqlens, topk, block_size, scale) -> (out, kept_pairs)`` on
+validated inputs. ``"auto"`` picks ``cuda`` > ``triton`` for CUDA tensors and
+``cpu`` > ``reference`` for CPU tensors. Tests steer ``"auto"`` with
+:func:`override_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from sparsebalance.ops import _ext
+from sparsebalance.ops.plan import build_plan
+from sparsebalance.ops.reference import reference_sparse_attention
+
+HAS_CPU_EXT = _ext.HAS_CPU_EXT
+HAS_CUDA_EXT = _ext.HAS_CUDA_EXT
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _reference(q, k, v, cu_seqlens, topk, block_size, scale):
+    return reference_sparse_attention(q, k, v, cu_seqlens, topk, block_size, scale,
+                                      return_kept_pairs=True)
+
+
+def _cpu(q, k, v, cu_seqlens, topk, block_size, scale):
+    from sparsebalance.ops.cpu import cpu_sparse_attention
+
+    plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)
+    return cpu_sparse_attention(q, k, v, plan, scale), plan.kept_pairs
+
+
+def _triton(q, k, v, cu_seqlens, topk, block_size, scale):
+    from sparsebalance.ops.triton_backend import triton_sparse_attention
+
+    plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)
+    return triton_sparse_attention(q, k, v, plan, scale), plan.kept_pairs
+
+
+def _cuda(q, k, v, cu_seqlens, topk, block_size, scale):
+    from sparsebalance.ops.cuda import cuda_sparse_attention
+
+    plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)
+    return cuda_sparse_attention(q, k, v, plan, scale), plan.kept_pairs
+
+
+BACKENDS: dict[str, Callable] = {
+    "reference": _reference,
+    "cpu": _cpu,
+    "triton": _triton,
+    "cuda": _cuda,
+}
+
+_override: Optional[str] = None
+
+
+def is_available(name: str, device: torch.device) -> bool:
+    """Whether backend ``name`` can run on tensors of ``device``."""
+    on_cuda = device.type == "cuda"
+    if name == "reference":
+        return True
+    if name == "cpu":
+        return HAS_CPU_EXT and device.type == "cpu"
+    if name == "cuda":
+        return HAS_CUDA_EXT and on_cuda
+    if name == "triton":  # CPU tensors only through Triton's interpreter (tests)
+        return HAS_TRITON and (on_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return False
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Map a backend name (or "auto") to a registered, usable backend name."""
+    if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        if _override is not None:
+            return _override
+        order = ("cuda", "triton") if device.type == "cuda" else ("cpu", "reference")
+        return next((n for n in order if is_available(n, device)), "reference")
+    if not is_available(name, device):
+        raise ValueError(f"backend {name!r} is not available for {device.type} tensors "
+                         f"(cpu ext: {HAS_CPU_EXT}, cuda ext: {HAS_CUDA_EXT}, triton: {HAS_TRITON})")
+    return name
+
+
+@contextlib.contextmanager
+def override_backend(name: Optional[str]) -> Iterator[None]:
+    """Make ``backend="auto"`` resolve to ``name`` inside the block (test hook)."""
+    global _override
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    prev, _override = _override, name
+    try:
+        yield
+    finally:
+        _override = prev

@@ -1,0 +1,112 @@
+"""The public entry point :func:`sparse_attention` and its input validation."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from sparsebalance.ops.backends import BACKENDS, resolve_backend
+from sparsebalance.ops.plan import default_scale
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [T, heads, head_dim], got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} must be float32 or bfloat16, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k and v must have q's dtype {q.dtype}, got {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"k and v must be on q's device {q.device}, got {k.device}, {v.device}")
+    T, H, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != T or k.shape[2] != D:
+        raise ValueError(f"k must be [T={T}, Hkv, D={D}], got {tuple(k.shape)}")
+    if k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(f"k heads ({k.shape[1]}) must divide q heads ({H})")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D int tensor [n_docs + 1]")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the CPU or on q's device, got {cu_seqlens.device}")
+    cu = cu_seqlens.detach().cpu()
+    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, "
+                         f"got {cu.tolist() if cu.numel() <= 8 else cu}")
+    n_docs = cu.numel() - 1
+    if isinstance(topk, torch.Tensor):
+        if topk.dtype.is_floating_point or topk.dtype == torch.bool or topk.dtype.is_complex:
+            raise ValueError(f"topk tensor must be an integer tensor, got {topk.dtype}")
+        if topk.numel() not in (1, n_docs):
+            raise ValueError(f"topk tensor must hold 1 or n_docs={n_docs} values, got {topk.numel()}")
+        if bool((topk < 0).any()):
+            raise ValueError("topk must be >= 0")
+    elif isinstance(topk, bool) or not isinstance(topk, int):
+        raise ValueError(f"topk must be an int or an int tensor, got {type(topk).__name__}")
+    elif topk < 0:
+        raise ValueError(f"topk must be >= 0, got {topk}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    topk: Union[int, torch.Tensor],
+    block_size: int = 64,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    return_density: bool = False,
+):
+    """Block top-k sparse causal attention over packed documents.
+
+    Shapes: ``q [T, H, D]``; ``k, v [T, Hkv, D]`` with ``H % Hkv == 0`` (GQA: query
+    head ``h`` uses kv head ``h // (H // Hkv)``); ``cu_seqlens`` int32 ``[n_docs + 1]``
+    (0 = first entry <= ... <= last = T). float32 or bfloat16 (fp32 accumulation).
+
+    Mask: per document, head and query block ``i`` (blocks of ``block_size`` tokens
+    from the document start; the last may be partial), the gate is
+    ``g[i, j] = mean(q in block i) . mean(k in block j) * scale`` for key blocks
+    ``j < i``. The query block attends to its own block (token-causal), to block 0
+    (sink) and to the ``topk`` blocks among ``1 .. i-1`` with the largest gate (ties:
+    lower index), with exact softmax over those tokens. A document with at most
+    ``topk + 2`` blocks is plain causal attention. Attention never crosses documents.
+    Selection is not differentiated; the output is differentiable in q, k, v.
+
+    Args:
+        topk: key blocks chosen besides sink and diagonal; an int, or an int tensor
+            with one budget per document.
+        block_size: routing block size in tokens.
+        softmax_scale: logit (and gate) scale, default ``1 / sqrt(D)``.
+        backend: "auto", "reference", "cpu", "triton" or "cuda".
+        return_density: also return kept (query, key) pairs / causal pairs (float).
+
+    Returns:
+        ``out [T, H, D]`` in q's dtype, or ``(out, density)``.
+
+    Raises:
+        ValueError: naming the bad argument.
+    """
+    _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale)
+    name = resolve_backend(backend, q.device)
+    scale = default_scale(q.shape[2], softmax_scale)
+    out, kept = BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
+    if not return_density:
+        return out
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).detach().cpu().long()
+    causal = int((lens * (lens + 1) // 2).sum()) * q.shape[1]
+    return out, (kept / causal if causal else 1.0)

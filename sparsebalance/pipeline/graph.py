@@ -1,0 +1,189 @@
+"""Dependency graph of one pipeline replica's step and a batched longest-path engine.
+
+Nodes are the ops of ONE data-parallel replica: node ``(phase * M + m) * S + j``
+is phase F (0) or B (1) of micro-batch ``m`` on virtual stage ``j`` (``S = pp * vpp``
+virtual stages, stage ``j`` lives on rank ``j % pp``). Each node has at most two
+predecessors (the previous op on its rank; the op producing its input: F(m, j-1),
+B(m, j+1), or F(m, S-1) for the last stage's backward) and at most two successors.
+A hop between different ranks costs ``p2p_ms``; sends are modelled as
+asynchronous (a sender never waits for its receiver), which is how megatron's
+schedules behave whenever the receiver posts its receive before it needs the data.
+
+All replicas share the graph, so durations are arrays ``[N, B]`` whose columns are
+independent instances (DP replicas, candidate plans). The engine walks the graph
+level by level (a level = nodes whose predecessors are all in earlier levels), one
+numpy operation over all nodes of a level and all columns at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from .schedule import RankOp, all_rank_orders, check_schedule
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Static structure of one replica's step (see module docstring)."""
+
+    pp: int
+    """Pipeline ranks."""
+    vpp: int
+    """Model chunks per rank (virtual pipeline size)."""
+    num_microbatches: int
+    """Micro-batches per step (per replica)."""
+    orders: Tuple[Tuple[int, ...], ...]
+    """Node ids in execution order, per rank."""
+    pred: np.ndarray
+    """[N, 2] int: previous op on the rank, input producer; N = none."""
+    succ: np.ndarray
+    """[N, 2] int: next op on the rank, input consumer; N = none."""
+    hop: np.ndarray
+    """[N] bool: the input edge (pred[:, 1] -> node) crosses ranks."""
+    levels: Tuple[np.ndarray, ...] = field(repr=False)
+    """Node ids grouped by topological level."""
+    perm: np.ndarray = field(repr=False)
+    """[N] node ids in level order (the engine works in this order)."""
+    bounds: Tuple[Tuple[int, int], ...] = field(repr=False)
+    """Per level, its [start, stop) slice in ``perm`` order."""
+    ppred: np.ndarray = field(repr=False)
+    """[N, 2] predecessors in ``perm`` positions (N = none)."""
+    psucc: np.ndarray = field(repr=False)
+    """[N, 2] successors in ``perm`` positions (N = none)."""
+
+    @property
+    def num_stages(self) -> int:
+        """Virtual stages S = pp * vpp."""
+        return self.pp * self.vpp
+
+    @property
+    def num_nodes(self) -> int:
+        """N = 2 * M * S."""
+        return 2 * self.num_microbatches * self.num_stages
+
+    def node(self, phase: int, microbatch: int, stage: int) -> int:
+        """Node id of phase (0=F, 1=B), micro-batch, virtual stage."""
+        return (phase * self.num_microbatches + microbatch) * self.num_stages + stage
+
+    def unpack(self, node: int) -> Tuple[int, int, int]:
+        """(phase, micro-batch, virtual stage) of a node id."""
+        S, M = self.num_stages, self.num_microbatches
+        return node // (M * S), (node // S) % M, node % S
+
+    def rank_of(self, node: int) -> int:
+        """Pipeline rank that runs ``node``."""
+        return (node % self.num_stages) % self.pp
+
+
+@lru_cache(maxsize=64)
+def build_graph(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
+                group: Optional[int] = None) -> Graph:
+    """Graph of megatron's ``schedule`` for the given sizes (cached; immutable)."""
+    check_schedule(schedule, pp, num_microbatches, vpp, group)
+    M, S = num_microbatches, pp * vpp
+    N = 2 * M * S
+    pred = np.full((N, 2), N, dtype=np.int64)
+    succ = np.full((N, 2), N, dtype=np.int64)
+    hop = np.zeros(N, dtype=bool)
+
+    def nid(op: RankOp, rank: int) -> int:
+        phase, m, chunk = op
+        return ((0 if phase == "F" else 1) * M + m) * S + chunk * pp + rank
+
+    orders = []
+    for r, ops in enumerate(all_rank_orders(schedule, pp, M, vpp, group)):
+        ids = [nid(op, r) for op in ops]
+        if sorted(ids) != sorted(set(ids)) or len(ids) != 2 * M * vpp:
+            raise AssertionError(f"rank {r}: schedule does not run each op exactly once")
+        for a, b in zip(ids, ids[1:]):
+            pred[b, 0], succ[a, 0] = a, b
+        orders.append(tuple(ids))
+    for m in range(M):
+        for j in range(S):
+            f, b = (0 * M + m) * S + j, (1 * M + m) * S + j
+            src_f = f - 1 if j > 0 else N
+            src_b = b + 1 if j < S - 1 else f
+            for dst, src in ((f, src_f), (b, src_b)):
+                if src < N:
+                    pred[dst, 1], succ[src, 1] = src, dst
+                    hop[dst] = ((src % S) % pp) != ((dst % S) % pp)
+    levels = _levels(pred, N)
+    perm = np.concatenate(levels)
+    pos = np.empty(N + 1, dtype=np.int64)
+    pos[perm], pos[N] = np.arange(N), N
+    stops = np.cumsum([len(lv) for lv in levels])
+    bounds = tuple((int(b - len(lv)), int(b)) for lv, b in zip(levels, stops))
+    return Graph(pp, vpp, M, tuple(orders), pred, succ, hop, levels, perm, bounds,
+                 pos[pred[perm]], pos[succ[perm]])
+
+
+def _levels(pred: np.ndarray, N: int) -> Tuple[np.ndarray, ...]:
+    """Kahn levels; raises if the schedule deadlocks (a cycle)."""
+    indeg = (pred < N).sum(axis=1)
+    children: List[List[int]] = [[] for _ in range(N + 1)]
+    for v in range(N):
+        for p in pred[v]:
+            children[p].append(v)
+    frontier = [v for v in range(N) if indeg[v] == 0]
+    out, seen = [], 0
+    while frontier:
+        out.append(np.array(sorted(frontier), dtype=np.int64))
+        seen += len(frontier)
+        nxt = []
+        for v in frontier:
+            for c in children[v]:
+                indeg[c] -= 1
+                if indeg[c] == 0:
+                    nxt.append(c)
+        frontier = nxt
+    if seen != N:
+        raise AssertionError("schedule deadlocks: dependency cycle between ranks")
+    return tuple(out)
+
+
+def earliest(g: Graph, dur: np.ndarray, p2p_ms: float) -> Tuple[np.ndarray, np.ndarray]:
+    """Earliest start and finish, each ``[N + 1, B]`` (row N is a zero sentinel).
+
+    Args:
+        dur: ``[N, B]`` op durations in ms.
+        p2p_ms: latency of one hop between ranks, in ms.
+    """
+    N, B = dur.shape
+    d = dur[g.perm]
+    lag = (g.hop[g.perm] * float(p2p_ms))[:, None]
+    ef = np.zeros((N + 1, B))
+    p0, p1 = g.ppred[:, 0], g.ppred[:, 1]
+    for a, b in g.bounds:
+        ef[a:b] = np.maximum(ef[p0[a:b]], ef[p1[a:b]] + lag[a:b]) + d[a:b]
+    out_f = np.zeros((N + 1, B))
+    out_f[g.perm] = ef[:N]
+    out_s = out_f.copy()
+    out_s[:N] -= dur
+    return out_s, out_f
+
+
+def latest(g: Graph, dur: np.ndarray, p2p_ms: float, deadline: np.ndarray
+           ) -> Tuple[np.ndarray, np.ndarray]:
+    """Latest start and finish meeting ``deadline`` ``[B]``; each ``[N + 1, B]``.
+
+    Row N is the +inf sentinel of "no successor".
+    """
+    N, B = dur.shape
+    d = dur[g.perm]
+    dl = np.asarray(deadline, dtype=float).reshape(1, B)
+    s0, s1 = g.psucc[:, 0], g.psucc[:, 1]
+    # An output edge crosses ranks iff its consumer's input edge does.
+    cons = g.succ[g.perm, 1]
+    out_lag = (np.where(cons < N, g.hop[np.minimum(cons, N - 1)], False) * float(p2p_ms))[:, None]
+    ls = np.full((N + 1, B), np.inf)
+    for a, b in reversed(g.bounds):
+        ls[a:b] = np.minimum(np.minimum(ls[s0[a:b]], ls[s1[a:b]] - out_lag[a:b]), dl) - d[a:b]
+    out_s = np.full((N + 1, B), np.inf)
+    out_s[g.perm] = ls[:N]
+    out_f = out_s.copy()
+    out_f[:N] += dur
+    return out_s, out_f

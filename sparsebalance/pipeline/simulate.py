@@ -1,0 +1,183 @@
+"""Simulate one training step of megatron's pipeline schedules from op durations.
+
+``simulate`` is the public entry: durations per (dp replica, micro-batch, stage),
+returns step time, per-rank busy/bubble time, the critical path and every op's
+slack. Deterministic: equal inputs give equal outputs, ties are broken by a fixed
+key (see ``critical_path``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from .graph import Graph, build_graph, earliest, latest
+
+PHASES = ("F", "B")
+_TOL = 1e-9
+
+
+def op_id(phase: int, dp: int, microbatch: int, stage: int) -> str:
+    """Stable op id, e.g. ``"F.d0.m3.s1"`` (stage = virtual stage ``v * pp + rank``)."""
+    return f"{PHASES[phase]}.d{dp}.m{microbatch}.s{stage}"
+
+
+@dataclass
+class StepResult:
+    """Predicted timeline of one step. Times in ms from the step start."""
+
+    schedule: str
+    """'1f1b' or 'interleaved'."""
+    pp: int
+    """Pipeline ranks."""
+    vpp: int
+    """Model chunks per rank."""
+    dp: int
+    """Data-parallel replicas."""
+    num_microbatches: int
+    """Micro-batches per replica."""
+    step_ms: float
+    """Step time: slowest replica (the gradient sync waits for it) + dp_sync_ms."""
+    replica_step_ms: np.ndarray
+    """[dp] finish time of each replica's last op."""
+    start_ms: np.ndarray
+    """[dp, 2, M, S] start of each op (phase 0 = forward, 1 = backward)."""
+    end_ms: np.ndarray
+    """[dp, 2, M, S] end of each op."""
+    slack_ms: np.ndarray
+    """[dp, 2, M, S] total float: how much the op may grow before the step grows."""
+    replica_busy_ms: np.ndarray
+    """[dp, pp] compute time per rank."""
+    critical_path: List[str]
+    """Op ids of the longest path of the slowest replica, first to last."""
+
+    @property
+    def per_replica_step_ms(self) -> List[float]:
+        """Finish time of each replica, as a list."""
+        return [float(x) for x in self.replica_step_ms]
+
+    @property
+    def busy_ms(self) -> np.ndarray:
+        """[pp] compute time per rank, mean over replicas."""
+        return self.replica_busy_ms.mean(axis=0)
+
+    @property
+    def replica_bubble_ms(self) -> np.ndarray:
+        """[dp, pp] idle time per rank within the step (includes waiting for other replicas)."""
+        return self.step_ms - self.replica_busy_ms
+
+    @property
+    def bubble_ms(self) -> np.ndarray:
+        """[pp] idle time per rank, mean over replicas."""
+        return self.replica_bubble_ms.mean(axis=0)
+
+    @property
+    def slack(self) -> dict:
+        """Op id -> slack in ms, for every op."""
+        d, two, M, S = self.slack_ms.shape
+        return {op_id(p, r, m, s): float(self.slack_ms[r, p, m, s])
+                for r in range(d) for p in range(two) for m in range(M) for s in range(S)}
+
+
+def _as_array(x, name: str) -> np.ndarray:
+    try:
+        a = np.asarray(x, dtype=float)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} must be a rectangular [dp][microbatch][stage] array: {e}")
+    if a.ndim != 3 or 0 in a.shape:
+        raise ValueError(f"{name} must be a non-empty [dp][microbatch][stage] array, "
+                         f"got shape {a.shape}")
+    if not np.all(np.isfinite(a)) or np.any(a < 0):
+        raise ValueError(f"{name} must hold finite durations >= 0 ms")
+    return a
+
+
+def durations_to_nodes(g: Graph, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """Stack [dp, M, S] forward/backward durations into the engine's ``[N, dp]``."""
+    D = fwd.shape[0]
+    return np.stack([fwd, bwd], axis=1).reshape(D, g.num_nodes).T.copy()
+
+
+def critical_path_nodes(g: Graph, es: np.ndarray, ef: np.ndarray, col: int,
+                        p2p_ms: float) -> List[int]:
+    """Longest path of column ``col`` as node ids, first to last.
+
+    Ties: the last op is the one with the latest finish, then the smallest node id;
+    walking back, the input producer is preferred over the previous op on the rank.
+    """
+    N = g.num_nodes
+    fin = ef[:N, col]
+    v = int(np.flatnonzero(fin >= fin.max() - _TOL)[0])
+    path = [v]
+    while True:
+        s = es[v, col]
+        p_in, p_rank = int(g.pred[v, 1]), int(g.pred[v, 0])
+        lag = p2p_ms if g.hop[v] else 0.0
+        if p_in < N and abs(ef[p_in, col] + lag - s) <= _TOL * max(1.0, s):
+            v = p_in
+        elif p_rank < N and abs(ef[p_rank, col] - s) <= _TOL * max(1.0, s):
+            v = p_rank
+        else:
+            break
+        path.append(v)
+    return path[::-1]
+
+
+def simulate(fwd_ms: Sequence, bwd_ms: Sequence, *, schedule: str = "1f1b", vpp: int = 1,
+             p2p_ms: float = 0.0, group: Optional[int] = None,
+             dp_sync_ms: float = 0.0) -> StepResult:
+    """Predict one step of megatron's pipeline schedule.
+
+    Args:
+        fwd_ms: ``[dp][microbatch][stage]`` forward time of each op, ms. For the
+            interleaved schedule, stage = virtual stage ``v * pp + rank``
+            (``pp = stages / vpp``).
+        bwd_ms: same shape, backward time.
+        schedule: '1f1b' or 'interleaved'.
+        vpp: model chunks per rank (1 for '1f1b').
+        p2p_ms: latency of each activation/gradient hop between ranks, ms.
+        group: ``microbatch_group_size_per_vp_stage`` (default pp, as megatron).
+        dp_sync_ms: time of the end-of-step gradient synchronisation, ms.
+    """
+    f = _as_array(fwd_ms, "fwd_ms")
+    b = _as_array(bwd_ms, "bwd_ms")
+    if f.shape != b.shape:
+        raise ValueError(f"fwd_ms and bwd_ms shapes differ: {f.shape} vs {b.shape}")
+    if vpp < 1 or f.shape[2] % vpp:
+        raise ValueError(f"vpp must divide the number of stages {f.shape[2]}, got {vpp}")
+    if p2p_ms < 0 or dp_sync_ms < 0:
+        raise ValueError("p2p_ms and dp_sync_ms must be >= 0")
+    D, M, S = f.shape
+    pp = S // vpp
+    g = build_graph(schedule, pp, M, vpp, group)
+    dur = durations_to_nodes(g, f, b)
+    es, ef = earliest(g, dur, p2p_ms)
+    rep = ef[:-1].max(axis=0)
+    step = float(rep.max())
+    _, lf = latest(g, dur, p2p_ms, np.full(D, step))
+    slack = lf[:-1] - ef[:-1]
+    col = int(np.flatnonzero(rep >= step - _TOL)[0])
+    cp = critical_path_nodes(g, es, ef, col, p2p_ms)
+    busy = np.zeros((D, pp))
+    rank_of_node = (np.arange(g.num_nodes) % S) % pp
+    for r in range(pp):
+        busy[:, r] = dur[rank_of_node == r].sum(axis=0)
+
+    def shaped(a: np.ndarray) -> np.ndarray:
+        return a[:g.num_nodes].T.reshape(D, 2, M, S)
+
+    return StepResult(
+        schedule=schedule, pp=pp, vpp=vpp, dp=D, num_microbatches=M,
+        step_ms=step + float(dp_sync_ms), replica_step_ms=rep,
+        start_ms=shaped(es), end_ms=shaped(ef), slack_ms=shaped(slack),
+        replica_busy_ms=busy,
+        critical_path=[op_id(g.unpack(v)[0], col, *g.unpack(v)[1:]) for v in cp],
+    )
+
+
+def simulate_1f1b(fwd_ms: Sequence, bwd_ms: Sequence, p2p_ms: float = 0.0,
+                  schedule: str = "1f1b", vpp: int = 1, **kw) -> StepResult:
+    """Alias of :func:`simulate` with the argument order of the shared interface."""
+    return simulate(fwd_ms, bwd_ms, schedule=schedule, vpp=vpp, p2p_ms=p2p_ms, **kw)

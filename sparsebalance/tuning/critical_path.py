@@ -1,0 +1,322 @@
+"""Pipeline-aware budget planner ("critical-path" policy).
+
+Objective, in this order: (1) minimise the predicted step time subject to the total
+retained attention being at least ``(1 - eps)`` times the static plan's (every op
+at ``k0``) and every budget in the allowed levels; (2) at that step time, maximise
+the retained attention.
+
+Method. The replicas interact only through the step time (the slowest one) and
+the attention total, so for a deadline ``T`` each replica can be planned on its own.
+Three steps, all on the exact dependency graph of megatron's schedule, every
+candidate plan being one column of the same vectorised longest-path sweep:
+
+1. Cut. Capped plans: each op gets the highest level whose predicted latency is
+   within ``theta`` times an anchor (its stage's mean at ``k0``, or its replica's
+   mean, which also moves budget off the slowest stage), for a grid of ``theta``;
+   plus the static plan. For every candidate step time, each replica takes its
+   capped plan with the most attention that fits; this bounds the step from below.
+2. Raise where there is slack. With the ops at their earliest starts, an op may
+   grow by its free float (the gap to its earliest successor, or to ``T``) without
+   moving anything else; with the ops at their latest starts, by the gap to its
+   latest predecessor. All ops take their float at once (the old start times stay
+   a valid schedule, so the step can never pass ``T``), each taking the level with
+   the most attention that fits; the two passes alternate. Critical ops have no
+   float, so raises land off the critical path. The smallest ``T`` whose raised
+   plan keeps the attention floor wins; the static plan raised into its own slack
+   is always a candidate, so the plan is never slower than static and never below
+   the floor.
+3. Polish. Cut one level on an op of the critical path of the slowest replica
+   (every choice timed at once), raise into the new slack, keep the best move that
+   shortens the step and keeps the floor; repeat within a fixed compute budget.
+
+Finally the plan is raised with its own step time as the deadline (objective 2).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+
+from ..pipeline.graph import Graph, build_graph, earliest, latest
+from ..pipeline.simulate import critical_path_nodes
+from .instance import Instance
+from .plan import Plan, make_plan
+
+_TOL = 1e-9
+
+
+class _Batch:
+    """Level tables laid out for the engine: columns are (candidate, replica) pairs."""
+
+    def __init__(self, inst: Instance, num_candidates: int) -> None:
+        self.inst = inst
+        self.g: Graph = build_graph(inst.schedule, inst.pp, inst.microbatches, inst.vpp,
+                                    inst.group)
+        D, M, S = inst.dp, inst.microbatches, inst.stages
+        self.D, self.MS, self.K = D, M * S, num_candidates
+        L = len(inst.levels)
+        self.col_rep = np.tile(np.arange(D), num_candidates)  # column c -> replica c % D
+        self._rows = np.arange(M * S)[:, None]
+
+        def lay(a: np.ndarray) -> np.ndarray:
+            return a.reshape(L, D, M * S).transpose(0, 2, 1)  # [L, MS, D]
+
+        self.Fr, self.Br, self.Ar = lay(inst.fwd), lay(inst.bwd), lay(inst.attn)
+        N = self.g.num_nodes
+        s1 = self.g.succ[:, 1]
+        self.out_lag = (np.where(s1 < N, self.g.hop[np.minimum(s1, N - 1)], False)
+                        * inst.p2p_ms)[:, None]
+        self.in_lag = (self.g.hop * inst.p2p_ms)[:, None]
+        self.scale = max(float(inst.fwd.max() + inst.bwd.max()), 1.0)
+
+    def _pick(self, table: np.ndarray, X: np.ndarray) -> np.ndarray:
+        """table[X[i, c], i, replica(c)] -> [MS, C]."""
+        return table[X, self._rows, self.col_rep[None, :]]
+
+    def durations(self, X: np.ndarray) -> np.ndarray:
+        """[N, C] durations of level indices X [MS, C]."""
+        return np.concatenate([self._pick(self.Fr, X), self._pick(self.Br, X)], axis=0)
+
+    def attention(self, X: np.ndarray) -> np.ndarray:
+        """[K] total attention of each candidate (summed over its replicas)."""
+        return self._pick(self.Ar, X).sum(axis=0).reshape(self.K, self.D).sum(axis=1)
+
+    def makespan(self, X: np.ndarray) -> np.ndarray:
+        """[K] step time of each candidate (slowest of its replicas)."""
+        _, ef = earliest(self.g, self.durations(X), self.inst.p2p_ms)
+        return ef[:-1].max(axis=0).reshape(self.K, self.D).max(axis=1)
+
+    def _take(self, X: np.ndarray, room: np.ndarray) -> np.ndarray:
+        """Per op, the level with the most attention whose growth fits ``room`` [N, C].
+
+        Only ops with room in both phases can move. Curves are non-decreasing in the
+        level, so the levels that fit form a prefix (found by bisection); the
+        current level always stays allowed. Among levels with the same attention
+        the lowest (fastest) is taken.
+        """
+        MS = self.MS
+        tol = _TOL * self.scale
+        i, c = np.nonzero((room[:MS] > tol) & (room[MS:] > tol))
+        if len(i) == 0:
+            return X
+        r, x = self.col_rep[c], X[i, c]
+        top = np.minimum(
+            _count(self.Fr, i, r, self.Fr[x, i, r] + room[i, c], strict=False),
+            _count(self.Br, i, r, self.Br[x, i, r] + room[MS + i, c], strict=False)) - 1
+        top = np.maximum(top, x)
+        out = X.copy()
+        out[i, c] = _count(self.Ar, i, r, self.Ar[top, i, r], strict=True)
+        return out
+
+    def fill(self, X: np.ndarray, deadline: np.ndarray, rounds: int = 4) -> np.ndarray:
+        """Raise level indices X [MS, C] into the slack under ``deadline`` [C]."""
+        g, p2p, N = self.g, self.inst.p2p_ms, self.g.num_nodes
+        dl = deadline[None, :]
+        for _ in range(rounds):
+            es, ef = earliest(g, self.durations(X), p2p)
+            es[N] = np.inf
+            free = np.minimum(np.minimum(es[g.succ[:, 0]], es[g.succ[:, 1]] - self.out_lag),
+                              dl) - ef[:N]
+            X1 = self._take(X, free)
+            ls, lf = latest(g, self.durations(X1), p2p, deadline)
+            lf[N] = 0.0
+            back = ls[:N] - np.maximum(lf[g.pred[:, 0]], lf[g.pred[:, 1]] + self.in_lag)
+            X2 = self._take(X1, back)
+            if np.array_equal(X2, X):
+                break
+            X = X2
+        return X
+
+
+def _count(table: np.ndarray, i: np.ndarray, r: np.ndarray, thr: np.ndarray,
+           strict: bool) -> np.ndarray:
+    """Per element, how many levels have ``table[l, i, r] <= thr`` (``<`` if strict).
+
+    ``table`` [L, MS, D] is non-decreasing along L, so this is a vectorised bisection.
+    """
+    L = table.shape[0]
+    lo, hi = np.zeros(len(i), dtype=np.int64), np.full(len(i), L, dtype=np.int64)
+    for _ in range(int(L).bit_length()):
+        mid = np.minimum((lo + hi) // 2, L - 1)
+        v = table[mid, i, r]
+        past = v >= thr if strict else v > thr
+        active = lo < hi
+        hi = np.where(active & past, mid, hi)
+        lo = np.where(active & ~past, mid + 1, lo)
+    return lo
+
+
+def _family(inst: Instance, thetas: np.ndarray) -> np.ndarray:
+    """Capped plans, [MS, D * 2K]: candidate c = (family, theta) occupies columns c*D..c*D+D-1.
+
+    Each op takes the highest level whose latency is within the cap (else the
+    lowest); the cap is theta times an anchor at k0: the mean latency of the op's
+    stage (family 0), or of its whole replica (family 1, which also moves budget
+    away from the slowest stage). Long ops are cut to the cap, short ones raised.
+    """
+    D, M, S = inst.dp, inst.microbatches, inst.stages
+    lat = (inst.fwd + inst.bwd).reshape(len(inst.levels), D, M * S).transpose(0, 2, 1)
+    lat0 = lat[inst.k0_index]  # [MS, D]
+    a_stage = np.tile(lat0.reshape(M, S, D).mean(axis=0), (M, 1))  # [MS, D]
+    a_rep = np.broadcast_to(lat0.mean(axis=0, keepdims=True), lat0.shape)
+    caps = np.concatenate([thetas[:, None, None] * a[None] for a in (a_stage, a_rep)])
+    # Latency is non-decreasing in the level: the levels within a cap are a prefix.
+    K2 = caps.shape[0]
+    i = np.broadcast_to(np.arange(M * S)[None, :, None], caps.shape).ravel()
+    r = np.broadcast_to(np.arange(D)[None, None, :], caps.shape).ravel()
+    fits = _count(lat, i, r, caps.ravel() * (1 + _TOL), strict=False).reshape(K2, M * S, D)
+    return np.maximum(fits - 1, 0).transpose(1, 0, 2).reshape(M * S, -1)
+
+
+def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
+                          num_deadlines: int = 8, polish_moves: int = 16,
+                          polish_budget: float = 2048.0) -> np.ndarray:
+    """Level indices [D, M, S] of the critical-path plan (see module docstring).
+
+    Args:
+        eps: attention slack: the plan keeps at least ``(1 - eps)`` of the static
+            plan's retained attention. 0 = never less than static.
+        num_caps: cap factors per cap family (search resolution).
+        num_deadlines: candidate deadlines raised per round.
+        polish_moves: most local-search moves (critical-op cuts) after the search.
+        polish_budget: moves are also capped at ``polish_budget / (D * N)`` (N ops
+            per replica), which keeps planning time bounded on large instances.
+    """
+    if not 0.0 <= eps <= 1.0:
+        raise ValueError(f"eps must be in [0, 1], got {eps}")
+    if num_caps < 2 or num_deadlines < 1:
+        raise ValueError("num_caps must be >= 2 and num_deadlines >= 1")
+    D, M, S = inst.dp, inst.microbatches, inst.stages
+    MS = M * S
+    one = _Batch(inst, 1)
+    k0 = np.full((MS, D), inst.k0_index, dtype=np.int64)
+    t_static = float(one.makespan(k0)[0])
+    target = (1.0 - eps) * float(one.attention(k0)[0])
+    atol = _TOL * max(abs(target), 1.0)
+    # The static plan raised into its own slack: always feasible, never slower.
+    best_X = one.fill(k0, np.full(D, t_static))
+    best_t, best_a = float(one.makespan(best_X)[0]), float(one.attention(best_X)[0])
+
+    # Cut: capped plans per replica; per deadline, each replica takes its best one.
+    thetas = np.linspace(0.5, 1.5, num_caps)
+    cand = np.concatenate([_family(inst, thetas), k0], axis=1)
+    K = cand.shape[1] // D
+    fam = _Batch(inst, K)
+    _, ef = earliest(fam.g, fam.durations(cand), inst.p2p_ms)
+    span = ef[:-1].max(axis=0).reshape(K, D)
+    att = fam._pick(fam.Ar, cand).sum(axis=0).reshape(K, D)
+    times = np.unique(span)
+    times = times[times <= best_t]
+    if len(times):
+        ok = span[None, :, :] <= times[:, None, None] * (1 + _TOL)  # [T, K, D]
+        best_att = np.where(ok, att[None], -np.inf)
+        pick = np.argmax(best_att, axis=1)  # [T, D]
+        total = np.take_along_axis(best_att, pick[:, None, :], 1)[:, 0].sum(axis=1)
+        # Raise: the raise phase adds attention, so also try deadlines below the
+        # first one the capped plans meet on their own.
+        first = np.flatnonzero(total >= target - atol)
+        hi = int(first[0]) if len(first) else len(times) - 1
+        sel = np.unique(np.linspace(0, hi, num_deadlines).round().astype(int))
+        ts = times[sel]
+        X0 = np.concatenate([cand.reshape(MS, K, D)[:, pick[i], np.arange(D)] for i in sel],
+                            axis=1)
+        ras = _Batch(inst, len(sel))
+        X = ras.fill(X0, np.repeat(ts, D))
+        a2, t2 = ras.attention(X), ras.makespan(X)
+        for j in np.flatnonzero(a2 >= target - atol):
+            if t2[j] < best_t - _TOL * best_t or (abs(t2[j] - best_t) <= _TOL * best_t
+                                                  and a2[j] > best_a):
+                best_X, best_t, best_a = X[:, j * D:(j + 1) * D].copy(), t2[j], a2[j]
+    # Polish within a fixed compute budget: each move costs about one sweep of
+    # (critical-path length + a few) x D columns, so large instances get fewer moves.
+    moves = min(polish_moves, int(polish_budget // (D * one.g.num_nodes)))
+    best_X = _polish(inst, one.fill(best_X, np.full(D, best_t)), target - atol, moves)
+    # Objective (2): everything that fits under the chosen step time.
+    best_t = float(one.makespan(best_X)[0])
+    best_X = one.fill(best_X, np.full(D, best_t))
+    return best_X.T.reshape(D, M, S)
+
+
+def _critical_vars(inst: Instance, one: _Batch, X: np.ndarray) -> Tuple[np.ndarray, int]:
+    """Variables (rows of X) on the critical path of the slowest replica, and that replica."""
+    es, ef = earliest(one.g, one.durations(X), inst.p2p_ms)
+    rep = ef[:-1].max(axis=0)
+    col = int(np.argmax(rep))
+    nodes = critical_path_nodes(one.g, es, ef, col, inst.p2p_ms)
+    return np.unique(np.array(nodes) % one.MS), col
+
+
+def _polish(inst: Instance, X: np.ndarray, floor: float, max_moves: int,
+            num_tries: int = 4) -> np.ndarray:
+    """Local search: cut one critical op of the slowest replica by one level, raise
+    everything into the new slack, keep the best move that shortens the step and
+    keeps attention >= ``floor``; repeat up to ``max_moves`` times.
+
+    Each move times every single cut of the slowest replica's critical path (one
+    column each), then raises the ``num_tries`` cuts that shorten the step most.
+    """
+    D = inst.dp
+    one = _Batch(inst, 1)
+    for _ in range(max_moves):
+        rows, col = _critical_vars(inst, one, X)
+        rows = rows[X[rows, col] > 0]
+        if len(rows) == 0:
+            break
+        _, ef = earliest(one.g, one.durations(X), inst.p2p_ms)
+        rep = ef[:-1].max(axis=0)
+        t = float(rep.max())
+        others = float(np.delete(rep, col).max()) if D > 1 else 0.0
+        solo = _Batch(inst.__class__(**_one_replica(inst, col)), len(rows))
+        cand = np.repeat(X[:, col:col + 1], len(rows), axis=1)
+        cand[rows, np.arange(len(rows))] -= 1
+        spans = np.maximum(solo.makespan(cand), others)
+        order = np.argsort(spans, kind="stable")[:num_tries]
+        order = order[spans[order] < t * (1 - _TOL)]
+        if len(order) == 0:
+            break
+        tries = np.tile(X, (1, len(order)))
+        tries[:, np.arange(len(order)) * D + col] = cand[:, order]
+        bk = _Batch(inst, len(order))
+        filled = bk.fill(tries, np.repeat(spans[order], D))
+        att, span2 = bk.attention(filled), bk.makespan(filled)
+        ok = np.flatnonzero(att >= floor)
+        if len(ok) == 0:
+            break
+        j = ok[np.lexsort((-att[ok], span2[ok]))[0]]
+        X = filled[:, j * D:(j + 1) * D].copy()
+    return X
+
+
+def _one_replica(inst: Instance, d: int) -> dict:
+    """Constructor arguments of ``inst`` restricted to replica ``d``."""
+    kw = {f: getattr(inst, f) for f in ("schedule", "pp", "vpp", "microbatches", "k0", "kmin",
+                                         "kmax", "levels", "p2p_ms", "group")}
+    kw.update(dp=1, fwd=inst.fwd[:, d:d + 1], bwd=inst.bwd[:, d:d + 1],
+              attn=inst.attn[:, d:d + 1])
+    return kw
+
+
+def raise_indices(inst: Instance, idx: np.ndarray, deadline: Optional[float] = None
+                  ) -> np.ndarray:
+    """Raise level indices [D, M, S] into the slack without passing ``deadline``.
+
+    ``deadline`` defaults to the plan's own step time, so the result is never slower.
+    """
+    D, M, S = inst.dp, inst.microbatches, inst.stages
+    one = _Batch(inst, 1)
+    X = np.asarray(idx, dtype=np.int64).reshape(D, M * S).T.copy()
+    t = float(one.makespan(X)[0]) if deadline is None else float(deadline)
+    return one.fill(X, np.full(D, t)).T.reshape(D, M, S)
+
+
+def critical_path_plan(inst: Instance, eps: float = 0.0) -> Plan:
+    """The critical-path plan, evaluated."""
+    return make_plan(inst, critical_path_indices(inst, eps), "critical-path")
+
+
+def objective(inst: Instance, idx: np.ndarray) -> Tuple[float, float]:
+    """(step ms, total attention) of level indices [D, M, S] under the engine."""
+    one = _Batch(inst, 1)
+    X = np.asarray(idx, dtype=np.int64).reshape(inst.dp, -1).T
+    return float(one.makespan(X)[0]), float(one.attention(X)[0])

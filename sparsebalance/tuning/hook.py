@@ -1,0 +1,71 @@
+"""Per-micro-batch, per-stage budgets into megatron-core's real schedules.
+
+megatron's schedules call ``forward_step_func(data_iterator, model)`` once per
+forward, and the forward step pulls the next micro-batch from the iterator of the
+model chunk being run. Each chunk's iterator is visited in micro-batch order
+0, 1, ..., M-1 (for 1F1B and for the interleaved schedule table alike), so the
+n-th pull from chunk ``c``'s iterator on pipeline rank ``r`` is micro-batch ``n``
+on virtual stage ``c * pp + r``. :class:`BudgetIterator` wraps that iterator:
+on each pull it sets ``sparsebalance.runtime``'s budget for that (micro-batch,
+stage) and, for dict micro-batches, also writes ``budget`` and ``microbatch``
+into a copy of the dict (the driver's forward step re-applies them, so the two
+paths agree). The schedules themselves run unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Mapping, Sequence
+
+import numpy as np
+
+from .. import runtime
+
+
+class BudgetIterator:
+    """Iterator wrapper: each pull sets the budget of the micro-batch it returns."""
+
+    def __init__(self, inner: Iterator[Any], budgets: Sequence[int]) -> None:
+        """``budgets[m]``: top-k of micro-batch ``m`` on this iterator's stage."""
+        self.inner = iter(inner)
+        self.budgets = [int(b) for b in budgets]
+        if any(b < 0 for b in self.budgets):
+            raise ValueError("budgets must be >= 0")
+        self.pulled = 0
+        """Micro-batches handed out so far (= index of the next one)."""
+
+    def __iter__(self) -> "BudgetIterator":
+        return self
+
+    def __next__(self) -> Any:
+        m = self.pulled
+        if m >= len(self.budgets):
+            raise RuntimeError(f"budget plan covers {len(self.budgets)} micro-batches; "
+                               "the schedule pulled one more")
+        batch = next(self.inner)
+        self.pulled += 1
+        runtime.set_budget(self.budgets[m], microbatch=m)
+        if isinstance(batch, Mapping):
+            batch = {**batch, "budget": self.budgets[m], "microbatch": m}
+        return batch
+
+
+def stage_budgets(budget: Any, dp_rank: int, pp_rank: int, pp: int, vpp: int = 1
+                  ) -> List[List[int]]:
+    """Per model chunk of this rank, the budgets of micro-batches 0..M-1.
+
+    Args:
+        budget: plan table ``[dp][microbatch][stage]`` (stage = ``chunk * pp + rank``).
+    """
+    b = np.asarray(budget, dtype=np.int64)
+    if b.ndim != 3 or b.shape[2] != pp * vpp:
+        raise ValueError(f"budget must be [dp][microbatch][{pp * vpp} stages], got {b.shape}")
+    if not 0 <= dp_rank < b.shape[0] or not 0 <= pp_rank < pp:
+        raise ValueError(f"dp_rank {dp_rank} / pp_rank {pp_rank} outside the plan")
+    return [b[dp_rank, :, c * pp + pp_rank].tolist() for c in range(vpp)]
+
+
+def wrap_data_iterators(iterators: Sequence[Iterator[Any]], budget: Any, dp_rank: int,
+                        pp_rank: int, pp: int) -> List[BudgetIterator]:
+    """Wrap this rank's per-chunk data iterators for one step (one per model chunk)."""
+    rows = stage_budgets(budget, dp_rank, pp_rank, pp, vpp=len(iterators))
+    return [BudgetIterator(it, r) for it, r in zip(iterators, rows)]

@@ -1,0 +1,68 @@
+"""Budget plans: the result type shared by every policy, and plan evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import numpy as np
+
+from ..pipeline.simulate import StepResult, simulate
+from .instance import Instance
+
+
+@dataclass
+class Plan:
+    """A budget table and what the pipeline model predicts for it."""
+
+    policy: str
+    """Policy that produced the plan ('static', 'anchor', 'critical-path')."""
+    budget: np.ndarray
+    """[D, M, S] int top-k per op (stage = virtual stage v * P + rank)."""
+    step_ms: float
+    """Predicted step time of the plan, ms."""
+    baseline_step_ms: float
+    """Predicted step time with every op at k0, ms."""
+    attn: float
+    """Total retained attention (kept query-key pairs) of the plan."""
+    baseline_attn: float
+    """Total retained attention of the static plan."""
+    critical_path: List[str]
+    """Op ids on the plan's critical path (slowest replica)."""
+
+    @property
+    def attn_loss(self) -> float:
+        """Fraction of the baseline's attention lost (negative: gained)."""
+        return 1.0 - self.attn / self.baseline_attn if self.baseline_attn > 0 else 0.0
+
+    def to_json(self) -> dict:
+        """The CLI's output object."""
+        return {"policy": self.policy, "budget": self.budget.tolist(),
+                "step_ms": self.step_ms, "baseline_step_ms": self.baseline_step_ms,
+                "attn": self.attn, "baseline_attn": self.baseline_attn,
+                "critical_path": list(self.critical_path)}
+
+
+def simulate_indices(inst: Instance, idx: np.ndarray) -> StepResult:
+    """Pipeline-model result for level indices ``idx`` [D, M, S]."""
+    f, b, _ = inst.at(idx)
+    return simulate(f, b, schedule=inst.schedule, vpp=inst.vpp, p2p_ms=inst.p2p_ms,
+                    group=inst.group)
+
+
+def make_plan(inst: Instance, idx: np.ndarray, policy: str) -> Plan:
+    """Evaluate level indices ``idx`` [D, M, S] into a :class:`Plan`."""
+    idx = np.asarray(idx, dtype=np.int64)
+    base = np.full_like(idx, inst.k0_index)
+    res = simulate_indices(inst, idx)
+    b_res = simulate_indices(inst, base)
+    return Plan(policy=policy, budget=inst.budgets(idx).astype(np.int64),
+                step_ms=res.step_ms, baseline_step_ms=b_res.step_ms,
+                attn=float(inst.at(idx)[2].sum()), baseline_attn=float(inst.at(base)[2].sum()),
+                critical_path=res.critical_path)
+
+
+def static_plan(inst: Instance) -> Plan:
+    """Every op at k0 (static sparse attention)."""
+    return make_plan(inst, np.full((inst.dp, inst.microbatches, inst.stages), inst.k0_index),
+                     "static")

@@ -1,0 +1,250 @@
+"""Bad-input sweep: pretrain_gpt.py and every tool in tools/ on bad arguments and files.
+
+The contract (project standard for CLIs): a non-zero exit, exactly one line on stderr
+that names the problem, no traceback anywhere, and no output file left behind.
+
+All cases run as real subprocesses, two at a time, once per module (a fixture); each
+case is then checked in its own parametrized test so a failure names the tool and the
+input. ``test_every_tool_has_cases`` fails when a tool in tools/ has no row here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+TIMEOUT_S = 120
+
+
+@dataclass
+class Case:
+    """One bad invocation and what its single error line must mention."""
+
+    id: str
+    script: str  # path relative to the repo root
+    argv: Callable[[str], list[str]]  # tmp dir -> arguments
+    mention: str  # regex the error line must match (case-insensitive)
+    no_outputs: Callable[[str], list[str]] = field(default=lambda d: [])  # paths that must not exist
+
+
+def _p(*parts):
+    return lambda d: [a.format(d=d) for a in parts]
+
+
+# Files every case can use ({d} = the module's temporary directory).
+def make_bad_files(d: str) -> None:
+    sys.path.insert(0, REPO)
+    from megatron.training.indexed_io import write_documents
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 200, size=n) for n in (40, 70, 25, 90, 60, 33)]
+    write_documents(f"{d}/good", docs, 256)
+    idx = open(f"{d}/good.idx", "rb").read()
+    binary = open(f"{d}/good.bin", "rb").read()
+    for name, b, i in (("trunc_idx", binary, idx[: len(idx) // 2]),
+                       ("short_bin", binary[: len(binary) // 2], idx),
+                       ("garbage_idx", binary, b"not an index at all" * 4)):
+        open(f"{d}/{name}.bin", "wb").write(b)
+        open(f"{d}/{name}.idx", "wb").write(i)
+    open(f"{d}/only.idx", "wb").write(idx)  # .bin missing
+    open(f"{d}/empty.jsonl", "w").close()
+    open(f"{d}/blank.jsonl", "w").write("\n\n  \n")
+    open(f"{d}/latin1.jsonl", "wb").write(b'{"text": "caf\xe9 cr\xe8me"}\n')
+    open(f"{d}/notjson.jsonl", "w").write('{"text": "fine"}\n{"text": unquoted}\n')
+    open(f"{d}/nokey.jsonl", "w").write('{"body": "no text field"}\n')
+    open(f"{d}/notstr.jsonl", "w").write('{"text": 42}\n')
+    open(f"{d}/empty.json", "w").close()
+    open(f"{d}/garbage.json", "w").write("{ this is not json")
+    json.dump({"unrelated": True}, open(f"{d}/wrong_schema.json", "w"))
+    os.makedirs(f"{d}/a_dir", exist_ok=True)
+    os.makedirs(f"{d}/empty_ckpt", exist_ok=True)
+
+
+TINY = ["--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "64", "--train-iters", "1"]
+
+
+def _pretrain(*extra):
+    return lambda d: TINY + ["--data-path", f"{d}/good"] + [a.format(d=d) for a in extra]
+
+
+CASES = [
+    # pretrain_gpt.py: bad sizes, bad data, bad checkpoints
+    Case("pretrain-negative-layers", "pretrain_gpt.py", _pretrain("--num-layers", "-2"), r"num-layers"),
+    Case("pretrain-zero-hidden", "pretrain_gpt.py", _pretrain("--hidden-size", "0"), r"hidden-size"),
+    Case("pretrain-negative-seq", "pretrain_gpt.py", _pretrain("--seq-length", "-8"), r"seq-length"),
+    Case("pretrain-negative-lr", "pretrain_gpt.py", _pretrain("--lr", "-1"), r"--lr"),
+    Case("pretrain-pp-vs-world", "pretrain_gpt.py", _pretrain("--pipeline-model-parallel-size", "2"),
+         r"world size|pipeline"),
+    Case("pretrain-unknown-flag", "pretrain_gpt.py", _pretrain("--no-such-flag"), r"no-such-flag"),
+    Case("pretrain-missing-data", "pretrain_gpt.py",
+         lambda d: TINY + ["--data-path", f"{d}/nothing"], r"nothing\.(bin|idx)"),
+    Case("pretrain-missing-bin", "pretrain_gpt.py",
+         lambda d: TINY + ["--data-path", f"{d}/only"], r"only\.bin"),
+    Case("pretrain-truncated-idx", "pretrain_gpt.py",
+         lambda d: TINY + ["--data-path", f"{d}/trunc_idx", "--save", f"{d}/ck_trunc"],
+         r"trunc_idx", lambda d: [f"{d}/ck_trunc/latest_checkpointed_iteration.txt"]),
+    Case("pretrain-garbage-idx", "pretrain_gpt.py",
+         lambda d: TINY + ["--data-path", f"{d}/garbage_idx"], r"garbage_idx"),
+    Case("pretrain-short-bin", "pretrain_gpt.py",
+         lambda d: TINY + ["--data-path", f"{d}/short_bin"], r"short_bin.*(bytes|bin)"),
+    Case("pretrain-load-missing", "pretrain_gpt.py", _pretrain("--load", "{d}/no_ckpt"), r"no_ckpt"),
+    Case("pretrain-load-is-file", "pretrain_gpt.py", _pretrain("--load", "{d}/good.idx"), r"--load"),
+    Case("pretrain-load-empty-dir", "pretrain_gpt.py", _pretrain("--load", "{d}/empty_ckpt"),
+         r"empty_ckpt|checkpoint"),
+    # preprocess_data.py: bad JSONL
+    Case("preprocess-missing-input", "tools/preprocess_data.py",
+         _p("--input", "{d}/none.jsonl", "--output-prefix", "{d}/pp0"), r"none\.jsonl",
+         _p("{d}/pp0.bin", "{d}/pp0.idx")),
+    Case("preprocess-empty-jsonl", "tools/preprocess_data.py",
+         _p("--input", "{d}/empty.jsonl", "--output-prefix", "{d}/pp1"), r"no .*documents|empty",
+         _p("{d}/pp1.bin", "{d}/pp1.idx")),
+    Case("preprocess-blank-jsonl", "tools/preprocess_data.py",
+         _p("--input", "{d}/blank.jsonl", "--output-prefix", "{d}/pp2"), r"no .*documents|empty",
+         _p("{d}/pp2.bin", "{d}/pp2.idx")),
+    Case("preprocess-non-utf8", "tools/preprocess_data.py",
+         _p("--input", "{d}/latin1.jsonl", "--output-prefix", "{d}/pp3"), r"utf-?8|decode",
+         _p("{d}/pp3.bin", "{d}/pp3.idx")),
+    Case("preprocess-bad-json", "tools/preprocess_data.py",
+         _p("--input", "{d}/notjson.jsonl", "--output-prefix", "{d}/pp4"), r"notjson\.jsonl:2",
+         _p("{d}/pp4.bin", "{d}/pp4.idx")),
+    Case("preprocess-missing-key", "tools/preprocess_data.py",
+         _p("--input", "{d}/nokey.jsonl", "--output-prefix", "{d}/pp5"), r"'text'",
+         _p("{d}/pp5.bin", "{d}/pp5.idx")),
+    Case("preprocess-non-string", "tools/preprocess_data.py",
+         _p("--input", "{d}/notstr.jsonl", "--output-prefix", "{d}/pp6"), r"not a string",
+         _p("{d}/pp6.bin", "{d}/pp6.idx")),
+    Case("preprocess-hf-without-model", "tools/preprocess_data.py",
+         _p("--input", "{d}/nokey.jsonl", "--output-prefix", "{d}/pp7", "--tokenizer-type",
+            "HuggingFaceTokenizer"), r"tokenizer-model", _p("{d}/pp7.bin", "{d}/pp7.idx")),
+    # make_corpus.py: negative sizes, unknown length file
+    Case("corpus-negative-docs", "tools/make_corpus.py",
+         _p("--output-prefix", "{d}/mc1", "--num-docs", "-5"), r"num-docs", _p("{d}/mc1.bin", "{d}/mc1.idx")),
+    Case("corpus-tiny-length", "tools/make_corpus.py",
+         _p("--output-prefix", "{d}/mc2", "--max-length", "1"), r"max-length", _p("{d}/mc2.bin", "{d}/mc2.idx")),
+    Case("corpus-bad-quantile", "tools/make_corpus.py",
+         _p("--output-prefix", "{d}/mc3", "--quantile", "1.5"), r"quantile", _p("{d}/mc3.bin", "{d}/mc3.idx")),
+    Case("corpus-unknown-lengths", "tools/make_corpus.py",
+         _p("--output-prefix", "{d}/mc4", "--lengths", "no_such_lengths"), r"no_such_lengths",
+         _p("{d}/mc4.bin", "{d}/mc4.idx")),
+    # make_longctx_data.py
+    Case("longctx-negative-docs", "tools/make_longctx_data.py",
+         _p("--output-dir", "{d}/lc1", "--num-train-docs", "-1"), r"num-train-docs", _p("{d}/lc1/train.jsonl")),
+    Case("longctx-zero-tokens", "tools/make_longctx_data.py",
+         _p("--output-dir", "{d}/lc2", "--max-tokens", "0"), r"max.tokens", _p("{d}/lc2/train.jsonl")),
+    Case("longctx-unknown-task", "tools/make_longctx_data.py",
+         _p("--output-dir", "{d}/lc3", "--train-tasks", "no_such_task"), r"no_such_task", _p("{d}/lc3/train.jsonl")),
+    # bench_attention.py
+    Case("bench-negative-seq", "tools/bench_attention.py", _p("--seq-len", "-4"), r"seq-len"),
+    Case("bench-unknown-backend", "tools/bench_attention.py", _p("--seq-len", "256", "--backend", "nope"),
+         r"nope"),
+    Case("bench-zero-block", "tools/bench_attention.py", _p("--seq-len", "256", "--block-size", "0"),
+         r"block-size"),
+    Case("bench-missing-docmix", "tools/bench_attention.py",
+         _p("--seq-len", "256", "--doc-mix", "{d}/none.json", "--out", "{d}/bench.json"), r"none\.json",
+         _p("{d}/bench.json")),
+    Case("bench-garbage-docmix", "tools/bench_attention.py",
+         _p("--seq-len", "256", "--doc-mix", "{d}/garbage.json", "--out", "{d}/bench2.json"), r"garbage\.json",
+         _p("{d}/bench2.json")),
+    # profile_latency.py
+    Case("profile-negative-threads", "tools/profile_latency.py",
+         _p("--output", "{d}/prof1.json", "--quick", "--threads", "-1"), r"threads", _p("{d}/prof1.json")),
+    Case("profile-output-is-dir", "tools/profile_latency.py",
+         _p("--output", "{d}/a_dir", "--quick"), r"a_dir"),
+    Case("profile-no-output", "tools/profile_latency.py", _p("--quick"), r"--output"),
+    Case("profile-heads-vs-hidden", "tools/profile_latency.py",
+         _p("--output", "{d}/prof2.json", "--quick", "--hidden-size", "100", "--num-attention-heads", "3"),
+         r"hidden-size", _p("{d}/prof2.json")),
+    # simulate.py
+    Case("simulate-missing-instance", "tools/simulate.py",
+         _p("run", "--instance", "{d}/none.json", "--trace", "{d}/sim1.trace.json"), r"none\.json",
+         _p("{d}/sim1.trace.json")),
+    Case("simulate-garbage-instance", "tools/simulate.py",
+         _p("run", "--instance", "{d}/garbage.json", "--trace", "{d}/sim2.trace.json"), r"garbage\.json",
+         _p("{d}/sim2.trace.json")),
+    Case("simulate-wrong-schema", "tools/simulate.py",
+         _p("run", "--instance", "{d}/wrong_schema.json", "--gantt", "{d}/sim3.png"),
+         r"wrong_schema\.json|missing 'pp'",
+         _p("{d}/sim3.png")),
+    Case("simulate-negative-pp", "tools/simulate.py",
+         _p("synth", "--pp", "-1", "--out", "{d}/inst.json"), r"--pp", _p("{d}/inst.json")),
+    # timeline.py
+    Case("timeline-binary-file", "tools/timeline.py", _p("--timeline", "a={d}/good.idx", "--trace", "{d}/tl0.json"),
+         r"good\.idx", _p("{d}/tl0.json")),
+    Case("timeline-missing-file", "tools/timeline.py",
+         _p("--timeline", "a={d}/none.json", "--trace", "{d}/tl1.json"), r"none\.json", _p("{d}/tl1.json")),
+    Case("timeline-empty-file", "tools/timeline.py",
+         _p("--timeline", "a={d}/empty.json", "--gantt", "{d}/tl2.png"), r"empty\.json", _p("{d}/tl2.png")),
+    # eval_longctx.py
+    Case("eval-load-missing", "tools/eval_longctx.py",
+         _p("--load", "{d}/no_ckpt", "--output", "{d}/ev1.json"), r"no_ckpt", _p("{d}/ev1.json")),
+    Case("eval-load-empty-dir", "tools/eval_longctx.py",
+         _p("--load", "{d}/empty_ckpt", "--output", "{d}/ev2.json"), r"empty_ckpt|checkpoint", _p("{d}/ev2.json")),
+    Case("eval-empty-data", "tools/eval_longctx.py",
+         _p("--load", "{d}/empty_ckpt", "--data", "{d}/empty.jsonl", "--output", "{d}/ev3.json"),
+         r"empty|checkpoint", _p("{d}/ev3.json")),
+]
+
+
+def run_case(case: Case, d: str) -> subprocess.CompletedProcess | None:
+    script = os.path.join(REPO, case.script)
+    if not os.path.isfile(script):
+        return None
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", WORLD_SIZE="1")
+    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([PY, script, *case.argv(d)], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, cwd=d, env=env, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("bad_input"))
+    make_bad_files(d)
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip((c.id for c in CASES), pool.map(lambda c: run_case(c, d), CASES)))
+    return d, done
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_fails_cleanly(case, results):
+    d, done = results
+    r = done[case.id]
+    if r is None:
+        if case.script == "pretrain_gpt.py":
+            pytest.fail("pretrain_gpt.py does not exist")
+        pytest.skip(f"{case.script} not present")
+    shown = f"\n--- exit {r.returncode}\n--- stderr:\n{r.stderr[-1500:]}\n--- stdout:\n{r.stdout[-500:]}"
+    assert r.returncode != 0, "exited 0 on bad input" + shown
+    assert "Traceback" not in r.stderr + r.stdout, "traceback instead of one error line" + shown
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected exactly one stderr line, got {len(lines)}" + shown
+    assert re.search(case.mention, lines[0], re.IGNORECASE), \
+        f"error line does not name the problem (/{case.mention}/)" + shown
+    left = [p for p in case.no_outputs(d) if os.path.exists(p)]
+    assert not left, f"output left behind: {left}" + shown
+    # No temporary siblings of the outputs either (write-temp-then-rename must clean up).
+    for p in case.no_outputs(d):
+        parent, base = os.path.split(p)
+        if os.path.isdir(parent):
+            stray = [f for f in os.listdir(parent) if f.startswith(base + ".") or f.startswith(base + "-tmp")]
+            assert not stray, f"temporary files left behind: {stray}" + shown
+
+
+def test_every_tool_has_cases():
+    covered = {c.script for c in CASES}
+    tools = {f"tools/{f}" for f in os.listdir(os.path.join(REPO, "tools"))
+             if f.endswith(".py") and not f.startswith("_")}
+    assert tools - covered == set(), f"tools without bad-input cases: {sorted(tools - covered)}"
+    assert "pretrain_gpt.py" in covered

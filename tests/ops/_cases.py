@@ -1,0 +1,44 @@
+"""Shared input grid for the backend-vs-reference tests (sizes kept small for CI)."""
+
+from __future__ import annotations
+
+import torch
+
+# name -> (doc lengths, H, Hkv, D, block_size, topk)
+CASES = {
+    "short-doc": ([50], 2, 2, 32, 64, 2),
+    "ragged-gqa-single-tokens": ([200, 1, 1, 77, 333], 4, 2, 32, 32, 2),
+    "many-docs": ([20] * 30 + [500], 2, 1, 16, 16, 1),
+    "topk0": ([600], 2, 2, 64, 64, 0),
+    "topk1": ([1000], 2, 2, 64, 64, 1),
+    "topk-large": ([700], 2, 2, 32, 32, 100),
+    "per-doc-topk": ([400, 300, 500], 2, 1, 32, 32, torch.tensor([0, 3, 1])),
+    "odd-block-and-dim": ([300, 45], 2, 2, 24, 20, 2),
+    "dim80-block48": ([260], 3, 1, 80, 48, 1),
+}
+
+
+def make_inputs(lens, H, Hkv, D, dtype=torch.float32, seed=0):
+    """Random q [T,H,D], k/v [T,Hkv,D] (values representable in bf16), cu_seqlens, dout."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    mk = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16).to(dtype)
+    cu = torch.tensor([0] + list(lens)).cumsum(0).to(torch.int32)
+    return mk(T, H, D), mk(T, Hkv, D), mk(T, Hkv, D), cu, mk(T, H, D)
+
+
+def expects_selection(lens, block_size, topk) -> bool:
+    """Whether some document has more than topk + 2 blocks (so routing really drops blocks)."""
+    ks = topk.tolist() if isinstance(topk, torch.Tensor) else [topk] * len(lens)
+    return any(-(-L // block_size) > k + 2 for L, k in zip(lens, ks))
+
+
+def run(backend, q, k, v, cu, dout, topk, block_size):
+    """(out, dq, dk, dv, density) of one backend."""
+    from sparsebalance.ops import sparse_attention
+
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, dens = sparse_attention(q, k, v, cu, topk=topk, block_size=block_size, backend=backend,
+                                 return_density=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return (out.detach(), *grads, dens)

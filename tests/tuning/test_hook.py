@@ -1,0 +1,50 @@
+"""The budget hook: each pull from a stage's data iterator sets that micro-batch's budget."""
+
+import numpy as np
+import pytest
+
+from sparsebalance import runtime
+from sparsebalance.tuning.hook import BudgetIterator, stage_budgets, wrap_data_iterators
+
+
+def _plan(D, M, S):
+    return np.arange(D * M * S).reshape(D, M, S) + 1
+
+
+@pytest.mark.parametrize("pp,vpp", [(1, 1), (2, 1), (4, 1), (2, 2), (3, 3)])
+def test_each_pull_sets_its_budget(pp, vpp):
+    D, M = 2, 5
+    plan = _plan(D, M, pp * vpp)
+    for d in range(D):
+        for r in range(pp):
+            its = wrap_data_iterators([iter([{"x": m} for m in range(M)]) for _ in range(vpp)],
+                                      plan, d, r, pp)
+            assert len(its) == vpp
+            # Pull in an interleaved order across chunks, as the interleaved schedule does.
+            for m in range(M):
+                for c in reversed(range(vpp)):
+                    batch = next(its[c])
+                    want = int(plan[d, m, c * pp + r])
+                    assert batch == {"x": m, "budget": want, "microbatch": m}
+                    assert runtime.get_budget(None) == want
+                    assert runtime.current_microbatch() == m
+    runtime.clear_budget()
+
+
+def test_non_dict_batches_and_overrun():
+    it = BudgetIterator(iter(["a", "b", "c"]), [3, 4])
+    assert next(it) == "a" and runtime.get_budget(0) == 3
+    assert next(it) == "b" and runtime.get_budget(0) == 4
+    with pytest.raises(RuntimeError, match="pulled one more"):
+        next(it)
+    runtime.clear_budget()
+    assert list(BudgetIterator(iter([]), [1])) == []
+
+
+def test_bad_plans_raise():
+    with pytest.raises(ValueError, match="stages"):
+        stage_budgets(np.ones((1, 2, 3)), 0, 0, pp=2)
+    with pytest.raises(ValueError, match="outside"):
+        stage_budgets(np.ones((1, 2, 2)), 1, 0, pp=2)
+    with pytest.raises(ValueError, match=">= 0"):
+        BudgetIterator(iter([]), [-1])

@@ -1,0 +1,177 @@
+"""Benchmark block top-k sparse attention against torch's dense causal SDPA.
+
+Forward+backward of both, in one process, interleaved repetitions, medians,
+fixed threads. Prints one JSON object: dense_ms, sparse_ms (gate and selection
+included), density, speedup = dense_ms / sparse_ms, efficiency = speedup x
+density (1.0 = the work saved is fully turned into time), gate_ms (routing plan:
+block means, gate, top-k) and gate_share = gate_ms / sparse_ms.
+
+Tiny CPU run:
+    OMP_NUM_THREADS=2 .venv/bin/python tools/bench_attention.py --seq-len 2048 --heads 2 \\
+        --head-dim 64 --block-size 64 --topk 4 --backend cpu --reps 3 --json
+The project's CPU point (16K tokens, density ~0.08):
+    OMP_NUM_THREADS=2 .venv/bin/python tools/bench_attention.py --seq-len 16384 --heads 8 \\
+        --head-dim 64 --block-size 64 --topk 8 --backend cpu --json
+Document mix (lengths resampled from the ProLong length file, packed to 16K):
+    ... --seq-len 16384 --doc-mix ../shared/data/lengths/prolong.json
+GPU cluster (one H100; dense = torch SDPA on CUDA):
+    srun -N1 --gpus=1 python tools/bench_attention.py --seq-len 65536 --heads 16 \\
+        --head-dim 128 --block-size 128 --topk 32 --backend cuda --dtype bf16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        sys.stderr.write(f"bench_attention.py: error: {message}\n")
+        sys.exit(2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq-len", type=int, required=True, help="tokens in the packed batch")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: heads)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--backend", default="cpu", help="auto, reference, cpu, triton, cuda")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--threads", type=int, default=None, help="default: $OMP_NUM_THREADS or 2")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (medians reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--doc-mix", default=None, metavar="LENGTHS_JSON",
+                   help="pack documents with lengths resampled from this JSON list")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    p.add_argument("--out", default=None, help="also write the JSON object to this file")
+    a = p.parse_args(argv)
+    for name in ("seq_len", "heads", "head_dim", "block_size", "reps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.topk < 0 or a.warmup < 0:
+        p.error("--topk and --warmup must be >= 0")
+    a.kv_heads = a.kv_heads or a.heads
+    if a.heads % a.kv_heads:
+        p.error("--kv-heads must divide --heads")
+    if a.doc_mix is not None and not os.path.isfile(a.doc_mix):
+        p.error(f"--doc-mix file not found: {a.doc_mix}")
+    env_threads = os.environ.get("OMP_NUM_THREADS", "2")
+    a.threads = a.threads or (int(env_threads) if env_threads.isdigit() else 2)
+    return a
+
+
+def doc_lengths(a: argparse.Namespace) -> list[int]:
+    """One document of seq_len, or resampled lengths packed to exactly seq_len."""
+    if a.doc_mix is None:
+        return [a.seq_len]
+    import numpy as np
+
+    with open(a.doc_mix) as f:
+        pool = np.asarray(json.load(f), dtype=np.int64)
+    pool = pool[pool > 0]
+    rng = np.random.default_rng(a.seed)
+    lens, room = [], a.seq_len
+    while room > 0:  # the last document is cut to fill the batch exactly
+        n = int(min(rng.choice(pool), room))
+        lens.append(n)
+        room -= n
+    return lens
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+    import torch
+
+    from sparsebalance.attention.dense import causal_varlen_attention
+    from sparsebalance.attention.routing import density as exact_density
+    from sparsebalance.ops import build_plan, resolve_backend, sparse_attention
+
+    torch.set_num_threads(a.threads)
+    dev = torch.device("cuda" if a.backend in ("cuda", "triton") else "cpu")
+    try:
+        backend = resolve_backend(a.backend, dev)
+    except ValueError as exc:
+        sys.stderr.write(f"bench_attention.py: error: {exc}\n")
+        return 2
+    dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
+    lens = doc_lengths(a)
+    cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+    g = torch.Generator().manual_seed(a.seed)
+    mk = lambda h: torch.randn(a.seq_len, h, a.head_dim, generator=g).to(dev, dtype).requires_grad_()
+    q, k, v = mk(a.heads), mk(a.kv_heads), mk(a.kv_heads)
+    dout = torch.randn(q.shape, generator=g).to(dev, dtype)
+    scale = a.head_dim ** -0.5
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        return out, (time.perf_counter() - t0) * 1e3
+
+    def run_dense():
+        out, f = timed(lambda: causal_varlen_attention(q, k, v, cu, scale))
+        _, b = timed(lambda: torch.autograd.grad(out, (q, k, v), dout))
+        return f, f + b
+
+    def run_sparse():
+        (out, dens), f = timed(lambda: sparse_attention(q, k, v, cu, topk=a.topk, block_size=a.block_size,
+                                                        backend=backend, return_density=True))
+        _, b = timed(lambda: torch.autograd.grad(out, (q, k, v), dout))
+        run_sparse.density = dens
+        return f, f + b
+
+    def run_gate():
+        _, t = timed(lambda: build_plan(q, k, cu, a.topk, a.block_size, scale))
+        return t, t
+
+    runs = {"dense": run_dense, "sparse": run_sparse, "gate": run_gate}
+    for _ in range(a.warmup):
+        for fn in runs.values():
+            fn()
+    times = {n: [] for n in runs}
+    for _ in range(a.reps):  # interleaved so that load changes hit both sides
+        for n, fn in runs.items():
+            times[n].append(fn())
+    med = lambda n, i: statistics.median(t[i] for t in times[n])
+    dense_ms, sparse_ms, gate_ms = med("dense", 1), med("sparse", 1), med("gate", 1)
+    speedup = dense_ms / sparse_ms
+    res = {
+        "backend": backend, "dtype": a.dtype, "threads": a.threads, "reps": a.reps,
+        "seq_len": a.seq_len, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
+        "block_size": a.block_size, "topk": a.topk, "n_docs": len(lens),
+        "doc_mix": a.doc_mix, "max_doc_len": max(lens),
+        "dense_ms": round(dense_ms, 2), "sparse_ms": round(sparse_ms, 2),
+        "dense_fwd_ms": round(med("dense", 0), 2), "sparse_fwd_ms": round(med("sparse", 0), 2),
+        "density": round(run_sparse.density, 5),
+        "density_exact": round(exact_density(lens, a.topk, a.block_size), 5),
+        "speedup": round(speedup, 3), "efficiency": round(speedup * run_sparse.density, 3),
+        "gate_ms": round(gate_ms, 2), "gate_share": round(gate_ms / sparse_ms, 4),
+        "sparse_ms_all": [round(t[1], 1) for t in times["sparse"]],
+        "dense_ms_all": [round(t[1], 1) for t in times["dense"]],
+    }
+    text = json.dumps(res)
+    if a.out:
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, a.out)
+    if not a.json:
+        print(f"# OMP_NUM_THREADS={a.threads} backend={backend} docs={len(lens)}", file=sys.stderr)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

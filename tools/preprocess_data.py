@@ -1,0 +1,84 @@
+"""JSONL (one ``{"text": ...}`` per line) -> megatron-core indexed dataset (.bin/.idx).
+
+Tiny CPU run (built-in byte-level tokenizer, works offline)::
+
+    .venv/bin/python tools/preprocess_data.py --input docs.jsonl --output-prefix data/mydocs
+
+GPU cluster run (a Hugging Face ``tokenizers`` JSON, e.g. Qwen2.5's)::
+
+    python tools/preprocess_data.py --input /lustre/corpus.jsonl --output-prefix /lustre/data/corpus \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model /lustre/qwen2.5/tokenizer.json
+
+One document per line; lines whose text is empty are skipped. The output appears
+only when complete (written under a temporary name, then renamed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.training import quiet_optional_extras  # noqa: E402
+from megatron.training.arguments import usage_error  # noqa: E402
+
+quiet_optional_extras()
+
+PROG = "preprocess_data.py"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        usage_error(message, prog=PROG)
+
+
+def _documents(path: str, key: str, tokenizer):
+    import numpy as np
+
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[key]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}:{lineno}: not a JSON object with a {key!r} field")
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{lineno}: {key!r} is not a string")
+            if text:
+                yield np.asarray(tokenizer.encode(text), dtype=np.int64)
+
+
+def main(argv=None) -> int:
+    p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--input", required=True, help="JSONL file")
+    p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
+    p.add_argument("--json-key", default="text")
+    p.add_argument("--tokenizer-type", choices=("ByteTokenizer", "HuggingFaceTokenizer"), default="ByteTokenizer")
+    p.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    args = p.parse_args(argv)
+    if not os.path.isfile(args.input):
+        usage_error(f"--input {args.input} does not exist", prog=PROG)
+    from megatron.training import tokenizer as tok
+    from megatron.training.indexed_io import write_documents
+
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
+            usage_error("--tokenizer-type HuggingFaceTokenizer needs an existing --tokenizer-model", prog=PROG)
+        tokenizer = tok.HFJsonTokenizer(args.tokenizer_model)
+    else:
+        tokenizer = tok.ByteTokenizer()
+    try:
+        n = write_documents(args.output_prefix, _documents(args.input, args.json_key, tokenizer),
+                            tokenizer.vocab_size)
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        usage_error(str(e), prog=PROG, code=1)
+    print(f"wrote {n} documents to {args.output_prefix}.bin/.idx (vocab {tokenizer.vocab_size})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
