@@ -16,12 +16,16 @@
 FROM nvcr.io/nvidia/pytorch:25.12-py3
 
 # CUDA archs of the extension (A100 = 8.0, H100/H200/H20 = 9.0); MAX_JOBS bounds the
-# parallel compile (each nvcc job can take several GB of RAM).
+# parallel compile (each nvcc job can take several GB of RAM). The CPU kernels are
+# compiled for a portable x86-64 level, not -march=native: the image runs on other
+# machines than the one that built it (use "" on aarch64 / GH200 builds).
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
 ARG MAX_JOBS=8
+ARG SPARSEBALANCE_CPU_ARCH=x86-64-v3
 
 ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
     MAX_JOBS=${MAX_JOBS} \
+    SPARSEBALANCE_CPU_ARCH=${SPARSEBALANCE_CPU_ARCH} \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -44,11 +48,13 @@ COPY setup.py ./
 COPY csrc/ csrc/
 COPY sparsebalance/ sparsebalance/
 
-# Builds sparsebalance._C (C++ CPU kernels) and the CUDA kernels for TORCH_CUDA_ARCH_LIST.
-# No GPU is visible during `docker build`: setup.py decides from the CUDA toolkit
-# (CUDA_HOME) and torch.version.cuda, not from torch.cuda.is_available().
+# Builds sparsebalance._C (C++ CPU kernels) and sparsebalance._C_cuda (CUDA kernels for
+# TORCH_CUDA_ARCH_LIST). No GPU is visible during `docker build`: setup.py decides from
+# the CUDA toolkit (CUDA_HOME) and torch.version.cuda, not torch.cuda.is_available().
+# The CUDA module is only located (not imported): importing it needs a driver.
 RUN python setup.py -q build_ext --inplace \
     && python -c "import sparsebalance._C" \
+    && python -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('sparsebalance._C_cuda') else 'CUDA extension not built')" \
     && rm -rf build
 
 COPY megatron/ megatron/

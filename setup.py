@@ -50,7 +50,7 @@ def cuda_extension():
     return cpp_extension.CUDAExtension(
         "sparsebalance._C_cuda",
         ["csrc/cuda/sparse_attention_cuda.cu"],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math"]},
     )
 
 

@@ -1,9 +1,13 @@
 """Long-context accuracy of a pretrain_gpt.py checkpoint on the RULER-style tasks.
 
-Builds the GPT from the arguments stored in the checkpoint (one process, PP=1,
-TP=1, on CPU unless CUDA is present), loads the weights, and scores the
-evaluation samples (``tools/make_longctx_data.py`` writes them; or generate
-them on the fly with ``--tasks/--lengths/--num-samples``). Prints accuracy per
+Builds the GPT the way the driver does (``megatron/training/model.py``) in one
+process with PP=1, TP=1 (on CPU unless CUDA is present), from the arguments
+stored in the checkpoint or, since pretrain_gpt.py checkpoints do not store them
+yet, from ``--train-args`` (the model flags the run was trained with), and loads
+the latest checkpoint's weights with the driver's ``load_weights`` (dist
+checkpointing: a PP=2 checkpoint loads into the PP=1 model). Then scores the
+evaluation samples (``tools/make_longctx_data.py`` writes them; or generate them
+on the fly with ``--tasks/--lengths/--num-samples``) and prints accuracy per
 task and context length as a table, or as JSON with ``--json``.
 
 Attention is dense by default, whatever the model was trained with;
@@ -16,13 +20,14 @@ forward per sample), ``generate`` (real token-by-token greedy decoding; slow),
 
 Tiny CPU run::
 
-    OMP_NUM_THREADS=2 .venv/bin/python tools/eval_longctx.py --load runs/tiny/ckpt \\
+    OMP_NUM_THREADS=2 .venv/bin/python tools/eval_longctx.py --load runs/longctx-smoke/dense/seed1/ckpt \\
+        --train-args "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 1024" \\
         --tasks niah_single --lengths 1024 --num-samples 4
 
 GPU cluster run (one GPU is enough; the model is built with PP=1)::
 
     python tools/eval_longctx.py --load /lustre/ckpt/run1 --data /lustre/data/longctx/eval.jsonl \\
-        --json --output results/run1_longctx.json
+        --train-args "$(cat /lustre/ckpt/run1/model_flags.txt)" --json --output /lustre/ckpt/run1/longctx.json
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ class EvalModel:
         self.args = args
         self.max_positions = int(args.max_position_embeddings)
         self.device = next(gpt.parameters()).device
+        self.iteration = None  # set by load_eval_model
 
     def logits(self, seqs):
         """``[T_i]`` token tensors -> ``[T_i, V]`` logits, one packed THD forward."""
@@ -114,35 +120,98 @@ class EvalModel:
         shutdown()
 
 
-def build_eval_model(train_args, state_loader, **attention) -> EvalModel:
+def build_eval_model(train_args, load_weights, **attention) -> EvalModel:
     """Initialise a world of one, build the GPT as the driver does, load weights.
 
-    ``state_loader(gpt)`` puts the checkpoint's weights into the (unwrapped)
-    ``GPTModel``.
+    ``load_weights(chunks)`` fills the driver's (DDP-wrapped) model chunks.
     """
-    from megatron.training import quiet_optional_extras
     from megatron.training.initialize import initialize, use_cpu
     from megatron.training.model import build_model, transformer_config
     from megatron.training.tokenizer import vocab_size_for
 
-    quiet_optional_extras()
     args = eval_args(train_args, **attention)
+    if args.sparse_attention:
+        try:
+            import sparsebalance.attention.sparse  # noqa: F401
+        except ImportError as e:
+            raise EvalModelError(f"--sparse-attention: the sparse attention module is not available ({e})",
+                                 code=1) from None
     initialize(args)
-    config = transformer_config(args, use_cpu(args))
-    vocab = vocab_size_for(args.tokenizer_type, getattr(args, "tokenizer_model", None), args.vocab_size)
-    gpt = build_model(args, config, vocab)[0].module  # DDP wrapper not needed for inference
-    state_loader(gpt)
-    return EvalModel(gpt, args)
-
-
-def load_eval_model(path: str, **attention) -> EvalModel:
-    """The checkpoint at ``path`` as an :class:`EvalModel` (seam to the driver's format)."""
     try:
-        from megatron.training import checkpointing
-    except ImportError:
-        raise EvalModelError("the driver's checkpoint reader (megatron/training/checkpointing.py) "
-                             "is not available in this checkout", code=1) from None
-    raise EvalModelError("checkpoint reading is not wired to the driver's format yet", code=1)
+        config = transformer_config(args, use_cpu(args))
+        vocab = vocab_size_for(args.tokenizer_type, getattr(args, "tokenizer_model", None), args.vocab_size)
+        chunks = build_model(args, config, vocab)
+        load_weights(chunks)
+    except BaseException:
+        from megatron.training.initialize import shutdown
+
+        shutdown()
+        raise
+    return EvalModel(chunks[0].module, args)  # the DDP wrapper is not needed for inference
+
+
+def stored_train_args(root: str, iteration: int):
+    """The argparse Namespace saved in the checkpoint's common state, or None."""
+    from megatron.core import dist_checkpointing
+    from megatron.training.checkpointing import iter_dir
+
+    common = dist_checkpointing.load_common_state_dict(iter_dir(root, iteration))
+    stored = common.get("args") if isinstance(common, dict) else None
+    if stored is None:
+        return None
+    return argparse.Namespace(**stored) if isinstance(stored, dict) else stored
+
+
+def parse_train_args(flags: str):
+    """``--train-args``: pretrain_gpt.py's flags -> the Namespace the driver builds the model from."""
+    import shlex
+
+    from megatron.training.arguments import build_parser
+
+    parser = build_parser()
+    parser.error = lambda message: fail(f"--train-args: {message}")  # one line, exit 2
+    args = parser.parse_args(shlex.split(flags))
+    # The derived model fields arguments.validate() fills (it also checks data files,
+    # which evaluation does not need).
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    args.virtual_pipeline_model_parallel_size = None
+    return args
+
+
+def load_eval_model(root: str, train_flags, **attention) -> EvalModel:
+    """The latest checkpoint under ``root`` (pretrain_gpt.py's --save) as an EvalModel.
+
+    The model is rebuilt from the arguments stored in the checkpoint; when it has
+    none, from ``train_flags`` (the pretrain_gpt.py flags it was trained with).
+    Weights load through megatron's dist_checkpointing, whose global layer keys
+    let a PP=2 (or any layout) checkpoint load into this PP=1 model.
+    """
+    from megatron.training.checkpointing import load_weights, read_tracker
+
+    try:
+        iteration = read_tracker(root)
+    except ValueError as e:
+        raise EvalModelError(str(e)) from None
+    if iteration is None:
+        raise EvalModelError(f"--load: no checkpoint in {root} (no latest_checkpointed_iteration.txt)")
+    stored = stored_train_args(root, iteration)
+    if stored is None and train_flags is None:
+        raise EvalModelError(f"--load: checkpoint {root} does not store its training arguments; "
+                             f"pass the pretrain_gpt.py model flags with --train-args")
+    train_args = parse_train_args(train_flags) if train_flags is not None else stored
+
+    def weights(chunks):
+        try:
+            load_weights(root, chunks)
+        except ValueError as e:
+            raise EvalModelError(str(e)) from None
+
+    model = build_eval_model(train_args, weights, **attention)
+    model.iteration = iteration
+    return model
 
 
 # --- command line ---------------------------------------------------------------------
@@ -153,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint directory written by pretrain_gpt.py --save")
+    p.add_argument("--train-args", default=None,
+                   help="pretrain_gpt.py flags of the run (model shape), for checkpoints that do not "
+                        "store their arguments; overrides the stored ones")
     src = p.add_argument_group("samples (either --data or the generator flags)")
     src.add_argument("--data", default=None, help="eval.jsonl from tools/make_longctx_data.py")
     src.add_argument("--tasks", default="all", help="comma list of tasks, or all")
@@ -208,18 +280,21 @@ def load_samples(args) -> list:
     return samples
 
 
-def report(args, results, model_args, chance: float, seconds: float) -> dict:
+def report(args, results, model_args, iteration: int, chance: float, seconds: float) -> dict:
     """JSON-serialisable report: accuracy table plus what produced it."""
     from sparsebalance.eval.scoring import accuracy_table, mean_accuracy
 
     table = accuracy_table(results)
     return {
         "checkpoint": os.path.abspath(args.load),
+        "iteration": iteration,
         "mode": args.mode,
         "chance": chance,
         "attention": "sparse" if args.sparse_attention else "dense",
         "sb_topk": model_args.sb_topk if args.sparse_attention else None,
         "sb_block_size": model_args.sb_block_size if args.sparse_attention else None,
+        "model": {k: getattr(model_args, k, None) for k in (
+            "num_layers", "hidden_size", "num_attention_heads", "seq_length", "seed")},
         "samples": len(results),
         "mean": mean_accuracy(table),
         "accuracy": {t: {str(n): c for n, c in row.items()} for t, row in table.items()},
@@ -236,10 +311,24 @@ def main(argv=None) -> int:
         fail("--sb-topk/--sb-block-size/--sb-attention-backend need --sparse-attention")
     if args.threads is not None and args.threads < 1:
         fail("--threads must be >= 1")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        fail("--max-new-tokens must be >= 1")
+    if args.mode == "loglik" and not all(s.distractors for s in samples):
+        fail("--mode loglik needs samples with distractors")
     if not os.path.isdir(args.load):
         fail(f"--load: {args.load} is not a directory")
 
+    import warnings
+
     import torch
+
+    from megatron.training import quiet_optional_extras
+
+    quiet_optional_extras()
+    # torch.distributed.checkpoint's deprecation notices while megatron reads the
+    # checkpoint are not actionable here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
 
     from sparsebalance.eval.runner import evaluate
     from sparsebalance.eval.scoring import chance_level, format_table
@@ -248,15 +337,13 @@ def main(argv=None) -> int:
     args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        model = load_eval_model(args.load, sparse=args.sparse_attention, sb_topk=args.sb_topk,
+        model = load_eval_model(args.load, args.train_args, sparse=args.sparse_attention, sb_topk=args.sb_topk,
                                 sb_block_size=args.sb_block_size, backend=args.sb_attention_backend)
     except EvalModelError as e:
         fail(str(e), code=e.code)
     too_long = [s.length for s in samples if s.length > model.max_positions]
     if too_long:
         fail(f"samples of {max(too_long)} tokens exceed the model's max positions {model.max_positions}")
-    if max(len(s.distractors) for s in samples) == 0 and args.mode == "loglik":
-        fail("--mode loglik needs samples with distractors")
 
     def progress(i, r):
         if not args.quiet:
@@ -264,13 +351,15 @@ def main(argv=None) -> int:
                              f"{'ok ' if r.correct else 'bad'} {r.prediction[:40]!r:44}")
 
     t0 = time.perf_counter()
-    results = evaluate(samples, model.logits, get_tokenizer(), args.mode,
-                       max_new_tokens=args.max_new_tokens, progress=progress)
+    try:
+        results = evaluate(samples, model.logits, get_tokenizer(), args.mode,
+                           max_new_tokens=args.max_new_tokens, progress=progress)
+    finally:
+        model.close()
     if not args.quiet:
         sys.stderr.write("\n")
     chance = chance_level(args.mode, 1 + min(len(s.distractors) for s in samples))
-    rep = report(args, results, model.args, chance, time.perf_counter() - t0)
-    model.close()
+    rep = report(args, results, model.args, model.iteration, chance, time.perf_counter() - t0)
     if args.output:
         from sparsebalance.eval.mix import atomic_write_lines
 

@@ -12,17 +12,25 @@ fitted coefficients) that ``sparsebalance.predictor.get_predictor(path)`` loads.
 
 ``--validate`` also measures held-out random micro-batches that are not in the
 grid and, for a few of them, a whole pipeline stage (embedding / layers / output
-+ loss), and reports the prediction error as JSON (``--json``).
++ loss), and reports the prediction error as JSON (``--json``). Grid, held-out
+and stage items are timed in interleaved rounds (see :func:`_measure`).
+
+Clock: on a CPU shared with other jobs, elapsed time mostly measures the other
+jobs; ``--clock cpu`` (the default on CPU with one thread) times this process's
+CPU time instead. With several threads only ``--clock wall`` is meaningful, and
+only on an otherwise idle machine.
 
 Tiny CPU run (under a minute)::
 
-    OMP_NUM_THREADS=2 .venv/bin/python tools/profile_latency.py --quick --validate --json \\
-        --seq-length 2048 --hidden-size 128 --num-attention-heads 4 --sb-block-size 64
+    OMP_NUM_THREADS=1 .venv/bin/python tools/profile_latency.py --quick --validate --json \
+        --sparse-attention --seq-length 2048 --hidden-size 128 --num-attention-heads 4 \
+        --sb-block-size 64 --sb-topk 8
 
-Write a profile for the CPU demo model::
+Write a profile for the CPU demo model (the training run must use the same threads)::
 
-    OMP_NUM_THREADS=2 .venv/bin/python tools/profile_latency.py --output results/latency_profile.json \\
-        --seq-length 2048 --hidden-size 128 --num-attention-heads 4 --sb-block-size 64 --sb-topk 8
+    OMP_NUM_THREADS=1 .venv/bin/python tools/profile_latency.py --output results/latency_profile.json \
+        --sparse-attention --seq-length 2048 --hidden-size 128 --num-attention-heads 4 \
+        --sb-block-size 64 --sb-topk 8
 
 GPU cluster (one GPU of the target node; same model flags as the training job)::
 
@@ -59,12 +67,13 @@ def build_parser():
                    help="measure held-out micro-batches and whole stages; report errors")
     g.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     g.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: $OMP_NUM_THREADS, else 2)")
+                   help="torch threads (default: $OMP_NUM_THREADS, else 1)")
     g.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 9; quick 7)")
-    g.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing")
-    g.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+    g.add_argument("--warmup", type=int, default=1, help="untimed rounds before timing")
+    g.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                    help="wall: elapsed time (dedicated machines, GPUs); cpu: this process's CPU "
-                        "time, robust to other jobs on a shared CPU (use with --threads 1)")
+                        "time, robust to other jobs on a shared CPU, meaningful with one thread; "
+                        "auto: cpu on CPU with one thread, wall otherwise")
     g.add_argument("--budgets", type=int, nargs="*", default=None,
                    help="top-k values to profile (default: around --sb-topk, plus dense)")
     g.add_argument("--heldout", type=int, default=None, help="held-out micro-batches (default 40; quick 12)")
@@ -118,6 +127,9 @@ def check_args(args, parser) -> None:
     args.length_files = files
     if args.output and os.path.isdir(args.output):
         usage_error(f"--output {args.output} is a directory", prog)
+    if args.length_scale is not None and not args.length_scale > 0:
+        usage_error(f"--length-scale must be > 0, got {args.length_scale}", prog)
+
 
 def _sync() -> None:
     import torch
@@ -150,6 +162,7 @@ class Bench:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+        self._store = None
         if not dist.is_initialized():
             self._store = tempfile.mkdtemp(prefix="profile_latency-")
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
@@ -166,8 +179,6 @@ class Bench:
             bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False)
         spec = _layer_spec(args)
-        self.sparse = bool(args.sparse_attention)
-        self.block_size, self.capacity = args.sb_block_size, args.seq_length
         self.vocab = args.vocab_size
         self._clock = time.process_time if args.clock == "cpu" else time.perf_counter
         make_layer = lambda n: build_module(spec, config=cfg, layer_number=n).to(self.device)
@@ -181,6 +192,8 @@ class Bench:
             cfg.hidden_size, self.vocab, config=cfg, init_method=cfg.init_method, bias=False,
             gather_output=False).to(self.device)
         self._xent = tensor_parallel.vocab_parallel_cross_entropy
+        # The RoPE table megatron's RotaryEmbedding builds (base 10000), made here because
+        # RotaryEmbedding moves its buffer to torch.cuda.current_device() on every call.
         head_dim = cfg.kv_channels
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self._inv_freq = inv.to(self.device)
@@ -190,10 +203,14 @@ class Bench:
         gc.freeze()
 
     def close(self) -> None:
-        """Undo the gc.freeze() of __init__ (frozen objects would outlive shutdown)."""
+        """Undo the gc.freeze() of __init__ (frozen objects would outlive shutdown) and
+        remove the process group's rendezvous directory."""
         import gc
+        import shutil
 
         gc.unfreeze()
+        if self._store is not None:
+            shutil.rmtree(self._store, ignore_errors=True)
 
     # -- inputs ------------------------------------------------------------------
     def _packed(self, lengths):
@@ -330,8 +347,15 @@ def model_fingerprint(args) -> dict:
                        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
                        vocab_size=args.vocab_size, swiglu=bool(args.swiglu),
                        block_size=args.sb_block_size, topk=args.sb_topk)
+    backend = "sdpa"
+    if args.sparse_attention:  # record the kernel "auto" resolves to, not "auto"
+        import torch
+        from sparsebalance.ops import resolve_backend
+
+        cuda = torch.cuda.is_available() and not args.cpu
+        backend = resolve_backend(args.sb_attention_backend, torch.device("cuda" if cuda else "cpu"))
     return {**shape.as_dict(), "attention": "sparse" if args.sparse_attention else "dense",
-            "attention_backend": args.sb_attention_backend if args.sparse_attention else "sdpa",
+            "attention_backend": backend,
             "normalization": args.normalization, "seq_length": args.seq_length,
             "params_dtype": "bf16" if args.bf16 else "fp32"}
 
@@ -349,8 +373,8 @@ def _fill_defaults(args) -> None:
     k = args.sb_topk
     if args.budgets is None:
         if args.sparse_attention:
-            ks = {k} if args.quick else {max(1, k // 4), max(1, k // 2), k, 2 * k}
-            args.budgets = (*sorted(ks | ({max(1, k // 2)} if args.quick else set())), None)
+            ks = {max(1, k // 2), k} if args.quick else {max(1, k // 4), max(1, k // 2), k, 2 * k}
+            args.budgets = (*sorted(ks), None)
         else:
             args.budgets = (None,)
     else:
@@ -501,25 +525,29 @@ def run(args, threads: int, command: str, t0: float) -> int:
 
 
 def main(argv=None) -> int:
+    t0 = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_args(args, parser)
-    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 2)
+    # Fix the thread count before torch is imported (OpenMP reads it once).
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    check_args(args, parser)
     import torch
 
     torch.set_num_threads(threads)
+    if args.clock == "auto":
+        on_cpu = args.cpu or not torch.cuda.is_available()
+        args.clock = "cpu" if on_cpu and threads == 1 else "wall"
     command = " ".join(shlex.quote(a) for a in [f"OMP_NUM_THREADS={threads}", "python",
                                                 "tools/profile_latency.py", *(argv or sys.argv[1:])])
-    print(f"profile_latency: threads={threads} torch={torch.__version__}", file=sys.stderr)
-    t0 = time.perf_counter()
+    print(f"profile_latency: threads={threads} clock={args.clock} torch={torch.__version__}",
+          file=sys.stderr, flush=True)
     try:
         return run(args, threads, command, t0)
     except ValueError as e:  # bad input discovered while building (shapes, files)
         from megatron.training.arguments import usage_error
 
         usage_error(str(e), parser.prog)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -42,6 +42,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparsebalance.pipeline.trace import write_chrome_trace, write_gantt  # noqa: E402
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
         idx = (critical_path_indices(inst, a.attn_slack) if a.policy == "critical-path"
                else anchor_indices(inst, a.anchor, a.p))
         plan = make_plan(inst, idx, a.policy)
-        base = simulate_indices(inst, idx * 0 + inst.k0_index)
+        base = simulate_indices(inst, np.full_like(idx, inst.k0_index))
         tuned = simulate_indices(inst, idx)
         results = {"static": base, a.policy: tuned}
         if a.trace:
@@ -194,7 +196,8 @@ def main(argv=None) -> int:
     except (OSError, ValueError, json.JSONDecodeError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
-    summary = {k: v for k, v in plan.to_json().items() if k not in ("budget", "critical_path")}
+    summary = {"policy": a.policy}
+    summary.update((k, v) for k, v in plan.to_json().items() if k not in ("budget", "critical_path"))
     summary["speedup"] = plan.baseline_step_ms / plan.step_ms
     summary["bubble_ms_static"] = base.bubble_ms.tolist()
     summary["bubble_ms_plan"] = tuned.bubble_ms.tolist()

@@ -25,6 +25,10 @@ constexpr int kThreads = 64;  // rows per pass of a block
 constexpr int kChunk = 32;    // keys (or queries) staged in shared memory at a time
 constexpr float kLog2e = 1.4426950408889634f;
 
+// Loops over the head dim: fully unrolled to MAXD (register arrays), guarded by the
+// runtime head dim D <= MAXD.
+#define SB_FOR_D(d) _Pragma("unroll") for (int d = 0; d < MAXD; ++d) if (d < D)
+
 struct Plan {
   const int* qb_start;
   const int* qb_len;
@@ -33,21 +37,21 @@ struct Plan {
   int NB, W, T, H, Hkv;
 };
 
-template <typename scalar_t, int D>
+template <typename scalar_t, int MAXD>
 __global__ void fwd_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                            const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
-                           float* __restrict__ lse2, Plan p, float c) {
-  __shared__ float ks[kChunk][D];
-  __shared__ float vs[kChunk][D];
+                           float* __restrict__ lse2, Plan p, float c, int D) {
+  __shared__ float ks[kChunk][MAXD];
+  __shared__ float vs[kChunk][MAXD];
   const int b = blockIdx.x, h = blockIdx.y, hk = h / (p.H / p.Hkv);
   const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[b];
   const int* row = p.kv_idx + ((long)h * p.NB + b) * p.W;
   for (int r0 = 0; r0 < ql; r0 += kThreads) {
     const int r = r0 + threadIdx.x;
     const bool active = r < ql;
-    float qr[D], acc[D];
+    float qr[MAXD], acc[MAXD];
     float m = -INFINITY, l = 0.f;
-    for (int d = 0; d < D; ++d) {
+    SB_FOR_D(d) {
       qr[d] = active ? static_cast<float>(q[((long)(s0 + r) * p.H + h) * D + d]) * c : 0.f;
       acc[d] = 0.f;
     }
@@ -68,30 +72,31 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ q, const scalar_t* __res
         const int lim = diag ? min(n, r - c0 + 1) : n;  // token-causal on the diagonal
         for (int t = 0; t < lim; ++t) {
           float s = 0.f;
-          for (int d = 0; d < D; ++d) s += qr[d] * ks[t][d];
+          SB_FOR_D(d) s += qr[d] * ks[t][d];
           const float mn = fmaxf(m, s);
           const float alpha = exp2f(m - mn), pr = exp2f(s - mn);
           l = l * alpha + pr;
-          for (int d = 0; d < D; ++d) acc[d] = acc[d] * alpha + pr * vs[t][d];
+          SB_FOR_D(d) acc[d] = acc[d] * alpha + pr * vs[t][d];
           m = mn;
         }
       }
     }
     if (active) {
-      for (int d = 0; d < D; ++d)
+      SB_FOR_D(d)
         out[((long)(s0 + r) * p.H + h) * D + d] = static_cast<scalar_t>(acc[d] / l);
       lse2[(long)h * p.T + s0 + r] = m + log2f(l);
     }
   }
 }
 
-template <typename scalar_t, int D>
+template <typename scalar_t, int MAXD>
 __global__ void bwd_dq_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                               const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
                               const float* __restrict__ lse2, const float* __restrict__ delta,
-                              scalar_t* __restrict__ dq, Plan p, float c, float scale) {
-  __shared__ float ks[kChunk][D];
-  __shared__ float vs[kChunk][D];
+                              scalar_t* __restrict__ dq, Plan p, float c, float scale,
+                              int D) {
+  __shared__ float ks[kChunk][MAXD];
+  __shared__ float vs[kChunk][MAXD];
   const int b = blockIdx.x, h = blockIdx.y, hk = h / (p.H / p.Hkv);
   const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[b];
   const int* row = p.kv_idx + ((long)h * p.NB + b) * p.W;
@@ -99,8 +104,8 @@ __global__ void bwd_dq_kernel(const scalar_t* __restrict__ q, const scalar_t* __
     const int r = r0 + threadIdx.x;
     const bool active = r < ql;
     const long base = ((long)(s0 + r) * p.H + h) * D;
-    float qr[D], dor[D], acc[D];
-    for (int d = 0; d < D; ++d) {
+    float qr[MAXD], dor[MAXD], acc[MAXD];
+    SB_FOR_D(d) {
       qr[d] = active ? static_cast<float>(q[base + d]) * c : 0.f;
       dor[d] = active ? static_cast<float>(dout[base + d]) : 0.f;
       acc[d] = 0.f;
@@ -124,29 +129,29 @@ __global__ void bwd_dq_kernel(const scalar_t* __restrict__ q, const scalar_t* __
         const int lim = diag ? min(n, r - c0 + 1) : n;
         for (int t = 0; t < lim; ++t) {
           float s = 0.f, dp = 0.f;
-          for (int d = 0; d < D; ++d) {
+          SB_FOR_D(d) {
             s += qr[d] * ks[t][d];
             dp += dor[d] * vs[t][d];
           }
           const float ds = exp2f(s - lse) * (dp - dl);
-          for (int d = 0; d < D; ++d) acc[d] += ds * ks[t][d];
+          SB_FOR_D(d) acc[d] += ds * ks[t][d];
         }
       }
     }
     if (active)
-      for (int d = 0; d < D; ++d) dq[base + d] = static_cast<scalar_t>(acc[d] * scale);
+      SB_FOR_D(d) dq[base + d] = static_cast<scalar_t>(acc[d] * scale);
   }
 }
 
-template <typename scalar_t, int D>
+template <typename scalar_t, int MAXD>
 __global__ void bwd_dkdv_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                                 const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
                                 const float* __restrict__ lse2, const float* __restrict__ delta,
                                 const int* __restrict__ rev_ptr, const int* __restrict__ rev_q,
                                 int nnz, scalar_t* __restrict__ dk, scalar_t* __restrict__ dv, Plan p,
-                                float c, float scale) {
-  __shared__ float qs[kChunk][D];
-  __shared__ float dos[kChunk][D];
+                                float c, float scale, int D) {
+  __shared__ float qs[kChunk][MAXD];
+  __shared__ float dos[kChunk][MAXD];
   __shared__ float ls[kChunk], dls[kChunk];
   const int j = blockIdx.x, hk = blockIdx.y, rep = p.H / p.Hkv;
   const int ks0 = p.qb_start[j], kl = p.qb_len[j];
@@ -154,8 +159,8 @@ __global__ void bwd_dkdv_kernel(const scalar_t* __restrict__ q, const scalar_t* 
     const int r = r0 + threadIdx.x;  // key row in block j
     const bool active = r < kl;
     const long base = ((long)(ks0 + r) * p.Hkv + hk) * D;
-    float kr[D], vr[D], dka[D], dva[D];
-    for (int d = 0; d < D; ++d) {
+    float kr[MAXD], vr[MAXD], dka[MAXD], dva[MAXD];
+    SB_FOR_D(d) {
       kr[d] = active ? static_cast<float>(k[base + d]) : 0.f;
       vr[d] = active ? static_cast<float>(v[base + d]) : 0.f;
       dka[d] = dva[d] = 0.f;
@@ -183,13 +188,13 @@ __global__ void bwd_dkdv_kernel(const scalar_t* __restrict__ q, const scalar_t* 
           // On the diagonal, key r is seen by queries r .. ql-1 only.
           for (int t = diag ? max(0, r - c0) : 0; t < n; ++t) {
             float s = 0.f, dp = 0.f;
-            for (int d = 0; d < D; ++d) {
+            SB_FOR_D(d) {
               s += qs[t][d] * kr[d];
               dp += dos[t][d] * vr[d];
             }
             const float pr = exp2f(s - ls[t]);
             const float ds = pr * (dp - dls[t]);
-            for (int d = 0; d < D; ++d) {
+            SB_FOR_D(d) {
               dva[d] += pr * dos[t][d];
               dka[d] += ds * qs[t][d];
             }
@@ -198,7 +203,7 @@ __global__ void bwd_dkdv_kernel(const scalar_t* __restrict__ q, const scalar_t* 
       }
     }
     if (active)
-      for (int d = 0; d < D; ++d) {
+      SB_FOR_D(d) {
         // qs holds c * q, so dk = scale * ds^T q = ds^T (c q) / log2(e).
         dk[base + d] = static_cast<scalar_t>(dka[d] / kLog2e);
         dv[base + d] = static_cast<scalar_t>(dva[d]);
@@ -235,13 +240,12 @@ void launch_check() {
   TORCH_CHECK(err == cudaSuccess, "sparse_attention cuda: launch failed: ", cudaGetErrorString(err));
 }
 
-#define SB_DISPATCH_D(D_, ...)                                             \
-  switch (D_) {                                                            \
-    case 32: { constexpr int HD = 32; __VA_ARGS__; break; }                \
-    case 64: { constexpr int HD = 64; __VA_ARGS__; break; }                \
-    case 128: { constexpr int HD = 128; __VA_ARGS__; break; }              \
-    default: TORCH_CHECK(false, "sparse_attention cuda: head_dim must be 32, 64 or 128"); \
-  }
+// Register-array size for the head dim: the smallest of 32, 64, 128 that fits.
+#define SB_DISPATCH_D(D_, ...)                                                  \
+  if ((D_) <= 32) { constexpr int HD = 32; __VA_ARGS__; }                       \
+  else if ((D_) <= 64) { constexpr int HD = 64; __VA_ARGS__; }                  \
+  else if ((D_) <= 128) { constexpr int HD = 128; __VA_ARGS__; }                \
+  else TORCH_CHECK(false, "sparse_attention cuda: head_dim must be <= 128");
 
 }  // namespace sbcuda
 
@@ -263,7 +267,7 @@ std::vector<at::Tensor> sparse_attention_fwd(const at::Tensor& q, const at::Tens
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "sparse_attention_fwd_cuda", [&] {
     SB_DISPATCH_D(q.size(2), fwd_kernel<scalar_t, HD><<<grid, kThreads, 0, stream>>>(
         q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-        out.data_ptr<scalar_t>(), lse2.data_ptr<float>(), p, c));
+        out.data_ptr<scalar_t>(), lse2.data_ptr<float>(), p, c, (int)q.size(2)));
   });
   launch_check();
   return {out, lse2};
@@ -296,12 +300,12 @@ std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::T
       bwd_dq_kernel<scalar_t, HD><<<dim3(p.NB, p.H), kThreads, 0, stream>>>(
           q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
           dout.data_ptr<scalar_t>(), lse2.data_ptr<float>(), delta.data_ptr<float>(),
-          dq.data_ptr<scalar_t>(), p, c, static_cast<float>(scale));
+          dq.data_ptr<scalar_t>(), p, c, static_cast<float>(scale), (int)q.size(2));
       bwd_dkdv_kernel<scalar_t, HD><<<dim3(p.NB, p.Hkv), kThreads, 0, stream>>>(
           q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
           dout.data_ptr<scalar_t>(), lse2.data_ptr<float>(), delta.data_ptr<float>(),
           rev_ptr.data_ptr<int>(), rev_q.data_ptr<int>(), nnz, dk.data_ptr<scalar_t>(),
-          dv.data_ptr<scalar_t>(), p, c, static_cast<float>(scale)));
+          dv.data_ptr<scalar_t>(), p, c, static_cast<float>(scale), (int)q.size(2)));
   });
   launch_check();
   return {dq, dk, dv};

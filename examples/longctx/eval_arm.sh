@@ -14,9 +14,11 @@ arm_flags "$ARM" >/dev/null
 RUN=$RUNS_DIR/$ARM/seed$SEED
 cd "$SB_ROOT"
 export OMP_NUM_THREADS=${EVAL_THREADS:-2}   # evaluation is one process: use both cores
-"$PYTHON" tools/eval_longctx.py --load "$RUN/ckpt" --data "$DATA_DIR/eval.jsonl" --mode greedy \
-    --quiet --output "$RUN/eval_dense.json"
+MODEL_FLAGS=$(cat "$RUN/model_flags.txt")   # written by train_arm.sh
+"$PYTHON" tools/eval_longctx.py --load "$RUN/ckpt" --train-args "$MODEL_FLAGS" \
+    --data "$DATA_DIR/eval.jsonl" --mode greedy --quiet --output "$RUN/eval_dense.json"
 if [[ $ARM != dense && $EVAL_SPARSE == 1 ]]; then
-    "$PYTHON" tools/eval_longctx.py --load "$RUN/ckpt" --data "$DATA_DIR/eval.jsonl" --mode greedy \
-        --quiet --sparse-attention --output "$RUN/eval_sparse.json"
+    "$PYTHON" tools/eval_longctx.py --load "$RUN/ckpt" --train-args "$MODEL_FLAGS" \
+        --data "$DATA_DIR/eval.jsonl" --mode greedy --quiet --sparse-attention \
+        --output "$RUN/eval_sparse.json"
 fi

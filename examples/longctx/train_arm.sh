@@ -18,7 +18,7 @@
 # pretrain_gpt.py: SAB packing + DST budgets on top of --sparse-attention); the
 # script stops with a clear message if this checkout's driver lacks the flag.
 #
-# Output: $RUNS_DIR/ARM/seedSEED/{ckpt/,train.log,train_meta.json}
+# Output: $RUNS_DIR/ARM/seedSEED/{ckpt/,train.log,train_meta.json,model_flags.txt}
 set -euo pipefail
 source "$(dirname "$0")/config.sh"
 ARM=${1:?usage: train_arm.sh ARM SEED}
@@ -35,20 +35,21 @@ done
 
 RUN=$RUNS_DIR/$ARM/seed$SEED
 mkdir -p "$RUN/ckpt"
+# Model flags, also stored for eval_arm.sh (checkpoints do not record their arguments).
+MODEL_FLAGS="--num-layers $NUM_LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS \
+--seq-length $SEQ_LENGTH --max-position-embeddings $SEQ_LENGTH $FLAGS"
+echo "$MODEL_FLAGS" > "$RUN/model_flags.txt"
 start=$(date +%s.%N)
 # shellcheck disable=SC2086
 bash -c 'trap "" USR1; exec "$@"' _ \
     "$TORCHRUN" --standalone --nproc-per-node 2 pretrain_gpt.py --cpu --distributed-backend gloo \
-        --pipeline-model-parallel-size 2 \
-        --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" \
-        --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH" \
+        --pipeline-model-parallel-size 2 $MODEL_FLAGS \
         --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH" \
         --lr "$LR" --lr-decay-style constant --lr-warmup-iters "$WARMUP" --train-iters "$MAX_ITERS" \
         --weight-decay 0.01 --clip-grad 1.0 --seed "$SEED" \
         --data-path "$DATA_DIR/train_text_document" --split 100,0,0 --tokenizer-type ByteTokenizer \
         --save "$RUN/ckpt" --load "$RUN/ckpt" --save-interval "$SAVE_INTERVAL" --exit-signal-handler \
-        --log-interval 10 --no-progress-bar --eval-interval 0 \
-        $FLAGS > "$RUN/train.log" 2>&1 &
+        --log-interval 10 --no-progress-bar --eval-interval 0 > "$RUN/train.log" 2>&1 &
 TR=$!
 # Watchdog: at the budget, USR1 to the workers (torchrun's children, each in its own
 # session, so a process-group signal would not reach them); SIGKILL if still alive later.
@@ -63,7 +64,7 @@ set +e
 wait "$TR"
 rc=$?
 set -e
-kill "$WD" 2>/dev/null || true
+kill $(pgrep -P "$WD") "$WD" 2>/dev/null || true  # the watchdog and its sleep
 end=$(date +%s.%N)
 if [[ $rc -ne 0 ]]; then
     echo "train_arm.sh: training of $ARM seed $SEED failed (exit $rc); see $RUN/train.log" >&2

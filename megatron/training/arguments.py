@@ -143,6 +143,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
     g.add_argument("--load", default=None,
                    help="resume from this directory (if equal to --save, an empty one starts fresh)")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --load: take only the model weights (any parallel layout); "
+                        "iteration, optimizer and data order start fresh")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM/SIGUSR1 finish the step, save, exit 0")
     g.add_argument("--no-progress-bar", action="store_true", help="plain log lines only")
@@ -229,6 +232,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError("--save-interval needs --save")
     if args.exit_signal_handler and not args.save:
         raise UsageError("--exit-signal-handler needs --save (it saves a checkpoint before exiting)")
+    if args.finetune and args.load is None:
+        raise UsageError("--finetune needs --load")
     if args.load is not None and not os.path.isdir(args.load):
         raise UsageError(f"--load: {args.load} is not a directory")
     return args

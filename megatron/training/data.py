@@ -6,9 +6,15 @@ The packing plan comes from :class:`sparsebalance.batching.sampler.PackingSample
 data-parallel rank runs the same sampler with the same seed, so all stages of a
 pipeline see the same micro-batches without communication.
 
-A micro-batch is a dict of ``[1, T]`` tensors, ``T`` = sum of its segment lengths
-(no padding at all: megatron's ``variable_seq_lengths`` lets each micro-batch
-have its own ``T``)::
+A micro-batch is a dict of ``[1, T]`` tensors, ``T`` = sum of its segment lengths:
+no padding at all, because megatron's ``variable_seq_lengths`` lets each
+micro-batch have its own ``T`` (p2p sends the shape first). Exception: the
+interleaved schedule (``--num-layers-per-virtual-pipeline-stage``). With PP=2
+its combined send/receive to the same peer posts two shape messages each way in
+one batch, and gloo matches them by order, so shapes get crossed (measured on
+0.16.1). There every micro-batch is padded to ``--seq-length`` with ONE trailing
+padding segment: its own ``cu_seqlens`` entry (so it attends only to itself,
+costing at most that segment's attention), loss mask 0, never seen by real tokens::
 
     tokens        int64  input ids
     labels        int64  next token of the same document (0 where there is none)
@@ -26,7 +32,7 @@ still trained on the next token of the document when there is one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -41,12 +47,14 @@ def split_documents(n_docs: int, fractions: Sequence[float]) -> List[np.ndarray]
     return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(len(fractions))]
 
 
-def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment]) -> Dict[str, torch.Tensor]:
+def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
+                     pad_to: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """THD micro-batch dict (see module docstring) for ``segments``.
 
     Args:
         dataset: megatron ``IndexedDataset``; ``doc_ids[d]`` is the dataset index of doc ``d``.
         segments: ``(doc, offset, length)`` with ``doc`` indexing ``doc_ids``.
+        pad_to: append one masked padding segment up to this many tokens (None: no padding).
     """
     lengths = dataset.sequence_lengths
     toks, labs, mask, pos, cu = [], [], [], [], [0]
@@ -67,8 +75,18 @@ def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment]) 
         mask.append(m)
         pos.append(np.arange(length, dtype=np.int64))
         cu.append(cu[-1] + length)
-    if not segments:
-        raise ValueError("empty micro-batch: the packing plan gave no segments")
+    if pad_to is not None or not segments:
+        # An empty plan (a small split at its epoch end) still has to feed the
+        # schedule one micro-batch: a single masked padding token.
+        pad = max((pad_to or 1) - cu[-1], 0)
+    else:
+        pad = 0
+    if pad:
+        toks.append(np.zeros(pad, dtype=np.int64))
+        labs.append(np.zeros(pad, dtype=np.int64))
+        mask.append(np.zeros(pad, dtype=np.float32))
+        pos.append(np.arange(pad, dtype=np.int64))
+        cu.append(cu[-1] + pad)
     cat = lambda xs: torch.from_numpy(np.concatenate(xs)).unsqueeze(0)
     return {
         "tokens": cat(toks),
@@ -107,10 +125,13 @@ class PackedDataLoader:
         strategy: ``--sb-batching`` name.
         seed: sampler seed (same on every rank).
         shuffle: shuffle the document order per epoch.
+        vocab_size: token ids must be below this (checked per micro-batch).
+        pad_to: pad every micro-batch to this many tokens (interleaved schedule only).
     """
 
     def __init__(self, dataset, doc_ids: np.ndarray, *, dp: int, dp_rank: int, micro_batches: int,
-                 seq_length: int, strategy: str, seed: int, shuffle: bool = True) -> None:
+                 seq_length: int, strategy: str, seed: int, shuffle: bool = True,
+                 vocab_size: Optional[int] = None, pad_to: Optional[int] = None) -> None:
         from sparsebalance.batching.sampler import PackingSampler
 
         if len(doc_ids) == 0:
@@ -118,6 +139,8 @@ class PackedDataLoader:
         self.dataset = dataset
         self.doc_ids = np.asarray(doc_ids, dtype=np.int64)
         self.dp_rank = dp_rank
+        self.vocab_size = vocab_size
+        self.pad_to = pad_to
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
         self.sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
                                       strategy=strategy, seed=seed, shuffle=shuffle)
@@ -127,8 +150,14 @@ class PackedDataLoader:
         plan = self.sampler.next_step()
         mine = plan.ranks[self.dp_rank]
         all_segments = [seg for rank in plan.ranks for mb in rank for seg in mb]
+        microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to) for mb in mine]
+        if self.vocab_size is not None:
+            top = max(int(mb["tokens"].max()) for mb in microbatches)
+            if top >= self.vocab_size:
+                raise ValueError(f"data has token id {top} >= vocab size {self.vocab_size} "
+                                 "(wrong --tokenizer-type / --vocab-size for this dataset?)")
         return StepBatches(
-            microbatches=[build_microbatch(self.dataset, self.doc_ids, mb) for mb in mine],
+            microbatches=microbatches,
             global_tokens=int(sum(s[2] for s in all_segments)),
             global_docs=len(all_segments),
         )

@@ -43,6 +43,7 @@ def transformer_config(args, use_cpu: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -59,7 +60,13 @@ def transformer_config(args, use_cpu: bool):
         hidden_dropout=0.0,  # dropout would fork megatron's CUDA RNG tracker
         attention_dropout=0.0,
         use_cpu_initialization=use_cpu,
-        variable_seq_lengths=True,
+        # Packed micro-batches differ in length; the interleaved schedule gets padded
+        # ones instead (see data.py for why).
+        variable_seq_lengths=not interleaved,
+        # Interleaving with PP=2 sends and receives to the same peer in one call;
+        # batched p2p posts them in an order gloo matches wrongly, the unbatched
+        # path orders them by rank parity.
+        batch_p2p_comm=not interleaved,
         # megatron rejects variable_seq_lengths with the default MoE dispatcher even
         # without experts; alltoall is the one it accepts (unused: we have no MoE).
         moe_token_dispatcher_type="alltoall",

@@ -102,7 +102,8 @@ def _table(results: dict) -> str:
         share = headroom_share(r["predicted_ms_per_ktok"], r["lower_bound_ms_per_ktok"], base)
         label = name if name in WHOLE_DOC else f"{name} (cuts documents; not ranked)"
         rows.append(f"| {label} | {r['predicted_ms_per_ktok']:.4f} | "
-                    f"{base / r['predicted_ms_per_ktok']:.3f}x | {r['lower_bound_ms_per_ktok']:.4f} | "
+                    f"{base / r['predicted_ms_per_ktok']:.3f}x | "
+                    f"{r['lower_bound_ms_per_ktok']:.4f} | "
                     f"{share:.0%} | {r['imbalance_rank']:.3f} | {r['imbalance_microbatch']:.3f} | "
                     f"{r['tokens']} | {r['carried_docs']} | {r['pack_ms']:.2f} |")
     return "\n".join(rows)
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         for name in ("dp", "micro_batches", "seq_length", "steps", "block_size", "pp"):
             if getattr(args, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} must be >= 1, got {getattr(args, name)}")
         if args.topk < 0 or args.max_carry_steps < 0:
             raise UsageError("--topk and --max-carry-steps must be >= 0")
         lengths = read_lengths(args.lengths)

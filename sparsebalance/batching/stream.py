@@ -84,20 +84,14 @@ class StreamCursor:
             length[0] -= self.head_offset
         return doc, off, length
 
-    def peek_tokens(self, budget: int, extra_items: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The longest prefix of whole items with total length <= ``budget``, plus
-        ``extra_items`` more items after it (a lookahead)."""
+    def peek_tokens(self, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The longest prefix of whole items with total length <= ``budget``."""
         est = 64
         while True:
             doc, off, length = self.peek(est)
-            cum = np.cumsum(length)
-            n_fit = int(np.searchsorted(cum, budget, side="right"))
+            n_fit = int(np.searchsorted(np.cumsum(length), budget, side="right"))
             if n_fit < doc.size or self.pos + est >= len(self.items):
-                n = min(n_fit + max(extra_items, 0), doc.size)
-                if n == doc.size and self.pos + est < len(self.items):
-                    est *= 2
-                    continue
-                return doc[:n], off[:n], length[:n]
+                return doc[:n_fit], off[:n_fit], length[:n_fit]
             est *= 2
 
     def advance(self, n_items: int) -> None:

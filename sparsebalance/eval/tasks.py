@@ -162,12 +162,9 @@ def _distractors(
     for p in proposals:
         if p != gold and p not in out and len(out) < n:
             out.append(p)
-    out += _distractors_fill(rng, n - len(out), make, [gold, *out])
+    if n > len(out):
+        out += _distinct(rng, n - len(out), make, [gold, *out])
     return tuple(out)
-
-
-def _distractors_fill(rng: random.Random, n: int, make: Callable[[], str], exclude: list[str]) -> list[str]:
-    return _distinct(rng, n, make, exclude) if n > 0 else []
 
 
 def _haystack(rng: random.Random, budget: int, inserts: list[str], task: str, length: int) -> str:
@@ -248,7 +245,12 @@ def _variable_tracking(rng: random.Random, length: int, cfg: TaskConfig) -> Samp
     question = (f"\nFind all variables that are assigned the value {values[0]} in the text above, "
                 f"in order. Answer: ")
     gold = " ".join(chains[0])
-    proposals = [" ".join(ch) for ch in chains[1:]] + [" ".join(chains[0][:-1])]
+    # Hard wrong answers of the gold's length (a shorter candidate, e.g. the chain
+    # minus its last variable, would win on likelihood by length alone): the other
+    # chains, and the queried chain ending in another chain's last variable.
+    proposals = [" ".join(ch) for ch in chains[1:]]
+    if cfg.vt_chains > 1:
+        proposals.append(" ".join(chains[0][:-1] + chains[1][-1:]))
     dis = _distractors(rng, gold, proposals, cfg.num_distractors,
                        lambda: " ".join(T.variable_name(rng) for _ in range(cfg.vt_hops)))
     return _build("variable_tracking", length, header,

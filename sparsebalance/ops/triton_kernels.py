@@ -19,8 +19,8 @@ def _mm(a, b, F32: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
         return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
+    else:  # P / dS (fp32) are rounded to the input dtype for the tensor-core dot
+        return tl.dot(a.to(b.dtype), b)
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _fwd_kernel(Q, K, V, O, LSE, QB_START, QB_LEN, KV_IDX, KV_CNT, qk_scale,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, F32)
+        acc = acc * alpha[:, None] + _mm(p, v, F32)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(O + (s0 + rm)[:, None] * s_qt + h * s_qh + rd[None, :], out.to(O.dtype.element_ty), mask=qmask)
@@ -94,7 +94,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, QB_START, QB_LEN, KV_IDX, KV_CNT
         p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
         dp = _mm(do, tl.trans(v), F32)
         ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(k.dtype), k, F32)
+        dq += _mm(ds, k, F32)
     tl.store(DQ + qoff, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
@@ -132,9 +132,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, QB_START, QB_LEN, REV_PTR,
             s = _mm(q, tl.trans(k), F32) * qk_scale  # [query, key]
             valid = (rn[None, :] < kl) & ((rn[None, :] <= rm[:, None]) | (j != b)) & (rm[:, None] < ql)
             p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-            dv += _mm(tl.trans(p.to(do.dtype)), do, F32)
+            dv += _mm(tl.trans(p), do, F32)
             dp = _mm(do, tl.trans(v), F32)
             ds = p * (dp - delta[:, None])
-            dk += _mm(tl.trans(ds.to(q.dtype)), q, F32)
+            dk += _mm(tl.trans(ds), q, F32)
     tl.store(DK + koff, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask)
     tl.store(DV + koff, dv.to(DV.dtype.element_ty), mask=kmask)

@@ -5,9 +5,10 @@ is phase F (0) or B (1) of micro-batch ``m`` on virtual stage ``j`` (``S = pp * 
 virtual stages, stage ``j`` lives on rank ``j % pp``). Each node has at most two
 predecessors (the previous op on its rank; the op producing its input: F(m, j-1),
 B(m, j+1), or F(m, S-1) for the last stage's backward) and at most two successors.
-A hop between different ranks costs ``p2p_ms``; sends are modelled as
-asynchronous (a sender never waits for its receiver), which is how megatron's
-schedules behave whenever the receiver posts its receive before it needs the data.
+A hop between different ranks costs ``p2p_ms``. Sends are modelled as
+asynchronous (a sender never waits for its receiver); megatron's combined
+send/receive calls can make a rank wait for its peer a little longer, which
+this model does not capture.
 
 All replicas share the graph, so durations are arrays ``[N, B]`` whose columns are
 independent instances (DP replicas, candidate plans). The engine walks the graph
@@ -36,18 +37,14 @@ class Graph:
     """Model chunks per rank (virtual pipeline size)."""
     num_microbatches: int
     """Micro-batches per step (per replica)."""
-    orders: Tuple[Tuple[int, ...], ...]
-    """Node ids in execution order, per rank."""
     pred: np.ndarray
     """[N, 2] int: previous op on the rank, input producer; N = none."""
     succ: np.ndarray
     """[N, 2] int: next op on the rank, input consumer; N = none."""
     hop: np.ndarray
     """[N] bool: the input edge (pred[:, 1] -> node) crosses ranks."""
-    levels: Tuple[np.ndarray, ...] = field(repr=False)
-    """Node ids grouped by topological level."""
     perm: np.ndarray = field(repr=False)
-    """[N] node ids in level order (the engine works in this order)."""
+    """[N] node ids in topological-level order (the engine works in this order)."""
     bounds: Tuple[Tuple[int, int], ...] = field(repr=False)
     """Per level, its [start, stop) slice in ``perm`` order."""
     ppred: np.ndarray = field(repr=False)
@@ -65,18 +62,10 @@ class Graph:
         """N = 2 * M * S."""
         return 2 * self.num_microbatches * self.num_stages
 
-    def node(self, phase: int, microbatch: int, stage: int) -> int:
-        """Node id of phase (0=F, 1=B), micro-batch, virtual stage."""
-        return (phase * self.num_microbatches + microbatch) * self.num_stages + stage
-
     def unpack(self, node: int) -> Tuple[int, int, int]:
         """(phase, micro-batch, virtual stage) of a node id."""
         S, M = self.num_stages, self.num_microbatches
         return node // (M * S), (node // S) % M, node % S
-
-    def rank_of(self, node: int) -> int:
-        """Pipeline rank that runs ``node``."""
-        return (node % self.num_stages) % self.pp
 
 
 @lru_cache(maxsize=64)
@@ -94,14 +83,12 @@ def build_graph(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
         phase, m, chunk = op
         return ((0 if phase == "F" else 1) * M + m) * S + chunk * pp + rank
 
-    orders = []
     for r, ops in enumerate(all_rank_orders(schedule, pp, M, vpp, group)):
         ids = [nid(op, r) for op in ops]
         if sorted(ids) != sorted(set(ids)) or len(ids) != 2 * M * vpp:
             raise AssertionError(f"rank {r}: schedule does not run each op exactly once")
         for a, b in zip(ids, ids[1:]):
             pred[b, 0], succ[a, 0] = a, b
-        orders.append(tuple(ids))
     for m in range(M):
         for j in range(S):
             f, b = (0 * M + m) * S + j, (1 * M + m) * S + j
@@ -117,7 +104,7 @@ def build_graph(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
     pos[perm], pos[N] = np.arange(N), N
     stops = np.cumsum([len(lv) for lv in levels])
     bounds = tuple((int(b - len(lv)), int(b)) for lv, b in zip(levels, stops))
-    return Graph(pp, vpp, M, tuple(orders), pred, succ, hop, levels, perm, bounds,
+    return Graph(pp, vpp, M, pred, succ, hop, perm, bounds,
                  pos[pred[perm]], pos[succ[perm]])
 
 

@@ -96,13 +96,15 @@ def save_profile(path: str, profile: dict) -> None:
     atomic_write_text(path, json.dumps(profile, indent=1) + "\n")
 
 
-def create_command(path: str, model_cfg: dict, threads: Optional[int] = None) -> str:
-    """The exact command that writes a profile for ``model_cfg`` to ``path``."""
+def create_command(path: str, model_cfg: dict, threads: Optional[int] = None,
+                   sparse: bool = True) -> str:
+    """The exact command that writes a profile for ``model_cfg`` to ``path``
+    (``sparse``: profile the sparse-attention layer, as SparseBalance trains)."""
     flags = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
              "num_attention_heads": "--num-attention-heads",
              "num_query_groups": "--num-query-groups", "ffn_hidden_size": "--ffn-hidden-size",
              "vocab_size": "--vocab-size", "block_size": "--sb-block-size", "topk": "--sb-topk"}
-    args = ["--output", path]
+    args = ["--output", path] + (["--sparse-attention"] if sparse else [])
     for key, flag in flags.items():
         if model_cfg.get(key) is not None:
             args += [flag, str(model_cfg[key])]
@@ -170,18 +172,20 @@ def load_predictor(path: str, recalibrator: Optional[Recalibrator] = None,
     if unknown:
         raise ValueError(f"unknown model_cfg keys {unknown}; known: {sorted(_SHAPE_FIELDS)}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"latency profile {path} does not exist; create it with: "
-            f"{create_command(path, model_cfg)}")
+        sparse = (expect or {}).get("attention") != "dense"
+        raise FileNotFoundError(f"latency profile {path} does not exist; create it with: "
+                                f"{create_command(path, model_cfg, sparse=sparse)}")
     prof, digest = read_profile(path)
     diffs = fingerprint_diffs(prof, model_cfg, expect)
     if diffs:
         msg = f"latency profile {path} does not match this run: " + "; ".join(diffs)
         warnings.warn(msg, stacklevel=2)
         if not allow_stale:
-            raise ValueError(msg + " (re-profile with: "
-                             f"{create_command(path, {**prof['model'], **model_cfg})}, "
-                             "or pass --sb-allow-stale-profile)")
+            # Re-profiling for this run: the profile's model with the requested changes,
+            # at this process's thread count.
+            sparse = prof["model"].get("attention") != "dense"
+            cmd = create_command(path, {**prof["model"], **model_cfg}, sparse=sparse)
+            raise ValueError(f"{msg} (re-profile with: {cmd}; or pass --sb-allow-stale-profile)")
     if digest not in _CACHE:
         coef = prof.get("coefficients") or fit_coefficients(
             prof["samples"], int(prof["model"]["block_size"]))

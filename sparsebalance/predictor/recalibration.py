@@ -27,8 +27,8 @@ class Recalibrator:
     """EMA weight of one observation (0 < alpha <= 1); 0.2 ~ a 5-observation memory."""
     clip: float = 4.0
     """Ratios are clipped to [1/clip, clip] before averaging (outlier guard)."""
-    _log: dict = field(default_factory=dict, repr=False)
-    _count: dict = field(default_factory=dict, repr=False)
+    _log: dict = field(default_factory=dict, init=False, repr=False)
+    _count: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:

@@ -13,8 +13,9 @@ candidate plan being one column of the same vectorised longest-path sweep:
 1. Cut. Capped plans: each op gets the highest level whose predicted latency is
    within ``theta`` times an anchor (its stage's mean at ``k0``, or its replica's
    mean, which also moves budget off the slowest stage), for a grid of ``theta``;
-   plus the static plan. For every candidate step time, each replica takes its
-   capped plan with the most attention that fits; this bounds the step from below.
+   plus the static plan. For every candidate step time ``T`` (a step time of one
+   of these plans), each replica takes its capped plan with the most attention
+   that fits under ``T``.
 2. Raise where there is slack. With the ops at their earliest starts, an op may
    grow by its free float (the gap to its earliest successor, or to ``T``) without
    moving anything else; with the ops at their latest starts, by the gap to its
@@ -25,11 +26,15 @@ candidate plan being one column of the same vectorised longest-path sweep:
    plan keeps the attention floor wins; the static plan raised into its own slack
    is always a candidate, so the plan is never slower than static and never below
    the floor.
-3. Polish. Cut one level on an op of the critical path of the slowest replica
-   (every choice timed at once), raise into the new slack, keep the best move that
-   shortens the step and keeps the floor; repeat within a fixed compute budget.
+3. Polish (local search, within a fixed compute budget): cut one level on an op of
+   the critical path of the slowest replica and raise into the new slack, or swap
+   that cut for one level more on any other op; every choice is timed at once; keep
+   the best move that shortens the step and keeps the floor; repeat.
 
-Finally the plan is raised with its own step time as the deadline (objective 2).
+Finally the plan is raised with its own step time as the deadline (objective 2):
+free-float passes, then total-float rounds that give one op per replica the whole
+float of its forward and backward (an op whose forward has float only early and
+whose backward only late cannot move in the free-float passes).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from .instance import Instance
 from .plan import Plan, make_plan
 
 _TOL = 1e-9
+_SWAP_CELLS = 4_000_000
+"""Largest swap sweep of the polish, in (op x column) cells (~100 MB of float64)."""
 
 
 class _Batch:
@@ -63,6 +70,7 @@ class _Batch:
             return a.reshape(L, D, M * S).transpose(0, 2, 1)  # [L, MS, D]
 
         self.Fr, self.Br, self.Ar = lay(inst.fwd), lay(inst.bwd), lay(inst.attn)
+        self.Lr = self.Fr + self.Br
         N = self.g.num_nodes
         s1 = self.g.succ[:, 1]
         self.out_lag = (np.where(s1 < N, self.g.hop[np.minimum(s1, N - 1)], False)
@@ -128,6 +136,45 @@ class _Batch:
             X = X2
         return X
 
+    def shift(self, X: np.ndarray, deadline: np.ndarray, rounds: int) -> np.ndarray:
+        """Raise one op per column per round into its total float under ``deadline``.
+
+        The free-float passes of :meth:`fill` cannot move an op whose forward has
+        float only at its earliest start and whose backward only at its latest (the
+        usual case on a stage that waits for a slower one). Total float has no such
+        gap, but is shared along paths, so only one op per column (the one gaining
+        the most attention) takes it per round: its forward and backward together
+        grow by at most the smaller of their total floats, so no path can pass
+        ``deadline``.
+        """
+        g, p2p, N, MS = self.g, self.inst.p2p_ms, self.g.num_nodes, self.MS
+        tol = _TOL * self.scale
+        cols = np.arange(X.shape[1])
+        for _ in range(rounds):
+            dur = self.durations(X)
+            _, ef = earliest(g, dur, p2p)
+            _, lf = latest(g, dur, p2p, deadline)
+            tf = lf[:N] - ef[:N]
+            room = np.minimum(tf[:MS], tf[MS:])
+            i, c = np.nonzero(room > tol)
+            if len(i) == 0:
+                break
+            r, x = self.col_rep[c], X[i, c]
+            top = np.maximum(_count(self.Lr, i, r, self.Lr[x, i, r] + room[i, c],
+                                    strict=False) - 1, x)
+            new = _count(self.Ar, i, r, self.Ar[top, i, r], strict=True)
+            gain = np.zeros(X.shape)
+            gain[i, c] = self.Ar[new, i, r] - self.Ar[x, i, r]
+            best = np.argmax(gain, axis=0)
+            moving = gain[best, cols] > 0
+            if not moving.any():
+                break
+            upd = np.zeros(X.shape, dtype=np.int64) - 1
+            upd[i, c] = new
+            X = X.copy()
+            X[best[moving], cols[moving]] = upd[best[moving], cols[moving]]
+        return X
+
 
 def _count(table: np.ndarray, i: np.ndarray, r: np.ndarray, thr: np.ndarray,
            strict: bool) -> np.ndarray:
@@ -135,15 +182,17 @@ def _count(table: np.ndarray, i: np.ndarray, r: np.ndarray, thr: np.ndarray,
 
     ``table`` [L, MS, D] is non-decreasing along L, so this is a vectorised bisection.
     """
-    L = table.shape[0]
+    L, MS, D = table.shape
+    flat = table.reshape(-1)
+    base = i * D + r
     lo, hi = np.zeros(len(i), dtype=np.int64), np.full(len(i), L, dtype=np.int64)
     for _ in range(int(L).bit_length()):
-        mid = np.minimum((lo + hi) // 2, L - 1)
-        v = table[mid, i, r]
-        past = v >= thr if strict else v > thr
-        active = lo < hi
-        hi = np.where(active & past, mid, hi)
-        lo = np.where(active & ~past, mid + 1, lo)
+        mid = (lo + hi) >> 1
+        v = np.take(flat, np.minimum(mid, L - 1) * (MS * D) + base)
+        past = (v >= thr) if strict else (v > thr)
+        past &= lo < hi
+        np.copyto(hi, mid, where=past)
+        np.copyto(lo, mid + 1, where=~past & (lo < hi))
     return lo
 
 
@@ -170,8 +219,8 @@ def _family(inst: Instance, thetas: np.ndarray) -> np.ndarray:
 
 
 def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
-                          num_deadlines: int = 8, polish_moves: int = 16,
-                          polish_budget: float = 2048.0) -> np.ndarray:
+                          num_deadlines: int = 4, polish_moves: int = 16,
+                          polish_budget: float = 5e5, shift_rounds: int = 4) -> np.ndarray:
     """Level indices [D, M, S] of the critical-path plan (see module docstring).
 
     Args:
@@ -179,14 +228,16 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
             plan's retained attention. 0 = never less than static.
         num_caps: cap factors per cap family (search resolution).
         num_deadlines: candidate deadlines raised per round.
-        polish_moves: most local-search moves (critical-op cuts) after the search.
-        polish_budget: moves are also capped at ``polish_budget / (D * N)`` (N ops
-            per replica), which keeps planning time bounded on large instances.
+        polish_moves: most local-search moves (cuts and swaps) after the search.
+        polish_budget: the local search stops after sweeping this many (op x
+            candidate column) cells, which bounds planning time on large instances.
+        shift_rounds: total-float raise rounds (one op per replica each).
     """
     if not 0.0 <= eps <= 1.0:
         raise ValueError(f"eps must be in [0, 1], got {eps}")
-    if num_caps < 2 or num_deadlines < 1:
-        raise ValueError("num_caps must be >= 2 and num_deadlines >= 1")
+    if num_caps < 2 or num_deadlines < 1 or shift_rounds < 0 or polish_moves < 0:
+        raise ValueError("need num_caps >= 2, num_deadlines >= 1, shift_rounds >= 0 and "
+                         "polish_moves >= 0")
     D, M, S = inst.dp, inst.microbatches, inst.stages
     MS = M * S
     one = _Batch(inst, 1)
@@ -228,13 +279,13 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
             if t2[j] < best_t - _TOL * best_t or (abs(t2[j] - best_t) <= _TOL * best_t
                                                   and a2[j] > best_a):
                 best_X, best_t, best_a = X[:, j * D:(j + 1) * D].copy(), t2[j], a2[j]
-    # Polish within a fixed compute budget: each move costs about one sweep of
-    # (critical-path length + a few) x D columns, so large instances get fewer moves.
-    moves = min(polish_moves, int(polish_budget // (D * one.g.num_nodes)))
-    best_X = _polish(inst, one.fill(best_X, np.full(D, best_t)), target - atol, moves)
+    # Polish within a fixed compute budget (large instances get few or no moves).
+    best_X = _polish(inst, one.fill(best_X, np.full(D, best_t)), target - atol, polish_moves,
+                     polish_budget, shift_rounds)
     # Objective (2): everything that fits under the chosen step time.
     best_t = float(one.makespan(best_X)[0])
     best_X = one.fill(best_X, np.full(D, best_t))
+    best_X = one.fill(one.shift(best_X, np.full(D, best_t), shift_rounds), np.full(D, best_t))
     return best_X.T.reshape(D, M, S)
 
 
@@ -247,67 +298,84 @@ def _critical_vars(inst: Instance, one: _Batch, X: np.ndarray) -> Tuple[np.ndarr
     return np.unique(np.array(nodes) % one.MS), col
 
 
-def _polish(inst: Instance, X: np.ndarray, floor: float, max_moves: int,
-            num_tries: int = 4) -> np.ndarray:
-    """Local search: cut one critical op of the slowest replica by one level, raise
-    everything into the new slack, keep the best move that shortens the step and
-    keeps attention >= ``floor``; repeat up to ``max_moves`` times.
+def _polish(inst: Instance, X: np.ndarray, floor: float, max_moves: int, budget: float,
+            shift_rounds: int = 4, num_tries: int = 4) -> np.ndarray:
+    """Local search around X [MS, D]; each move must shorten the step and keep the
+    attention >= ``floor``; up to ``max_moves`` moves, stopping before the sweeps
+    would exceed ``budget`` (op x column) cells. Two kinds of move, best one wins:
 
-    Each move times every single cut of the slowest replica's critical path (one
-    column each), then raises the ``num_tries`` cuts that shorten the step most.
+    * cut: one op of the slowest replica's critical path loses one level, then
+      everything is raised into the new slack (the ``num_tries`` cuts that shorten
+      the step most are raised);
+    * swap: that cut plus one level more for any other op (of any replica), which
+      moves budget from ops the critical path runs through twice (forward and
+      backward) to ops it touches once or not at all.
     """
-    D = inst.dp
+    D, MS, L = inst.dp, X.shape[0], len(inst.levels)
     one = _Batch(inst, 1)
+    cell = D * one.g.num_nodes  # one sweep of one candidate plan
+    spent = 0.0
     for _ in range(max_moves):
         rows, col = _critical_vars(inst, one, X)
         rows = rows[X[rows, col] > 0]
-        if len(rows) == 0:
+        cost = cell * (len(rows) + num_tries * (16 + 2 * shift_rounds))
+        if len(rows) == 0 or spent + cost > budget:
             break
-        _, ef = earliest(one.g, one.durations(X), inst.p2p_ms)
-        rep = ef[:-1].max(axis=0)
-        t = float(rep.max())
-        others = float(np.delete(rep, col).max()) if D > 1 else 0.0
-        solo = _Batch(inst.__class__(**_one_replica(inst, col)), len(rows))
-        cand = np.repeat(X[:, col:col + 1], len(rows), axis=1)
-        cand[rows, np.arange(len(rows))] -= 1
-        spans = np.maximum(solo.makespan(cand), others)
+        spent += cost
+        t = float(one.makespan(X)[0])
+        cuts = np.tile(X, (1, len(rows)))
+        cuts[rows, np.arange(len(rows)) * D + col] -= 1
+        bc = _Batch(inst, len(rows))
+        spans = bc.makespan(cuts)
         order = np.argsort(spans, kind="stable")[:num_tries]
         order = order[spans[order] < t * (1 - _TOL)]
-        if len(order) == 0:
+        cands, cand_att, cand_span = [], [], []
+        if len(order):
+            sel = (order[:, None] * D + np.arange(D)).ravel()
+            bk = _Batch(inst, len(order))
+            dl = np.repeat(spans[order], D)
+            filled = bk.shift(bk.fill(cuts[:, sel], dl), dl, shift_rounds)
+            cands.append(filled)
+            cand_att.append(bk.attention(filled))
+            cand_span.append(bk.makespan(filled))
+        # Swaps: every (critical cut, raise elsewhere) pair, timed as is (only while
+        # the pairs fit in a bounded sweep).
+        up_r, up_c = np.nonzero(X < L - 1)
+        if 0 < len(rows) * len(up_r) * cell <= min(_SWAP_CELLS, budget - spent):
+            spent += len(rows) * len(up_r) * cell
+            n_cut, n_up = len(rows), len(up_r)
+            sw = np.tile(cuts, (1, n_up))  # block u holds all cuts, then raise u
+            base = np.arange(n_up)[:, None] * (n_cut * D) + np.arange(n_cut)[None, :] * D
+            sw[np.repeat(up_r, n_cut), (base + up_c[:, None]).ravel()] += 1
+            bs = _Batch(inst, n_cut * n_up)
+            cands.append(sw)
+            cand_att.append(bs.attention(sw))
+            cand_span.append(bs.makespan(sw))
+        if not cands:
             break
-        tries = np.tile(X, (1, len(order)))
-        tries[:, np.arange(len(order)) * D + col] = cand[:, order]
-        bk = _Batch(inst, len(order))
-        filled = bk.fill(tries, np.repeat(spans[order], D))
-        att, span2 = bk.attention(filled), bk.makespan(filled)
-        ok = np.flatnonzero(att >= floor)
+        att, span2 = np.concatenate(cand_att), np.concatenate(cand_span)
+        ok = np.flatnonzero((att >= floor) & (span2 < t * (1 - _TOL)))
         if len(ok) == 0:
             break
-        j = ok[np.lexsort((-att[ok], span2[ok]))[0]]
-        X = filled[:, j * D:(j + 1) * D].copy()
+        k = ok[np.lexsort((-att[ok], span2[ok]))[0]]
+        X = np.concatenate(cands, axis=1)[:, k * D:(k + 1) * D].copy()
     return X
 
 
-def _one_replica(inst: Instance, d: int) -> dict:
-    """Constructor arguments of ``inst`` restricted to replica ``d``."""
-    kw = {f: getattr(inst, f) for f in ("schedule", "pp", "vpp", "microbatches", "k0", "kmin",
-                                         "kmax", "levels", "p2p_ms", "group")}
-    kw.update(dp=1, fwd=inst.fwd[:, d:d + 1], bwd=inst.bwd[:, d:d + 1],
-              attn=inst.attn[:, d:d + 1])
-    return kw
-
-
-def raise_indices(inst: Instance, idx: np.ndarray, deadline: Optional[float] = None
-                  ) -> np.ndarray:
+def raise_indices(inst: Instance, idx: np.ndarray, deadline: Optional[float] = None,
+                  shift_rounds: int = 4) -> np.ndarray:
     """Raise level indices [D, M, S] into the slack without passing ``deadline``.
 
-    ``deadline`` defaults to the plan's own step time, so the result is never slower.
+    Free-float passes, then ``shift_rounds`` total-float rounds, then free-float
+    passes again. ``deadline`` defaults to the plan's own step time, so the result
+    is never slower.
     """
     D, M, S = inst.dp, inst.microbatches, inst.stages
     one = _Batch(inst, 1)
     X = np.asarray(idx, dtype=np.int64).reshape(D, M * S).T.copy()
     t = float(one.makespan(X)[0]) if deadline is None else float(deadline)
-    return one.fill(X, np.full(D, t)).T.reshape(D, M, S)
+    dl = np.full(D, t)
+    return one.fill(one.shift(one.fill(X, dl), dl, shift_rounds), dl).T.reshape(D, M, S)
 
 
 def critical_path_plan(inst: Instance, eps: float = 0.0) -> Plan:

@@ -37,18 +37,26 @@ def build_instance(predictor, lengths: Sequence[Sequence[Sequence[int]]], *, pp:
                 | {int(k0)})
     L = len(lv)
     layers = np.array([predictor.shape.layers_of(j, S) for j in range(S)], dtype=float)
+    # All documents of the step in one array; per-micro-batch sums by segment.
+    docs = [np.asarray(lengths[d][m], dtype=np.int64) for d in range(D) for m in range(M)]
+    if any(x.ndim != 1 or len(x) == 0 for x in docs):
+        raise ValueError("every micro-batch needs a non-empty list of document lengths")
+    flat = np.concatenate(docs)
+    starts = np.cumsum([0] + [len(x) for x in docs[:-1]])
     tabs = {n: np.empty((L, D, M, S)) for n in ("fwd", "bwd", "attn")}
-    for d in range(D):
-        for m in range(M):
-            docs = np.asarray(lengths[d][m], dtype=np.int64)
-            for phase in ("fwd", "bwd"):
-                extras = np.array([predictor.extras_ms(docs, j, S, phase) for j in range(S)])
-                corr = np.array([predictor.correction(j, phase) for j in range(S)])
-                per_layer = np.array([predictor.layer_ms(docs, k, phase) for k in lv])
-                tabs[phase][:, d, m, :] = (per_layer[:, None] * layers + extras) * corr
-            pairs = np.array([kept_pairs(docs, k, predictor.block_size).sum() for k in lv],
-                             dtype=float)
-            tabs["attn"][:, d, m, :] = pairs[:, None] * layers
+    for phase in ("fwd", "bwd"):
+        # Extras live on the first and last (virtual) stage only (predictor interface).
+        extras = np.zeros((D * M, S))
+        for j in {0, S - 1}:
+            extras[:, j] = [predictor.extras_ms(x, j, S, phase) for x in docs]
+        corr = np.array([predictor.correction(j, phase) for j in range(S)])
+        const = predictor.layer_const_ms(phase)
+        for li, k in enumerate(lv):
+            per_layer = np.add.reduceat(predictor.layer_doc_ms(flat, k, phase), starts) + const
+            tabs[phase][li] = ((per_layer[:, None] * layers + extras) * corr).reshape(D, M, S)
+    for li, k in enumerate(lv):
+        pairs = np.add.reduceat(kept_pairs(flat, k, predictor.block_size), starts).astype(float)
+        tabs["attn"][li] = (pairs[:, None] * layers).reshape(D, M, S)
     return Instance(schedule=schedule, pp=pp, vpp=vpp, dp=D, microbatches=M, k0=int(k0),
                     kmin=kmin, kmax=kmax, levels=np.array(lv, dtype=np.int64), p2p_ms=p2p_ms,
                     group=group, **tabs)

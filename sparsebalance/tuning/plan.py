@@ -36,8 +36,8 @@ class Plan:
         return 1.0 - self.attn / self.baseline_attn if self.baseline_attn > 0 else 0.0
 
     def to_json(self) -> dict:
-        """The CLI's output object."""
-        return {"policy": self.policy, "budget": self.budget.tolist(),
+        """The CLI's output object (exactly the keys of the agreed interface)."""
+        return {"budget": self.budget.tolist(),
                 "step_ms": self.step_ms, "baseline_step_ms": self.baseline_step_ms,
                 "attn": self.attn, "baseline_attn": self.baseline_attn,
                 "critical_path": list(self.critical_path)}

@@ -25,7 +25,8 @@ def lengths_file(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["sab", "megatron", "concat"])
 def test_pack_json(lengths_file, capsys, strategy):
-    assert main(["pack", "--lengths", str(lengths_file), "--strategy", strategy, "--json"] + TINY) == 0
+    argv = ["pack", "--lengths", str(lengths_file), "--strategy", strategy, "--json"] + TINY
+    assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["summary"]) == SUMMARY_KEYS
     assert len(out["steps"]) == 3

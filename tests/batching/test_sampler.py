@@ -59,7 +59,8 @@ def test_whole_documents_split_only_at_chunks(lengths, predictor, strategy):
     s = sampler(lengths, strategy, predictor)
     plans, _ = run_epoch(s)
     segs = [seg for p in plans for seg in segments(p)]
-    cut = [seg for seg in segs if seg[1] % SEQ or (seg[2] < SEQ and seg[1] + seg[2] < lengths[seg[0]])]
+    cut = [seg for seg in segs
+           if seg[1] % SEQ or (seg[2] < SEQ and seg[1] + seg[2] < lengths[seg[0]])]
     if strategy == "concat":
         assert cut, "concat should cut documents at micro-batch boundaries"
     else:
@@ -123,7 +124,8 @@ def test_deferring_strategies_do_carry(lengths, predictor):
 
 
 @pytest.mark.parametrize("bad, name", [
-    (dict(dp=0), "dp"), (dict(micro_batches=0), "micro_batches"), (dict(seq_length=0), "seq_length"),
+    (dict(dp=0), "dp"), (dict(micro_batches=0), "micro_batches"),
+    (dict(seq_length=0), "seq_length"),
     (dict(strategy="nope"), "strategy"), (dict(max_carry_steps=-1), "max_carry_steps"),
     (dict(seed=-1), "seed"), (dict(strategy="sab", predictor=None), "predictor"),
 ])

@@ -87,6 +87,8 @@ def test_string_scoring_gold_is_perfect_and_shuffled_is_zero(samples):
 
 @pytest.mark.parametrize("mode", ["greedy", "generate"])
 def test_decoding_modes_gold_100_shuffled_0(samples, mode):
+    if mode == "generate":  # one forward per generated token: keep it to the 1K samples
+        samples = [s for s in samples if s.length == 1024]
     gold = MemorisingLM([s.text for s in samples])
     res = evaluate(samples, gold, TOK, mode)
     assert all(r.correct for r in res)

@@ -67,6 +67,16 @@ def make_bad_files(d: str) -> None:
     open(f"{d}/empty.json", "w").close()
     open(f"{d}/garbage.json", "w").write("{ this is not json")
     json.dump({"unrelated": True}, open(f"{d}/wrong_schema.json", "w"))
+    # A latency profile of another model (48 layers, block 128) than the one asked for.
+    from sparsebalance.predictor import profile as prof
+
+    other = {"format": prof.FORMAT, "version": prof.VERSION, "created": "2026-01-01T00:00:00Z",
+             "command": "tools/profile_latency.py", "hardware": prof.hardware_fingerprint(),
+             "model": {"num_layers": 48, "hidden_size": 4096, "num_attention_heads": 32,
+                       "block_size": 128, "topk": 16},
+             "timing": {}, "samples": []}
+    json.dump(other, open(f"{d}/other_model_profile.json", "w"))
+    json.dump([900, 300, 4000, 120, 2500, 700], open(f"{d}/lengths.json", "w"))
     os.makedirs(f"{d}/a_dir", exist_ok=True)
     os.makedirs(f"{d}/empty_ckpt", exist_ok=True)
 
@@ -177,6 +187,11 @@ CASES = [
          _p("run", "--instance", "{d}/wrong_schema.json", "--gantt", "{d}/sim3.png"),
          r"wrong_schema\.json|missing 'pp'",
          _p("{d}/sim3.png")),
+    Case("simulate-profile-of-another-model", "tools/simulate.py",
+         _p("from-lengths", "--lengths", "{d}/lengths.json", "--predictor", "{d}/other_model_profile.json",
+            "--num-layers", "24", "--block-size", "256", "--seq-length", "8192", "--pp", "2", "--dp", "1",
+            "--microbatches", "2", "--out", "{d}/fl.json"),
+         r"other_model_profile\.json.*(match|num_layers|block_size)", _p("{d}/fl.json")),
     Case("simulate-negative-pp", "tools/simulate.py",
          _p("synth", "--pp", "-1", "--out", "{d}/inst.json"), r"--pp", _p("{d}/inst.json")),
     # timeline.py

@@ -10,7 +10,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "profile_latency.py")
 TINY = ["--seq-length", "256", "--hidden-size", "32", "--num-attention-heads", "2",
-        "--num-layers", "2", "--sb-block-size", "16", "--threads", "1", "--clock", "cpu"]
+        "--num-layers", "2", "--sb-block-size", "16", "--sb-topk", "4", "--sparse-attention",
+        "--threads", "1", "--clock", "cpu"]
 
 
 def _run(args, timeout=240):
@@ -48,6 +49,8 @@ def test_tiny_profile_validates_and_loads(tmp_path):
     prof = json.load(open(out))
     assert prof["hardware"]["threads"] == 1 and prof["timing"]["clock"] == "cpu"
     assert {s["kind"] for s in prof["samples"]} == {"layer", "embedding", "output"}
+    assert {s["topk"] for s in prof["samples"] if s["kind"] == "layer"} == {2, 4, None}
+    assert prof["model"]["attention"] == "sparse" and prof["model"]["attention_backend"] != "auto"
     assert all(s["ms"] > 0 for s in prof["samples"])
 
     import torch

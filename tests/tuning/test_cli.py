@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make, SMALL
+from tuning_cases import SMALL, make
 
 from sparsebalance.pipeline import simulate
 from sparsebalance.tuning import instance_from_json, instance_to_json
@@ -76,7 +76,7 @@ def test_cli_outputs(inst_json, tmp_path):
         r = run_cli("--instance", str(f), "--policy", policy, *extra, "--json")
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
-        assert set(out) >= {"budget", "step_ms", "baseline_step_ms", "attn", "baseline_attn",
+        assert set(out) == {"budget", "step_ms", "baseline_step_ms", "attn", "baseline_attn",
                             "critical_path"}
         b = np.array(out["budget"])
         assert b.shape == (inst.dp, inst.microbatches, inst.stages)

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import SEEDS, SMALL, make
+from tuning_cases import SEEDS, SMALL, make
 
 from sparsebalance.tuning import anchor_indices, critical_path_indices, raise_indices
 from sparsebalance.tuning.bruteforce import frontier

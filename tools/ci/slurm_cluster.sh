@@ -29,7 +29,7 @@ have_binaries() {
 
 cmd_install() {
     if have_binaries; then
-        echo "slurm_cluster: found $(sbatch --version) and munge $(munged --version 2>&1 | head -1)"
+        echo "slurm_cluster: found $(slurmctld -V) and $(munged --version 2>&1 | head -1)"
         return 0
     fi
     if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
@@ -57,12 +57,13 @@ write_conf() {
     ctl_port=$(free_port)
     d_port=$(free_port)
     # The node line must describe the real hardware or slurmd drains the node;
-    # `slurmd -C` reports it (CPUs, sockets, cores, memory).
+    # `slurmd -C` reports it (CPUs, sockets, cores, memory). The daemons talk over
+    # 127.0.0.1 even if the host name does not resolve; jobs still see the real name.
     node_line=$(slurmd -C | head -1)
     [[ $node_line == NodeName=* ]] || die "unexpected 'slurmd -C' output: $node_line"
     cat >"$dir/etc/slurm.conf" <<EOF
 ClusterName=sbci
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctl_port
 SlurmdPort=$d_port
 SlurmUser=root
@@ -94,7 +95,7 @@ InactiveLimit=0
 MinJobAge=600
 SlurmctldTimeout=30
 SlurmdTimeout=60
-$node_line State=UNKNOWN
+$node_line NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName=ci Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
     : >"$dir/etc/cgroup.conf"

@@ -32,15 +32,15 @@ class Window:
 
 
 def build_window(carried: Carried, stream: StreamCursor, ctx: PackContext,
-                 token_budget: int, extra_items: int = 0) -> Window:
+                 token_budget: int) -> Window:
     """Carried items plus the stream prefix that fits ``token_budget`` minus the carried
-    tokens (plus ``extra_items`` lookahead). Consumes those stream items from ``stream``.
+    tokens. Consumes those stream items from ``stream``.
     """
     order = np.argsort(-carried.age, kind="stable")
     c_doc, c_off, c_len, c_age = (carried.doc[order], carried.offset[order],
                                   carried.length[order], carried.age[order])
     budget = max(int(token_budget) - int(c_len.sum()), 0)
-    s_doc, s_off, s_len = stream.peek_tokens(budget, extra_items)
+    s_doc, s_off, s_len = stream.peek_tokens(budget)
     stream.advance(s_doc.size)
     doc = np.concatenate([c_doc, s_doc])
     age = np.concatenate([c_age, np.zeros(s_doc.size, dtype=np.int64)])
@@ -140,3 +140,4 @@ def settle(win: Window, stream: StreamCursor, ctx: PackContext, assign_fn):
         stream.retreat(len(win) - cut)
         win = Window(win.doc[:cut], win.offset[:cut], win.length[:cut], win.age[:cut],
                      win.forced[:cut], win.n_carried)
+

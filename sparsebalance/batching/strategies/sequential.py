@@ -6,7 +6,7 @@ import numpy as np
 
 from sparsebalance.batching.plan import Carried, PackContext, Packing
 from sparsebalance.batching.stream import StreamCursor
-from sparsebalance.batching.strategies.common import build_window, finish, settle
+from sparsebalance.batching.strategies.common import Window, build_window, finish, settle
 
 
 def _next_fit(lengths: np.ndarray, num_bins: int, cap: int) -> np.ndarray:
@@ -29,25 +29,23 @@ def pack_megatron(carried: Carried, stream: StreamCursor, ctx: PackContext) -> P
     bin j of the step goes to rank j // M. Never defers: unplaced stream items stay in
     the stream (the next step starts with them)."""
     K, S = ctx.num_bins, ctx.seq_length
-    probe = stream.copy()
-    win = build_window(carried, probe, ctx, K * S, extra_items=0)
+    win = build_window(carried, stream, ctx, K * S)
     assign = _next_fit(win.length, K, S)
-    n_stream_used = int(np.count_nonzero(assign[win.n_carried:] >= 0))
-    # Only a prefix is ever placed (next-fit stops at the first miss), so the unplaced
-    # stream items go back to the stream untouched.
-    stream.advance(n_stream_used)
-    keep = np.concatenate([np.ones(win.n_carried, bool),
-                           np.arange(len(win) - win.n_carried) < n_stream_used])
-    win_kept = type(win)(win.doc[keep], win.offset[keep], win.length[keep], win.age[keep],
-                         win.forced[keep], win.n_carried)
-    return finish(win_kept, assign[keep], ctx)
+    # Next-fit places a prefix of the window: the unplaced stream items go back to the
+    # stream untouched (they are not carried).
+    n = win.n_carried + int(np.count_nonzero(assign[win.n_carried:] >= 0))
+    stream.retreat(len(win) - n)
+    win = Window(win.doc[:n], win.offset[:n], win.length[:n], win.age[:n], win.forced[:n],
+                 win.n_carried)
+    return finish(win, assign[:n], ctx)
 
 
 def pack_concat(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packing:
     """Pretraining-style concatenation: every micro-batch exactly ``seq_length`` tokens
     (except at the end of an epoch); items are cut at micro-batch boundaries and the
     rest of a cut item starts the next micro-batch (or the next step, via the stream
-    head). Carried items (none unless the strategy was switched) go first."""
+    head). Carried items go first (this strategy never defers, so there are none
+    unless a caller hands some in)."""
     K, S = ctx.num_bins, ctx.seq_length
     bins: list[list] = [[] for _ in range(K)]
     b, room = 0, S

@@ -1,0 +1,93 @@
+"""GPT training on megatron-core with packed documents (Megatron-LM's flag names).
+
+Tiny CPU run (2 processes, 1F1B over gloo; what ``make demo`` does)::
+
+    .venv/bin/python tools/make_corpus.py --output-prefix data/corpus
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 pretrain_gpt.py --data-path data/corpus \
+        --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
+        --seq-length 512 --global-batch-size 4 --train-iters 30 --lr 1e-3
+
+GPU cluster run (per node; see examples/ for Slurm)::
+
+    torchrun --nnodes $NNODES --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \
+        pretrain_gpt.py --data-path /lustre/data/corpus --tokenizer-type HuggingFaceTokenizer \
+        --tokenizer-model /lustre/qwen2.5/tokenizer.json --num-layers 36 --hidden-size 2048 \
+        --num-attention-heads 16 --num-query-groups 2 --seq-length 32768 --bf16 \
+        --pipeline-model-parallel-size 4 --global-batch-size 64 --train-iters 1000 \
+        --save /lustre/ckpt --load /lustre/ckpt --exit-signal-handler
+
+Exit codes: 0 done (or preempted and saved), 2 bad command line / input, 1 runtime error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fail(message: str, code: int) -> "NoReturn":  # noqa: F821
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
+    sys.stderr.write(f"pretrain_gpt.py: error: {prefix}{message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def _check_inputs(args) -> None:
+    """Input checks that need no process group: dataset readable, --load has a checkpoint."""
+    from megatron.training.checkpointing import read_tracker
+    from megatron.training.indexed_io import open_dataset
+
+    try:
+        open_dataset(args.data_path)
+        if args.load is not None and read_tracker(args.load) is None:
+            same_as_save = args.save and os.path.realpath(args.save) == os.path.realpath(args.load)
+            if not same_as_save:  # --load == --save on an empty dir: a fresh start that can resume
+                raise ValueError(f"--load: no checkpoint in {args.load}")
+    except ValueError as e:
+        _fail(str(e), 2)
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, getattr(torch.distributed, "DistBackendError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset", "timed out", "Timed out", "gloo"))
+
+
+def main(argv=None) -> int:
+    from megatron.training import quiet_optional_extras
+
+    quiet_optional_extras()
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(argv)
+    _check_inputs(args)
+    from megatron.training.initialize import shutdown
+    from megatron.training.training import pretrain
+
+    try:
+        pretrain(args)
+    except ValueError as e:
+        _fail(str(e).splitlines()[0], 1)
+    except Exception as e:
+        if _is_comm_failure(e):
+            first = str(e).strip().splitlines()[0][:300]
+            _fail(f"lost contact with another rank (dead, or stuck longer than "
+                  f"--distributed-timeout-minutes {args.distributed_timeout_minutes:g}): {first}", 1)
+        raise
+    finally:
+        try:
+            shutdown()
+        except Exception:  # tearing down after a failed peer can itself fail; exit anyway
+            pass
+    return 0
+
+
+if __name__ == "__main__":  # guard: megatron/torch may spawn helper processes
+    sys.exit(main())

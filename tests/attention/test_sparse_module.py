@@ -1,0 +1,152 @@
+"""SparseAttention in megatron-core's TransformerLayer (THD and SBHD) on CPU."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sparsebalance import runtime
+from sparsebalance.attention.routing import kept_pairs
+
+
+@pytest.fixture(scope="module")
+def mp():
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                use_cpu_initialization=True, bf16=False, params_dtype=torch.float32,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _layer(cfg, layer_number, **spec_kw):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from sparsebalance.attention import get_gpt_layer_sparse_spec
+
+    spec = get_gpt_layer_sparse_spec(use_te=False, **spec_kw)
+    torch.manual_seed(0)
+    return build_module(spec, config=cfg, layer_number=layer_number)
+
+
+def _thd(cfg, lens, seed=0):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    T = sum(lens)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 1, cfg.hidden_size, generator=g).requires_grad_()
+    return x, psp
+
+
+def test_transformer_layer_thd_forward_backward_budget_and_records(mp):
+    from sparsebalance.attention import SparseAttention
+
+    cfg = _config()
+    layer = _layer(cfg, 1, block_size=16, topk=1, backend="cpu")
+    assert isinstance(layer.self_attention.core_attention, SparseAttention)
+    lens = [100, 7, 60]
+    x, psp = _thd(cfg, lens)
+    runtime.pop_records()
+    out, _ = layer(x, attention_mask=None, packed_seq_params=psp)
+    assert out.shape == x.shape
+    out.square().mean().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    w = layer.self_attention.linear_qkv.weight
+    assert w.grad is not None and w.grad.abs().sum() > 0
+    (rec,) = runtime.pop_records()
+    H = cfg.num_attention_heads
+    assert rec.layer_number == 1 and rec.topk == 1 and rec.doc_lengths == tuple(lens)
+    assert rec.kept_pairs == int(kept_pairs(lens, 1, 16).sum()) * H
+    assert rec.density < 1.0
+
+    # A runtime budget (per layer) overrides the static topk and changes the output.
+    with runtime.budget({1: 3}, microbatch=5):
+        out3, _ = layer(x, attention_mask=None, packed_seq_params=psp)
+    (rec3,) = runtime.pop_records()
+    assert rec3.topk == 3 and rec3.microbatch == 5
+    assert rec3.kept_pairs == int(kept_pairs(lens, 3, 16).sum()) * H > rec.kept_pairs
+    assert not torch.allclose(out3, out)
+
+
+def test_dense_layers_and_backends_agree_in_layer(mp):
+    cfg = _config()
+    lens = [90, 40]
+    x, psp = _thd(cfg, lens, seed=1)
+    outs = {}
+    for be in ("reference", "cpu"):
+        layer = _layer(cfg, 2, block_size=16, topk=0, backend=be)
+        outs[be] = layer(x, attention_mask=None, packed_seq_params=psp)[0]
+    torch.testing.assert_close(outs["cpu"], outs["reference"], rtol=1e-4, atol=1e-5)
+    dense_layer = _layer(cfg, 2, block_size=16, topk=0, backend="cpu", dense_layers=(2,))
+    runtime.pop_records()
+    dense = dense_layer(x, attention_mask=None, packed_seq_params=psp)[0]
+    (rec,) = runtime.pop_records()
+    assert rec.topk is None and rec.density == 1.0
+    big = _layer(cfg, 2, block_size=16, topk=100, backend="cpu")(x, attention_mask=None,
+                                                                  packed_seq_params=psp)[0]
+    torch.testing.assert_close(big, dense, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(outs["cpu"], dense, atol=1e-3)
+
+
+def test_sbhd_equals_thd_of_equal_documents(mp):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from sparsebalance.attention import SparseAttention
+
+    cfg = _config()
+    core = SparseAttention(cfg, 1, AttnMaskType.causal, "self", block_size=16, topk=1, backend="cpu")
+    S, B, H, D = 70, 2, 4, 16
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(S, B, h, D, generator=g) for h in (H, 2, 2))
+    sbhd = core(q, k, v, None)
+    assert sbhd.shape == (S, B, H * D)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, S, 2 * S], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)
+    flat = core(thd(q), thd(k), thd(v), None, packed_seq_params=psp)
+    torch.testing.assert_close(sbhd.transpose(0, 1).reshape(B * S, -1), flat)
+
+
+def test_module_rejects_bad_params(mp):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from sparsebalance.attention import SparseAttention
+
+    cfg = _config()
+    for kw, msg in [(dict(block_size=0), "block_size"), (dict(topk=-2), "topk"),
+                    (dict(backend="x"), "backend")]:
+        with pytest.raises(ValueError, match=msg):
+            SparseAttention(cfg, 1, AttnMaskType.causal, "self", **kw)
+    with pytest.raises(ValueError, match="attn_mask_type"):
+        SparseAttention(cfg, 1, AttnMaskType.no_mask, "self")
+
+
+def test_attention_package_import_is_light():
+    import subprocess
+    import sys
+
+    code = "import sys, sparsebalance.attention, sparsebalance.ops; print('megatron' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

@@ -1,0 +1,49 @@
+"""Run ``pretrain()`` exactly as pretrain_gpt.py does and dump what tests compare.
+
+Launched by the tests (python or torchrun) with pretrain_gpt.py's flags; the dump
+directory comes from ``SB_TEST_DUMP`` (not a flag: the driver has no test flags).
+Each rank writes ``rank<r>.npz`` with per-step global loss and grad norm and the
+last step's gradients (main_grad) keyed by PP-independent parameter names.
+"""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def main() -> None:
+    import numpy as np
+    import torch
+
+    from megatron.training import quiet_optional_extras
+
+    quiet_optional_extras()
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import shutdown
+    from megatron.training.model import global_param_names
+    from megatron.training.training import pretrain
+
+    dump = os.environ["SB_TEST_DUMP"]
+    args = parse_args()
+    grads = {}
+
+    def on_step(iteration, state, result):
+        grads.clear()
+        for chunk in state["model"]:
+            for name, p in global_param_names(chunk).items():
+                grads[name] = p.main_grad.detach().double().numpy().copy()
+
+    summary = pretrain(args, on_step=on_step)
+    rank = torch.distributed.get_rank()
+    os.makedirs(dump, exist_ok=True)
+    np.savez(os.path.join(dump, f"rank{rank}.npz"), **{"grad/" + k: v for k, v in grads.items()})
+    with open(os.path.join(dump, f"rank{rank}.json"), "w") as f:
+        json.dump(summary, f)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Logits of a packed micro-batch before/after changing one document's tokens.
+
+Builds the driver's model (world of one) and a real packed micro-batch from
+``argv[1]`` (dataset prefix); writes ``argv[2]`` (npz): logits before/after,
+cu_seqlens, and which segment was changed.
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def main() -> None:
+    import numpy as np
+    import torch
+
+    from megatron.training import quiet_optional_extras
+
+    quiet_optional_extras()
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.training import data as D
+    from megatron.training import initialize as init
+    from megatron.training import model as M
+    from megatron.training.arguments import parse_args
+    from megatron.training.indexed_io import open_dataset
+
+    prefix, out = sys.argv[1], sys.argv[2]
+    args = parse_args(["--data-path", prefix, "--num-layers", "2", "--hidden-size", "64",
+                       "--num-attention-heads", "4", "--seq-length", "256"])
+    init.initialize(args)
+    config = M.transformer_config(args, use_cpu=True)
+    model = M.build_model(args, config, 256)[0].module.eval()
+    ds = open_dataset(prefix)
+    # the first docs of the dataset that fit, whole, in one micro-batch
+    segments, total = [], 0
+    for d, n in enumerate(ds.sequence_lengths[:64]):
+        if total + n > args.seq_length:
+            break
+        segments.append((d, 0, int(n)))
+        total += int(n)
+    mb = D.build_microbatch(ds, np.arange(len(ds)), segments)
+    cu = mb["cu_seqlens"]
+
+    def logits(tokens):
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
+                                 max_seqlen_kv=int((cu[1:] - cu[:-1]).max()))
+        with torch.no_grad():
+            return model(tokens, mb["position_ids"], None, packed_seq_params=packed).double().numpy()
+
+    before = logits(mb["tokens"])
+    changed = len(segments) // 2
+    tokens = mb["tokens"].clone()
+    s, e = int(cu[changed]), int(cu[changed + 1])
+    tokens[0, s:e] = (tokens[0, s:e] + 7) % 256
+    after = logits(tokens)
+    np.savez(out, before=before, after=after, cu=cu.numpy(), changed=changed)
+    init.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Fixtures for the driver tests: a tiny corpus and launch helpers.
+
+Every launch uses OMP_NUM_THREADS=1 and the tiny GPT of :data:`TINY`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+HARNESS = os.path.join(ROOT, "tests", "training", "_harness.py")
+PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
+
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
+        "--num-attention-heads", "4", "--seq-length", "256", "--global-batch-size", "4",
+        "--lr", "1e-3", "--log-interval", "1", "--no-progress-bar", "--seed", "7"]
+
+
+def env():
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(k, None)
+    return e
+
+
+def launch(script, args, nproc=1, timeout=240, extra_env=None):
+    """Run ``script`` with ``args`` under python (nproc=1) or torchrun; returns CompletedProcess."""
+    if nproc == 1:
+        cmd = [PY, script, *args]
+    else:
+        cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--standalone", script, *args]
+    e = env()
+    e.update(extra_env or {})
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def summary_of(proc):
+    """The SUMMARY_JSON line rank 0 prints."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if "SUMMARY_JSON " in l]
+    assert len(lines) == 1, proc.stdout[-2000:]
+    return json.loads(lines[0].split("SUMMARY_JSON ", 1)[1])
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """~300 documents, prolong lengths scaled to <= 384 tokens (some exceed --seq-length 256)."""
+    prefix = str(tmp_path_factory.mktemp("corpus") / "tiny")
+    proc = subprocess.run([PY, os.path.join(ROOT, "tools", "make_corpus.py"), "--output-prefix", prefix,
+                           "--num-docs", "300", "--max-length", "384", "--quantile", "0.99"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return prefix

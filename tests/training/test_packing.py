@@ -1,0 +1,86 @@
+"""Packed THD micro-batches: layout invariants and no attention across documents."""
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PY, ROOT, env
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """Three known documents written through tools/preprocess_data.py (byte tokenizer)."""
+    d = tmp_path_factory.mktemp("pre")
+    texts = ["hello world", "a", "the quick brown fox jumps", "x" * 40]
+    (d / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts) + "\n")
+    proc = subprocess.run([PY, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(d / "in.jsonl"),
+                           "--output-prefix", str(d / "docs")], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from megatron.training.indexed_io import open_dataset
+
+    return open_dataset(str(d / "docs")), texts
+
+
+def test_preprocess_roundtrip(dataset):
+    ds, texts = dataset
+    assert len(ds) == len(texts)
+    for i, t in enumerate(texts):
+        assert bytes(ds.get(i).tolist()) == t.encode()
+
+
+def test_microbatch_layout(dataset):
+    from megatron.training.data import build_microbatch
+
+    ds, texts = dataset
+    # doc 0 whole, doc 2 whole, first 16 tokens of doc 3 (a chunk of a longer doc)
+    segs = [(0, 0, len(texts[0])), (2, 0, len(texts[2])), (3, 8, 16)]
+    mb = build_microbatch(ds, np.arange(len(ds)), segs)
+    T = sum(s[2] for s in segs)
+    for k in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert mb[k].shape == (1, T), k
+    assert mb["cu_seqlens"].dtype == torch.int32
+    assert mb["cu_seqlens"].tolist() == [0, 11, 36, 52]
+    pos = mb["position_ids"][0].tolist()
+    assert pos[:11] == list(range(11)) and pos[11:36] == list(range(25)) and pos[36:] == list(range(16))
+    tok, lab, mask = (mb[k][0] for k in ("tokens", "labels", "loss_mask"))
+    # labels are the next token of the same document, never of the next one
+    assert bytes(tok[:11].tolist()) == b"hello world" and bytes(lab[:10].tolist()) == b"ello world"
+    assert mask[10] == 0 and mask[35] == 0 and mask[:10].all() and mask[11:35].all()
+    # a chunk of a longer document is still trained on the token after it
+    assert mask[51] == 1 and lab[51] == ord("x")
+    assert float(mask.sum()) == T - 2
+
+
+def test_padding_segment_is_masked(dataset):
+    from megatron.training.data import build_microbatch
+
+    ds, texts = dataset
+    mb = build_microbatch(ds, np.arange(len(ds)), [(0, 0, 11)], pad_to=32)
+    assert mb["tokens"].shape == (1, 32)
+    assert mb["cu_seqlens"].tolist() == [0, 11, 32]
+    assert float(mb["loss_mask"][0, 11:].sum()) == 0
+    empty = build_microbatch(ds, np.arange(len(ds)), [])
+    assert empty["tokens"].shape == (1, 1) and float(empty["loss_mask"].sum()) == 0
+
+
+def test_no_cross_document_leakage(corpus, tmp_path):
+    out = str(tmp_path / "leak.npz")
+    proc = subprocess.run([PY, os.path.join(ROOT, "tests", "training", "_leakage.py"), corpus, out],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    z = np.load(out)
+    cu, changed = z["cu"], int(z["changed"])
+    before, after = z["before"].reshape(-1, z["before"].shape[-1]), z["after"].reshape(-1, z["after"].shape[-1])
+    assert len(cu) - 1 >= 3, "fixture must pack several documents"
+    for d in range(len(cu) - 1):
+        s, e = cu[d], cu[d + 1]
+        diff = np.abs(after[s:e] - before[s:e]).max()
+        if d == changed:
+            assert diff > 1e-3, "changing a document must change its own logits (vacuous test otherwise)"
+        else:
+            assert diff <= 1e-10, f"document {d} changed by {diff} when document {changed} was edited"

@@ -1,0 +1,83 @@
+"""Checkpoint/resume and preemption through pretrain_gpt.py (PP=2, torchrun, gloo).
+
+* save at N, resume, the losses of N+1.. equal the uninterrupted run;
+* SIGUSR1 to ONE rank: every rank finishes its step, all agree, a checkpoint is
+  written atomically, exit 0; resuming from it continues the same loss curve.
+Constant LR so that runs of different --train-iters share the schedule.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import PRETRAIN, PY, ROOT, TINY, env, launch, summary_of
+
+PP2 = ["--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant"]
+TOTAL = 6
+
+
+@pytest.fixture(scope="module")
+def full_run(corpus, tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("full"))
+    return summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
+                                        "--save", save], nproc=2))
+
+
+def test_save_resume_reproduces_losses(corpus, full_run, tmp_path):
+    save = str(tmp_path / "ck")
+    first = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", "3",
+                                         "--save", save], nproc=2))
+    assert sorted(os.listdir(save)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    second = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
+                                          "--load", save, "--save", save], nproc=2))
+    assert second["iterations"] == TOTAL - 3 and second["last_iteration"] == TOTAL
+    np.testing.assert_allclose(first["losses"], full_run["losses"][:3], rtol=1e-6)
+    np.testing.assert_allclose(second["losses"], full_run["losses"][3:], rtol=1e-6)
+    assert len(set(np.round(full_run["losses"], 4))) == TOTAL  # the curve really moves
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_signal_saves_and_resumes(corpus, full_run, tmp_path):
+    save = str(tmp_path / "ck")
+    args = [*TINY, *PP2, "--data-path", corpus, "--train-iters", "200", "--save", save,
+            "--exit-signal-handler"]
+    proc = subprocess.Popen([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                             PRETRAIN, *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # wait until training is under way
+            lines.append(line)
+            if "iter      2/" in line:
+                break
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(max(workers), signal.SIGUSR1)  # only one rank gets the signal
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    stdout = "".join(lines) + out
+    summary = [l for l in stdout.splitlines() if "SUMMARY_JSON" in l]
+    import json
+
+    s = json.loads(summary[0].split("SUMMARY_JSON ", 1)[1])
+    stop = s["last_iteration"]
+    assert s["preempted"] and 2 <= stop < 200
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(stop)
+    assert not [d for d in os.listdir(save) if ".tmp" in d]
+    if stop < TOTAL:  # resume and compare with the uninterrupted curve
+        resumed = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters",
+                                               str(TOTAL), "--load", save], nproc=2))
+        np.testing.assert_allclose(resumed["losses"], full_run["losses"][stop:], rtol=1e-6)
+    np.testing.assert_allclose(s["losses"][:min(stop, TOTAL)], full_run["losses"][:min(stop, TOTAL)], rtol=1e-6)
