@@ -36,11 +36,17 @@ def _fail(message: str, code: int) -> "NoReturn":  # noqa: F821
 
 
 def _check_inputs(args) -> None:
-    """Input checks that need no process group: dataset readable, --load has a checkpoint."""
+    """Input checks that need no process group: device flags, dataset readable, --load has
+    a checkpoint."""
     from megatron.training.checkpointing import read_tracker
     from megatron.training.indexed_io import open_dataset
+    from megatron.training.initialize import use_cpu
 
     try:
+        if use_cpu(args) and args.bf16:
+            raise ValueError("--bf16 needs CUDA (the CPU path trains in fp32)")
+        if use_cpu(args) and args.distributed_backend == "nccl":
+            raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
         open_dataset(args.data_path)
         if args.load is not None and read_tracker(args.load) is None:
             same_as_save = args.save and os.path.realpath(args.save) == os.path.realpath(args.load)

@@ -125,6 +125,18 @@ def check_args(args, parser) -> None:
     if not files or missing:
         usage_error(f"length files not found: {missing or _LENGTH_FILES}", prog)
     args.length_files = files
+    from sparsebalance.predictor.grid import load_length_pool
+
+    try:
+        args.length_pool = load_length_pool(files)
+    except ValueError as e:
+        usage_error(str(e), prog)
+    if args.sparse_attention:
+        from sparsebalance.ops import BACKENDS
+
+        if args.sb_attention_backend != "auto" and args.sb_attention_backend not in BACKENDS:
+            usage_error(f"--sb-attention-backend must be 'auto' or one of {sorted(BACKENDS)}, "
+                        f"got {args.sb_attention_backend!r}", prog)
     if args.output and os.path.isdir(args.output):
         usage_error(f"--output {args.output} is a directory", prog)
     if args.length_scale is not None and not args.length_scale > 0:
@@ -149,7 +161,9 @@ class Bench:
     the model the flags describe, built from megatron-core's own modules."""
 
     def __init__(self, args):
+        import atexit
         import gc
+        import shutil
         import tempfile
 
         import torch
@@ -165,6 +179,8 @@ class Bench:
         self._store = None
         if not dist.is_initialized():
             self._store = tempfile.mkdtemp(prefix="profile_latency-")
+            # Removed at exit even when building the model below fails.
+            atexit.register(shutil.rmtree, self._store, ignore_errors=True)
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     init_method=f"file://{self._store}/pg", world_size=1, rank=0)
         if not ps.model_parallel_is_initialized():
@@ -203,14 +219,10 @@ class Bench:
         gc.freeze()
 
     def close(self) -> None:
-        """Undo the gc.freeze() of __init__ (frozen objects would outlive shutdown) and
-        remove the process group's rendezvous directory."""
+        """Undo the gc.freeze() of __init__ (frozen objects would outlive shutdown)."""
         import gc
-        import shutil
 
         gc.unfreeze()
-        if self._store is not None:
-            shutil.rmtree(self._store, ignore_errors=True)
 
     # -- inputs ------------------------------------------------------------------
     def _packed(self, lengths):
@@ -439,7 +451,11 @@ def _report(predictor, held, held_times, stage_items, stage_times, args) -> dict
     meas = {p: np.array([_median(t[i]) for t in held_times]) for i, p in enumerate(("fwd", "bwd"))}
     pred = {p: np.array([predictor.layer_ms(L, t, p) for _, L, t, _ in held]) for p in ("fwd", "bwd")}
     tot_m, tot_p = meas["fwd"] + meas["bwd"], pred["fwd"] + pred["bwd"]
-    out = {"n_heldout": len(held), "mape_fwd": mape(pred["fwd"], meas["fwd"]),
+    # Spread of the repeats themselves (median over items of MAD / median of the
+    # fwd+bwd repeats): the floor below which no model's held-out error can go.
+    noise = [np.median(np.abs(r - np.median(r))) / np.median(r)
+             for r in (np.add(f, b) for f, b in held_times)]
+    out = {"n_heldout": len(held), "repeat_noise": float(np.median(noise)), "mape_fwd": mape(pred["fwd"], meas["fwd"]),
            "mape_bwd": mape(pred["bwd"], meas["bwd"]), "mape": mape(tot_p, tot_m),
            "max_ape": float(np.max(np.abs(tot_p - tot_m) / tot_m)),
            "spearman": spearman(tot_p, tot_m),
@@ -468,13 +484,12 @@ def run(args, threads: int, command: str, t0: float) -> int:
     import numpy as np
     from sparsebalance.predictor import ModelShape
     from sparsebalance.predictor.fitted import FittedPredictor
-    from sparsebalance.predictor.grid import (GridSpec, heldout_set, load_length_pool,
-                                              training_grid)
+    from sparsebalance.predictor.grid import GridSpec, heldout_set, training_grid
     from sparsebalance.predictor.profile import hardware_fingerprint, make_profile, save_profile
 
     _fill_defaults(args)
     rng = np.random.default_rng(args.profile_seed)
-    pool = load_length_pool(args.length_files)
+    pool = args.length_pool
     spec = GridSpec(capacity=args.seq_length, block_size=args.sb_block_size,
                     budgets=args.budgets, length_scale=args.length_scale)
     grid = training_grid(pool, spec, rng, n_mixes=4 if args.quick else 16,
@@ -518,7 +533,8 @@ def run(args, threads: int, command: str, t0: float) -> int:
     else:
         print(f"profile_latency: {len(samples)} samples in {result['seconds']} s, threads={threads}"
               + (f" -> {args.output}" if args.output else ""))
-        for key in ("mape_fwd", "mape_bwd", "mape", "spearman", "stage_mape", "stage_max_err"):
+        for key in ("mape_fwd", "mape_bwd", "mape", "spearman", "stage_mape", "stage_max_err",
+                    "repeat_noise"):
             if key in result:
                 print(f"  {key} = {result[key]:.4f}")
     return 0

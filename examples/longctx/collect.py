@@ -69,6 +69,8 @@ def seed_summary(ev: dict, meta: dict, path: str, needle_length: int,
         "mean_stderr": math.sqrt(var) / k,  # binomial, over the cells' samples
         "per_task": per_task,
         "wall_clock_s": meta["wall_clock_s"],
+        "train_iterations": meta.get("iterations"),
+        "train_tokens": meta.get("tokens"),
         "samples_per_cell": min(c["n"] for c in cells.values()),
     }
 

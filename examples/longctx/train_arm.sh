@@ -70,15 +70,21 @@ if [[ $rc -ne 0 ]]; then
     echo "train_arm.sh: training of $ARM seed $SEED failed (exit $rc); see $RUN/train.log" >&2
     exit 1
 fi
-"$PYTHON" - "$RUN/train_meta.json" "$ARM" "$SEED" "$start" "$end" "$BUDGET_S" "$FLAGS" <<'PY'
+"$PYTHON" - "$RUN" "$ARM" "$SEED" "$start" "$end" "$BUDGET_S" "$FLAGS" <<'PY'
 import json, os, sys
-path, arm, seed, start, end, budget, flags = sys.argv[1:]
+run, arm, seed, start, end, budget, flags = sys.argv[1:]
 meta = {"arm": arm, "seed": int(seed), "wall_clock_s": round(float(end) - float(start), 1),
         "budget_s": float(budget), "arm_flags": flags.split(),
         "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS", "0"))}
-tmp = path + ".tmp"
-with open(tmp, "w") as f:
+# The driver's end-of-run summary line (steps, tokens, losses) if it printed one.
+summary = [l for l in open(os.path.join(run, "train.log")) if l.startswith("SUMMARY_JSON ")]
+if summary:
+    s = json.loads(summary[-1].split(" ", 1)[1])
+    meta.update({k: s.get(k) for k in ("iterations", "tokens", "tokens_per_s", "median_step_s",
+                                       "first_loss", "last_loss", "preempted")})
+path = os.path.join(run, "train_meta.json")
+with open(path + ".tmp", "w") as f:
     json.dump(meta, f, indent=1)
-os.replace(tmp, path)
+os.replace(path + ".tmp", path)
 PY
 echo "trained $ARM seed $SEED in $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.0f", b - a}') s -> $RUN"

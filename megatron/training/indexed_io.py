@@ -54,12 +54,20 @@ def open_dataset(prefix: str):
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
             raise ValueError(f"data path {prefix + ext} does not exist")
+    # Construct in two steps so a failed __init__ leaves an object whose __del__
+    # (which deletes bin_reader and index) does not print a second traceback.
+    ds = IndexedDataset.__new__(IndexedDataset)
     try:
-        ds = IndexedDataset(prefix, mmap=True)
+        ds.__init__(prefix, mmap=True)
         lengths = np.asarray(ds.sequence_lengths)
         expected = int(lengths.sum()) * np.dtype(ds.index.dtype).itemsize
     except Exception as e:  # megatron asserts on a bad header; report it as bad data
-        raise ValueError(f"data path {prefix}: not a valid indexed dataset ({type(e).__name__}: {e})".rstrip(": ")) from None
+        for attr in ("bin_reader", "index"):
+            if not hasattr(ds, attr):
+                setattr(ds, attr, None)
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise ValueError(f"data path {prefix}: not a valid indexed dataset "
+                         f"({type(e).__name__}{': ' + detail if detail else ''})") from None
     actual = os.path.getsize(prefix + ".bin")
     if len(lengths) == 0:
         raise ValueError(f"data path {prefix}: dataset has no documents")

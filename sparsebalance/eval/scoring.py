@@ -13,8 +13,11 @@ Two scoring modes (the model-facing code is in :mod:`sparsebalance.eval.runner`)
   if the gold scores strictly higher than every distractor (ties are wrong, so
   a model that ignores its input cannot score by tie-breaking). Chance level
   is ``1 / (1 + num_distractors)`` (0.25 with the default 3 distractors) for a
-  model whose scores carry no information about which candidate is right;
-  report it next to the accuracy.
+  model whose scores carry no information about which candidate is right
+  (the generators give every distractor the gold's format and, except for
+  ``freq_words``' coded words, its length, so a model that only knows the
+  format cannot beat it by preferring shorter answers); report it next to the
+  accuracy.
 """
 
 from __future__ import annotations

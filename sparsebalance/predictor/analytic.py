@@ -131,6 +131,9 @@ class AnalyticPredictor(LatencyPredictor):
     def layer_const_ms(self, phase: str) -> float:
         return self.fwd_const_ms * (1.0 if phase == "fwd" else BWD_CONST)
 
+    def _pair_ms(self, topk: Optional[int], phase: str) -> float:
+        return self.fwd_pair_ms * (1.0 if phase == "fwd" else BWD_ATTN)
+
     def _extras_ms(self, tokens: int, stage: int, pp: int, phase: str) -> float:
         s = self.shape
         ms = 0.0

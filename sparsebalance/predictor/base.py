@@ -85,6 +85,18 @@ class LatencyPredictor(abc.ABC):
         """Per-micro-batch constant of one transformer layer (ms)."""
 
     @abc.abstractmethod
+    def _pair_ms(self, topk: Optional[int], phase: str) -> float:
+        """Slope of one layer's time in kept pairs under ``topk``."""
+
+    def pair_ms(self, topk: Optional[int], phase: str) -> float:
+        """ms of one layer per kept (query, key) pair (per head) under budget ``topk``:
+        the slope of :meth:`layer_doc_ms` in ``kept_pairs``. It depends on ``topk`` only
+        through the kernel: a None budget may run a dense kernel with another rate."""
+        if topk is not None and topk < 0:
+            raise ValueError(f"topk must be >= 0 or None, got {topk}")
+        return float(self._pair_ms(topk, check_phase(phase)))
+
+    @abc.abstractmethod
     def _extras_ms(self, tokens: int, stage: int, pp: int, phase: str) -> float:
         """Embedding (stage 0) plus output layer and loss (stage pp-1), ms."""
 

@@ -28,8 +28,11 @@ def load_length_pool(paths: Sequence[str]) -> np.ndarray:
     """All document lengths of the given JSON files (lists of positive ints)."""
     pool = []
     for p in paths:
-        with open(p) as f:
-            data = json.load(f)
+        try:
+            with open(p) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{p}: cannot read a JSON list of document lengths ({e})") from None
         if not isinstance(data, list) or not data:
             raise ValueError(f"{p}: expected a non-empty JSON list of document lengths")
         pool.append(np.asarray(data, dtype=np.int64))

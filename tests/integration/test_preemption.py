@@ -159,6 +159,7 @@ def uninterrupted(data, tmp_path_factory):
 
 def test_sigterm_checkpoints_exits_0_and_resume_matches(data, uninterrupted, tmp_path):
     ck = str(tmp_path / "ck")
+    os.makedirs(ck)  # --load must exist; equal to --save and empty, it starts fresh (as the sbatch does)
     args = model_args(data) + ["--save", ck, "--load", ck, "--exit-signal-handler"]
     with open(tmp_path / "log1", "w") as log:
         t0 = time.monotonic()

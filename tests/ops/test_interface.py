@@ -117,3 +117,12 @@ def test_per_token_routing_reference_runs_and_differs_from_block_routing():
     assert not torch.allclose(block, tok)
     dense = reference_sparse_attention(q, k, v, cu, 100, 32, 0.25, return_kept_pairs=False)
     torch.testing.assert_close(full, dense)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_empty_batch(backend):
+    q = torch.zeros(0, 2, 16, requires_grad=True)
+    out, dens = sparse_attention(q, q, q, torch.tensor([0, 0], dtype=torch.int32), topk=1,
+                                 block_size=16, backend=backend, return_density=True)
+    out.sum().backward()
+    assert out.shape == (0, 2, 16) and dens == 1.0 and q.grad.shape == q.shape

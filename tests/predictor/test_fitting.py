@@ -20,9 +20,12 @@ def _compositions(rng, n, capacity=4096):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("true", [
-    {"pairs": 2e-6, "dense_pairs": 3e-6, "tokens": 3e-3, "docs": 0.05, "const": 1.5},
-    {"pairs": 5e-7, "dense_pairs": 5e-7, "tokens": 1e-2, "docs": 0.0, "const": 0.0},  # zeros stay
-    {"pairs": 1e-5, "dense_pairs": 2e-6, "tokens": 0.0, "docs": 0.2, "const": 4.0},
+    {"pairs": 2e-6, "dense_pairs": 3e-6, "tokens": 3e-3, "docs": 0.05, "dense_docs": 0.3,
+     "const": 1.5},
+    {"pairs": 5e-7, "dense_pairs": 5e-7, "tokens": 1e-2, "docs": 0.0, "dense_docs": 0.0,
+     "const": 0.0},  # zeros stay zero
+    {"pairs": 1e-5, "dense_pairs": 2e-6, "tokens": 0.0, "docs": 0.2, "dense_docs": 0.1,
+     "const": 4.0},
 ])
 def test_fit_recovers_known_coefficients(seed, true):
     rng = np.random.default_rng(seed)
@@ -43,7 +46,7 @@ def test_fit_recovers_known_coefficients(seed, true):
 
 def test_fit_with_noise_is_close():
     rng = np.random.default_rng(7)
-    true = np.array([2e-6, 3e-6, 3e-3, 0.05, 1.5])
+    true = np.array([2e-6, 3e-6, 3e-3, 0.05, 0.2, 1.5])
     comps = _compositions(rng, 200)
     X = np.stack([layer_features(L, k, 64) for L, k in comps])
     y = X @ true * rng.lognormal(0.0, 0.02, size=len(comps))  # 2% multiplicative noise
@@ -57,9 +60,10 @@ def test_features_count_exact_pairs():
     lengths = [1, 63, 64, 65, 1000, 0]
     x = layer_features(lengths, 3, 64)
     assert x[0] == kept_pairs([1, 63, 64, 65, 1000], 3, 64).sum() and x[1] == 0
-    assert x[2] == 1193 and x[3] == 5 and x[4] == 1.0  # empty documents do not count
+    assert x[2] == 1193 and x[3] == 5 and x[4] == 0 and x[5] == 1.0  # empty docs do not count
     d = layer_features(lengths, None, 64)
     assert d[0] == 0 and d[1] == sum(L * (L + 1) // 2 for L in lengths)
+    assert d[2] == 1193 and d[3] == 0 and d[4] == 5 and d[5] == 1.0
 
 
 def test_nnls_matches_unconstrained_when_feasible_and_clips_otherwise():

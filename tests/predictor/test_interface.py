@@ -8,9 +8,9 @@ from sparsebalance.predictor.fitted import FittedPredictor
 from sparsebalance.predictor.config import ModelShape
 
 COEF = {"layer": {"fwd": {"pairs": 1e-6, "dense_pairs": 6e-7, "tokens": 1e-3, "docs": 0.02,
-                          "const": 0.3},
+                          "dense_docs": 0.05, "const": 0.3},
                   "bwd": {"pairs": 2.5e-6, "dense_pairs": 1.5e-6, "tokens": 2e-3, "docs": 0.04,
-                          "const": 0.6}},
+                          "dense_docs": 0.1, "const": 0.6}},
         "embedding": {"fwd": {"tokens": 1e-4, "const": 0.05}, "bwd": {"tokens": 2e-4, "const": 0.1}},
         "output": {"fwd": {"tokens": 5e-3, "const": 0.5}, "bwd": {"tokens": 1e-2, "const": 1.0}}}
 
@@ -67,6 +67,23 @@ def test_dense_only_profile_ignores_budgets():
     L = np.array([8000, 300])
     assert dense.layer_ms(L, 4, "fwd") == dense.layer_ms(L, None, "fwd") == sparse.layer_ms(L, None, "fwd")
     assert sparse.layer_ms(L, 4, "fwd") != sparse.layer_ms(L, None, "fwd")
+
+
+@pytest.mark.parametrize("pred", _predictors(), ids=["analytic", "fitted"])
+@pytest.mark.parametrize("topk", [None, 0, 4, 32])
+def test_pair_ms_is_the_slope_in_kept_pairs(pred, topk):
+    from sparsebalance.attention.routing import kept_pairs
+
+    B = pred.block_size
+    L1, L2 = np.array([40 * B]), np.array([90 * B + 7])
+    for phase in ("fwd", "bwd"):
+        # Same tokens-and-docs part: compare two lengths with the token term removed.
+        d = np.diff([pred.layer_doc_ms(L, topk, phase)[0] for L in (L1, L2)])[0]
+        dp = float(kept_pairs(L2, topk, B)[0] - kept_pairs(L1, topk, B)[0])
+        tok = (pred.layer_doc_ms(L2, 10**9, phase)[0] - pred.layer_doc_ms(L1, 10**9, phase)[0]
+               - pred.pair_ms(10**9, phase) * float(kept_pairs(L2, 10**9, B)[0]
+                                                     - kept_pairs(L1, 10**9, B)[0]))
+        assert pred.pair_ms(topk, phase) == pytest.approx((d - tok) / dp, rel=1e-9)
 
 
 @pytest.mark.parametrize("pred", _predictors(), ids=["analytic", "fitted"])

@@ -15,7 +15,7 @@ from sparsebalance.predictor.profile import (hardware_fingerprint, make_profile,
 MODEL = {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 4,
          "kv_channels": None, "ffn_hidden_size": 512, "vocab_size": 256, "swiglu": False,
          "block_size": 64, "topk": 8, "attention": "sparse", "attention_backend": "cpu"}
-TRUE = np.array([1e-5, 0.0, 2e-3, 0.1, 0.5])  # sparse pairs, dense pairs, tokens, docs, 1
+TRUE = np.array([1e-5, 0.0, 2e-3, 0.1, 0.0, 0.5])  # as LAYER_FEATURES (all budgets sparse)
 
 
 def _samples():

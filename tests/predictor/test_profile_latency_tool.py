@@ -26,6 +26,8 @@ def _run(args, timeout=240):
     (TINY + ["--validate", "--repeats", "0"], "--repeats"),
     (TINY + ["--validate", "--length-files", "/nonexistent.json"], "length files"),
     (TINY + ["--validate", "--no-such-flag"], "unrecognized"),
+    (TINY + ["--validate", "--sb-attention-backend", "nope"], "--sb-attention-backend"),
+    (TINY + ["--validate", "--length-files", __file__], "cannot read a JSON list"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, needle, tmp_path):
     r = _run(args + ["--output", str(tmp_path / "p.json")] if needle != "--output is required"

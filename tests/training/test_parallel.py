@@ -75,3 +75,14 @@ def test_global_batch_has_several_documents(runs):
     ref, _ = runs["pp1"]
     # tokens per step well above one document's length: packing put several docs together
     assert ref["tokens"] / STEPS > 2 * 256
+
+
+def test_grad_norm_and_clipping_are_global(runs):
+    """The final grads are clipped in place by megatron's optimizer (via the CPU
+    bridge): their norm is min(reported global norm, --clip-grad 1.0)."""
+    for layout in ("pp1", "pp2"):
+        summary, grads = runs[layout]
+        total = np.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
+        norm = summary["grad_norms"][-1]
+        assert norm > 1.0, "clipping not exercised"
+        assert abs(total - min(norm, 1.0)) < 1e-5, (layout, total, norm)

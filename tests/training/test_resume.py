@@ -6,11 +6,11 @@
 Constant LR so that runs of different --train-iters share the schedule.
 """
 
+import json
 import os
+import shutil
 import signal
 import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -24,21 +24,25 @@ TOTAL = 6
 @pytest.fixture(scope="module")
 def full_run(corpus, tmp_path_factory):
     save = str(tmp_path_factory.mktemp("full"))
-    return summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
-                                        "--save", save], nproc=2))
+    summary = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
+                                           "--save", save, "--save-interval", "3"], nproc=2))
+    return summary, save
 
 
 def test_save_resume_reproduces_losses(corpus, full_run, tmp_path):
-    save = str(tmp_path / "ck")
-    first = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", "3",
-                                         "--save", save], nproc=2))
-    assert sorted(os.listdir(save)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
-    second = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
-                                          "--load", save, "--save", save], nproc=2))
-    assert second["iterations"] == TOTAL - 3 and second["last_iteration"] == TOTAL
-    np.testing.assert_allclose(first["losses"], full_run["losses"][:3], rtol=1e-6)
-    np.testing.assert_allclose(second["losses"], full_run["losses"][3:], rtol=1e-6)
-    assert len(set(np.round(full_run["losses"], 4))) == TOTAL  # the curve really moves
+    full, save = full_run
+    assert sorted(os.listdir(save)) == ["iter_0000003", f"iter_{TOTAL:07d}", "latest_checkpointed_iteration.txt"]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(TOTAL)
+    # resume from the checkpoint written at iteration 3 of the uninterrupted run
+    ck = tmp_path / "ck3"
+    ck.mkdir()
+    shutil.copytree(os.path.join(save, "iter_0000003"), ck / "iter_0000003")
+    (ck / "latest_checkpointed_iteration.txt").write_text("3\n")
+    resumed = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
+                                           "--load", str(ck)], nproc=2))
+    assert resumed["iterations"] == TOTAL - 3 and resumed["last_iteration"] == TOTAL
+    np.testing.assert_allclose(resumed["losses"], full["losses"][3:], rtol=1e-6)
+    assert len(set(np.round(full["losses"], 4))) == TOTAL  # the curve really moves
 
 
 def _children(pid):
@@ -69,15 +73,14 @@ def test_signal_saves_and_resumes(corpus, full_run, tmp_path):
     assert proc.returncode == 0, err[-3000:]
     stdout = "".join(lines) + out
     summary = [l for l in stdout.splitlines() if "SUMMARY_JSON" in l]
-    import json
-
     s = json.loads(summary[0].split("SUMMARY_JSON ", 1)[1])
     stop = s["last_iteration"]
-    assert s["preempted"] and 2 <= stop < 200
+    # the flag is agreed on by an all-reduce after every step: it stops at 2 or 3
+    assert s["preempted"] and 2 <= stop <= 3
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(stop)
     assert not [d for d in os.listdir(save) if ".tmp" in d]
-    if stop < TOTAL:  # resume and compare with the uninterrupted curve
-        resumed = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters",
-                                               str(TOTAL), "--load", save], nproc=2))
-        np.testing.assert_allclose(resumed["losses"], full_run["losses"][stop:], rtol=1e-6)
-    np.testing.assert_allclose(s["losses"][:min(stop, TOTAL)], full_run["losses"][:min(stop, TOTAL)], rtol=1e-6)
+    full, _ = full_run
+    resumed = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters",
+                                           str(TOTAL), "--load", save], nproc=2))
+    np.testing.assert_allclose(s["losses"], full["losses"][:stop], rtol=1e-6)
+    np.testing.assert_allclose(resumed["losses"], full["losses"][stop:], rtol=1e-6)
