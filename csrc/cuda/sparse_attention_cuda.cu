@@ -12,8 +12,10 @@
 // headers, which need cuSPARSE/cmake-generated headers a CPU torch lacks), so the
 // caller passes the current stream handle and selects the device (Python launcher).
 // Self-contained: compiles with nvcc and torch's include dirs alone, e.g.
-//   nvcc -c -std=c++17 -arch=sm_80 -I$TORCH/include -I$TORCH/include/torch/csrc/api/include \
-//        -I$PYINC csrc/cuda/sparse_attention_cuda.cu -o /tmp/sa.o
+//   nvcc -c -std=c++20 -O3 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+//        -I$TORCH/include -I$TORCH/include/torch/csrc/api/include -I$PYINC \
+//        -DTORCH_EXTENSION_NAME=_C_cuda csrc/cuda/sparse_attention_cuda.cu -o /tmp/sa.o
+// ($TORCH = the torch package dir, $PYINC = Python's include dir.)
 #include <torch/extension.h>
 #include <cuda_runtime.h>
 

@@ -83,6 +83,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="longest position (default: --seq-length)")
     g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama/Qwen style)")
     g.add_argument("--vocab-size", type=pos(int), default=None,
                    help="vocabulary size (default: from the tokenizer)")
     g.add_argument("--bf16", action="store_true", help="bf16 weights/activations (GPU only)")

@@ -144,7 +144,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader) -> int:
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
-    loader.load_state_dict(loaded["sampler"])
+    try:
+        loader.load_state_dict(loaded["sampler"])
+    except ValueError as e:  # e.g. resumed with another DP size or --seq-length
+        raise ValueError(f"--load: the data order saved in {path} was planned for another setup "
+                         f"({e}); use --finetune to take only the weights") from None
     return int(loaded["iteration"])
 
 

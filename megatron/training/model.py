@@ -51,6 +51,8 @@ def transformer_config(args, use_cpu: bool):
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,

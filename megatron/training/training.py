@@ -133,6 +133,7 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             ckpt.load_weights(args.load, model)
         else:
             iteration = ckpt.load_checkpoint(args.load, model, optimizer, scheduler, loader)
+    start = iteration
     log = _Logger(args, rank, start=iteration)
     flag = SignalFlag(args.exit_signal_handler)
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -172,7 +173,7 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
         if args.exit_signal_handler and flag.any_rank():
             preempted = iteration < args.train_iters
             break
-    if args.save:
+    if args.save and iteration > start:  # nothing new to save if no step ran
         ckpt.save_checkpoint(args.save, iteration, model, optimizer, scheduler, loader, state["cpu"])
         log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
     summary = log.summary(preempted)

@@ -125,14 +125,8 @@ class CostModel:
                         0.0)
 
     def _attn_ms_per_pair(self, k) -> np.ndarray:
-        """[2] ms per kept pair per layer, from the predictor's affine model in pairs."""
-        B = self.predictor.block_size
-        L = np.array([64 * B])
-        kp_dense = kept_pairs(L, None, B)[0]
-        kp_zero = kept_pairs(L, 0, B)[0]
-        return np.array([(self.predictor.layer_doc_ms(L, None, ph)[0]
-                          - self.predictor.layer_doc_ms(L, 0, ph)[0]) / (kp_dense - kp_zero)
-                         for ph in _PHASES])
+        """[2] ms per kept pair per layer at budget ``k`` (the predictor's own slope)."""
+        return np.array([self.predictor.pair_ms(k, ph) for ph in _PHASES])
 
     # -- per micro-batch, per stage ---------------------------------------------------------
     def stage_times(self, layer_sum: np.ndarray, tokens: np.ndarray) -> tuple:

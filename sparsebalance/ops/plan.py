@@ -63,6 +63,17 @@ def _per_doc_topk(topk: TopK, n_docs: int) -> torch.Tensor:
     return torch.full((n_docs,), int(topk), dtype=torch.int64)
 
 
+def doc_block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """fp32 mean over each block of one document ``x [L, heads, D]`` -> ``[ceil(L/B), heads, D]``."""
+    L = x.shape[0]
+    nfull = L // block_size
+    x = x.float()
+    parts = [x[: nfull * block_size].view(nfull, block_size, *x.shape[1:]).mean(1)]
+    if L > nfull * block_size:
+        parts.append(x[nfull * block_size:].mean(0, keepdim=True))
+    return torch.cat(parts, 0)
+
+
 def select_topk(g: torch.Tensor, k: int) -> torch.Tensor:
     """Column ids of the ``k`` largest entries per row of ``g``, ascending (ties: lower index).
 
@@ -107,7 +118,7 @@ def build_plan(
         The :class:`RoutingPlan`, tables on ``q.device``.
     """
     dev = q.device
-    T, H, _ = q.shape
+    H = q.shape[1]
     hkv = k.shape[1]
     B = int(block_size)
     cu = cu_seqlens.detach().to("cpu", torch.int64)
@@ -129,40 +140,24 @@ def build_plan(
     dense = first_block[doc_of].view(-1, 1) + e.view(1, -1)
     kv_idx = torch.where(e.view(1, -1) <= i_in_doc.view(-1, 1), dense, torch.tensor(-1))
     kv_idx = kv_idx.unsqueeze(0).expand(H, NB, W).clone()
-    rep = H // hkv
 
-    sel = torch.nonzero(nb > kd + 2).flatten()  # documents with a real choice
-    if sel.numel():
-        # Block means of every block in two index_add_ calls, then one padded gate per
-        # group of documents sharing a budget (few small ops: this runs every layer).
-        tok_block = torch.repeat_interleave(torch.arange(NB), qb_len).to(dev)
-        cnt = qb_len.to(dev, torch.float32).view(-1, 1, 1)
-        D = q.shape[2]
-        qm_all = torch.zeros((NB, H, D), device=dev).index_add_(0, tok_block, q.float()) / cnt
-        km_all = torch.zeros((NB, hkv, D), device=dev).index_add_(0, tok_block, k.float()) / cnt
-        for kk in torch.unique(kd[sel]).tolist():
-            docs = sel[kd[sel] == kk]
-            n_d = nb[docs]
-            nmax = int(n_d.max())
-            r0 = kk + 2  # first query block with a real choice
-            e_q = torch.arange(r0, nmax)
-            e_k = torch.arange(nmax - 1)
-            bq = (first_block[docs].view(-1, 1) + e_q).clamp(max=NB - 1).to(dev)  # [S, nmax - r0]
-            bk = (first_block[docs].view(-1, 1) + e_k).clamp(max=NB - 1).to(dev)  # [S, nmax - 1]
-            qm = qm_all[bq] * softmax_scale  # [S, nmax - r0, H, D]
-            km = km_all[bk].repeat_interleave(rep, dim=2)  # [S, nmax - 1, H, D]
-            g = torch.einsum("sihd,sjhd->shij", qm, km)
-            i = e_q.to(dev).view(-1, 1)
-            j = e_k.to(dev).view(1, -1)
-            cand = (j >= 1) & (j < i)  # rows past a document's end are ignored below
-            chosen = select_topk(g.masked_fill_(~cand, float("-inf")), kk).cpu()  # [S, H, rows, kk]
-            for s_i, d in enumerate(docs.tolist()):
-                f, n = int(first_block[d]), int(nb[d])
-                rows = n - r0
-                ids = torch.cat([torch.zeros((H, rows, 1), dtype=torch.int64), chosen[s_i, :, :rows],
-                                 (e_q[:rows]).view(1, -1, 1).expand(H, rows, 1)], -1)
-                kv_idx[:, f + r0:f + n, : kk + 2] = ids + f  # sink, chosen ascending, diagonal
-                kv_idx[:, f + r0:f + n, kk + 2:] = -1
+    sel_docs = torch.nonzero(nb > kd + 2).flatten().tolist()
+    rep = H // hkv
+    for d in sel_docs:
+        f, n, kk = int(first_block[d]), int(nb[d]), int(kd[d])
+        s0, L = int(starts[d]), int(lens[d])
+        r0 = kk + 2  # first query block with a real choice
+        qm = doc_block_means(q[s0:s0 + L], B)[r0:]  # [n - r0, H, D]
+        km = doc_block_means(k[s0:s0 + (n - 1) * B], B).repeat_interleave(rep, dim=1)
+        g = torch.einsum("ihd,jhd->hij", qm * softmax_scale, km)  # [H, n - r0, n - 1]
+        i = torch.arange(r0, n, device=dev).view(-1, 1)
+        j = torch.arange(n - 1, device=dev).view(1, -1)
+        cand = (j >= 1) & (j < i)
+        chosen = select_topk(g.masked_fill_(~cand, float("-inf")), kk)  # [H, n - r0, kk]
+        ids = torch.cat([torch.zeros_like(i).expand(H, n - r0, 1), chosen,
+                         i.expand(H, n - r0, 1)], -1)  # sink, chosen ascending, diagonal
+        kv_idx[:, f + r0:f + n, : kk + 2] = (ids + f).to("cpu")
+        kv_idx[:, f + r0:f + n, kk + 2:] = -1
     bl = qb_len
     full = (kv_cnt - 1) * B * bl + bl * (bl + 1) // 2
     return RoutingPlan(

@@ -76,7 +76,7 @@ def make_bad_files(d: str) -> None:
                        "block_size": 128, "topk": 16},
              "timing": {}, "samples": []}
     json.dump(other, open(f"{d}/other_model_profile.json", "w"))
-    json.dump([900, 300, 4000, 120, 2500, 700], open(f"{d}/lengths.json", "w"))
+    json.dump([int(x) for x in rng.integers(100, 3000, size=80)], open(f"{d}/lengths.json", "w"))
     os.makedirs(f"{d}/a_dir", exist_ok=True)
     os.makedirs(f"{d}/empty_ckpt", exist_ok=True)
 

@@ -177,7 +177,14 @@ def test_gpu_sbatch_rendezvous_preemption_and_requeue(slurm, tmp_path):
     assert sorted(r for r, _ in m) == ["0", "1"], first
     saved = int(m[0][1])
     assert saved < 12, first
-    # Slurm holds a requeued job back for a while (BeginTime); release it now.
+    # Slurm holds a requeued job back (BeginTime ~2 min) so that it does not restart in
+    # the second its old credential was revoked (slurmd would refuse it: "Job credential
+    # revoked"). Wait until the node is idle and that second has passed, then release it.
+    deadline = time.monotonic() + 60
+    while _run(["sinfo", "-h", "-N", "-o", "%T"], env=slurm).stdout.strip() != "idle":
+        assert time.monotonic() < deadline, "node never went idle after the requeue"
+        time.sleep(0.3)
+    time.sleep(2.5)
     _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
     state = wait_state(slurm, job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, log=batch_log)
     text, batch = open(node_log).read(), open(batch_log).read()
