@@ -7,6 +7,21 @@ Tiny CPU run (2 processes, 1F1B over gloo; what ``make demo`` does)::
         --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
         --seq-length 512 --global-batch-size 4 --train-iters 30 --lr 1e-3
 
+CPU run with SparseBalance (SAB packing + critical-path DST), after profiling the layer
+once with the same model flags and thread count (``--quick``: a small grid, < 1 min)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/profile_latency.py --quick --output results/cpu_profile.json \
+        --sparse-attention --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
+        --seq-length 1024 --sb-block-size 32 --sb-topk 4
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 pretrain_gpt.py --data-path data/corpus \
+        --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
+        --seq-length 1024 --global-batch-size 4 --train-iters 30 --lr 1e-3 \
+        --sparse-balance --sb-block-size 32 --sb-topk 4 --sb-profile results/cpu_profile.json \
+        --summary-json runs/sb_cpu/summary.json --sb-timeline runs/sb_cpu/timeline
+
+(``--sb-cost-model h100-analytic`` instead of ``--sb-profile`` plans with the analytic
+H100 model; ``--sb-dst anchor --sb-anchor mean --sb-p 0.1`` is the paper's policy.)
+
 GPU cluster run (per node; see examples/ for Slurm)::
 
     torchrun --nnodes $NNODES --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \
@@ -48,12 +63,18 @@ def _check_inputs(args) -> None:
         if use_cpu(args) and args.distributed_backend == "nccl":
             raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
         open_dataset(args.data_path)
+        if args.sb_has_predictor:  # missing / stale profile: refuse before any process group
+            from megatron.training.balance import build_predictor
+            from megatron.training.tokenizer import vocab_size_for
+
+            build_predictor(args, vocab_size_for(args.tokenizer_type, args.tokenizer_model,
+                                                 args.vocab_size))
         if args.load is not None and read_tracker(args.load) is None:
             same_as_save = args.save and os.path.realpath(args.save) == os.path.realpath(args.load)
             if not same_as_save:  # --load == --save on an empty dir: a fresh start that can resume
                 raise ValueError(f"--load: no checkpoint in {args.load}")
-    except ValueError as e:
-        _fail(str(e), 2)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(" ".join(str(e).split()), 2)
 
 
 def _is_comm_failure(e: BaseException) -> bool:

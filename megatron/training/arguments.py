@@ -60,6 +60,12 @@ def _non_negative(kind):
     return parse
 
 
+BATCHING = ("megatron", "concat", "sorted", "tokens", "quadratic", "wlb", "sab")
+"""``--sb-batching`` names (sparsebalance.batching strategies)."""
+DST_POLICIES = ("off", "anchor", "critical-path")
+"""``--sb-dst`` names."""
+
+
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     """The full flag set of ``pretrain_gpt.py`` (no validation beyond types)."""
     p = _OneLineParser(
@@ -114,8 +120,41 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="packed sequences per micro-batch (THD packing requires 1)")
     g.add_argument("--global-batch-size", type=pos(int), default=None,
                    help="micro-batches x DP per step (default: micro-batch size x DP)")
-    g.add_argument("--sb-batching", choices=("megatron", "concat"), default="megatron",
-                   help="packing: whole documents in order (megatron) or concatenation (concat)")
+    g.add_argument("--sb-batching", choices=BATCHING, default=None,
+                   help="packing strategy (sparsebalance.batching): megatron = whole documents in "
+                        "order; sab = sparsity-aware (needs a predictor). Default: megatron, or sab "
+                        "with --sparse-balance")
+    g.add_argument("--max-carry-steps", type=nonneg(int), default=2,
+                   help="a document deferred by the packer waits at most this many steps")
+
+    g = p.add_argument_group("SparseBalance (SAB packing + DST budgets)")
+    g.add_argument("--sparse-balance", action="store_true",
+                   help="= --sparse-attention --sb-batching sab --sb-dst critical-path "
+                        "(explicit --sb-batching / --sb-dst still win)")
+    g.add_argument("--sb-dst", choices=DST_POLICIES, default=None,
+                   help="dynamic sparsity tuning: per micro-batch, per stage top-k each step "
+                        "(needs --sparse-attention and a predictor). Default: off, or "
+                        "critical-path with --sparse-balance")
+    g.add_argument("--sb-anchor", choices=("mean", "max", "min"), default="mean",
+                   help="anchor policy: aggregate of predicted latencies that budgets aim at")
+    g.add_argument("--sb-p", type=float, default=0.1,
+                   help="anchor policy: budgets stay within [(1-p) k0, (1+p) k0], 0 < p < 1")
+    g.add_argument("--sb-topk-min", type=nonneg(int), default=None,
+                   help="smallest DST budget (default: --sb-topk // 2)")
+    g.add_argument("--sb-topk-max", type=nonneg(int), default=None,
+                   help="largest DST budget (default: 2 x --sb-topk)")
+    g.add_argument("--sb-attn-slack", type=float, default=0.0,
+                   help="critical-path policy: retained attention may drop to (1 - slack) x "
+                        "the static plan's, 0 <= slack < 1")
+    g.add_argument("--sb-timeline", default=None, metavar="DIR",
+                   help="write each logged step's predicted and measured timeline "
+                        "(tools/timeline.py format) and a Gantt PNG of the last one")
+    g.add_argument("--sb-profile", default=None, metavar="PATH",
+                   help="latency profile JSON from tools/profile_latency.py (predictor of SAB/DST)")
+    g.add_argument("--sb-cost-model", default=None, metavar="NAME",
+                   help="named cost model instead of a profile, e.g. h100-analytic")
+    g.add_argument("--sb-allow-stale-profile", action="store_true",
+                   help="use a profile whose hardware/model fingerprint differs (warn only)")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=nonneg(float), default=3e-4, help="peak learning rate")
@@ -150,6 +189,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM/SIGUSR1 finish the step, save, exit 0")
     g.add_argument("--no-progress-bar", action="store_true", help="plain log lines only")
+    g.add_argument("--summary-json", default=None, metavar="PATH",
+                   help="rank 0 writes the run's metrics here at the end (atomically)")
     return p
 
 
@@ -220,6 +261,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     if bad:
         raise UsageError(f"--sb-dense-layers {bad[0]} is beyond --num-layers {args.num_layers}")
     args.split_fractions = _split(args.split)
+    _validate_balance(args)
     if args.data_path is None:
         raise UsageError("--data-path is required (make one with tools/make_corpus.py or tools/preprocess_data.py)")
     for ext in (".bin", ".idx"):
@@ -238,6 +280,55 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     if args.load is not None and not os.path.isdir(args.load):
         raise UsageError(f"--load: {args.load} is not a directory")
     return args
+
+
+def _validate_balance(args: argparse.Namespace) -> None:
+    """Resolve --sparse-balance and check the SAB / DST / predictor flags."""
+    if args.sparse_balance:
+        args.sparse_attention = True
+    if args.sb_batching is None:
+        args.sb_batching = "sab" if args.sparse_balance else "megatron"
+    if args.sb_dst is None:
+        args.sb_dst = "critical-path" if args.sparse_balance else "off"
+    if args.sb_dst != "off" and not args.sparse_attention:
+        raise UsageError(f"--sb-dst {args.sb_dst} tunes sparse-attention budgets: it needs "
+                         "--sparse-attention (or --sparse-balance)")
+    k0 = args.sb_topk
+    args.sb_topk_min = k0 // 2 if args.sb_topk_min is None else args.sb_topk_min
+    args.sb_topk_max = 2 * k0 if args.sb_topk_max is None else args.sb_topk_max
+    if not args.sb_topk_min <= k0 <= args.sb_topk_max:
+        raise UsageError(f"need --sb-topk-min {args.sb_topk_min} <= --sb-topk {k0} <= "
+                         f"--sb-topk-max {args.sb_topk_max}")
+    if not 0.0 < args.sb_p < 1.0:
+        raise UsageError(f"--sb-p must be in (0, 1), got {args.sb_p}")
+    if not 0.0 <= args.sb_attn_slack < 1.0:
+        raise UsageError(f"--sb-attn-slack must be in [0, 1), got {args.sb_attn_slack}")
+    if args.sb_profile is not None and args.sb_cost_model is not None:
+        raise UsageError("give either --sb-profile or --sb-cost-model, not both")
+    if args.sb_cost_model is not None:
+        from sparsebalance.predictor import ANALYTIC_MODELS
+
+        if args.sb_cost_model not in ANALYTIC_MODELS:
+            raise UsageError(f"--sb-cost-model: unknown model {args.sb_cost_model!r} "
+                             f"(known: {', '.join(sorted(ANALYTIC_MODELS))}; or --sb-profile PATH)")
+    args.sb_has_predictor = args.sb_profile is not None or args.sb_cost_model is not None
+    needs = [f for f, on in ((f"--sb-batching {args.sb_batching}", args.sb_batching == "sab"),
+                             (f"--sb-dst {args.sb_dst}", args.sb_dst != "off")) if on]
+    if needs and not args.sb_has_predictor:
+        raise UsageError(f"{' and '.join(needs)} plan from predicted latency: give --sb-profile "
+                         "PATH (made by tools/profile_latency.py) or --sb-cost-model h100-analytic")
+    if args.sb_allow_stale_profile and args.sb_profile is None:
+        raise UsageError("--sb-allow-stale-profile needs --sb-profile")
+    if args.sb_timeline is not None and not args.sb_has_predictor:
+        raise UsageError("--sb-timeline compares predicted and measured timelines: it needs "
+                         "--sb-profile or --sb-cost-model")
+    for name in ("sb_timeline", "summary_json"):
+        path = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if path is not None and name == "summary_json" and os.path.isdir(path):
+            raise UsageError(f"{flag} {path} is a directory")
+        if path is not None and name == "sb_timeline" and os.path.isfile(path):
+            raise UsageError(f"{flag} {path} is a file, expected a directory")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:

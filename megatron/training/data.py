@@ -97,6 +97,17 @@ def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
     }
 
 
+def microbatch_lengths(segments: Sequence[Segment], pad_to: Optional[int] = None) -> List[int]:
+    """Attention segment lengths of the micro-batch :func:`build_microbatch` makes from
+    ``segments`` (padding segment included: it is computed like a document)."""
+    lens = [int(s[2]) for s in segments]
+    if pad_to is not None or not segments:
+        pad = max((pad_to or 1) - sum(lens), 0)
+        if pad:
+            lens.append(pad)
+    return lens
+
+
 @dataclass
 class StepBatches:
     """This rank's micro-batches of one step plus what the logs need."""
@@ -107,10 +118,28 @@ class StepBatches:
     """Tokens in the whole global batch (all DP ranks), for throughput."""
     global_docs: int
     """Segments in the global batch."""
+    plan: Optional[object] = None
+    """The sampler's ``StepPlan`` of the whole step (every DP rank's segments)."""
+    budget: Optional[np.ndarray] = None
+    """DST plan ``[dp][microbatch][virtual stage]`` top-k, or None (module default)."""
+    dp_rank: int = 0
+    """This rank's data-parallel index (row of ``budget``)."""
+    pp_rank: int = 0
+    """This rank's pipeline index."""
+    pp: int = 1
+    """Pipeline ranks."""
 
     def iterators(self, num_chunks: int) -> List[Iterator]:
-        """One iterator per model chunk: every virtual stage walks the same micro-batches."""
-        return [iter(self.microbatches) for _ in range(num_chunks)]
+        """One iterator per model chunk: every virtual stage walks the same micro-batches.
+
+        With a DST ``budget``, each iterator sets the budget of (micro-batch, this
+        chunk's virtual stage) on every pull (``sparsebalance.tuning.hook``)."""
+        iters = [iter(self.microbatches) for _ in range(num_chunks)]
+        if self.budget is None:
+            return iters
+        from sparsebalance.tuning.hook import wrap_data_iterators
+
+        return wrap_data_iterators(iters, self.budget, self.dp_rank, self.pp_rank, self.pp)
 
 
 class PackedDataLoader:
@@ -127,11 +156,15 @@ class PackedDataLoader:
         shuffle: shuffle the document order per epoch.
         vocab_size: token ids must be below this (checked per micro-batch).
         pad_to: pad every micro-batch to this many tokens (interleaved schedule only).
+        max_carry_steps: no deferred document waits longer than this many steps.
+        predictor: LatencyPredictor for the cost-based strategies (sab, wlb).
+        pp, pp_rank: pipeline ranks and this rank's index (plans per-rank pipeline times).
     """
 
     def __init__(self, dataset, doc_ids: np.ndarray, *, dp: int, dp_rank: int, micro_batches: int,
                  seq_length: int, strategy: str, seed: int, shuffle: bool = True,
-                 vocab_size: Optional[int] = None, pad_to: Optional[int] = None) -> None:
+                 vocab_size: Optional[int] = None, pad_to: Optional[int] = None,
+                 max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0) -> None:
         from sparsebalance.batching.sampler import PackingSampler
 
         if len(doc_ids) == 0:
@@ -141,9 +174,11 @@ class PackedDataLoader:
         self.dp_rank = dp_rank
         self.vocab_size = vocab_size
         self.pad_to = pad_to
+        self.pp, self.pp_rank = pp, pp_rank
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
         self.sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
-                                      strategy=strategy, seed=seed, shuffle=shuffle)
+                                      strategy=strategy, seed=seed, shuffle=shuffle,
+                                      max_carry_steps=max_carry_steps, predictor=predictor, pp=pp)
 
     def next_step(self) -> StepBatches:
         """Plan the next step (identically on every rank) and build this rank's micro-batches."""
@@ -160,6 +195,10 @@ class PackedDataLoader:
             microbatches=microbatches,
             global_tokens=int(sum(s[2] for s in all_segments)),
             global_docs=len(all_segments),
+            plan=plan,
+            dp_rank=self.dp_rank,
+            pp_rank=self.pp_rank,
+            pp=self.pp,
         )
 
     def state_dict(self) -> dict:

@@ -21,9 +21,10 @@ import torch
 class StageTimers:
     """The ``config.timers`` megatron's schedules call (``timers(name).start()/stop()``).
 
-    Accumulates wall seconds per name on this rank; the schedules time
-    ``forward-compute`` and ``backward-compute`` per micro-batch, which are this
-    pipeline stage's forward / backward compute time.
+    Records the wall seconds of every call per name on this rank; the schedules
+    time ``forward-compute`` and ``backward-compute`` once per micro-batch (per
+    model chunk), in the rank's op order, so call ``i`` of a name is the ``i``-th
+    forward (backward) op of :func:`sparsebalance.pipeline.rank_order`.
     """
 
     class _Timer:
@@ -35,11 +36,11 @@ class StageTimers:
 
         def stop(self, barrier: bool = False) -> None:
             if self.t0 is not None:
-                self.owner.totals[self.name] += time.perf_counter() - self.t0
+                self.owner.calls[self.name].append(time.perf_counter() - self.t0)
                 self.t0 = None
 
     def __init__(self) -> None:
-        self.totals: Dict[str, float] = defaultdict(float)
+        self.calls: Dict[str, List[float]] = defaultdict(list)
         self._timers: Dict[str, StageTimers._Timer] = {}
 
     def __call__(self, name: str, log_level: int = 0) -> "_Timer":
@@ -47,9 +48,9 @@ class StageTimers:
             self._timers[name] = StageTimers._Timer(self, name)
         return self._timers[name]
 
-    def pop(self) -> Dict[str, float]:
-        """Seconds accumulated since the last pop, by timer name."""
-        out, self.totals = dict(self.totals), defaultdict(float)
+    def pop(self) -> Dict[str, List[float]]:
+        """Seconds of every call since the last pop, by timer name, in call order."""
+        out, self.calls = dict(self.calls), defaultdict(list)
         return out
 
 
@@ -103,8 +104,13 @@ class StepResult:
     """Global grad norm before clipping (None in evaluation)."""
     skipped: bool = False
     """Optimizer skipped the update (inf/nan grads)."""
-    stage_times: Dict[str, float] = field(default_factory=dict)
-    """Seconds by schedule timer (forward-compute, backward-compute) on this rank."""
+    stage_times: Dict[str, List[float]] = field(default_factory=dict)
+    """Seconds of each call by schedule timer (forward-compute, backward-compute) on
+    this rank, in call order."""
+    budget: Optional[object] = None
+    """The step's DST budget table ``[dp][microbatch][virtual stage]`` (None: DST off)."""
+    attention_records: list = field(default_factory=list)
+    """``sparsebalance.runtime`` records of this step's attention calls on this rank."""
 
 
 def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool) -> StepResult:
@@ -112,7 +118,7 @@ def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_backward = get_forward_backward_func()
-    iters = batches.iterators(len(model))
+    iters = batches.iterators(len(model))  # wrapped with the DST budgets when planned
     outputs = forward_backward(
         forward_step_func=forward_step,
         data_iterator=iters if len(model) > 1 else iters[0],
@@ -129,6 +135,9 @@ def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool
 
 def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) -> StepResult:
     """Zero grads, run the schedule, finalize grads, Adam step, LR step."""
+    from sparsebalance import runtime
+
+    runtime.pop_records()  # drop anything recorded outside this step
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -138,6 +147,8 @@ def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) 
     result.grad_norm = grad_norm
     result.skipped = not update_ok
     result.stage_times = timers.pop()
+    result.attention_records = runtime.pop_records()
+    runtime.clear_budget()
     return result
 
 
@@ -153,4 +164,7 @@ def evaluate(args, model, loader, iters: int) -> StepResult:
             total.loss_tokens += r.loss_tokens
     for chunk in model:
         chunk.train()
+    from sparsebalance import runtime
+
+    runtime.pop_records()  # evaluation is not part of any training step's metrics
     return total

@@ -8,8 +8,10 @@ so rank 0 can report the global loss and per-stage compute times.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -38,6 +40,26 @@ class StepLog:
     """Forward compute seconds per pipeline stage (max over DP ranks)."""
     stage_bwd_s: List[float] = field(default_factory=list)
     """Backward compute seconds per pipeline stage (max over DP ranks)."""
+    pack_ms: float = 0.0
+    """CPU time of the sampler's packing of this step (ms)."""
+    plan_ms: float = 0.0
+    """Wall time of the DST instance + plan, or of the prediction without DST (ms)."""
+    predicted_step_ms: Optional[float] = None
+    """Pipeline model + predictor's step time at the step's budgets (None: no predictor)."""
+    imbalance: float = 1.0
+    """max / mean over the global batch's micro-batches of measured latency (sum over
+    stages of forward + backward compute)."""
+    bubble: List[float] = field(default_factory=list)
+    """Per pipeline stage: 1 - busy / step time, measured, mean over DP ranks."""
+    kept_pairs: float = 0.0
+    """Attention (query, key) pairs kept, all ranks and layers (0 without records)."""
+    causal_pairs: float = 0.0
+    """Causal (query, key) pairs behind ``kept_pairs``."""
+
+    @property
+    def density(self) -> float:
+        """Achieved attention density of the step (1.0 when dense / unrecorded)."""
+        return self.kept_pairs / self.causal_pairs if self.causal_pairs else 1.0
 
 
 class SignalFlag:
@@ -67,11 +89,57 @@ def _gather_rows(row: List[float]) -> np.ndarray:
     return torch.stack(out).numpy()
 
 
+_ROW = ("loss_sum", "loss_tokens", "fwd_s", "bwd_s", "pp_rank", "dp_rank", "step_s",
+        "kept_pairs", "causal_pairs")
+"""Fixed head of the per-step row every rank contributes; then per-op ms
+``fwd[vpp, M]`` and ``bwd[vpp, M]`` (see :func:`_step_row`)."""
+_COL = {name: i for i, name in enumerate(_ROW)}
+
+
 def _stage_times(table: np.ndarray, col: int) -> List[float]:
-    """Max over DP ranks of column ``col`` for each pipeline stage (column 4 holds
-    each rank's pipeline rank)."""
-    stages = table[:, 4].astype(int)
+    """Max over DP ranks of column ``col`` for each pipeline stage."""
+    stages = table[:, _COL["pp_rank"]].astype(int)
     return [float(table[stages == s, col].max()) for s in range(int(stages.max()) + 1)]
+
+
+def _step_row(args, result, step_s: float, pp_rank: int, dp_rank: int) -> List[float]:
+    """This rank's row of the per-step gather (``_ROW`` + per-op forward/backward ms)."""
+    from megatron.training.balance import op_times
+
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    M, pp = args.num_microbatches, args.pipeline_model_parallel_size
+    calls = result.stage_times
+    fwd = op_times(calls.get("forward-compute", []), "F", pp, pp_rank, M, vpp)
+    bwd = op_times(calls.get("backward-compute", []), "B", pp, pp_rank, M, vpp)
+    recs = result.attention_records
+    head = [result.loss_sum, result.loss_tokens, fwd.sum() / 1e3, bwd.sum() / 1e3, float(pp_rank),
+            float(dp_rank), step_s, float(sum(r.kept_pairs for r in recs)),
+            float(sum(r.causal_pairs for r in recs))]
+    return head + fwd.reshape(-1).tolist() + bwd.reshape(-1).tolist()
+
+
+def _measured_ops(args, table: np.ndarray) -> tuple:
+    """Measured forward/backward ms ``[dp, M, S]`` (S = virtual stages) from the table."""
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    M, pp, dp = args.num_microbatches, args.pipeline_model_parallel_size, args.data_parallel_size
+    fwd, bwd = np.zeros((dp, M, pp * vpp)), np.zeros((dp, M, pp * vpp))
+    n = len(_ROW)
+    for row in table:
+        d, r = int(row[_COL["dp_rank"]]), int(row[_COL["pp_rank"]])
+        f = row[n:n + vpp * M].reshape(vpp, M)
+        b = row[n + vpp * M:n + 2 * vpp * M].reshape(vpp, M)
+        for c in range(vpp):  # tensor-parallel peers measure the same op: keep the slowest
+            fwd[d, :, c * pp + r] = np.maximum(fwd[d, :, c * pp + r], f[c])
+            bwd[d, :, c * pp + r] = np.maximum(bwd[d, :, c * pp + r], b[c])
+    return fwd, bwd
+
+
+def _bubbles(args, table: np.ndarray) -> List[float]:
+    """Per pipeline rank: 1 - busy / step time, mean over the ranks holding that stage."""
+    busy = table[:, _COL["fwd_s"]] + table[:, _COL["bwd_s"]]
+    frac = 1.0 - busy / np.maximum(table[:, _COL["step_s"]], 1e-12)
+    stages = table[:, _COL["pp_rank"]].astype(int)
+    return [float(frac[stages == s].mean()) for s in range(args.pipeline_model_parallel_size)]
 
 
 def setup(args):
@@ -85,17 +153,33 @@ def setup(args):
     from megatron.training.step import StageTimers
     from megatron.training.tokenizer import vocab_size_for
 
+    from megatron.training import balance as B
+
     init.initialize(args)
     cpu = init.use_cpu(args)
     vocab = vocab_size_for(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     dataset = open_dataset(args.data_path)
     train_ids, valid_ids, _ = D.split_documents(len(dataset), args.split_fractions)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     pad_to = args.seq_length if interleaved else None  # see megatron/training/data.py
+    predictor = balancer = sampler_predictor = None
+    if args.sb_has_predictor:
+        rank = torch.distributed.get_rank()
+        warn = (lambda m: print(f"pretrain_gpt.py: warning: {m}", file=sys.stderr, flush=True)) \
+            if rank == 0 else None
+        predictor = B.build_predictor(args, vocab, warn=warn)
+        balancer = B.Balancer(args, predictor, pad_to)
+        if args.sb_batching in ("sab", "wlb"):
+            # Its own instance: the packer's costs never see the online correction, so
+            # the data order stays a function of (seed, step) (see balance.py).
+            sampler_predictor = B.build_predictor(args, vocab)
     loader = D.PackedDataLoader(dataset, train_ids, dp=dp, dp_rank=dp_rank,
                                 micro_batches=args.num_microbatches, seq_length=args.seq_length,
-                                strategy=args.sb_batching, seed=args.seed, vocab_size=vocab, pad_to=pad_to)
+                                strategy=args.sb_batching, seed=args.seed, vocab_size=vocab, pad_to=pad_to,
+                                max_carry_steps=args.max_carry_steps, predictor=sampler_predictor,
+                                pp=pp, pp_rank=pp_rank)
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
         valid = D.PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank,
@@ -109,7 +193,7 @@ def setup(args):
     model = M.build_model(args, config, vocab)
     optimizer, scheduler = M.build_optimizer(args, model)
     return dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, valid=valid,
-                timers=timers, cpu=cpu, config=config)
+                timers=timers, cpu=cpu, config=config, balancer=balancer)
 
 
 def pretrain(args, on_step: Optional[Callable] = None) -> dict:
@@ -137,33 +221,50 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
     log = _Logger(args, rank, start=iteration)
     flag = SignalFlag(args.exit_signal_handler)
     pp_rank = ps.get_pipeline_model_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank()
+    balancer = state["balancer"]
+    timeline = _Timeline(args, rank) if args.sb_timeline else None
     preempted = False
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         batches = loader.next_step()
+        forecast = balancer.plan(batches) if balancer is not None else None
         lr = float(optimizer.param_groups[0]["lr"])  # the rate this step applies
         result = train_step(args, model, optimizer, scheduler, batches, state["timers"])
+        result.budget = batches.budget
         step_s = time.perf_counter() - t0
         iteration += 1
-        times = result.stage_times
-        table = _gather_rows([result.loss_sum, result.loss_tokens, times.get("forward-compute", 0.0),
-                              times.get("backward-compute", 0.0), float(pp_rank)])
-        tokens_in_loss = table[:, 1].sum()
+        table = _gather_rows(_step_row(args, result, step_s, pp_rank, dp_rank))
+        meas_fwd, meas_bwd = _measured_ops(args, table)
+        if balancer is not None:  # same table on every rank -> same correction everywhere
+            balancer.observe(meas_fwd, meas_bwd)
+        mb_ms = (meas_fwd + meas_bwd).sum(axis=2)
+        tokens_in_loss = table[:, _COL["loss_tokens"]].sum()
         entry = StepLog(
             iteration=iteration,
-            loss=float(table[:, 0].sum() / max(tokens_in_loss, 1.0)),
+            loss=float(table[:, _COL["loss_sum"]].sum() / max(tokens_in_loss, 1.0)),
             lr=lr,
             grad_norm=float(result.grad_norm or 0.0),
             step_s=step_s,
             tokens=batches.global_tokens,
-            stage_fwd_s=_stage_times(table, 2),
-            stage_bwd_s=_stage_times(table, 3),
+            stage_fwd_s=_stage_times(table, _COL["fwd_s"]),
+            stage_bwd_s=_stage_times(table, _COL["bwd_s"]),
+            pack_ms=float(batches.plan.pack_ms),
+            plan_ms=forecast.plan_ms if forecast else 0.0,
+            predicted_step_ms=forecast.step_ms if forecast else None,
+            imbalance=float(mb_ms.max() / mb_ms.mean()) if mb_ms.mean() > 0 else 1.0,
+            bubble=_bubbles(args, table),
+            kept_pairs=float(table[:, _COL["kept_pairs"]].sum()),
+            causal_pairs=float(table[:, _COL["causal_pairs"]].sum()),
         )
         log.step(entry)
+        if timeline is not None and iteration % args.log_interval == 0:
+            timeline.write(iteration, forecast, meas_fwd, meas_bwd)
         if on_step is not None:
             on_step(iteration, state, result)
         if state["valid"] is not None and iteration % args.eval_interval == 0:
             r = evaluate(args, model, state["valid"], args.eval_iters)
+            state["timers"].pop()  # evaluation forwards are not training ops
             row = _gather_rows([r.loss_sum, r.loss_tokens])
             log.eval(iteration, float(row[:, 0].sum() / max(row[:, 1].sum(), 1.0)))
         if args.save and args.save_interval and iteration % args.save_interval == 0 \
@@ -176,8 +277,68 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
     if args.save and iteration > start:  # nothing new to save if no step ran
         ckpt.save_checkpoint(args.save, iteration, model, optimizer, scheduler, loader, state["cpu"])
         log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
+    if timeline is not None:
+        timeline.finish()
     summary = log.summary(preempted)
     return summary
+
+
+class _Timeline:
+    """``--sb-timeline DIR``: per logged step, ``step_<iter>.predicted.json`` and
+    ``step_<iter>.measured.json`` (tools/timeline.py format, every DP replica and
+    (virtual) stage in one file); at the end a Gantt PNG of the last one. Rank 0 only."""
+
+    def __init__(self, args, rank: int) -> None:
+        self.dir, self.rank = args.sb_timeline, rank
+        self.vpp = args.virtual_pipeline_model_parallel_size or 1
+        self.schedule = "interleaved" if self.vpp > 1 else "1f1b"
+        self.last = None
+        if rank == 0:
+            os.makedirs(self.dir, exist_ok=True)
+
+    def _doc(self, fwd, bwd) -> dict:
+        return {"schedule": self.schedule, "vpp": self.vpp, "p2p_ms": 0.0,
+                "fwd_ms": np.asarray(fwd).tolist(), "bwd_ms": np.asarray(bwd).tolist()}
+
+    def write(self, iteration: int, forecast, meas_fwd, meas_bwd) -> None:
+        if self.rank != 0 or forecast is None:
+            return
+        for kind, f, b in (("predicted", forecast.fwd_ms, forecast.bwd_ms),
+                           ("measured", meas_fwd, meas_bwd)):
+            _atomic_json(os.path.join(self.dir, f"step_{iteration:07d}.{kind}.json"), self._doc(f, b))
+        self.last = (iteration, forecast.fwd_ms, forecast.bwd_ms, meas_fwd, meas_bwd)
+
+    def finish(self) -> None:
+        if self.rank != 0 or self.last is None:
+            return
+        from sparsebalance.pipeline import simulate
+        from sparsebalance.pipeline.trace import write_gantt
+
+        it, pf, pb, mf, mb = self.last
+        sim = lambda f, b: simulate(f, b, schedule=self.schedule, vpp=self.vpp)
+        write_gantt(os.path.join(self.dir, f"step_{it:07d}.png"),
+                    {"predicted": sim(pf, pb), "measured": sim(mf, mb)},
+                    title=f"iteration {it}: predicted vs measured op times (megatron op order)")
+
+
+def _atomic_json(path: str, obj) -> None:
+    """Write JSON via a temp file in the same directory + os.replace."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _warmup_steps(n: int) -> int:
+    """Steps skipped by the timing medians: max(2, 10%), but never all of them."""
+    skip = max(2, n // 10)
+    return skip if n > skip else 0
 
 
 class _Logger:
@@ -218,12 +379,21 @@ class _Logger:
         if s.iteration % self.args.log_interval == 0:
             fwd = " ".join(f"{t * 1e3:.0f}" for t in s.stage_fwd_s)
             bwd = " ".join(f"{t * 1e3:.0f}" for t in s.stage_bwd_s)
+            extra = ""
+            if self.args.sparse_attention:
+                extra += f" | density {s.density:.3f}"
+            if s.predicted_step_ms is not None:
+                extra += f" | predicted {s.predicted_step_ms:.1f} ms | plan {s.plan_ms:.1f} ms"
+            bub = " ".join(f"{b:.2f}" for b in s.bubble)
             self.info(f"iter {s.iteration:6d}/{self.args.train_iters} | loss {s.loss:.4f} | lr {s.lr:.3e} | "
                       f"grad-norm {s.grad_norm:.3f} | step {s.step_s * 1e3:.0f} ms | "
-                      f"tokens/s {tps:.0f} | fwd ms/stage [{fwd}] | bwd ms/stage [{bwd}]")
+                      f"tokens/s {tps:.0f} | fwd ms/stage [{fwd}] | bwd ms/stage [{bwd}] | "
+                      f"bubble [{bub}] | imbalance {s.imbalance:.2f} | pack {s.pack_ms:.1f} ms{extra}")
         if self.tb is not None:
             for name, value in (("loss", s.loss), ("lr", s.lr), ("grad-norm", s.grad_norm),
-                                ("step-time-s", s.step_s), ("tokens-per-s", tps)):
+                                ("step-time-s", s.step_s), ("tokens-per-s", tps),
+                                ("imbalance", s.imbalance), ("density", s.density),
+                                ("pack-ms", s.pack_ms), ("plan-ms", s.plan_ms)):
                 self.tb.add_scalar(name, value, s.iteration)
             for i, (f, b) in enumerate(zip(s.stage_fwd_s, s.stage_bwd_s)):
                 self.tb.add_scalar(f"stage{i}/fwd-s", f, s.iteration)
@@ -250,6 +420,7 @@ class _Logger:
             "grad_norms": [s.grad_norm for s in steps],
             "preempted": preempted,
         }
+        out.update(self._balance_metrics())
         if self.rank == 0:
             if self.bar is not None:
                 self.bar.close()
@@ -268,4 +439,40 @@ class _Logger:
             lines += [f"{k:<{width}}  {v}" for k, v in rows]
             print("\n".join(lines), flush=True)
             print("SUMMARY_JSON " + json.dumps(out), flush=True)
+            if self.args.summary_json:
+                _atomic_json(self.args.summary_json, out)
         return out
+
+    def _balance_metrics(self) -> dict:
+        """The evaluation tool's metrics (see pretrain_gpt.py --summary-json). Timing
+        metrics skip the warm-up steps (:func:`_warmup_steps`); density and losses use
+        every step of this run."""
+        steps = self.steps
+        counted = steps[_warmup_steps(len(steps)):]
+        med = lambda xs: float(np.median(xs)) if len(xs) else None
+        t_s = sum(s.step_s for s in counted)
+        kept, causal = sum(s.kept_pairs for s in steps), sum(s.causal_pairs for s in steps)
+        preds = [s.predicted_step_ms for s in counted if s.predicted_step_ms is not None]
+        bubbles = np.array([s.bubble for s in counted]) if counted else np.zeros((0, 0))
+        keys = ("sparse_attention", "sparse_balance", "sb_batching", "max_carry_steps", "sb_dst",
+                "sb_anchor", "sb_p", "sb_topk", "sb_topk_min", "sb_topk_max", "sb_attn_slack",
+                "sb_block_size", "sb_attention_backend", "sb_profile", "sb_cost_model",
+                "sb_allow_stale_profile", "num_layers", "hidden_size", "num_attention_heads",
+                "seq_length", "global_batch_size", "num_microbatches", "data_parallel_size",
+                "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "tensor_model_parallel_size", "seed", "train_iters", "data_path")
+        return {
+            "step_ms_median": med([s.step_s * 1e3 for s in counted]),
+            "step_ms_all": [s.step_s * 1e3 for s in steps],
+            "warmup_steps_skipped": len(steps) - len(counted),
+            "tokens_per_s": float(sum(s.tokens for s in counted) / t_s) if t_s > 0 else 0.0,
+            "loss_first": steps[0].loss if steps else None,
+            "loss_last": steps[-1].loss if steps else None,
+            "density_mean": kept / causal if causal else 1.0,
+            "imbalance_mean": float(np.mean([s.imbalance for s in counted])) if counted else None,
+            "bubble_fraction": bubbles.mean(axis=0).tolist() if len(counted) else [],
+            "predicted_step_ms_median": med(preds) if preds else None,
+            "pack_ms_median": med([s.pack_ms for s in counted]),
+            "plan_ms_median": med([s.plan_ms for s in counted]) if preds else None,
+            "args": {k: getattr(self.args, k, None) for k in keys},
+        }

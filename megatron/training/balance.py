@@ -1,0 +1,213 @@
+"""SparseBalance in the driver: predictor, per-step DST plan, online recalibration.
+
+Per step, every rank runs the same deterministic code on the same inputs (no
+communication beyond the per-step gather the loop does anyway):
+
+1. the sampler's plan (all DP replicas' micro-batches) -> document lengths
+   ``[dp][microbatch]`` (:func:`megatron.training.data.microbatch_lengths`);
+2. with ``--sb-dst``: :func:`sparsebalance.tuning.from_predictor.build_instance` and
+   the chosen planner -> ``budget[dp][microbatch][virtual stage]``, handed to the data
+   iterators (``sparsebalance.tuning.hook``), so each micro-batch's budget for THIS
+   stage is set before megatron's schedule runs its forward;
+3. after the step, the gathered measured per-(micro-batch, stage) forward/backward
+   times are folded into the predictor's per-(stage, phase) correction (one
+   observation per (stage, phase) per step: the ratio of the step's measured sum to
+   the uncalibrated model's sum), so the next step's plan adapts.
+
+Data order does not depend on measurements: SAB packs with its own predictor
+instance whose correction stays 1.0 (the plan is a function of (seed, step) only, as
+Megatron users expect and resumption needs); run-time budgets do adapt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+
+def model_config(args, vocab_size: int) -> dict:
+    """:class:`sparsebalance.predictor.ModelShape` fields of the model being trained."""
+    return dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                num_attention_heads=args.num_attention_heads,
+                num_query_groups=args.num_query_groups or args.num_attention_heads,
+                ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+                vocab_size=vocab_size, swiglu=bool(args.swiglu), block_size=args.sb_block_size,
+                topk=args.sb_topk if args.sparse_attention else None)
+
+
+def attention_backend(args) -> str:
+    """The kernel backend name this run resolves to (what profiles record)."""
+    if not args.sparse_attention:
+        return "sdpa"  # tools/profile_latency.py's name for the dense layer
+    import torch
+    from sparsebalance.ops import resolve_backend
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    return resolve_backend(args.sb_attention_backend, torch.device("cuda" if cuda else "cpu"))
+
+
+def build_predictor(args, vocab_size: int, warn=None):
+    """The latency predictor of ``--sb-profile`` / ``--sb-cost-model`` (None if neither).
+
+    Args:
+        warn: called with each warning line (a stale profile under
+            ``--sb-allow-stale-profile``); None drops them.
+
+    Raises:
+        FileNotFoundError: missing profile (the message holds the command that makes it).
+        ValueError: stale or malformed profile, unknown model.
+    """
+    import warnings
+
+    from sparsebalance.predictor import get_predictor
+
+    cfg = model_config(args, vocab_size)
+    if args.sb_cost_model is not None:
+        return get_predictor(args.sb_cost_model, **cfg)
+    if args.sb_profile is None:
+        return None
+    expect = {"attention": "sparse" if args.sparse_attention else "dense",
+              "attention_backend": attention_backend(args)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pred = get_predictor(args.sb_profile, allow_stale=args.sb_allow_stale_profile,
+                             expect=expect, **cfg)
+    for w in caught:
+        if warn is not None:
+            warn(" ".join(str(w.message).split()))
+    return pred
+
+
+def stage_tables(predictor, lengths, topk: Optional[int], stages: int):
+    """Calibrated forward/backward ms ``[dp, M, stages]`` of every micro-batch at one budget.
+
+    ``lengths[dp][microbatch]`` are the micro-batch's segment lengths; vectorised like
+    ``build_instance`` (one ``layer_doc_ms`` call per phase for the whole step).
+    """
+    D, M = len(lengths), len(lengths[0])
+    docs = [np.asarray(lengths[d][m], dtype=np.int64) for d in range(D) for m in range(M)]
+    flat = np.concatenate(docs)
+    starts = np.cumsum([0] + [len(x) for x in docs[:-1]])
+    layers = np.array([predictor.shape.layers_of(j, stages) for j in range(stages)], dtype=float)
+    out = []
+    for phase in ("fwd", "bwd"):
+        per_layer = (np.add.reduceat(predictor.layer_doc_ms(flat, topk, phase), starts)
+                     + predictor.layer_const_ms(phase))
+        extras = np.zeros((D * M, stages))
+        for j in {0, stages - 1}:
+            extras[:, j] = [predictor.extras_ms(x, j, stages, phase) for x in docs]
+        corr = np.array([predictor.correction(j, phase) for j in range(stages)])
+        out.append(((per_layer[:, None] * layers + extras) * corr).reshape(D, M, stages))
+    return out[0], out[1]
+
+
+@dataclass
+class StepForecast:
+    """What the planner decided and predicted for one step."""
+
+    budget: Optional[np.ndarray]
+    """[dp, M, S] DST budgets (None: DST off)."""
+    fwd_ms: np.ndarray
+    """[dp, M, S] predicted forward ms of each op at its budget (calibrated)."""
+    bwd_ms: np.ndarray
+    """[dp, M, S] predicted backward ms."""
+    step_ms: float
+    """Pipeline-model step time of the prediction, ms."""
+    baseline_step_ms: float
+    """Same with every op at the static budget (== step_ms without DST), ms."""
+    plan_ms: float
+    """Wall time of building the instance + planning, ms."""
+
+
+class Balancer:
+    """Per-step DST planning and online recalibration on one rank (see module docstring).
+
+    Args:
+        args: parsed arguments (``--sb-dst``, ``--sb-anchor``, ``--sb-p``,
+            ``--sb-topk[-min|-max]``, ``--sb-attn-slack``).
+        predictor: LatencyPredictor whose correction this object updates.
+        pad_to: micro-batch padding of the data loader (interleaved schedule).
+    """
+
+    def __init__(self, args, predictor, pad_to: Optional[int]) -> None:
+        self.args = args
+        self.predictor = predictor
+        self.pad_to = pad_to
+        self.pp = args.pipeline_model_parallel_size
+        self.vpp = args.virtual_pipeline_model_parallel_size or 1
+        self.stages = self.pp * self.vpp
+        self.schedule = "interleaved" if self.vpp > 1 else "1f1b"
+        self.topk = args.sb_topk if args.sparse_attention else None
+        self._model: Optional[tuple] = None  # uncalibrated (fwd, bwd) of the last plan
+
+    def lengths(self, plan) -> List[List[List[int]]]:
+        """Segment lengths ``[dp][microbatch]`` of a sampler plan, as trained."""
+        from megatron.training.data import microbatch_lengths
+
+        return [[microbatch_lengths(mb, self.pad_to) for mb in rank] for rank in plan.ranks]
+
+    def plan(self, batches) -> StepForecast:
+        """Plan this step's budgets (sets ``batches.budget`` under DST) and predict it."""
+        from sparsebalance.pipeline import simulate
+
+        t0 = time.perf_counter()
+        a, pred = self.args, self.predictor
+        lengths = self.lengths(batches.plan)
+        budget = None
+        if a.sb_dst != "off":
+            from sparsebalance.tuning import anchor_plan, critical_path_plan
+            from sparsebalance.tuning.from_predictor import build_instance
+
+            inst = build_instance(pred, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
+                                  k0=a.sb_topk, kmin=a.sb_topk_min, kmax=a.sb_topk_max)
+            if a.sb_dst == "anchor":
+                plan = anchor_plan(inst, agg=a.sb_anchor, p=a.sb_p)
+            else:
+                plan = critical_path_plan(inst, eps=a.sb_attn_slack)
+            budget = plan.budget
+            fwd, bwd, _ = inst.at(inst.indices(budget))
+            step_ms, base_ms = plan.step_ms, plan.baseline_step_ms
+            batches.budget = budget
+        else:
+            fwd, bwd = stage_tables(pred, lengths, self.topk, self.stages)
+            step_ms = base_ms = simulate(fwd, bwd, schedule=self.schedule, vpp=self.vpp).step_ms
+        corr = np.array([[pred.correction(s, ph) for s in range(self.stages)]
+                         for ph in ("fwd", "bwd")])
+        self._model = (np.asarray(fwd) / corr[0], np.asarray(bwd) / corr[1])
+        return StepForecast(budget=budget, fwd_ms=np.asarray(fwd), bwd_ms=np.asarray(bwd),
+                            step_ms=float(step_ms), baseline_step_ms=float(base_ms),
+                            plan_ms=(time.perf_counter() - t0) * 1e3)
+
+    def observe(self, measured_fwd_ms: np.ndarray, measured_bwd_ms: np.ndarray) -> None:
+        """Fold the step's measured ``[dp, M, S]`` op times into the predictor's
+        per-(stage, phase) correction (identical on every rank: same inputs)."""
+        if self._model is None:
+            return
+        for phase, model, meas in (("fwd", self._model[0], measured_fwd_ms),
+                                   ("bwd", self._model[1], measured_bwd_ms)):
+            for s in range(self.stages):
+                m, t = float(model[:, :, s].sum()), float(np.asarray(meas)[:, :, s].sum())
+                if m > 0 and t > 0:
+                    self.predictor.observe(s, phase, m, t)
+        self._model = None
+
+
+def op_times(calls: Sequence[float], phase: str, pp: int, pp_rank: int, microbatches: int,
+             vpp: int) -> np.ndarray:
+    """Per-call timer seconds of one phase on this rank -> ms ``[vpp, M]`` by (chunk,
+    micro-batch), using megatron's op order (``sparsebalance.pipeline.rank_order``)."""
+    from sparsebalance.pipeline import rank_order
+
+    schedule = "interleaved" if vpp > 1 else "1f1b"
+    ops = [(m, c) for ph, m, c in rank_order(schedule, pp, pp_rank, microbatches, vpp)
+           if ph == phase]
+    out = np.zeros((vpp, microbatches))
+    if len(calls) != len(ops):
+        raise RuntimeError(f"{len(calls)} timed {phase} calls on pipeline rank {pp_rank}, "
+                           f"the schedule model expects {len(ops)}")
+    for (m, c), sec in zip(ops, calls):
+        out[c, m] = sec * 1e3
+    return out

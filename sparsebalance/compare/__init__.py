@@ -1,0 +1,16 @@
+"""End-to-end evaluation of SparseBalance against the Megatron baseline and the peers.
+
+``arms``     the compared configurations (packing x budget policy) and their driver flags
+``sim``      cluster-scale simulation: packers + DST planners + the pipeline model
+``corpus``   the fixed corpus recipe of the real CPU runs
+``real``     launching ``pretrain_gpt.py`` per arm and collecting its summaries
+``summary``  the one-object JSON summary (the issue's fixed shape)
+``figures``  PNGs; ``report`` the Markdown report
+
+The command line is ``tools/compare.py``.
+"""
+
+from .arms import ARMS, FRONTIER, Arm, get_arm
+from .summary import build_summary
+
+__all__ = ["ARMS", "FRONTIER", "Arm", "build_summary", "get_arm"]

@@ -1,0 +1,120 @@
+"""The real-run campaign: corpus, latency profile, then every arm in a drift-robust order.
+
+Order of work (each step's command is recorded in the result):
+
+1. the corpus (``tools/make_corpus.py``) from the fixed :class:`CorpusRecipe`;
+2. a latency profile of this machine (``tools/profile_latency.py --quick``, same model
+   flags, DST's budget range, the corpus' length file and scale), once for the sparse
+   layer and once for the dense one (the ``dense`` arm), so every arm's driver has
+   a predictor (``--sb-profile``) and reports a predicted step time;
+3. ``pretrain_gpt.py`` per arm (:func:`sparsebalance.compare.real.run_order`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .arms import get_arm
+from .corpus import (corpus_stats, describe, make_corpus_quantile, realised_scale,
+                     source_lengths)
+from .real import (RealConfig, RunResult, driver_command, launch, measured_steps, pool,
+                   python_exe, run_order)
+
+
+def _run_tool(cmd: List[str], cfg: RealConfig, log: Callable, what: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1")
+    text = " ".join(shlex.quote(c) for c in cmd)
+    log(f"[compare] {what}: OMP_NUM_THREADS={cfg.threads} {text}")
+    t0 = time.time()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
+        raise RuntimeError(f"{what} failed: {last}")
+    log(f"[compare] {what}: done in {time.time() - t0:.0f} s")
+    return text
+
+
+def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable) -> dict:
+    """Corpus and profiles; returns their paths, commands and the corpus statistics."""
+    r = cfg.recipe
+    py = python_exe(repo)
+    src = source_lengths(os.path.join(shared, "data", "lengths"), r.lengths_file)
+    q = make_corpus_quantile(src, r)
+    scale = realised_scale(src, r, q)
+    prefix = os.path.join(work, "corpus")
+    info: dict = {"corpus_prefix": prefix, "quantile": q, "scale": scale, "commands": {}}
+    cmd = [py, os.path.join(repo, "tools", "make_corpus.py"), "--output-prefix", prefix,
+           "--lengths", r.lengths_file, "--num-docs", str(r.num_docs), "--max-length",
+           str(r.seq_length), "--quantile", f"{q:.6f}", "--seed", str(r.seed)]
+    stamp = os.path.join(work, "corpus.recipe.json")
+    want = {"cmd": cmd[1:]}
+    have = json.load(open(stamp)) if os.path.isfile(stamp) else None
+    if have != want or not os.path.isfile(prefix + ".idx"):
+        info["commands"]["corpus"] = _run_tool(cmd, cfg, log, "corpus")
+        with open(stamp, "w") as fh:
+            json.dump(want, fh)
+    else:
+        info["commands"]["corpus"] = " ".join(shlex.quote(c) for c in cmd) + "  (cached)"
+    rng = np.random.default_rng(r.seed)  # the same draw as tools/make_corpus.py
+    picked = rng.choice(src, size=r.num_docs, replace=True).astype(np.float64)
+    lengths = np.clip(np.rint(picked * scale), 2, r.seq_length).astype(np.int64)
+    info["stats"] = corpus_stats(lengths, r)
+    info["recipe_lines"] = describe(r, info["stats"], q, scale)
+    kmin, kmax = max(1, r.topk // 2), 2 * r.topk
+    lfile = os.path.join(shared, "data", "lengths", r.lengths_file + ".json")
+    for kind in ("sparse", "dense"):
+        path = os.path.join(work, f"profile_{kind}.json")
+        cmd = [py, os.path.join(repo, "tools", "profile_latency.py"), "--quick", "--output", path,
+               *cfg.model_flags(), "--length-files", lfile, "--length-scale", f"{scale:.6f}",
+               "--threads", str(cfg.threads)]
+        if kind == "sparse":
+            cmd += ["--sparse-attention", "--budgets", str(kmin), str(r.topk), str(kmax)]
+        info["commands"][f"profile_{kind}"] = _run_tool(cmd, cfg, log, f"profile ({kind})")
+        info[f"profile_{kind}"] = path
+    return info
+
+
+def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: dict,
+             log: Callable) -> dict:
+    """Launch every arm (see :func:`run_order`); returns runs, pooled metrics and drift."""
+    py = python_exe(repo)
+    runs: Dict[str, List[RunResult]] = {a: [] for a in arms}
+    order = run_order(arms, cfg.rounds)
+    log(f"[compare] {len(order)} runs, {cfg.iters} iterations each "
+        f"({measured_steps(cfg)} measured after warm-up), order: "
+        + ", ".join(f"{a}#{k}" for a, k in order))
+    for arm_name, k in order:
+        arm = get_arm(arm_name)
+        d = os.path.join(work, "runs", f"{arm_name}-{k}")
+        os.makedirs(os.path.join(d, "logs"), exist_ok=True)
+        summary = os.path.join(d, "summary.json")
+        if os.path.exists(summary):
+            os.unlink(summary)
+        profile = prep["profile_sparse" if arm.sparse else "profile_dense"]
+        cmd = driver_command(py, repo, cfg, arm, prep["corpus_prefix"], summary,
+                             os.path.join(d, "logs"), profile, os.path.join(d, "timeline"))
+        runs[arm_name].append(launch(cmd, cfg, arm_name, k, summary, d, log))
+    pooled = {a: pool(rs) for a, rs in runs.items()}
+    drift = None
+    base = runs.get("megatron", [])
+    if cfg.rounds == 1 and len(base) == 2 and all(r.summary for r in base):
+        first, last = (float(np.median(r.summary["step_ms_all"][r.summary["warmup_steps_skipped"]:]))
+                       for r in base)
+        drift = (last - first) / first
+    return {
+        "order": [f"{a}#{k}" for a, k in order],
+        "runs": [{"arm": r.arm, "repeat": r.repeat, "command": r.command,
+                  "returncode": r.returncode, "wall_s": r.wall_s, "error": r.error,
+                  "summary": r.summary} for rs in runs.values() for r in rs],
+        "arms": {a: p for a, p in pooled.items() if p is not None},
+        "failed": {a: [r.error for r in rs] for a, rs in runs.items() if pooled[a] is None},
+        "baseline_drift": drift,
+        "timelines": {a: os.path.join(work, "runs", f"{a}-0", "timeline") for a in arms},
+    }

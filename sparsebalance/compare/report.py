@@ -1,0 +1,190 @@
+"""The Markdown report: targets (met or missed, by how much), tables, figures."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import List, Optional
+
+import numpy as np
+
+TARGET_REAL_SPEEDUP = 1.2
+"""Real CPU PP=2: sparsebalance throughput over megatron's."""
+STRETCH_SPEEDUP = 1.33
+"""The paper's end-to-end figure (real stretch; simulated-cluster target)."""
+TARGET_VALIDATION = 0.10
+"""|predicted - measured| / measured for every real arm."""
+
+
+def _f(x, fmt="{:.3f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def write_text(path: str, text: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".md")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def real_targets(real: dict) -> List[str]:
+    """Target lines for the real runs."""
+    arms = real["arms"]
+    out = []
+    if "megatron" not in arms or "sparsebalance" not in arms:
+        return ["- real: megatron or sparsebalance arm missing (failed runs below): not evaluated"]
+    m, s = arms["megatron"], arms["sparsebalance"]
+    sp = s["tokens_per_s"] / m["tokens_per_s"]
+    ok = sp >= TARGET_REAL_SPEEDUP and s["density"] >= m["density"]
+    out.append(f"- real CPU PP={len(m['bubble_fraction'])}: sparsebalance throughput {sp:.3f}x "
+               f"megatron's (target >= {TARGET_REAL_SPEEDUP}x, stretch {STRETCH_SPEEDUP}x), "
+               f"density {s['density']:.4f} vs {m['density']:.4f}: "
+               + ("**met**" if ok else f"**missed** (speedup short by "
+                  f"{max(0.0, TARGET_REAL_SPEEDUP - sp):.3f}x"
+                  + (", density below megatron's" if s["density"] < m["density"] else "") + ")"))
+    out.append(f"- loss after the same iterations: sparsebalance {s['loss']:.4f}, megatron "
+               f"{m['loss']:.4f} (difference {s['loss'] - m['loss']:+.4f}; one run each, "
+               "so no noise estimate beyond the arms' spread in the table)")
+    bad = {a: r["validation"] for a, r in arms.items()
+           if r.get("validation") is None or abs(r["validation"]) > TARGET_VALIDATION}
+    out.append(f"- validation |pred - meas| / meas <= {TARGET_VALIDATION:.0%} on every real arm: "
+               + ("**met**" if not bad else "**missed** on " + ", ".join(
+                   f"{a} ({_f(v, '{:+.1%}')})" for a, v in bad.items())))
+    return out
+
+
+def sim_targets(cells: dict) -> List[str]:
+    """Target lines for the simulated cluster (primary model)."""
+    out = []
+    for f, by in cells.items():
+        for seq, c in by.items():
+            a = c["arms"]
+            sb, wl = a["sparsebalance"]["speedup_vs_megatron"], a["wlb"]["speedup_vs_megatron"]
+            ok = sb >= STRETCH_SPEEDUP and sb > wl
+            dom = c.get("anchor_dominated_by", {})
+            nd = [k for k, v in dom.items() if v is None]
+            out.append(f"- sim {f} {int(seq) // 1024}K: sparsebalance {sb:.3f}x, wlb {wl:.3f}x -> "
+                       + ("**met**" if ok else f"**missed** (short of {STRETCH_SPEEDUP}x by "
+                          f"{max(0.0, STRETCH_SPEEDUP - sb):.3f}x"
+                          + ("" if sb > wl else ", not ahead of wlb") + ")")
+                       + "; frontier: " + ("every anchor point dominated" if not nd else
+                                           "not dominated: " + ", ".join(nd)))
+    return out
+
+
+def _sim_table(cell: dict) -> List[str]:
+    rows = ["| arm | step ms | Mtok/step | speedup (tok/ms) | / lower bound | density | retained "
+            "vs static | imbalance mb | imbalance rank | bubble first / last stage | plan ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a, r in cell["arms"].items():
+        b = r["bubble_fraction"]
+        rows.append(f"| {a} | {r['step_ms']:.0f} | {r['tokens'] / cell['steps'] / 1e6:.2f} | "
+                    f"{r['speedup_vs_megatron']:.3f}x | {r['vs_lower_bound']:.3f} | "
+                    f"{r['density']:.4f} | {r['retained_vs_static']:.3f} | "
+                    f"{r['imbalance_microbatch']:.2f} | {r['imbalance_rank']:.3f} | "
+                    f"{b[0]:.3f} / {b[-1]:.3f} | {r['plan_ms']:.1f} |")
+    return rows
+
+
+def _frontier_table(cell: dict) -> List[str]:
+    rows = ["| point | speedup | retained vs static | density | dominated by |",
+            "|---|---|---|---|---|"]
+    dom = cell.get("anchor_dominated_by", {})
+    for n, p in cell["frontier"].items():
+        d = dom.get(n, "") if p["family"] == "anchor" else ""
+        rows.append(f"| {n} | {p['speedup_vs_megatron']:.3f}x | {p['retained_vs_static']:.3f} | "
+                    f"{p['density']:.4f} | {d if d is not None else '**none**'} |")
+    return rows
+
+
+def sim_section(sim: dict, figs: dict) -> List[str]:
+    cfg = sim["config"]
+    out = ["## Simulated cluster (predicted)", "",
+           f"Pipeline model (megatron 1F1B) + `{cfg['cost_model']}`, PP={cfg['pp']}, "
+           f"DP={cfg['dp']}, M={cfg['micro_batches']}, MoBA block {cfg['block_size']} / top-k "
+           f"{cfg['topk']} (DST levels k0/2..2k0), {cfg['steps']} global steps per cell, seed "
+           f"{cfg['seed']}, whole documents (carry <= {cfg['max_carry_steps']} steps). Speedup = "
+           "real tokens per predicted ms over megatron's (arms fit different tokens per step). "
+           "`/ lower bound` = step time over the perfectly balanced bound of the same documents "
+           "(every micro-batch at the step's mean per-stage time, every replica equal; < 1 means "
+           "the arm beats equal micro-batches: SAB's pipeline-shaped packing or DST's cuts). "
+           "`retained vs static` = kept attention pairs over the same packing at k0. "
+           f"Simulation took {sim.get('seconds', 0):.0f} s.", ""]
+    for model, m in sim["models"].items():
+        prim = " (primary: the `sim` section of `--json`)" if model == sim["primary_model"] else ""
+        out += [f"### Model `{model}`{prim}", "", f"Shape: `{m['shape']}`", ""]
+        for f, by in m["cells"].items():
+            for seq, cell in by.items():
+                out += [f"#### {f}, seq-length {seq}", ""] + _sim_table(cell) + [""]
+                if "frontier" in cell:
+                    out += ["Frontier (SAB packing):", ""] + _frontier_table(cell) + [""]
+        for key in ("speedup", "frontier", "gantt"):
+            if figs.get(f"sim_{key}_{model}"):
+                out.append(f"![{key} {model}]({figs[f'sim_{key}_{model}']})")
+        out.append("")
+    return out
+
+
+def real_section(real: dict, figs: dict) -> List[str]:
+    cfg, prep = real["config"], real["prep"]
+    arms = real["arms"]
+    base = arms.get("megatron")
+    out = ["## Real CPU runs (measured)", "",
+           "Corpus recipe (fixed before any arm ran; see `sparsebalance/compare/corpus.py`):", ""]
+    out += prep["recipe_lines"] + [""]
+    out += [f"Model: {cfg['num_layers']} layers ({cfg['layers_per_stage']} per stage), hidden "
+            f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, FFN "
+            f"{cfg['ffn_hidden_size']}, byte vocabulary; PP={cfg['ranks']} (torchrun, gloo, "
+            f"CPU), DP=1, M={cfg['micro_batches']} micro-batches of "
+            f"{cfg['recipe']['seq_length']} tokens, {cfg['iters']} iterations per run "
+            f"(driver skips max(2, 10%) as warm-up), OMP_NUM_THREADS={cfg['threads']} per rank, "
+            f"kernel backend `{cfg['backend']}`, seed {cfg['seed']} for every arm, "
+            f"{cfg['rounds']} round(s). Launch order: {', '.join(real['order'])}.", ""]
+    if real.get("baseline_drift") is not None:
+        out += [f"Machine drift: megatron's median step changed by "
+                f"{real['baseline_drift']:+.1%} between its first and last run (both pooled).", ""]
+    out += ["| arm | median step ms | tokens/s | speedup | loss (last) | density | imbalance | "
+            "bubble per stage | predicted ms | validation | steps (runs) | run medians ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a, r in arms.items():
+        sp = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        out.append(f"| {a} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | {_f(sp)}x | "
+                   f"{r['loss']:.4f} | {r['density']:.4f} | {r['imbalance']:.3f} | "
+                   f"{' / '.join(f'{b:.3f}' for b in r['bubble_fraction'])} | "
+                   f"{_f(r['predicted_step_ms'], '{:.0f}')} | {_f(r['validation'], '{:+.1%}')} | "
+                   f"{r['measured_steps']} ({r['runs']}) | "
+                   f"{', '.join(f'{x:.0f}' for x in r['run_medians_ms'])} |")
+    out.append("")
+    if real.get("failed"):
+        out += ["Failed arms: " + "; ".join(f"{a}: {' | '.join(e)}"
+                                            for a, e in real["failed"].items()), ""]
+    out += ["`validation` = (predicted - measured) / measured, the driver's one-step-ahead "
+            "pipeline-model forecast (profiled predictor of this machine with its online "
+            "per-stage correction) against the measured step (wall clock, including "
+            "communication and optimizer). `density` = kept / causal attention pairs over all "
+            "steps; `imbalance` = max / mean micro-batch latency (measured); bubble = 1 - "
+            "busy / step per pipeline rank.", ""]
+    for key in ("real_speedup", "real_validation", "real_gantt", "real_frontier"):
+        if figs.get(key):
+            out.append(f"![{key}]({figs[key]})")
+    out += ["", "Commands:", "", "```"] + list(prep["commands"].values())
+    out += [r["command"] for r in real["runs"]] + ["```", ""]
+    return out
+
+
+def build_report(real: Optional[dict], sim: Optional[dict], figs: dict, header: List[str],
+                 notes: List[str]) -> str:
+    """The whole Markdown document."""
+    out = ["# SparseBalance: end-to-end evaluation", ""] + header + ["", "## Targets", ""]
+    if real:
+        out += real_targets(real)
+    if sim:
+        out += sim_targets(sim["models"][sim["primary_model"]]["cells"])
+    out += [""] + notes + [""]
+    if real:
+        out += real_section(real, figs)
+    if sim:
+        out += sim_section(sim, figs)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,66 @@
+"""SparseBalance flags on bad input: exit 2, one clear line on stderr, no traceback,
+nothing written (checked before any process group starts)."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import PRETRAIN, PY, ROOT, TINY, env
+
+SB = ["--sb-block-size", "32", "--sb-topk", "4"]
+
+
+def _stale_profile(path):
+    """A well-formed profile of another model (hidden 4096) on this machine."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from sparsebalance.predictor import profile as prof
+
+    json.dump({"format": prof.FORMAT, "version": prof.VERSION, "created": "2026-01-01T00:00:00Z",
+               "command": "tools/profile_latency.py", "hardware": prof.hardware_fingerprint(threads=1),
+               "model": {"num_layers": 4, "hidden_size": 4096, "num_attention_heads": 32,
+                         "block_size": 32, "topk": 4, "attention": "sparse"},
+               "timing": {}, "samples": []}, open(path, "w"))
+
+
+CASES = {
+    # name: (extra args, text the error line must contain)
+    "unknown batching": (["--sb-batching", "fastest"], "--sb-batching: invalid choice: 'fastest'"),
+    "dst without sparse attention": (["--sb-dst", "critical-path", "--sb-cost-model", "h100-analytic"],
+                                     "needs --sparse-attention"),
+    "sab without predictor": (["--sb-batching", "sab"], "--sb-profile"),
+    "sparse-balance without predictor": (["--sparse-balance", *SB], "--sb-cost-model h100-analytic"),
+    "unknown cost model": (["--sparse-balance", *SB, "--sb-cost-model", "a100-magic"], "unknown model"),
+    "both predictors": (["--sparse-balance", *SB, "--sb-cost-model", "h100-analytic", "--sb-profile",
+                         "{d}/p.json"], "not both"),
+    "p out of range": (["--sparse-balance", *SB, "--sb-cost-model", "h100-analytic", "--sb-dst", "anchor",
+                        "--sb-p", "1.5"], "--sb-p"),
+    "topk bounds": (["--sparse-balance", *SB, "--sb-cost-model", "h100-analytic", "--sb-topk-min", "6"],
+                    "--sb-topk-min 6"),
+    "missing profile": (["--sparse-balance", *SB, "--sb-profile", "{d}/missing.json"],
+                        "tools/profile_latency.py --output {d}/missing.json --sparse-attention"),
+    "stale profile": (["--sparse-balance", *SB, "--sb-profile", "{d}/stale.json"],
+                      "--sb-allow-stale-profile"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sb_bad_input_one_line(name, corpus, tmp_path):
+    _stale_profile(str(tmp_path / "stale.json"))
+    extra, expect = CASES[name]
+    extra = [a.format(d=tmp_path) for a in extra]
+    save, summary = tmp_path / "save", tmp_path / "summary.json"
+    proc = subprocess.run([PY, PRETRAIN, *TINY, "--data-path", corpus, *extra, "--save", str(save),
+                           "--summary-json", str(summary)],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    expect = expect.format(d=tmp_path)
+    assert lines[0].startswith("pretrain_gpt.py: error: ") and expect in lines[0], lines[0]
+    assert not save.exists() and not summary.exists()
+    assert not (tmp_path / "missing.json").exists()

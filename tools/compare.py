@@ -1,0 +1,346 @@
+#!/usr/bin/env python
+"""End-to-end evaluation: SparseBalance vs the Megatron baseline and the peers.
+
+``--mode sim``: cluster-scale simulation (packers + DST planners + megatron's 1F1B
+model + a cost model) at PP=8, DP=8, M=32, seq-length 64K and 128K, on every shared
+length file. ``--mode real``: ``pretrain_gpt.py`` per arm under torchrun (gloo,
+CPU, PP=2 on 2 cores; ``--ranks 4`` for PP=4 oversubscribed) on a fixed corpus
+recipe, after profiling this machine's layer latency. ``--mode all``: both.
+``--report DIR`` stores the raw results (sim.json, real.json) and writes DIR/report.md
+with PNG figures (results of the other mode already in DIR are included);
+``--json`` prints one object: arms, speedup_vs_megatron, sim, validation.
+
+Tiny CPU run (simulation, under a minute)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --quick --json
+
+Full evaluation on the 2-core CPU machine (simulation + real runs, background it)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode all --report results/compare
+    OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode real --quick --report results/compare
+
+GPU cluster (simulation with a profile of the target GPU instead of h100-analytic)::
+
+    python tools/compare.py --mode sim --cost-model profiles/qwen05b_h100.json \\
+        --sim-models qwen05b --report results/compare_h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+SHARED = os.path.join(os.path.dirname(REPO), "shared")
+
+
+class UsageError(Exception):
+    """Bad command line (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _ints(text: str) -> list:
+    try:
+        vals = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _names(text: str) -> list:
+    return [x for x in text.split(",") if x]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tools/compare.py", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--mode", choices=("sim", "real", "all"), default="sim")
+    p.add_argument("--report", metavar="DIR", help="write raw results, report.md and PNGs here")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--quick", action="store_true",
+                   help="short: 2 sim steps; real: one round of 23 iterations, no frontier")
+    g = p.add_argument_group("simulation")
+    g.add_argument("--lengths", nargs="*", default=None,
+                   help="length files (default ../shared/data/lengths/*.json)")
+    g.add_argument("--seq-lengths", type=_ints, default=[65536, 131072])
+    g.add_argument("--pp", type=int, default=8)
+    g.add_argument("--dp", type=int, default=8)
+    g.add_argument("--micro-batches", type=int, default=32)
+    g.add_argument("--sim-steps", type=int, default=None, help="steps per cell (default 6; quick 2)")
+    g.add_argument("--sim-models", type=_names, default=["llama7b", "qwen05b"],
+                   help="model shapes (first = the --json sim section)")
+    g.add_argument("--cost-model", default="h100-analytic", help="predictor name or profile path")
+    g.add_argument("--block-size", type=int, default=256)
+    g.add_argument("--topk", type=int, default=32)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("real runs")
+    g.add_argument("--ranks", type=int, default=2, help="processes = pipeline stages")
+    g.add_argument("--arms", type=_names, default=None, help="comma list (default: all main arms)")
+    g.add_argument("--frontier", action="store_true",
+                   help="also run the frontier points (anchor p / critical-path eps)")
+    g.add_argument("--iters", type=int, default=None, help="iterations per run (default 33; quick 23)")
+    g.add_argument("--rounds", type=int, default=None,
+                   help="rounds of all arms, alternating order (default 2; quick 1)")
+    g.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    g.add_argument("--workdir", default=os.path.join(REPO, "runs", "compare"),
+                   help="corpus, profiles and run logs")
+    return p
+
+
+def _check(a) -> None:
+    for name in ("pp", "dp", "micro_batches", "block_size", "topk", "ranks", "threads"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    for name in ("sim_steps", "iters", "rounds"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if a.lengths is None:
+        a.lengths = sorted(glob.glob(os.path.join(SHARED, "data", "lengths", "*.json")))
+        if not a.lengths and a.mode != "real":
+            raise UsageError(f"no length files in {os.path.join(SHARED, 'data', 'lengths')}")
+    for f in a.lengths:
+        if not os.path.isfile(f):
+            raise UsageError(f"--lengths: {f} does not exist")
+    from sparsebalance.compare.sim import MODELS
+
+    bad = [m for m in a.sim_models if m not in MODELS]
+    if bad or not a.sim_models:
+        raise UsageError(f"--sim-models must be from {sorted(MODELS)}, got {bad or a.sim_models}")
+    if a.arms is not None:
+        from sparsebalance.compare import get_arm
+
+        try:
+            for n in a.arms:
+                get_arm(n)
+        except ValueError as e:
+            raise UsageError(f"--arms: {e}")
+    if a.report and os.path.isfile(a.report):
+        raise UsageError(f"--report {a.report} is a file, expected a directory")
+    if a.mode != "sim" and a.micro_batches < 1:
+        raise UsageError("--micro-batches must be >= 1")
+
+
+def _read_lengths(path: str):
+    import numpy as np
+
+    try:
+        with open(path) as fh:
+            vals = json.load(fh)
+        arr = np.asarray(vals, dtype=np.int64)
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"--lengths {path}: not a JSON list of integers ({e})".splitlines()[0])
+    if arr.ndim != 1 or arr.size == 0 or arr.min() < 1:
+        raise UsageError(f"--lengths {path}: expected a non-empty JSON list of lengths >= 1")
+    return arr
+
+
+def run_sim(a, figs: dict, log) -> dict:
+    from sparsebalance.compare.sim import MODELS, SimConfig, simulate_cell
+
+    t0 = time.time()
+    steps = a.sim_steps or (2 if a.quick else 6)
+    files = {os.path.splitext(os.path.basename(f))[0]: _read_lengths(f) for f in a.lengths}
+    out = {"config": None, "primary_model": a.sim_models[0], "models": {}}
+    for model in a.sim_models:
+        try:
+            cfg = SimConfig(pp=a.pp, dp=a.dp, micro_batches=a.micro_batches, steps=steps,
+                            seed=a.seed, cost_model=a.cost_model, block_size=a.block_size,
+                            topk=a.topk, model=tuple(MODELS[model].items()))
+            shape = cfg.predictor().shape.as_dict()
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(str(e).splitlines()[0])
+        out["config"] = {k: v for k, v in cfg.__dict__.items() if k != "model"}
+        cells, gantt = {}, None
+        for fname, lengths in files.items():
+            cells[fname] = {}
+            for seq in a.seq_lengths:
+                log(f"[compare] sim {model} {fname} seq {seq}")
+                try:
+                    res = simulate_cell(lengths, seq, cfg)
+                except ValueError as e:
+                    raise UsageError(f"{fname} at seq-length {seq}: {e}")
+                cells[fname][str(seq)] = res.table
+                if gantt is None:
+                    gantt = (fname, seq, res.gantt)
+        out["models"][model] = {"shape": shape, "cells": cells}
+        if a.report:
+            _sim_figures(a.report, model, cells, gantt, figs)
+    out["seconds"] = time.time() - t0
+    return out
+
+
+def _sim_figures(d: str, model: str, cells: dict, gantt, figs: dict) -> None:
+    import numpy as np
+
+    from sparsebalance.compare.figures import frontier, speedup_bars
+    from sparsebalance.pipeline.trace import write_gantt
+
+    speedup_bars(os.path.join(d, f"sim_speedup_{model}.png"), None, cells)
+    figs[f"sim_speedup_{model}"] = f"sim_speedup_{model}.png"
+    frontier(os.path.join(d, f"sim_frontier_{model}.png"), cells)
+    figs[f"sim_frontier_{model}"] = f"sim_frontier_{model}.png"
+    fname, seq, res = gantt
+    if "megatron" in res and "sparsebalance" in res:
+        rep = int(np.argmax(res["megatron"].replica_step_ms))
+        write_gantt(os.path.join(d, f"sim_gantt_{model}.png"),
+                    {"megatron": res["megatron"], "sparsebalance": res["sparsebalance"]},
+                    replicas=[rep], title=f"{model} {fname} {seq // 1024}K, step 0, replica "
+                                          f"{rep} (megatron's slowest)")
+        figs[f"sim_gantt_{model}"] = f"sim_gantt_{model}.png"
+
+
+def run_real(a, figs: dict, log) -> dict:
+    from sparsebalance.compare.arms import ARMS, FRONTIER
+    from sparsebalance.compare.campaign import prepare, run_arms
+    from sparsebalance.compare.real import RealConfig, measured_steps
+
+    arms = a.arms or list(ARMS)
+    if a.frontier and not a.quick:
+        arms += [n for n in FRONTIER if n not in arms]
+    try:
+        cfg = RealConfig(ranks=a.ranks, iters=a.iters or (23 if a.quick else 33),
+                         rounds=a.rounds or (1 if a.quick else 2), threads=a.threads)
+    except ValueError as e:
+        raise UsageError(str(e))
+    if measured_steps(cfg) < 20:
+        raise UsageError(f"--iters {cfg.iters} leaves {measured_steps(cfg)} measured steps "
+                         "after warm-up; need >= 20")
+    os.makedirs(a.workdir, exist_ok=True)
+    prep = prepare(REPO, SHARED, cfg, a.workdir, log)
+    res = run_arms(REPO, cfg, arms, a.workdir, prep, log)
+    res["config"] = cfg.as_dict()
+    res["prep"] = prep
+    if a.report:
+        _real_figures(a.report, res, figs)
+    return res
+
+
+def _real_frontier(arms: dict) -> dict:
+    from sparsebalance.compare.arms import FRONTIER, get_arm
+
+    base, sab = arms.get("megatron"), arms.get("sab")
+    if not base or not sab:
+        return {}
+    pts = {}
+    for n, r in arms.items():
+        arm = get_arm(n)
+        if n in FRONTIER or n in ("sparsebalance", "sparsebalance-anchor"):
+            key = f"{'anchor-p' if arm.dst == 'anchor' else 'critical-path-eps'}{arm.param:g}"
+            pts[key] = {"family": arm.dst, "param": arm.param,
+                        "retained_vs_static": r["density"] / sab["density"],
+                        "speedup_vs_megatron": r["tokens_per_s"] / base["tokens_per_s"]}
+    return pts
+
+
+def _real_figures(d: str, res: dict, figs: dict) -> None:
+    from sparsebalance.compare.figures import (frontier, last_timeline, speedup_bars,
+                                               validation_scatter)
+    from sparsebalance.pipeline import simulate
+    from sparsebalance.pipeline.trace import write_gantt
+
+    arms = res["arms"]
+    if "megatron" in arms:
+        base = arms["megatron"]["tokens_per_s"]
+        speedup_bars(os.path.join(d, "real_speedup.png"),
+                     {n: r["tokens_per_s"] / base for n, r in arms.items()}, None)
+        figs["real_speedup"] = "real_speedup.png"
+    if any(r.get("predicted_step_ms") is not None for r in arms.values()):
+        validation_scatter(os.path.join(d, "real_validation.png"), arms)
+        figs["real_validation"] = "real_validation.png"
+    tl = {n: last_timeline(res["timelines"][n]) for n in ("megatron", "sparsebalance")
+          if n in res["timelines"]}
+    if all(tl.values()) and len(tl) == 2:
+        results = {f"{n} (measured op times)": simulate(t["fwd_ms"], t["bwd_ms"])
+                   for n, t in tl.items()}
+        write_gantt(os.path.join(d, "real_gantt.png"), results,
+                    title="last step, measured per-op times replayed in megatron's 1F1B order")
+        figs["real_gantt"] = "real_gantt.png"
+    pts = _real_frontier(arms)
+    if len(pts) >= 2:
+        frontier(os.path.join(d, "real_frontier.png"), {}, pts)
+        figs["real_frontier"] = "real_frontier.png"
+    res["frontier"] = pts
+
+
+def _load(d: str, name: str):
+    path = os.path.join(d, name)
+    if os.path.isfile(path):
+        with open(path) as fh:
+            return json.load(fh)
+    return None
+
+
+def _dump(d: str, name: str, obj) -> None:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(tmp, os.path.join(d, name))
+
+
+def main(argv=None) -> int:
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        a = build_parser().parse_args(argv)
+        _check(a)
+        log(f"[compare] OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} (this process); "
+            f"real runs use {a.threads} per rank")
+        figs: dict = {}
+        if a.report:
+            os.makedirs(a.report, exist_ok=True)
+        sim = run_sim(a, figs, log) if a.mode in ("sim", "all") else None
+        if a.report and sim is not None:
+            _dump(a.report, "sim.json", sim)
+        real = run_real(a, figs, log) if a.mode in ("real", "all") else None
+        if a.report and real is not None:
+            _dump(a.report, "real.json", real)
+    except UsageError as e:
+        print(f"tools/compare.py: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as e:
+        print(f"tools/compare.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    from sparsebalance.compare.report import build_report, write_text
+    from sparsebalance.compare.summary import build_summary, check_summary
+
+    if a.report:  # the other mode's earlier results in DIR join the report
+        sim = sim if sim is not None else _load(a.report, "sim.json")
+        real = real if real is not None else _load(a.report, "real.json")
+        for key, name in (("sim_", None), ("real_", None)):
+            for f in glob.glob(os.path.join(a.report, key + "*.png")):
+                stem = os.path.splitext(os.path.basename(f))[0]
+                figs.setdefault(stem, os.path.basename(f))
+    summary = build_summary(real, (sim["models"][sim["primary_model"]]["cells"] if sim else None))
+    check_summary(summary)
+    if a.report:
+        header = [f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by "
+                  f"`tools/compare.py {' '.join(argv if argv is not None else sys.argv[1:])}`."]
+        notes = []
+        write_text(os.path.join(a.report, "report.md"), build_report(real, sim, figs, header, notes))
+        _dump(a.report, "summary.json", summary)
+    if a.json:
+        print(json.dumps(summary))
+    else:
+        for n, v in summary["speedup_vs_megatron"].items():
+            print(f"real {n}: {v:.3f}x megatron's throughput")
+        for f, by in (sim["models"][sim["primary_model"]]["cells"] if sim else {}).items():
+            for seq, c in by.items():
+                print(f"sim {f} {seq}: " + ", ".join(
+                    f"{n} {r['speedup_vs_megatron']:.3f}x" for n, r in c["arms"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
