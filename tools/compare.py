@@ -127,8 +127,23 @@ def _check(a) -> None:
             raise UsageError(f"--arms: {e}")
     if a.report and os.path.isfile(a.report):
         raise UsageError(f"--report {a.report} is a file, expected a directory")
-    if a.mode != "sim" and a.micro_batches < 1:
-        raise UsageError("--micro-batches must be >= 1")
+    a.length_arrays = ({os.path.splitext(os.path.basename(f))[0]: _read_lengths(f)
+                        for f in a.lengths} if a.mode != "real" else {})
+    a.real_cfg = _real_config(a) if a.mode != "sim" else None
+
+
+def _real_config(a):
+    from sparsebalance.compare.real import RealConfig, measured_steps
+
+    try:
+        cfg = RealConfig(ranks=a.ranks, iters=a.iters or (23 if a.quick else 33),
+                         rounds=a.rounds or (1 if a.quick else 2), threads=a.threads)
+    except ValueError as e:
+        raise UsageError(str(e))
+    if measured_steps(cfg) < 20:
+        raise UsageError(f"--iters {cfg.iters} leaves {measured_steps(cfg)} measured steps "
+                         "after warm-up; need >= 20")
+    return cfg
 
 
 def _read_lengths(path: str):
@@ -150,7 +165,7 @@ def run_sim(a, figs: dict, log) -> dict:
 
     t0 = time.time()
     steps = a.sim_steps or (2 if a.quick else 6)
-    files = {os.path.splitext(os.path.basename(f))[0]: _read_lengths(f) for f in a.lengths}
+    files = a.length_arrays
     out = {"config": None, "primary_model": a.sim_models[0], "models": {}}
     for model in a.sim_models:
         try:
@@ -203,19 +218,11 @@ def _sim_figures(d: str, model: str, cells: dict, gantt, figs: dict) -> None:
 def run_real(a, figs: dict, log) -> dict:
     from sparsebalance.compare.arms import ARMS, FRONTIER
     from sparsebalance.compare.campaign import prepare, run_arms
-    from sparsebalance.compare.real import RealConfig, measured_steps
 
     arms = a.arms or list(ARMS)
     if a.frontier and not a.quick:
         arms += [n for n in FRONTIER if n not in arms]
-    try:
-        cfg = RealConfig(ranks=a.ranks, iters=a.iters or (23 if a.quick else 33),
-                         rounds=a.rounds or (1 if a.quick else 2), threads=a.threads)
-    except ValueError as e:
-        raise UsageError(str(e))
-    if measured_steps(cfg) < 20:
-        raise UsageError(f"--iters {cfg.iters} leaves {measured_steps(cfg)} measured steps "
-                         "after warm-up; need >= 20")
+    cfg = a.real_cfg
     os.makedirs(a.workdir, exist_ok=True)
     prep = prepare(REPO, SHARED, cfg, a.workdir, log)
     res = run_arms(REPO, cfg, arms, a.workdir, prep, log)

@@ -1,8 +1,15 @@
 """The training loop: setup, steps, logging, evaluation, checkpoints, preemption.
 
 :func:`pretrain` is what ``pretrain_gpt.py`` runs. Only rank 0 prints; every
-step gathers a tiny ``[loss_sum, loss_tokens, fwd_s, bwd_s]`` row from every rank
-so rank 0 can report the global loss and per-stage compute times.
+step all-gathers one small float row from every rank (loss, compute times, attention
+pairs, and the measured forward/backward time of each of its ops; see ``_ROW``), so
+every rank knows the measured ``[dp][microbatch][stage]`` op times (the DST
+predictor's recalibration input, identical everywhere) and rank 0 can report the
+global loss, per-stage times, bubbles, micro-batch imbalance and density.
+
+With a predictor (``--sb-profile`` / ``--sb-cost-model``) each step is also planned
+and predicted by :class:`megatron.training.balance.Balancer` (DST budgets with
+``--sb-dst``). ``--summary-json`` gets the metrics of :meth:`_Logger._balance_metrics`.
 """
 
 from __future__ import annotations

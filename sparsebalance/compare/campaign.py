@@ -41,6 +41,25 @@ def _run_tool(cmd: List[str], cfg: RealConfig, log: Callable, what: str) -> str:
     return text
 
 
+def _cached(cmd: List[str], output: str, cfg: RealConfig, log: Callable, what: str) -> str:
+    """Run ``cmd`` unless ``output`` exists and was made by the same command (a stamp
+    file next to it), e.g. a profile of this machine made earlier with the same flags."""
+    stamp = output + ".cmd.json"
+    want = {"cmd": cmd[1:], "threads": cfg.threads}
+    have = None
+    if os.path.isfile(stamp) and os.path.isfile(output):
+        with open(stamp) as fh:
+            have = json.load(fh)
+    if have is not None and have.get("cmd") == want["cmd"] and have.get("threads") == cfg.threads:
+        log(f"[compare] {what}: reusing {output} (made {have.get('made', '?')} by the same command)")
+        return " ".join(shlex.quote(c) for c in cmd) + f"  # reused, made {have.get('made', '?')}"
+    text = _run_tool(cmd, cfg, log, what)
+    want["made"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with open(stamp, "w") as fh:
+        json.dump(want, fh)
+    return text
+
+
 def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable) -> dict:
     """Corpus and profiles; returns their paths, commands and the corpus statistics."""
     r = cfg.recipe
@@ -53,15 +72,7 @@ def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable) -
     cmd = [py, os.path.join(repo, "tools", "make_corpus.py"), "--output-prefix", prefix,
            "--lengths", r.lengths_file, "--num-docs", str(r.num_docs), "--max-length",
            str(r.seq_length), "--quantile", f"{q:.6f}", "--seed", str(r.seed)]
-    stamp = os.path.join(work, "corpus.recipe.json")
-    want = {"cmd": cmd[1:]}
-    have = json.load(open(stamp)) if os.path.isfile(stamp) else None
-    if have != want or not os.path.isfile(prefix + ".idx"):
-        info["commands"]["corpus"] = _run_tool(cmd, cfg, log, "corpus")
-        with open(stamp, "w") as fh:
-            json.dump(want, fh)
-    else:
-        info["commands"]["corpus"] = " ".join(shlex.quote(c) for c in cmd) + "  (cached)"
+    info["commands"]["corpus"] = _cached(cmd, prefix + ".idx", cfg, log, "corpus")
     rng = np.random.default_rng(r.seed)  # the same draw as tools/make_corpus.py
     picked = rng.choice(src, size=r.num_docs, replace=True).astype(np.float64)
     lengths = np.clip(np.rint(picked * scale), 2, r.seq_length).astype(np.int64)
@@ -76,7 +87,7 @@ def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable) -
                "--threads", str(cfg.threads)]
         if kind == "sparse":
             cmd += ["--sparse-attention", "--budgets", str(kmin), str(r.topk), str(kmax)]
-        info["commands"][f"profile_{kind}"] = _run_tool(cmd, cfg, log, f"profile ({kind})")
+        info["commands"][f"profile_{kind}"] = _cached(cmd, path, cfg, log, f"profile ({kind})")
         info[f"profile_{kind}"] = path
     return info
 
