@@ -47,9 +47,12 @@ def cuda_extension():
     if torch.version.cuda is None or cpp_extension.CUDA_HOME is None:
         return None
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # Kernels in the .cu (CUDA headers only: nvcc never parses torch's headers), torch
+    # binding in the .cpp (host compiler), as flash-attention splits them.
     return cpp_extension.CUDAExtension(
         "sparsebalance._C_cuda",
-        ["csrc/cuda/sparse_attention_cuda.cu"],
+        ["csrc/cuda/sparse_attention_cuda.cpp", "csrc/cuda/sparse_attention_kernels.cu"],
+        include_dirs=[os.path.join(HERE, "csrc", "cuda")],
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math"]},
     )
 

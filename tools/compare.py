@@ -64,7 +64,8 @@ def _names(text: str) -> list:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tools/compare.py", description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--mode", choices=("sim", "real", "all"), default="sim")
+    p.add_argument("--mode", choices=("sim", "real", "all", "report"), default="sim",
+                   help="report: only re-render DIR/report.md from the results saved in DIR")
     p.add_argument("--report", metavar="DIR", help="write raw results, report.md and PNGs here")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--quick", action="store_true",
@@ -107,7 +108,7 @@ def _check(a) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if a.lengths is None:
         a.lengths = sorted(glob.glob(os.path.join(SHARED, "data", "lengths", "*.json")))
-        if not a.lengths and a.mode != "real":
+        if not a.lengths and a.mode in ("sim", "all"):
             raise UsageError(f"no length files in {os.path.join(SHARED, 'data', 'lengths')}")
     for f in a.lengths:
         if not os.path.isfile(f):
@@ -127,9 +128,12 @@ def _check(a) -> None:
             raise UsageError(f"--arms: {e}")
     if a.report and os.path.isfile(a.report):
         raise UsageError(f"--report {a.report} is a file, expected a directory")
+    if a.mode == "report" and not (a.report and (os.path.isfile(os.path.join(a.report, "sim.json"))
+                                                 or os.path.isfile(os.path.join(a.report, "real.json")))):
+        raise UsageError("--mode report needs --report DIR holding sim.json or real.json")
     a.length_arrays = ({os.path.splitext(os.path.basename(f))[0]: _read_lengths(f)
-                        for f in a.lengths} if a.mode != "real" else {})
-    a.real_cfg = _real_config(a) if a.mode != "sim" else None
+                        for f in a.lengths} if a.mode in ("sim", "all") else {})
+    a.real_cfg = _real_config(a) if a.mode in ("real", "all") else None
 
 
 def _real_config(a):
@@ -217,7 +221,7 @@ def _sim_figures(d: str, model: str, cells: dict, gantt, figs: dict) -> None:
 
 def run_real(a, figs: dict, log) -> dict:
     from sparsebalance.compare.arms import ARMS, FRONTIER
-    from sparsebalance.compare.campaign import prepare, run_arms
+    from sparsebalance.compare.campaign import cpu_prediction, prepare, run_arms
 
     arms = a.arms or list(ARMS)
     if a.frontier and not a.quick:
@@ -225,11 +229,13 @@ def run_real(a, figs: dict, log) -> dict:
     cfg = a.real_cfg
     os.makedirs(a.workdir, exist_ok=True)
     prep = prepare(REPO, SHARED, cfg, a.workdir, log)
+    pred = cpu_prediction(cfg, prep)
+    log("[compare] predicted (profile + pipeline model) throughput vs megatron: " + ", ".join(
+        f"{n} {r['speedup_vs_megatron']:.3f}x" for n, r in pred["arms"].items()))
     res = run_arms(REPO, cfg, arms, a.workdir, prep, log)
+    res["cpu_prediction"] = pred
     res["config"] = cfg.as_dict()
     res["prep"] = prep
-    if a.report:
-        _real_figures(a.report, res, figs)
     return res
 
 
@@ -325,10 +331,10 @@ def main(argv=None) -> int:
     if a.report:  # the other mode's earlier results in DIR join the report
         sim = sim if sim is not None else _load(a.report, "sim.json")
         real = real if real is not None else _load(a.report, "real.json")
-        for key, name in (("sim_", None), ("real_", None)):
-            for f in glob.glob(os.path.join(a.report, key + "*.png")):
-                stem = os.path.splitext(os.path.basename(f))[0]
-                figs.setdefault(stem, os.path.basename(f))
+        for f in glob.glob(os.path.join(a.report, "sim_*.png")):  # sim Gantt needs the run
+            figs.setdefault(os.path.splitext(os.path.basename(f))[0], os.path.basename(f))
+        if real is not None:
+            _real_figures(a.report, real, figs)
     summary = build_summary(real, (sim["models"][sim["primary_model"]]["cells"] if sim else None))
     check_summary(summary)
     if a.report:

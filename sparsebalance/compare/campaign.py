@@ -77,6 +77,9 @@ def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable) -
     picked = rng.choice(src, size=r.num_docs, replace=True).astype(np.float64)
     lengths = np.clip(np.rint(picked * scale), 2, r.seq_length).astype(np.int64)
     info["stats"] = corpus_stats(lengths, r)
+    info["lengths_json"] = os.path.join(work, "corpus_lengths.json")
+    with open(info["lengths_json"], "w") as fh:
+        json.dump(lengths.tolist(), fh)
     info["recipe_lines"] = describe(r, info["stats"], q, scale)
     kmin, kmax = max(1, r.topk // 2), 2 * r.topk
     lfile = os.path.join(shared, "data", "lengths", r.lengths_file + ".json")
@@ -129,3 +132,18 @@ def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: d
         "baseline_drift": drift,
         "timelines": {a: os.path.join(work, "runs", f"{a}-0", "timeline") for a in arms},
     }
+
+
+def cpu_prediction(cfg: RealConfig, prep: dict) -> dict:
+    """What the pipeline model + this machine's sparse profile predict for the real
+    configuration (same corpus lengths, PP, M, routing; DP = 1): the arms' expected
+    ratios before measurement, and a reference for the report's "why"."""
+    from .sim import SimConfig, simulate_cell
+
+    with open(prep["lengths_json"]) as fh:
+        lengths = json.load(fh)
+    r = cfg.recipe
+    scfg = SimConfig(pp=cfg.ranks, dp=1, micro_batches=cfg.micro_batches, steps=cfg.iters,
+                     seed=cfg.seed, cost_model=prep["profile_sparse"], block_size=r.block_size,
+                     topk=r.topk, model=(("num_layers", cfg.num_layers),))
+    return simulate_cell(lengths, r.seq_length, scfg).table

@@ -47,11 +47,12 @@ def speedup_bars(path: str, real: Optional[Dict[str, float]], sim: Optional[dict
             x = np.arange(len(arms)) + g * w
             ax.bar(x, [vals.get(a, np.nan) for a in arms], w, label=label or None)
         ax.axhline(1.0, color="black", lw=0.8)
+        target = 1.2 if title.startswith("real") else 1.33
+        ax.axhline(target, color="red", lw=0.8, ls="--", label=f"target {target}x")
         ax.set_xticks(np.arange(len(arms)) + 0.4 - w / 2, arms, rotation=30, ha="right")
         ax.set_ylabel("throughput / megatron's")
         ax.set_title(title)
-        if len(groups) > 1:
-            ax.legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     _save(fig, path)
 

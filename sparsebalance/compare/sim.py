@@ -35,11 +35,13 @@ MODELS: Dict[str, Dict[str, object]] = {
     "llama7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
                     ffn_hidden_size=11008, vocab_size=32000),
     "qwen05b": {},
+    "profile": {},
 }
 """Simulated model shapes. ``llama7b`` is the layer h100-analytic was fitted on (no FLOP
 rescaling; 4 layers per stage at PP=8); ``qwen05b`` is the predictor's default
 (Qwen2.5-0.5B-like: 3 layers per stage at PP=8 plus a 151,936-token output layer on
-the last stage)."""
+the last stage); ``profile`` adds no overrides (with a profile JSON as cost model: the
+profiled model itself)."""
 
 SIM_ARMS: Tuple[str, ...] = ("megatron", "sab", "dst", "sparsebalance", "sparsebalance-anchor",
                              "wlb")

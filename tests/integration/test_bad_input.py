@@ -113,6 +113,9 @@ CASES = [
     Case("pretrain-load-is-file", "pretrain_gpt.py", _pretrain("--load", "{d}/good.idx"), r"--load"),
     Case("pretrain-load-empty-dir", "pretrain_gpt.py", _pretrain("--load", "{d}/empty_ckpt"),
          r"empty_ckpt|checkpoint"),
+    Case("pretrain-profile-of-another-model", "pretrain_gpt.py",
+         _pretrain("--sparse-balance", "--sb-profile", "{d}/other_model_profile.json"),
+         r"other_model_profile\.json.*(match|num_layers|block_size|hidden)"),
     # preprocess_data.py: bad JSONL
     Case("preprocess-missing-input", "tools/preprocess_data.py",
          _p("--input", "{d}/none.jsonl", "--output-prefix", "{d}/pp0"), r"none\.jsonl",

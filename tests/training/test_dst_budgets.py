@@ -19,7 +19,7 @@ import pytest
 from conftest import PY, ROOT, env, launch
 
 WORKER = os.path.join(ROOT, "tests", "training", "_sb_worker.py")
-LAYERS, PP, M, STEPS = 4, 2, 4, 3
+LAYERS, PP, M, STEPS = 4, 2, 4, 2
 FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--num-attention-heads", "4", "--seq-length", "512", "--global-batch-size", str(M),
          "--lr", "1e-3", "--no-progress-bar", "--seed", "3", "--train-iters", str(STEPS),

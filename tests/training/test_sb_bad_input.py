@@ -47,20 +47,45 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_sb_bad_input_one_line(name, corpus, tmp_path):
+def _check_one_line(code, stderr, expect, tmp_path):
+    assert code == 2, (code, stderr[-2000:])
+    assert "Traceback" not in stderr
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("pretrain_gpt.py: error: ") and expect in lines[0], lines[0]
+    assert not (tmp_path / "save").exists() and not (tmp_path / "summary.json").exists()
+    assert not (tmp_path / "missing.json").exists()
+
+
+def _argv(name, corpus, tmp_path):
     _stale_profile(str(tmp_path / "stale.json"))
     extra, expect = CASES[name]
     extra = [a.format(d=tmp_path) for a in extra]
-    save, summary = tmp_path / "save", tmp_path / "summary.json"
-    proc = subprocess.run([PY, PRETRAIN, *TINY, "--data-path", corpus, *extra, "--save", str(save),
-                           "--summary-json", str(summary)],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1, proc.stderr
-    expect = expect.format(d=tmp_path)
-    assert lines[0].startswith("pretrain_gpt.py: error: ") and expect in lines[0], lines[0]
-    assert not save.exists() and not summary.exists()
-    assert not (tmp_path / "missing.json").exists()
+    return ([*TINY, "--data-path", corpus, *extra, "--save", str(tmp_path / "save"),
+             "--summary-json", str(tmp_path / "summary.json")], expect.format(d=tmp_path))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sb_bad_input_one_line(name, corpus, tmp_path, capsys, monkeypatch):
+    """In-process (one interpreter for all cases): pretrain_gpt.main exits 2 with one line."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    import pretrain_gpt
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    argv, expect = _argv(name, corpus, tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(argv)
+    _check_one_line(exc.value.code, capsys.readouterr().err, expect, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["unknown batching", "missing profile"])
+def test_sb_bad_input_cli(name, corpus, tmp_path):
+    """The same through a real process: exit status and stderr as a user sees them."""
+    argv, expect = _argv(name, corpus, tmp_path)
+    proc = subprocess.run([PY, PRETRAIN, *argv], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
+    assert "Traceback" not in proc.stdout
+    _check_one_line(proc.returncode, proc.stderr, expect, tmp_path)
