@@ -5,11 +5,11 @@
 //
 // No c10/cuda or ATen/cuda headers (a CPU torch lacks some of what they need), so the
 // caller passes the current stream handle and selects the device (Python launcher,
-// sparsebalance/ops/cuda.py). Syntax check without a CUDA torch:
-//   g++ -fsyntax-only -std=c++17 -I$TORCH/include -I$TORCH/include/torch/csrc/api/include \
-//       -I$PYINC -I$CUDA_HOME/include -DTORCH_EXTENSION_NAME=_C_cuda \
+// sparsebalance/ops/cuda.py). Syntax check without a CUDA torch ($TORCH = the torch
+// package dir, $PYINC = Python's include dir, all on one line):
+//   g++ -fsyntax-only -std=c++20 -I$TORCH/include -I$TORCH/include/torch/csrc/api/include
+//       -I$PYINC -I$CUDA_HOME/include -DTORCH_EXTENSION_NAME=_C_cuda
 //       csrc/cuda/sparse_attention_cuda.cpp
-// ($TORCH = the torch package dir, $PYINC = Python's include dir.)
 #include <torch/extension.h>
 
 #include <vector>

@@ -9,8 +9,9 @@
 // accumulation); the tensor-core path on GPUs is the Triton backend. The dk/dv
 // kernel owns its key block and walks the reverse index, so there are no atomics.
 //
-// Only CUDA headers are included, so this file compiles in seconds:
-//   nvcc -c -std=c++17 -O3 -gencode arch=compute_80,code=sm_80 \
+// Only CUDA headers are included, so nvcc compiles kernels, not torch's headers
+// (one line):
+//   nvcc -c -std=c++17 -O3 -gencode arch=compute_80,code=sm_80
 //        -gencode arch=compute_90,code=sm_90 csrc/cuda/sparse_attention_kernels.cu -o /tmp/k.o
 #include "sparse_attention_kernels.h"
 
@@ -213,7 +214,6 @@ __global__ void bwd_dkdv_kernel(const scalar_t* __restrict__ q, const scalar_t* 
       }
   }
 }
-
 
 #undef SB_FOR_D
 

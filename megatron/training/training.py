@@ -83,17 +83,24 @@ class SignalFlag:
 
     def any_rank(self) -> bool:
         """True if any rank got the signal (one all-reduce of a scalar)."""
-        t = torch.tensor([1.0 if self.raised else 0.0])
+        t = torch.tensor([1.0 if self.raised else 0.0], device=_comm_device())
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return bool(t.item())
 
 
+def _comm_device() -> torch.device:
+    """Where small control tensors live: NCCL only moves CUDA tensors, gloo CPU ones."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _gather_rows(row: List[float]) -> np.ndarray:
     """[world, len(row)] float64 table of every rank's row."""
-    t = torch.tensor(row, dtype=torch.float64)
+    t = torch.tensor(row, dtype=torch.float64, device=_comm_device())
     out = [torch.zeros_like(t) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(out, t)
-    return torch.stack(out).numpy()
+    return torch.stack(out).cpu().numpy()
 
 
 _ROW = ("loss_sum", "loss_tokens", "fwd_s", "bwd_s", "pp_rank", "dp_rank", "step_s",

@@ -17,13 +17,14 @@ import os
 import shlex
 import subprocess
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
 from .arms import get_arm
 from .corpus import (corpus_stats, describe, make_corpus_quantile, realised_scale,
                      source_lengths)
+from .timelines import timeline_stats
 from .real import (RealConfig, RunResult, driver_command, launch, measured_steps, pool,
                    python_exe, run_order)
 
@@ -116,6 +117,17 @@ def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: d
                              os.path.join(d, "logs"), profile, os.path.join(d, "timeline"))
         runs[arm_name].append(launch(cmd, cfg, arm_name, k, summary, d, log))
     pooled = {a: pool(rs) for a, rs in runs.items()}
+    for a, p in pooled.items():
+        if p is None:
+            continue
+        stats = [timeline_stats(os.path.join(work, "runs", f"{a}-{r.repeat}", "timeline"),
+                                int(r.summary.get("warmup_steps_skipped", 0)))
+                 for r in runs[a] if r.summary is not None]
+        stats = [s for s in stats if s]
+        if stats:
+            p["replayed_step_ms"] = float(np.mean([s["replayed_ms"] for s in stats]))
+            p["op_sum_error"] = float(np.mean([s["op_sum_predicted_ms"] / s["op_sum_measured_ms"] - 1
+                                               for s in stats]))
     drift = None
     base = runs.get("megatron", [])
     if cfg.rounds == 1 and len(base) == 2 and all(r.summary for r in base):

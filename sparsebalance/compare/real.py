@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -204,6 +204,8 @@ def pool(runs: Sequence[RunResult]) -> Optional[dict]:
     bub = np.mean([s["bubble_fraction"] for s in ok], axis=0)
     out = {
         "step_ms": med,
+        "step_ms_p25": float(np.percentile(steps, 25)),
+        "step_ms_p75": float(np.percentile(steps, 75)),
         "tokens_per_s": toks / secs if secs > 0 else 0.0,
         "loss": float(np.mean([s["loss_last"] for s in ok])),
         "density": float(np.mean([s["density_mean"] for s in ok])),

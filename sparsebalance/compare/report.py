@@ -190,15 +190,19 @@ def real_section(real: dict, figs: dict) -> List[str]:
     if real.get("baseline_drift") is not None:
         out += [f"Machine drift: megatron's median step changed by "
                 f"{real['baseline_drift']:+.1%} between its first and last run (both pooled).", ""]
-    out += ["| arm | median step ms | tokens/s | speedup | loss (last) | density | imbalance | "
-            "bubble per stage | predicted ms | validation | steps (runs) | run medians ms |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out += ["| arm | median step ms (p25-p75) | tokens/s | speedup | loss (last) | density | "
+            "imbalance | bubble per stage | predicted ms | validation | replayed ops ms | "
+            "op-sum error | steps (runs) | run medians ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a, r in arms.items():
         sp = r["tokens_per_s"] / base["tokens_per_s"] if base else None
-        out.append(f"| {a} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | {_f(sp)}x | "
+        out.append(f"| {a} | {r['step_ms']:.0f} ({r.get('step_ms_p25', 0):.0f}-"
+                   f"{r.get('step_ms_p75', 0):.0f}) | {r['tokens_per_s']:.0f} | {_f(sp)}x | "
                    f"{r['loss']:.4f} | {r['density']:.4f} | {r['imbalance']:.3f} | "
                    f"{' / '.join(f'{b:.3f}' for b in r['bubble_fraction'])} | "
                    f"{_f(r['predicted_step_ms'], '{:.0f}')} | {_f(r['validation'], '{:+.1%}')} | "
+                   f"{_f(r.get('replayed_step_ms'), '{:.0f}')} | "
+                   f"{_f(r.get('op_sum_error'), '{:+.1%}')} | "
                    f"{r['measured_steps']} ({r['runs']}) | "
                    f"{', '.join(f'{x:.0f}' for x in r['run_medians_ms'])} |")
     out.append("")
@@ -210,7 +214,11 @@ def real_section(real: dict, figs: dict) -> List[str]:
             "per-stage correction) against the measured step (wall clock, including "
             "communication and optimizer). `density` = kept / causal attention pairs over all "
             "steps; `imbalance` = max / mean micro-batch latency (measured); bubble = 1 - "
-            "busy / step per pipeline rank.", ""]
+            "busy / step per pipeline rank. `replayed ops ms` = the measured per-op times "
+            "(`--sb-timeline`) replayed through the pipeline model: measured step minus it is "
+            "time outside the modelled ops (optimizer, p2p waits, data, planning); `op-sum "
+            "error` = predicted / measured sum of op times - 1 (the op-time predictions alone).",
+            ""]
     if real.get("cpu_prediction"):
         c = real["cpu_prediction"]
         out += [f"Predicted before measuring (pipeline model + this machine's sparse profile, "

@@ -13,7 +13,7 @@ from sparsebalance.ops.plan import RoutingPlan, reverse_index
 
 
 def _stream(t: torch.Tensor) -> int:
-    # The .cu file includes no c10/cuda headers, so it takes the raw stream handle.
+    # The extension (csrc/cuda) includes no c10/cuda headers, so it takes the raw stream handle.
     return torch.cuda.current_stream(t.device).cuda_stream
 
 

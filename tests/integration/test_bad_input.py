@@ -204,6 +204,12 @@ CASES = [
          _p("--timeline", "a={d}/none.json", "--trace", "{d}/tl1.json"), r"none\.json", _p("{d}/tl1.json")),
     Case("timeline-empty-file", "tools/timeline.py",
          _p("--timeline", "a={d}/empty.json", "--gantt", "{d}/tl2.png"), r"empty\.json", _p("{d}/tl2.png")),
+    # compare.py
+    Case("compare-negative-pp", "tools/compare.py",
+         _p("--quick", "--pp", "-2", "--report", "{d}/cmp1"), r"--pp", _p("{d}/cmp1/report.md")),
+    Case("compare-missing-lengths", "tools/compare.py",
+         _p("--quick", "--lengths", "{d}/none.json", "--report", "{d}/cmp2"), r"none\.json",
+         _p("{d}/cmp2/report.md")),
     # eval_longctx.py
     Case("eval-load-missing", "tools/eval_longctx.py",
          _p("--load", "{d}/no_ckpt", "--output", "{d}/ev1.json"), r"no_ckpt", _p("{d}/ev1.json")),

@@ -89,3 +89,18 @@ def test_sb_bad_input_cli(name, corpus, tmp_path):
                           timeout=120)
     assert "Traceback" not in proc.stdout
     _check_one_line(proc.returncode, proc.stderr, expect, tmp_path)
+
+
+def test_help_lists_the_sparsebalance_flags():
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from megatron.training.arguments import build_parser
+
+    text = build_parser().format_help()
+    flags = """--sb-batching --max-carry-steps --sparse-balance --sb-dst --sb-anchor --sb-p
+    --sb-topk-min --sb-topk-max --sb-attn-slack --sb-timeline --sb-profile --sb-cost-model
+    --sb-allow-stale-profile --summary-json""".split()
+    assert [f for f in flags if f not in text] == []
+    for name in ("megatron", "concat", "sorted", "tokens", "quadratic", "wlb", "sab"):
+        assert name in text
