@@ -67,20 +67,34 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--kv-heads must divide --heads")
     if a.doc_mix is not None and not os.path.isfile(a.doc_mix):
         p.error(f"--doc-mix file not found: {a.doc_mix}")
+    a.doc_pool = None if a.doc_mix is None else _read_doc_mix(a.doc_mix, p)
     env_threads = os.environ.get("OMP_NUM_THREADS", "2")
     a.threads = a.threads or (int(env_threads) if env_threads.isdigit() else 2)
     return a
 
 
+def _read_doc_mix(path: str, p: argparse.ArgumentParser) -> list[int]:
+    """The positive document lengths (tokens) of a JSON list; bad files are usage errors."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        p.error(f"--doc-mix {path}: not a JSON list of document lengths ({exc})")
+    if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
+        p.error(f"--doc-mix {path}: expected a JSON list of integer document lengths")
+    pool = [x for x in data if x > 0]
+    if not pool:
+        p.error(f"--doc-mix {path}: no positive document length")
+    return pool
+
+
 def doc_lengths(a: argparse.Namespace) -> list[int]:
     """One document of seq_len, or resampled lengths packed to exactly seq_len."""
-    if a.doc_mix is None:
+    if a.doc_pool is None:
         return [a.seq_len]
     import numpy as np
 
-    with open(a.doc_mix) as f:
-        pool = np.asarray(json.load(f), dtype=np.int64)
-    pool = pool[pool > 0]
+    pool = np.asarray(a.doc_pool, dtype=np.int64)
     rng = np.random.default_rng(a.seed)
     lens, room = [], a.seq_len
     while room > 0:  # the last document is cut to fill the batch exactly

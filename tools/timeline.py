@@ -43,12 +43,19 @@ class _Parser(argparse.ArgumentParser):
 
 def load_timeline(path: str):
     """Replay one timeline file through the pipeline model."""
-    with open(path) as fh:
-        d = json.load(fh)
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not a timeline JSON file ({e})") from None
     if not isinstance(d, dict) or "fwd_ms" not in d or "bwd_ms" not in d:
         raise ValueError(f"{path}: a timeline needs 'fwd_ms' and 'bwd_ms'")
-    return simulate(d["fwd_ms"], d["bwd_ms"], schedule=d.get("schedule", "1f1b"),
-                    vpp=int(d.get("vpp", 1)), p2p_ms=float(d.get("p2p_ms", 0.0)))
+    try:
+        return simulate(d["fwd_ms"], d["bwd_ms"], schedule=d.get("schedule", "1f1b"),
+                        vpp=int(d.get("vpp", 1)), p2p_ms=float(d.get("p2p_ms", 0.0)))
+    except (TypeError, ValueError) as e:  # malformed durations: name the file
+        raise ValueError(f"{path}: {e}") from None
 
 
 def main(argv=None) -> int:

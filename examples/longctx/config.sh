@@ -47,11 +47,22 @@ SB_TOPK=${SB_TOPK:-8}
 
 ARMS=${ARMS:-"dense megatron sparsebalance"}
 
-arm_flags() {  # pretrain_gpt.py flags of one arm
+# SAB and DST plan from predicted latency: the sparsebalance arm trains with a latency
+# profile of this machine and model, written by train_arm.sh into the run directory
+# (tools/profile_latency.py, outside the wall-clock budget: profiling is a one-off,
+# offline step per machine and model, as in the paper).
+PROFILE_FLAGS=${PROFILE_FLAGS:---quick}        # tools/profile_latency.py's own flags
+
+arm_profile() {  # the latency profile of run directory $1
+    echo "$1/latency_profile.json"
+}
+
+arm_flags() {  # pretrain_gpt.py flags of one arm; $2 = its run directory (sparsebalance)
     case $1 in
         dense) ;;
         megatron) echo --sparse-attention --sb-block-size "$SB_BLOCK" --sb-topk "$SB_TOPK" ;;
-        sparsebalance) echo --sparse-attention --sb-block-size "$SB_BLOCK" --sb-topk "$SB_TOPK" --sparse-balance ;;
+        sparsebalance) echo --sparse-attention --sb-block-size "$SB_BLOCK" --sb-topk "$SB_TOPK" --sparse-balance \
+            --sb-profile "$(arm_profile "${2:?arm_flags sparsebalance needs the run directory}")" ;;
         *) echo "unknown arm $1 (dense, megatron, sparsebalance)" >&2; return 2 ;;
     esac
 }

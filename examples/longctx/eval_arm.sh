@@ -10,8 +10,8 @@ set -euo pipefail
 source "$(dirname "$0")/config.sh"
 ARM=${1:?usage: eval_arm.sh ARM SEED}
 SEED=${2:?usage: eval_arm.sh ARM SEED}
-arm_flags "$ARM" >/dev/null
 RUN=$RUNS_DIR/$ARM/seed$SEED
+arm_flags "$ARM" "$RUN" >/dev/null
 cd "$SB_ROOT"
 export OMP_NUM_THREADS=${EVAL_THREADS:-2}   # evaluation is one process: use both cores
 MODEL_FLAGS=$(cat "$RUN/model_flags.txt")   # written by train_arm.sh

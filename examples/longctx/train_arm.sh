@@ -14,16 +14,21 @@
 # checkpoint and the script fails). The budget includes start-up, equally for
 # every arm. A run that reaches MAX_ITERS first ends normally.
 #
-# The sparsebalance arm passes --sparse-balance (wired by the lead in
-# pretrain_gpt.py: SAB packing + DST budgets on top of --sparse-attention); the
-# script stops with a clear message if this checkout's driver lacks the flag.
+# The sparsebalance arm passes --sparse-balance (SAB packing + DST budgets on top of
+# --sparse-attention) with --sb-profile: before the budget starts, a latency profile
+# of the same model on this machine is written by tools/profile_latency.py
+# ($PROFILE_FLAGS, one thread per process as in training) unless the run directory
+# already holds one. The script stops with a clear message if this checkout's
+# driver lacks a flag.
 #
 # Output: $RUNS_DIR/ARM/seedSEED/{ckpt/,train.log,train_meta.json,model_flags.txt}
+#         (+ latency_profile.json, profile.log for sparsebalance)
 set -euo pipefail
 source "$(dirname "$0")/config.sh"
 ARM=${1:?usage: train_arm.sh ARM SEED}
 SEED=${2:?usage: train_arm.sh ARM SEED}
-FLAGS=$(arm_flags "$ARM")
+RUN=$RUNS_DIR/$ARM/seed$SEED
+FLAGS=$(arm_flags "$ARM" "$RUN")
 cd "$SB_ROOT"
 for f in $FLAGS; do
     if [[ $f == --* ]] && ! "$PYTHON" pretrain_gpt.py --help 2>/dev/null | grep -q -- "$f\b"; then
@@ -33,12 +38,22 @@ for f in $FLAGS; do
 done
 [[ -f $DATA_DIR/train_text_document.idx ]] || { echo "train_arm.sh: run make_data.sh first" >&2; exit 2; }
 
-RUN=$RUNS_DIR/$ARM/seed$SEED
 mkdir -p "$RUN/ckpt"
+SHAPE_FLAGS="--num-layers $NUM_LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS \
+--seq-length $SEQ_LENGTH --max-position-embeddings $SEQ_LENGTH"
 # Model flags, also stored for eval_arm.sh (checkpoints do not record their arguments).
-MODEL_FLAGS="--num-layers $NUM_LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS \
---seq-length $SEQ_LENGTH --max-position-embeddings $SEQ_LENGTH $FLAGS"
+MODEL_FLAGS="$SHAPE_FLAGS $FLAGS"
 echo "$MODEL_FLAGS" > "$RUN/model_flags.txt"
+if [[ $ARM == sparsebalance && ! -f $(arm_profile "$RUN") ]]; then
+    # Same model, tokenizer (vocab) and threads per process as the training run below.
+    # shellcheck disable=SC2086
+    if ! "$PYTHON" tools/profile_latency.py --cpu --output "$(arm_profile "$RUN")" $PROFILE_FLAGS \
+            $SHAPE_FLAGS --sparse-attention --sb-block-size "$SB_BLOCK" --sb-topk "$SB_TOPK" \
+            --tokenizer-type ByteTokenizer > "$RUN/profile.log" 2>&1; then
+        echo "train_arm.sh: latency profiling for $ARM failed; see $RUN/profile.log" >&2
+        exit 1
+    fi
+fi
 start=$(date +%s.%N)
 # shellcheck disable=SC2086
 bash -c 'trap "" USR1; exec "$@"' _ \

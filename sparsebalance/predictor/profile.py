@@ -102,17 +102,27 @@ def save_profile(path: str, profile: dict) -> None:
 def create_command(path: str, model_cfg: dict, threads: Optional[int] = None,
                    sparse: bool = True) -> str:
     """The exact command that writes a profile for ``model_cfg`` to ``path``
-    (``sparse``: profile the sparse-attention layer, as SparseBalance trains)."""
+    (``sparse``: profile the sparse-attention layer, as SparseBalance trains).
+
+    ``model_cfg`` holds ModelShape fields and optionally the other model-fingerprint
+    entries (``seq_length``, ``normalization``, ``params_dtype``, ``attention_backend``);
+    every one given becomes its flag, so the written profile matches that fingerprint."""
     flags = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
              "num_attention_heads": "--num-attention-heads",
              "num_query_groups": "--num-query-groups", "ffn_hidden_size": "--ffn-hidden-size",
-             "vocab_size": "--vocab-size", "block_size": "--sb-block-size", "topk": "--sb-topk"}
+             "vocab_size": "--vocab-size", "block_size": "--sb-block-size", "topk": "--sb-topk",
+             "seq_length": "--seq-length", "normalization": "--normalization"}
     args = ["--output", path] + (["--sparse-attention"] if sparse else [])
     for key, flag in flags.items():
         if model_cfg.get(key) is not None:
             args += [flag, str(model_cfg[key])]
     if model_cfg.get("swiglu"):
         args.append("--swiglu")
+    if model_cfg.get("params_dtype") == "bf16":
+        args.append("--bf16")
+    if sparse and model_cfg.get("attention_backend") not in (None, "auto"):
+        # the resolved kernel the run expects; "auto" could resolve differently
+        args += ["--sb-attention-backend", str(model_cfg["attention_backend"])]
     t = threads if threads is not None else torch.get_num_threads()
     return (f"OMP_NUM_THREADS={t} .venv/bin/python tools/profile_latency.py "
             + " ".join(shlex.quote(a) for a in args))
@@ -175,9 +185,9 @@ def load_predictor(path: str, recalibrator: Optional[Recalibrator] = None,
     if unknown:
         raise ValueError(f"unknown model_cfg keys {unknown}; known: {sorted(_SHAPE_FIELDS)}")
     if not os.path.isfile(path):
-        sparse = (expect or {}).get("attention") != "dense"
+        want = {**model_cfg, **(expect or {})}
         raise FileNotFoundError(f"latency profile {path} does not exist; create it with: "
-                                f"{create_command(path, model_cfg, sparse=sparse)}")
+                                f"{create_command(path, want, sparse=want.get('attention') != 'dense')}")
     prof, digest = read_profile(path)
     diffs = fingerprint_diffs(prof, model_cfg, expect)
     if diffs:
@@ -186,8 +196,8 @@ def load_predictor(path: str, recalibrator: Optional[Recalibrator] = None,
         if not allow_stale:
             # Re-profiling for this run: the profile's model with the requested changes,
             # at this process's thread count.
-            sparse = prof["model"].get("attention") != "dense"
-            cmd = create_command(path, {**prof["model"], **model_cfg}, sparse=sparse)
+            want = {**prof["model"], **model_cfg, **(expect or {})}
+            cmd = create_command(path, want, sparse=want.get("attention") != "dense")
             raise ValueError(f"{msg} (re-profile with: {cmd}; or pass --sb-allow-stale-profile)")
     if digest not in _CACHE:
         coef = prof.get("coefficients") or fit_coefficients(

@@ -170,6 +170,9 @@ CASES = [
     Case("bench-garbage-docmix", "tools/bench_attention.py",
          _p("--seq-len", "256", "--doc-mix", "{d}/garbage.json", "--out", "{d}/bench2.json"), r"garbage\.json",
          _p("{d}/bench2.json")),
+    Case("bench-docmix-not-lengths", "tools/bench_attention.py",
+         _p("--seq-len", "256", "--doc-mix", "{d}/wrong_schema.json", "--out", "{d}/bench3.json"),
+         r"wrong_schema\.json", _p("{d}/bench3.json")),
     # profile_latency.py
     Case("profile-negative-threads", "tools/profile_latency.py",
          _p("--output", "{d}/prof1.json", "--quick", "--threads", "-1"), r"threads", _p("{d}/prof1.json")),
@@ -195,6 +198,9 @@ CASES = [
             "--num-layers", "24", "--block-size", "256", "--seq-length", "8192", "--pp", "2", "--dp", "1",
             "--microbatches", "2", "--out", "{d}/fl.json"),
          r"other_model_profile\.json.*(match|num_layers|block_size)", _p("{d}/fl.json")),
+    Case("simulate-binary-instance", "tools/simulate.py",
+         _p("run", "--instance", "{d}/good.idx", "--trace", "{d}/sim4.trace.json"), r"good\.idx",
+         _p("{d}/sim4.trace.json")),
     Case("simulate-negative-pp", "tools/simulate.py",
          _p("synth", "--pp", "-1", "--out", "{d}/inst.json"), r"--pp", _p("{d}/inst.json")),
     # timeline.py

@@ -130,3 +130,47 @@ def test_unknown_names_and_keys(profile_path):
         get_predictor(profile_path, hiddensize=1)
     with pytest.raises(ValueError, match="allow_stale"):
         get_predictor("h100-analytic", allow_stale=True)
+
+
+def _profile_tool():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "profile_latency.py")
+    spec = importlib.util.spec_from_file_location("profile_latency_tool", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("run", [
+    dict(attention="sparse", attention_backend="cpu", seq_length=512, normalization="RMSNorm",
+         params_dtype="bf16", swiglu=True),
+    dict(attention="sparse", attention_backend="reference", seq_length=4096, normalization="LayerNorm",
+         params_dtype="fp32", swiglu=False),
+    dict(attention="dense", attention_backend="sdpa", seq_length=2048, normalization="RMSNorm",
+         params_dtype="fp32", swiglu=False),
+], ids=["sparse-rms-bf16", "sparse-reference", "dense-rms"])
+def test_printed_command_writes_the_profile_the_run_accepts(tmp_path, run):
+    """Parse the suggested command with the tool's own parser: its model fingerprint
+    equals the running model's on every fingerprinted field the run asked for."""
+    import shlex
+
+    tool = _profile_tool()
+    path = str(tmp_path / "nope.json")
+    shape = dict(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                 ffn_hidden_size=160, vocab_size=512, swiglu=run["swiglu"], block_size=32,
+                 topk=4 if run["attention"] == "sparse" else None)
+    expect = {k: v for k, v in run.items() if k != "swiglu"}
+    with pytest.raises(FileNotFoundError) as e:
+        get_predictor(path, expect=expect, **shape)
+    words = shlex.split(str(e.value).split("create it with: ", 1)[1])
+    argv = words[words.index("tools/profile_latency.py") + 1:]
+    args = tool.build_parser().parse_args(argv)
+    tool._fill_defaults(args)
+    got = tool.model_fingerprint(args)
+    assert args.output == path
+    want = {**shape, **expect}
+    if run["attention"] == "dense":
+        want.pop("topk")  # a dense profile serves any budget (topk is not fingerprinted)
+    diffs = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+    assert not diffs, f"profile written by the printed command differs: {diffs}"
