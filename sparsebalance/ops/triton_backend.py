@@ -10,7 +10,7 @@ import torch
 import triton
 
 from sparsebalance.ops import triton_kernels as tk
-from sparsebalance.ops.plan import RoutingPlan, reverse_index
+from sparsebalance.ops.gpu_autograd import make_attention_function, register_fakes
 
 _LOG2E = 1.4426950408889634
 
@@ -43,10 +43,6 @@ def triton_sparse_attn_fwd(
     return out, lse2
 
 
-@triton_sparse_attn_fwd.register_fake
-def _(q, k, v, qb_start, qb_len, kv_idx, kv_cnt, block_size, scale):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
 
 @torch.library.custom_op("sparsebalance::triton_sparse_attn_bwd", mutates_args=())
 def triton_sparse_attn_bwd(
@@ -73,29 +69,8 @@ def triton_sparse_attn_bwd(
     return dq, dk, dv
 
 
-@triton_sparse_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse2, qb_start, qb_len, kv_idx, kv_cnt, rev_ptr, rev_q, block_size, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+register_fakes(triton_sparse_attn_fwd, triton_sparse_attn_bwd)
 
-
-class _TritonSparseAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan: RoutingPlan, scale: float):
-        tabs = (plan.qb_start, plan.qb_len, plan.kv_idx, plan.kv_cnt)
-        out, lse2 = triton_sparse_attn_fwd(q, k, v, *tabs, plan.block_size, scale)
-        ctx.save_for_backward(q, k, v, out, lse2, *tabs, *reverse_index(plan))
-        ctx.block_size, ctx.scale = plan.block_size, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse2, *tabs = ctx.saved_tensors
-        dq, dk, dv = triton_sparse_attn_bwd(dout.contiguous(), q, k, v, out, lse2, *tabs,
-                                            ctx.block_size, ctx.scale)
-        return dq, dk, dv, None, None
-
-
-def triton_sparse_attention(q, k, v, plan: RoutingPlan, scale: float) -> torch.Tensor:
-    """Sparse attention of ``q [T, H, D]``, ``k, v [T, Hkv, D]`` along ``plan`` with Triton."""
-    return _TritonSparseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                        plan.to(q.device), scale)
+triton_sparse_attention = make_attention_function(
+    triton_sparse_attn_fwd, triton_sparse_attn_bwd, '_TritonSparseAttention')
+triton_sparse_attention.__doc__ = 'Sparse attention of ``q [T, H, D]``, ``k, v [T, Hkv, D]`` along ``plan`` with Triton.'
