@@ -82,12 +82,17 @@ class CausalVarlenAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
+        name = type(self).__name__
         if config.context_parallel_size > 1:
-            raise ValueError("context parallelism is not supported by CausalVarlenAttention")
+            raise ValueError(f"context parallelism is not supported by {name}")
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
-            raise ValueError(f"only causal attention is supported, got {attn_mask_type}")
+            raise ValueError(f"attn_mask_type must be causal for {name}, got {attn_mask_type}")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
+
+    def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
+        """``[T, H, D]`` attention over the documents of ``cu_seqlens`` (subclasses swap it)."""
+        return causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale)
 
     def forward(
         self,
@@ -100,15 +105,14 @@ class CausalVarlenAttention(MegatronModule):
         packed_seq_params=None,
     ) -> torch.Tensor:
         if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by CausalVarlenAttention")
+            raise ValueError(f"attention_bias is not supported by {type(self).__name__}")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            out = causal_varlen_attention(
-                query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale
-            )
+            cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
+            out = self._attend(query, key, value, cu)
             return out.reshape(out.shape[0], -1)
-        # SBHD: fold the batch into documents of equal length S.
+        # SBHD: every sequence of the batch is one document of length S.
         S, B, H, D = query.shape
         to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
-        out = causal_varlen_attention(to_thd(query), to_thd(key), to_thd(value), cu, self.softmax_scale)
+        out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu)
         return out.reshape(B, S, H * D).transpose(0, 1).contiguous()

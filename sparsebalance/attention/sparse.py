@@ -20,17 +20,16 @@ from typing import Iterable, Optional
 import torch
 
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sparsebalance import runtime
-from sparsebalance.attention.dense import causal_varlen_attention
+from sparsebalance.attention.dense import CausalVarlenAttention, causal_varlen_attention
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention
 
 
-class SparseAttention(MegatronModule):
+class SparseAttention(CausalVarlenAttention):
     """Block top-k sparse causal attention with ``DotProductAttention``'s signature.
 
     Extra keyword args (ModuleSpec params):
@@ -57,19 +56,14 @@ class SparseAttention(MegatronModule):
         backend: str = "auto",
         dense_layers: Iterable[int] = (),
     ):
-        super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("context parallelism is not supported by SparseAttention")
-        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
-            raise ValueError(f"attn_mask_type must be causal, got {attn_mask_type}")
+        super().__init__(config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout, softmax_scale, cp_comm_type, pg_collection)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if topk is not None and (not isinstance(topk, int) or topk < 0):
             raise ValueError(f"topk must be None or an int >= 0, got {topk!r}")
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-        self.layer_number = layer_number
-        self.softmax_scale = softmax_scale
         self.block_size = block_size
         self.topk = topk
         self.backend = backend
@@ -92,29 +86,6 @@ class SparseAttention(MegatronModule):
             layer_number=self.layer_number, microbatch=None, topk=topk, kept_pairs=kept,
             causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
         return out
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params=None,
-    ) -> torch.Tensor:
-        if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by SparseAttention")
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
-            out = self._attend(query, key, value, cu)
-            return out.reshape(out.shape[0], -1)
-        # SBHD: every sequence of the batch is one document of length S.
-        S, B, H, D = query.shape
-        to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)
-        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
-        out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu)
-        return out.reshape(B, S, H * D).transpose(0, 1).contiguous()
 
 
 def get_gpt_layer_sparse_spec(
