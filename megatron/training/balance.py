@@ -69,8 +69,12 @@ def build_predictor(args, vocab_size: int, warn=None):
         return get_predictor(args.sb_cost_model, **cfg)
     if args.sb_profile is None:
         return None
+    # Every model-fingerprint entry the profiler records, so a mismatch is caught and
+    # the "create it" command of a missing profile reproduces this run's setup.
     expect = {"attention": "sparse" if args.sparse_attention else "dense",
-              "attention_backend": attention_backend(args)}
+              "attention_backend": attention_backend(args),
+              "seq_length": args.seq_length, "normalization": args.normalization,
+              "params_dtype": "bf16" if args.bf16 else "fp32"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pred = get_predictor(args.sb_profile, allow_stale=args.sb_allow_stale_profile,
