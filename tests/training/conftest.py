@@ -47,12 +47,17 @@ def summary_of(proc):
     return json.loads(lines[0].split("SUMMARY_JSON ", 1)[1])
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    """~300 documents, prolong lengths scaled to <= 384 tokens (some exceed --seq-length 256)."""
-    prefix = str(tmp_path_factory.mktemp("corpus") / "tiny")
+def make_test_corpus(prefix: str, num_docs: int, max_length: int) -> str:
+    """Write a synthetic corpus (prolong lengths scaled to <= max_length) at ``prefix``."""
     proc = subprocess.run([PY, os.path.join(ROOT, "tools", "make_corpus.py"), "--output-prefix", prefix,
-                           "--num-docs", "300", "--max-length", "384", "--quantile", "0.99"],
+                           "--num-docs", str(num_docs), "--max-length", str(max_length),
+                           "--quantile", "0.99"],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return prefix
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """~300 documents, prolong lengths scaled to <= 384 tokens (some exceed --seq-length 256)."""
+    return make_test_corpus(str(tmp_path_factory.mktemp("corpus") / "tiny"), 300, 384)

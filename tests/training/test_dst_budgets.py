@@ -11,12 +11,11 @@ The same runs also check the ``--summary-json`` metrics and ``--sb-timeline`` fi
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import PY, ROOT, env, launch
+from conftest import ROOT, launch, make_test_corpus
 
 WORKER = os.path.join(ROOT, "tests", "training", "_sb_worker.py")
 LAYERS, PP, M, STEPS = 4, 2, 4, 2
@@ -37,12 +36,7 @@ SUMMARY_FIELDS = ("iterations", "tokens", "step_ms_median", "step_ms_all", "toke
 @pytest.fixture(scope="module")
 def long_corpus(tmp_path_factory):
     """Documents up to 1024 tokens (many longer than the top-k cap of 192 tokens)."""
-    prefix = str(tmp_path_factory.mktemp("long") / "c")
-    proc = subprocess.run([PY, os.path.join(ROOT, "tools", "make_corpus.py"), "--output-prefix", prefix,
-                           "--num-docs", "400", "--max-length", "1024", "--quantile", "0.99"],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return prefix
+    return make_test_corpus(str(tmp_path_factory.mktemp("long") / "c"), 400, 1024)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
