@@ -2,7 +2,7 @@
 
 Ladder: ``sparsebalance._C`` (validates with TORCH_CHECK) -> custom ops
 ``sparsebalance::cpu_sparse_attn_fwd/bwd`` with fake (meta) implementations ->
-:class:`_CpuSparseAttention` (autograd) -> :func:`cpu_sparse_attention`.
+the shared autograd Function (ops/autograd_factory.py) -> :func:`cpu_sparse_attention`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from sparsebalance.ops import _ext
-from sparsebalance.ops.plan import RoutingPlan
+from sparsebalance.ops.autograd_factory import make_attention_function, register_fakes
 
 
 @torch.library.custom_op("sparsebalance::cpu_sparse_attn_fwd", mutates_args=())
@@ -23,10 +23,6 @@ def cpu_sparse_attn_fwd(
                                                   block_size, scale)
     return out, lse2
 
-
-@cpu_sparse_attn_fwd.register_fake
-def _(q, k, v, qb_start, qb_len, kv_idx, kv_cnt, block_size, scale):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("sparsebalance::cpu_sparse_attn_bwd", mutates_args=())
@@ -41,28 +37,9 @@ def cpu_sparse_attn_bwd(
     return dq, dk, dv
 
 
-@cpu_sparse_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse2, qb_start, qb_len, kv_idx, kv_cnt, block_size, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+register_fakes(cpu_sparse_attn_fwd, cpu_sparse_attn_bwd)
 
-
-class _CpuSparseAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan: RoutingPlan, scale: float):
-        tabs = (plan.qb_start, plan.qb_len, plan.kv_idx, plan.kv_cnt)
-        out, lse2 = cpu_sparse_attn_fwd(q, k, v, *tabs, plan.block_size, scale)
-        ctx.save_for_backward(q, k, v, out, lse2, *tabs)
-        ctx.block_size, ctx.scale = plan.block_size, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse2, *tabs = ctx.saved_tensors
-        dq, dk, dv = cpu_sparse_attn_bwd(dout.contiguous(), q, k, v, out, lse2, *tabs,
-                                         ctx.block_size, ctx.scale)
-        return dq, dk, dv, None, None
-
-
-def cpu_sparse_attention(q, k, v, plan: RoutingPlan, scale: float) -> torch.Tensor:
-    """Sparse attention of contiguous CPU ``q [T, H, D]``, ``k, v [T, Hkv, D]`` along ``plan``."""
-    return _CpuSparseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale)
+cpu_sparse_attention = make_attention_function(
+    cpu_sparse_attn_fwd, cpu_sparse_attn_bwd, "_CpuSparseAttention", reverse=False)
+cpu_sparse_attention.__doc__ = (
+    "Sparse attention of CPU ``q [T, H, D]``, ``k, v [T, Hkv, D]`` along ``plan``.")

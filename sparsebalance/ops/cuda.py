@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from sparsebalance.ops import _ext
-from sparsebalance.ops.gpu_autograd import make_attention_function, register_fakes
+from sparsebalance.ops.autograd_factory import make_attention_function, register_fakes
 
 
 def _stream(t: torch.Tensor) -> int:

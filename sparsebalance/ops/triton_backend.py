@@ -10,7 +10,7 @@ import torch
 import triton
 
 from sparsebalance.ops import triton_kernels as tk
-from sparsebalance.ops.gpu_autograd import make_attention_function, register_fakes
+from sparsebalance.ops.autograd_factory import make_attention_function, register_fakes
 
 _LOG2E = 1.4426950408889634
 

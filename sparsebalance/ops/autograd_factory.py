@@ -1,9 +1,11 @@
-"""The autograd and fake-op plumbing shared by the GPU backends (triton, cuda).
+"""The autograd and fake-op plumbing shared by the kernel backends (cpu, triton, cuda).
 
-Both backends expose the same pair of custom ops — ``fwd(q, k, v, *tables,
+Every backend exposes the same pair of custom ops — ``fwd(q, k, v, *tables,
 block_size, scale) -> (out [T, H, D], lse2 [H, T] fp32)`` and
-``bwd(dout, q, k, v, out, lse2, *tables, *reverse, block_size, scale) -> (dq, dk, dv)``
-— so one autograd.Function factory serves both; only the kernels differ.
+``bwd(dout, q, k, v, out, lse2, *tables, [*reverse,] block_size, scale) -> (dq, dk, dv)``
+— so one autograd.Function factory serves all; only the kernels differ. The GPU
+backward kernels also take the plan's reverse index (which query blocks read each key
+block, for dk/dv without atomics); the CPU kernel derives what it needs itself.
 """
 
 from __future__ import annotations
@@ -21,20 +23,21 @@ def register_fakes(fwd_op, bwd_op) -> None:
         return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
     @bwd_op.register_fake
-    def _(dout, q, k, v, out, lse2, qb_start, qb_len, kv_idx, kv_cnt, rev_ptr, rev_q,
-          block_size, scale):
+    def _(dout, q, k, v, *tables_and_scalars):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def make_attention_function(fwd_op, bwd_op, name: str):
-    """Returns ``apply(q, k, v, plan, scale) -> out`` differentiable in q, k, v."""
+def make_attention_function(fwd_op, bwd_op, name: str, reverse: bool = True):
+    """Returns ``apply(q, k, v, plan, scale) -> out`` differentiable in q, k, v
+    (``reverse``: pass the plan's reverse index to ``bwd_op``)."""
 
     class _SparseAttention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, plan: RoutingPlan, scale: float):
             tabs = (plan.qb_start, plan.qb_len, plan.kv_idx, plan.kv_cnt)
             out, lse2 = fwd_op(q, k, v, *tabs, plan.block_size, scale)
-            ctx.save_for_backward(q, k, v, out, lse2, *tabs, *reverse_index(plan))
+            ctx.save_for_backward(q, k, v, out, lse2, *tabs,
+                                  *(reverse_index(plan) if reverse else ()))
             ctx.block_size, ctx.scale = plan.block_size, scale
             return out
 
