@@ -35,7 +35,9 @@ class _Parser(argparse.ArgumentParser):
         usage_error(message, prog=PROG)
 
 
-def _documents(path: str, key: str, tokenizer):
+def _documents(path: str, key: str, tokenizer, start_key=None, starts=None):
+    """Token arrays of the non-empty documents; with ``start_key``, appends each one's
+    loss start (tokens of ``text[:record[start_key]]``; 0 when the field is absent)."""
     import numpy as np
 
     with open(path, encoding="utf-8") as f:
@@ -43,13 +45,23 @@ def _documents(path: str, key: str, tokenizer):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)[key]
+                record = json.loads(line)
+                text = record[key]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(f"{path}:{lineno}: not a JSON object with a {key!r} field")
             if not isinstance(text, str):
                 raise ValueError(f"{path}:{lineno}: {key!r} is not a string")
-            if text:
-                yield np.asarray(tokenizer.encode(text), dtype=np.int64)
+            if not text:
+                continue
+            if start_key is not None:
+                chars = record.get(start_key, 0)
+                if isinstance(chars, bool) or not isinstance(chars, int) or not 0 <= chars <= len(text):
+                    raise ValueError(f"{path}:{lineno}: {start_key!r} must be a character offset "
+                                     f"in [0, {len(text)}], got {chars!r}")
+                # a prefix's own tokenization: exact for the byte tokenizer; for a
+                # subword tokenizer the token straddling the offset counts as prompt
+                starts.append(len(tokenizer.encode(text[:chars])) if chars else 0)
+            yield np.asarray(tokenizer.encode(text), dtype=np.int64)
 
 
 def main(argv=None) -> int:
@@ -59,11 +71,15 @@ def main(argv=None) -> int:
     p.add_argument("--json-key", default="text")
     p.add_argument("--tokenizer-type", choices=("ByteTokenizer", "HuggingFaceTokenizer"), default="ByteTokenizer")
     p.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    p.add_argument("--loss-start-key", default=None,
+                   help="JSON field holding the character offset where a document's training "
+                        "targets start (absent: 0); writes <prefix>_loss_start.npy for "
+                        "pretrain_gpt.py --mask-prompt-loss")
     args = p.parse_args(argv)
     if not os.path.isfile(args.input):
         usage_error(f"--input {args.input} does not exist", prog=PROG)
     from megatron.training import tokenizer as tok
-    from megatron.training.indexed_io import write_documents
+    from megatron.training.indexed_io import loss_start_path, write_documents, write_loss_starts
 
     if args.tokenizer_type == "HuggingFaceTokenizer":
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
@@ -71,12 +87,19 @@ def main(argv=None) -> int:
         tokenizer = tok.HFJsonTokenizer(args.tokenizer_model)
     else:
         tokenizer = tok.ByteTokenizer()
+    starts = [] if args.loss_start_key else None
     try:
-        n = write_documents(args.output_prefix, _documents(args.input, args.json_key, tokenizer),
+        if os.path.exists(loss_start_path(args.output_prefix)):
+            os.remove(loss_start_path(args.output_prefix))  # never pair new data with old starts
+        n = write_documents(args.output_prefix,
+                            _documents(args.input, args.json_key, tokenizer, args.loss_start_key, starts),
                             tokenizer.vocab_size)
+        if starts is not None:
+            write_loss_starts(args.output_prefix, starts)
     except (ValueError, UnicodeDecodeError, OSError) as e:
         usage_error(str(e), prog=PROG, code=1)
-    print(f"wrote {n} documents to {args.output_prefix}.bin/.idx (vocab {tokenizer.vocab_size})")
+    extra = f" and loss starts to {loss_start_path(args.output_prefix)}" if starts is not None else ""
+    print(f"wrote {n} documents to {args.output_prefix}.bin/.idx (vocab {tokenizer.vocab_size}){extra}")
     return 0
 
 

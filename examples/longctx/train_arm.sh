@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Step 2: train one arm with one seed under the shared wall-clock budget.
 #   bash examples/longctx/train_arm.sh ARM SEED      ARM in: dense megatron sparsebalance
+#   bash examples/longctx/train_arm.sh base          the shared base model (BASE_BUDGET_S > 0)
+#
+# With BASE_BUDGET_S > 0 an arm's first launch starts from the base model's weights
+# (--load BASE_DIR/ckpt --finetune: fresh optimizer, iteration 0); the base itself is
+# dense, trained on BASE_LENGTHS documents ($DATA_DIR/base/) for BASE_BUDGET_S.
 #
 # PP=2 on CPU: torchrun starts one process per pipeline stage (gloo). The LR is
 # constant after warm-up, so cutting training at the budget does not interact
@@ -26,8 +31,15 @@
 set -euo pipefail
 source "$(dirname "$0")/config.sh"
 ARM=${1:?usage: train_arm.sh ARM SEED}
-SEED=${2:?usage: train_arm.sh ARM SEED}
-RUN=$RUNS_DIR/$ARM/seed$SEED
+if [[ $ARM == base ]]; then
+    (( BASE_BUDGET_S > 0 )) || { echo "train_arm.sh: the base stage needs BASE_BUDGET_S > 0" >&2; exit 2; }
+    SEED=$BASE_SEED RUN=$BASE_DIR BUDGET_S=$BASE_BUDGET_S GLOBAL_BATCH=$BASE_GLOBAL_BATCH
+    DATA_PREFIX=$DATA_DIR/base/train_text_document
+else
+    SEED=${2:?usage: train_arm.sh ARM SEED}
+    RUN=$RUNS_DIR/$ARM/seed$SEED
+    DATA_PREFIX=$DATA_DIR/train_text_document
+fi
 FLAGS=$(arm_flags "$ARM" "$RUN")
 cd "$SB_ROOT"
 for f in $FLAGS; do
@@ -36,11 +48,21 @@ for f in $FLAGS; do
         exit 2
     fi
 done
-[[ -f $DATA_DIR/train_text_document.idx ]] || { echo "train_arm.sh: run make_data.sh first" >&2; exit 2; }
+[[ -f $DATA_PREFIX.idx ]] || { echo "train_arm.sh: $DATA_PREFIX.idx is missing: run make_data.sh first" >&2; exit 2; }
+# Where the weights come from: this run's own checkpoint (a resumed run), else the
+# base model's (first launch of an arm with a base stage), else a fresh init.
+LOAD_FLAGS="--load $RUN/ckpt"
+if [[ $ARM != base && $BASE_BUDGET_S -gt 0 && ! -f $RUN/ckpt/latest_checkpointed_iteration.txt ]]; then
+    [[ -f $BASE_DIR/ckpt/latest_checkpointed_iteration.txt ]] || {
+        echo "train_arm.sh: no base model in $BASE_DIR/ckpt: run train_arm.sh base first" >&2; exit 2; }
+    LOAD_FLAGS="--load $BASE_DIR/ckpt --finetune"
+fi
 
+LOSS_FLAGS=""
+[[ $ANSWER_ONLY_LOSS == 1 ]] && LOSS_FLAGS="--mask-prompt-loss"
 mkdir -p "$RUN/ckpt"
 SHAPE_FLAGS="--num-layers $NUM_LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS \
---seq-length $SEQ_LENGTH --max-position-embeddings $SEQ_LENGTH"
+--seq-length $SEQ_LENGTH --max-position-embeddings $MAX_POSITIONS"
 # Model flags, also stored for eval_arm.sh (checkpoints do not record their arguments).
 MODEL_FLAGS="$SHAPE_FLAGS $FLAGS"
 echo "$MODEL_FLAGS" > "$RUN/model_flags.txt"
@@ -62,8 +84,8 @@ bash -c 'trap "" USR1; exec "$@"' _ \
         --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH" \
         --lr "$LR" --lr-decay-style constant --lr-warmup-iters "$WARMUP" --train-iters "$MAX_ITERS" \
         --weight-decay 0.01 --clip-grad 1.0 --seed "$SEED" \
-        --data-path "$DATA_DIR/train_text_document" --split 100,0,0 --tokenizer-type ByteTokenizer \
-        --save "$RUN/ckpt" --load "$RUN/ckpt" --save-interval "$SAVE_INTERVAL" --exit-signal-handler \
+        --data-path "$DATA_PREFIX" --split 100,0,0 --tokenizer-type ByteTokenizer $LOSS_FLAGS \
+        --save "$RUN/ckpt" $LOAD_FLAGS --save-interval "$SAVE_INTERVAL" --exit-signal-handler \
         --log-interval 10 --no-progress-bar --eval-interval 0 > "$RUN/train.log" 2>&1 &
 TR=$!
 # Watchdog: at the budget, USR1 to the workers (torchrun's children, each in its own
@@ -85,11 +107,12 @@ if [[ $rc -ne 0 ]]; then
     echo "train_arm.sh: training of $ARM seed $SEED failed (exit $rc); see $RUN/train.log" >&2
     exit 1
 fi
-"$PYTHON" - "$RUN" "$ARM" "$SEED" "$start" "$end" "$BUDGET_S" "$FLAGS" <<'PY'
+"$PYTHON" - "$RUN" "$ARM" "$SEED" "$start" "$end" "$BUDGET_S" "$FLAGS" "$LOAD_FLAGS" <<'PY'
 import json, os, sys
-run, arm, seed, start, end, budget, flags = sys.argv[1:]
+run, arm, seed, start, end, budget, flags, load = sys.argv[1:]
 meta = {"arm": arm, "seed": int(seed), "wall_clock_s": round(float(end) - float(start), 1),
         "budget_s": float(budget), "arm_flags": flags.split(),
+        "init_from": load.split()[1] if "--finetune" in load.split() else None,
         "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS", "0"))}
 # The driver's end-of-run summary line (steps, tokens, losses) if it printed one.
 summary = [l for l in open(os.path.join(run, "train.log")) if l.startswith("SUMMARY_JSON ")]

@@ -170,6 +170,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset")
     g.add_argument("--split", default="98,2,0", help="train,valid,test weights over documents")
+    g.add_argument("--mask-prompt-loss", action="store_true",
+                   help="train only on each document's tokens from its loss start on (read from "
+                        "DATA_PATH_loss_start.npy, written by tools/preprocess_data.py "
+                        "--loss-start-key): prompts are context, answers are targets")
     g.add_argument("--tokenizer-type", choices=("ByteTokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
                    default="ByteTokenizer")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
@@ -267,6 +271,9 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     for ext in (".bin", ".idx"):
         if not os.path.isfile(args.data_path + ext):
             raise UsageError(f"--data-path: {args.data_path + ext} does not exist")
+    if args.mask_prompt_loss and not os.path.isfile(args.data_path + "_loss_start.npy"):
+        raise UsageError(f"--mask-prompt-loss needs {args.data_path}_loss_start.npy "
+                         "(write it with tools/preprocess_data.py --loss-start-key)")
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise UsageError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model <tokenizer.json>")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:

@@ -19,6 +19,7 @@ costing at most that segment's attention), loss mask 0, never seen by real token
     tokens        int64  input ids
     labels        int64  next token of the same document (0 where there is none)
     loss_mask     float  1 where the label is a real next token, 0 at a document's last token
+                  (and, with loss starts, 0 where the label lies before the document's start)
     position_ids  int64  0.. restarting at every segment (RoPE positions per document)
     cu_seqlens    int32  [n_segments + 1] segment boundaries: attention stays inside one
     budget        (optional) per-stage top-k for DST; :func:`forward_step` hands it to
@@ -48,13 +49,16 @@ def split_documents(n_docs: int, fractions: Sequence[float]) -> List[np.ndarray]
 
 
 def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
-                     pad_to: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                     pad_to: Optional[int] = None,
+                     loss_starts: Optional[np.ndarray] = None) -> Dict[str, torch.Tensor]:
     """THD micro-batch dict (see module docstring) for ``segments``.
 
     Args:
         dataset: megatron ``IndexedDataset``; ``doc_ids[d]`` is the dataset index of doc ``d``.
         segments: ``(doc, offset, length)`` with ``doc`` indexing ``doc_ids``.
         pad_to: append one masked padding segment up to this many tokens (None: no padding).
+        loss_starts: per dataset document, the first token that is a training target
+            (``--mask-prompt-loss``); None: every next token is a target.
     """
     lengths = dataset.sequence_lengths
     toks, labs, mask, pos, cu = [], [], [], [], [0]
@@ -72,6 +76,9 @@ def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
         m = np.ones(length, dtype=np.float32)
         if not has_next:
             m[-1] = 0.0
+        if loss_starts is not None:
+            # position off + i predicts token off + i + 1: a target iff that is >= the start
+            m[: max(0, min(length, int(loss_starts[idx]) - 1 - off))] = 0.0
         mask.append(m)
         pos.append(np.arange(length, dtype=np.int64))
         cu.append(cu[-1] + length)
@@ -159,12 +166,14 @@ class PackedDataLoader:
         max_carry_steps: no deferred document waits longer than this many steps.
         predictor: LatencyPredictor for the cost-based strategies (sab, wlb).
         pp, pp_rank: pipeline ranks and this rank's index (plans per-rank pipeline times).
+        loss_starts: per dataset document, the first target token (``--mask-prompt-loss``).
     """
 
     def __init__(self, dataset, doc_ids: np.ndarray, *, dp: int, dp_rank: int, micro_batches: int,
                  seq_length: int, strategy: str, seed: int, shuffle: bool = True,
                  vocab_size: Optional[int] = None, pad_to: Optional[int] = None,
-                 max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0) -> None:
+                 max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0,
+                 loss_starts: Optional[np.ndarray] = None) -> None:
         from sparsebalance.batching.sampler import PackingSampler
 
         if len(doc_ids) == 0:
@@ -174,6 +183,7 @@ class PackedDataLoader:
         self.dp_rank = dp_rank
         self.vocab_size = vocab_size
         self.pad_to = pad_to
+        self.loss_starts = loss_starts
         self.pp, self.pp_rank = pp, pp_rank
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
         self.sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
@@ -185,7 +195,8 @@ class PackedDataLoader:
         plan = self.sampler.next_step()
         mine = plan.ranks[self.dp_rank]
         all_segments = [seg for rank in plan.ranks for mb in rank for seg in mb]
-        microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to) for mb in mine]
+        microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to, self.loss_starts)
+                        for mb in mine]
         if self.vocab_size is not None:
             top = max(int(mb["tokens"].max()) for mb in microbatches)
             if top >= self.vocab_size:

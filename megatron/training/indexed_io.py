@@ -5,6 +5,11 @@ prefix that is renamed into place only when complete (``.bin`` first, ``.idx``
 last), so an interrupted write never leaves a dataset that opens. Reading goes
 through ``IndexedDataset``; :func:`open_dataset` turns a missing or corrupt
 dataset into a ``ValueError`` with one readable line.
+
+A dataset may carry per-document loss starts in ``<prefix>_loss_start.npy``
+(int64, one per document): the first token of each document that is a training
+target (0: all of it). Task documents put their prompt before it, so with
+``--mask-prompt-loss`` the model is trained on answers only, given the prompt.
 """
 
 from __future__ import annotations
@@ -45,6 +50,51 @@ def write_documents(prefix: str, documents: Iterable[np.ndarray], vocab_size: in
             if os.path.exists(tmp + ext):
                 os.remove(tmp + ext)
     return n
+
+
+def loss_start_path(prefix: str) -> str:
+    """The loss-start sidecar of dataset ``prefix``."""
+    return prefix + "_loss_start.npy"
+
+
+def write_loss_starts(prefix: str, starts: Iterable[int]) -> int:
+    """Write per-document loss starts (tokens) next to dataset ``prefix``; returns the count.
+
+    Written to a temporary file and renamed, so the sidecar is whole or absent.
+    """
+    arr = np.asarray(list(starts), dtype=np.int64)
+    if arr.ndim != 1 or (arr < 0).any():
+        raise ValueError("loss starts must be non-negative token offsets, one per document")
+    path = loss_start_path(prefix)
+    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    try:
+        np.save(tmp, arr)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return int(arr.size)
+
+
+def open_loss_starts(prefix: str, lengths: np.ndarray) -> np.ndarray:
+    """Loss starts of dataset ``prefix`` (its documents have ``lengths``); ValueError if unusable."""
+    path = loss_start_path(prefix)
+    if not os.path.isfile(path):
+        raise ValueError(f"--mask-prompt-loss needs {path} "
+                         "(write it with tools/preprocess_data.py --loss-start-key)")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a numpy array file ({e})") from None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or len(arr) != len(lengths):
+        raise ValueError(f"{path}: expected {len(lengths)} integer loss starts, one per document, "
+                         f"got shape {arr.shape} {arr.dtype}")
+    arr = arr.astype(np.int64)
+    bad = np.flatnonzero((arr < 0) | (arr > np.asarray(lengths, dtype=np.int64)))
+    if bad.size:
+        raise ValueError(f"{path}: document {int(bad[0])} has loss start {int(arr[bad[0]])} outside "
+                         f"[0, {int(lengths[bad[0]])}]")
+    return arr
 
 
 def open_dataset(prefix: str):

@@ -163,7 +163,7 @@ def setup(args):
     from megatron.training import data as D
     from megatron.training import initialize as init
     from megatron.training import model as M
-    from megatron.training.indexed_io import open_dataset
+    from megatron.training.indexed_io import open_dataset, open_loss_starts
     from megatron.training.step import StageTimers
     from megatron.training.tokenizer import vocab_size_for
 
@@ -173,6 +173,7 @@ def setup(args):
     cpu = init.use_cpu(args)
     vocab = vocab_size_for(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     dataset = open_dataset(args.data_path)
+    loss_starts = open_loss_starts(args.data_path, dataset.sequence_lengths) if args.mask_prompt_loss else None
     train_ids, valid_ids, _ = D.split_documents(len(dataset), args.split_fractions)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
@@ -193,13 +194,13 @@ def setup(args):
                                 micro_batches=args.num_microbatches, seq_length=args.seq_length,
                                 strategy=args.sb_batching, seed=args.seed, vocab_size=vocab, pad_to=pad_to,
                                 max_carry_steps=args.max_carry_steps, predictor=sampler_predictor,
-                                pp=pp, pp_rank=pp_rank)
+                                pp=pp, pp_rank=pp_rank, loss_starts=loss_starts)
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
         valid = D.PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank,
                                    micro_batches=args.num_microbatches, seq_length=args.seq_length,
                                    strategy="megatron", seed=args.seed, shuffle=False, vocab_size=vocab,
-                                   pad_to=pad_to)
+                                   pad_to=pad_to, loss_starts=loss_starts)
     config = M.transformer_config(args, use_cpu=cpu)
     timers = StageTimers()
     config.timers = timers
@@ -474,7 +475,8 @@ class _Logger:
                 "sb_allow_stale_profile", "num_layers", "hidden_size", "num_attention_heads",
                 "seq_length", "global_batch_size", "num_microbatches", "data_parallel_size",
                 "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "tensor_model_parallel_size", "seed", "train_iters", "data_path")
+                "tensor_model_parallel_size", "seed", "train_iters", "data_path", "mask_prompt_loss",
+                "finetune", "load")
         return {
             "step_ms_median": med([s.step_s * 1e3 for s in counted]),
             "step_ms_all": [s.step_s * 1e3 for s in steps],

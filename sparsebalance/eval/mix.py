@@ -1,6 +1,6 @@
 """Training mix and held-out evaluation sets for the long-context tasks.
 
-The training mix is a list of documents (JSONL ``{"text": ...}`` for
+The training mix is a list of documents (JSONL ``{"text": ..., "loss_start": ...}`` for
 ``tools/preprocess_data.py``): task samples (:mod:`sparsebalance.eval.tasks`,
 split ``"train"``) interleaved with ordinary filler-prose documents whose
 lengths are resampled from a real long-context length distribution
@@ -102,8 +102,11 @@ def filler_lengths(cfg: MixConfig, n: int, rng: np.random.Generator) -> np.ndarr
     return np.clip(np.rint(drawn), cfg.min_filler_tokens, hi).astype(np.int64)
 
 
-def training_documents(cfg: MixConfig) -> Iterator[tuple[str, str]]:
-    """Yield ``(kind, text)`` for each training document, kind = task name or "filler".
+def training_documents(cfg: MixConfig) -> Iterator[tuple[str, str, int]]:
+    """Yield ``(kind, text, prompt_chars)`` per training document, kind = task name or "filler".
+
+    ``prompt_chars`` is the length of a task sample's prompt (its answer starts
+    there) and 0 for filler, whose every token is a training target.
 
     Exactly ``round(filler_share * num_docs)`` documents are filler, at
     positions shuffled with the seed; each is at most ``max_tokens -
@@ -119,12 +122,12 @@ def training_documents(cfg: MixConfig) -> Iterator[tuple[str, str]]:
     for i in range(cfg.num_docs):
         if is_filler[i]:
             prose = T.filler_text(random.Random(f"{cfg.seed}:filler:{i}"), next(flens) - 1)
-            yield "filler", prose + "\n"
+            yield "filler", prose + "\n", 0
         else:
             task = cfg.tasks[task_idx[i]]
             s = generate(task, cfg.lengths[len_idx[i]], cfg.seed, i, split="train",
                          config=cfg.task_config)
-            yield task, s.text
+            yield task, s.text, len(s.prompt)
 
 
 def atomic_write_lines(path: str, lines: Iterable[str]) -> int:
@@ -153,13 +156,18 @@ def atomic_write_lines(path: str, lines: Iterable[str]) -> int:
 
 
 def write_training_mix(path: str, cfg: MixConfig) -> dict[str, int]:
-    """Write the mix as JSONL ``{"text": ...}``; returns documents per kind."""
+    """Write the mix as JSONL ``{"text": ..., "loss_start": ...}``; returns documents per kind.
+
+    ``loss_start`` is the character offset of the answer in a task document (0 for
+    filler): ``tools/preprocess_data.py --loss-start-key loss_start`` turns it into the
+    sidecar that ``pretrain_gpt.py --mask-prompt-loss`` trains answers only with.
+    """
     counts: dict[str, int] = {}
 
     def lines() -> Iterator[str]:
-        for kind, text in training_documents(cfg):
+        for kind, text, prompt_chars in training_documents(cfg):
             counts[kind] = counts.get(kind, 0) + 1
-            yield json.dumps({"text": text})
+            yield json.dumps({"text": text, "loss_start": prompt_chars})
 
     atomic_write_lines(path, lines())
     return counts

@@ -10,7 +10,7 @@ import pytest
 
 from sparsebalance.eval.mix import (MixConfig, filler_lengths, load_lengths, read_eval_set,
                                     training_documents, write_eval_set, write_training_mix)
-from sparsebalance.eval.tasks import TASKS, generate_set
+from sparsebalance.eval.tasks import TASKS, generate, generate_set
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "lengths")
 PROLONG = os.path.join(SHARED, "prolong.json")
@@ -31,9 +31,9 @@ def test_filler_share_and_document_bounds(lengths_file, share):
     cfg = MixConfig(num_docs=60, lengths=(1024, 2048), max_tokens=2048, filler_share=share,
                     lengths_file=lengths_file, seed=3)
     docs = list(training_documents(cfg))
-    kinds = [k for k, _ in docs]
+    kinds = [k for k, _, _ in docs]
     assert len(docs) == 60 and kinds.count("filler") == round(share * 60)
-    assert all(len(t.encode()) <= 2048 for _, t in docs)
+    assert all(len(t.encode()) <= 2048 for _, t, _ in docs)
     if share < 1:
         assert len({k for k in kinds if k != "filler"}) >= 3  # several tasks really present
     if 0 < share < 1:  # filler is interleaved, not one block at the start or end
@@ -63,7 +63,7 @@ def test_filler_lengths_follow_the_scaled_distribution(lengths_file):
 def test_filler_documents_follow_the_drawn_lengths(lengths_file):
     """The text of filler documents is as long as drawn (each falls short by < one word)."""
     cfg = MixConfig(num_docs=400, max_tokens=4096, filler_share=1.0, lengths_file=lengths_file, seed=5)
-    got = np.array([len(t) for _, t in training_documents(cfg)])
+    got = np.array([len(t) for _, t, _ in training_documents(cfg)])
     want = filler_lengths(cfg, 20000, np.random.default_rng(1))
     for q in (0.25, 0.5, 0.75):
         assert np.quantile(got, q) == pytest.approx(np.quantile(want, q), rel=0.15)
@@ -86,12 +86,28 @@ def test_bad_configs_raise(lengths_file):
         load_lengths(lengths_file + ".missing")
 
 
+def test_loss_start_is_where_the_answer_begins(lengths_file):
+    """Task documents start their targets at the answer; filler is all target."""
+    cfg = MixConfig(num_docs=40, lengths=(1024,), max_tokens=1024, filler_share=0.25,
+                    lengths_file=lengths_file, seed=4)
+    seen = set()
+    for i, (kind, text, start) in enumerate(training_documents(cfg)):
+        seen.add(kind)
+        if kind == "filler":
+            assert start == 0
+            continue
+        sample = generate(kind, 1024, cfg.seed, i, split="train")
+        assert text == sample.text and start == len(sample.prompt)
+        assert text[start:] == sample.answer + "\n"
+    assert "filler" in seen and len(seen) >= 3
+
+
 def test_write_and_read_back(tmp_path, lengths_file):
     cfg = MixConfig(num_docs=20, lengths=(1024,), max_tokens=1024, lengths_file=lengths_file)
     counts = write_training_mix(str(tmp_path / "train.jsonl"), cfg)
     lines = (tmp_path / "train.jsonl").read_text().splitlines()
     assert len(lines) == 20 == sum(counts.values())
-    assert all(set(json.loads(x)) == {"text"} for x in lines)
+    assert all(set(json.loads(x)) == {"text", "loss_start"} for x in lines)
     samples = generate_set(TASKS, (1024,), 2, seed=9)
     write_eval_set(str(tmp_path / "eval.jsonl"), samples)
     assert read_eval_set(str(tmp_path / "eval.jsonl")) == samples

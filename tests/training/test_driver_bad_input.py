@@ -57,6 +57,8 @@ CASES = {
     "unknown flag": (lambda c, k: ["--data-path", c, "--no-such-flag", "3"], None, "--no-such-flag"),
     "abbreviated flag": (lambda c, k: ["--data-path", c, "--train-it", "3"], None, "--train-it"),
     "load without checkpoint": (lambda c, k: ["--data-path", c, "--load", k["no_ckpt"]], None, "no checkpoint"),
+    "prompt mask without loss starts": (lambda c, k: ["--data-path", c, "--mask-prompt-loss"], None,
+                                        "_loss_start.npy"),
 }
 
 
