@@ -36,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from sparsebalance.eval.mix import MixConfig, atomic_write_lines, write_eval_set, write_training_mix  # noqa: E402
-from sparsebalance.eval.tasks import TASKS, TaskConfig, generate_set  # noqa: E402
+from sparsebalance.eval.tasks import ALL_TASKS, TASKS, TaskConfig, generate_set  # noqa: E402
 
 PROG = "make_longctx_data.py"
 SHARED_LENGTHS = os.path.join(os.path.dirname(REPO), "shared", "data", "lengths")
@@ -65,14 +65,14 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 def task_list(text: str) -> tuple[str, ...]:
-    """``"niah_single,freq_words"`` (or ``all``) -> task names."""
+    """``"niah_single,freq_words"`` (or ``all``: the evaluation suite) -> task names."""
     if text == "all":
         return TASKS
     out = tuple(t.strip() for t in text.split(",") if t.strip())
-    bad = [t for t in out if t not in TASKS]
+    bad = [t for t in out if t not in ALL_TASKS]
     if bad or not out:
         raise argparse.ArgumentTypeError(f"unknown task {bad[0] if bad else text!r}; choose from "
-                                         f"{', '.join(TASKS)} or all")
+                                         f"{', '.join(ALL_TASKS)} or all")
     return out
 
 
@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-train-docs", type=int, default=2000, help="documents in train.jsonl (0: none)")
     p.add_argument("--train-lengths", type=int_list, default=(1024, 2048, 4096),
                    help="context lengths (tokens) of task documents")
-    p.add_argument("--train-tasks", type=task_list, default=TASKS, help="comma list or all")
+    p.add_argument("--train-tasks", type=task_list, default=TASKS,
+                   help="comma list or all (the evaluation suite); copy is a training-only warm-up task")
     p.add_argument("--filler-share", type=float, default=0.25, help="fraction of filler documents")
     p.add_argument("--lengths", default="prolong",
                    help="filler lengths: a name in ../shared/data/lengths or a JSON file path")

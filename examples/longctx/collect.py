@@ -72,7 +72,24 @@ def seed_summary(ev: dict, meta: dict, path: str, needle_length: int,
         "train_iterations": meta.get("iterations"),
         "train_tokens": meta.get("tokens"),
         "samples_per_cell": min(c["n"] for c in cells.values()),
+        "accuracy_by_length": {t: {n: c["accuracy"] for n, c in row.items()} for t, row in acc.items()},
     }
+
+
+def base_summary(runs_dir: str) -> dict | None:
+    """The shared base stage (``runs_dir/base``), if the recipe had one: its training
+    metadata and, when scored (``eval_arm.sh base``), its accuracy per task and length."""
+    d = os.path.join(runs_dir, "base")
+    if not os.path.isfile(os.path.join(d, "train_meta.json")):
+        return None
+    meta = _load(os.path.join(d, "train_meta.json"))
+    out = {k: meta.get(k) for k in ("wall_clock_s", "budget_s", "iterations", "tokens", "tokens_per_s",
+                                    "first_loss", "last_loss")}
+    ev_path = os.path.join(d, "eval_dense.json")
+    if os.path.isfile(ev_path):
+        acc = _load(ev_path).get("accuracy", {})
+        out["accuracy_by_length"] = {t: {n: c["accuracy"] for n, c in row.items()} for t, row in acc.items()}
+    return out
 
 
 def arm_summary(runs: list[dict]) -> dict:
@@ -124,6 +141,9 @@ def collect(runs_dir: str, arms: list[str], seeds: list[int], needle_length: int
         c = compare(a["sparsebalance"], a["dense"])
         checks["sparsebalance_vs_dense"] = {**c, "within_2_points": c["diff"] >= -0.02}
     out["checks"] = checks
+    base = base_summary(runs_dir)
+    if base is not None:
+        out["base"] = base
     out["setup"] = {"eval_attention": "dense", "needle_length": needle_length,
                     "mean_over_lengths": list(mean_lengths),
                     "needle_task": NEEDLE, "runs_dir": os.path.abspath(runs_dir)}

@@ -39,7 +39,7 @@ GLOBAL_BATCH=${GLOBAL_BATCH:-4}                # micro-batches per step (PP=2 ne
 LR=${LR:-3e-3}
 WARMUP=${WARMUP:-20}
 MAX_ITERS=${MAX_ITERS:-1000000}                # never reached: the wall-clock budget ends training
-BUDGET_S=${BUDGET_S:-480}                      # equal wall-clock budget per run (seconds)
+BUDGET_S=${BUDGET_S:-360}                      # equal wall-clock budget per run (seconds)
 SAVE_INTERVAL=${SAVE_INTERVAL:-200}
 # 1: --mask-prompt-loss (loss on answer tokens only; prompts are context). Filler
 # documents are all target. 0: plain language-model loss on every token.
@@ -59,11 +59,12 @@ ARMS=${ARMS:-"dense megatron sparsebalance"}
 # every arm and seed then starts from its weights (--finetune: fresh optimizer and
 # iteration count) and trains at long context under the equal budget BUDGET_S.
 # BASE_BUDGET_S=0 skips it: the arms train from scratch.
-BASE_BUDGET_S=${BASE_BUDGET_S:-2100}
+BASE_BUDGET_S=${BASE_BUDGET_S:-1800}
 BASE_LENGTHS=${BASE_LENGTHS:-1024}
-# Retrieval tasks only: the base learns to find and copy a needle; variable tracking and
-# frequent words (and filler) come in with the long-context stage.
-BASE_TASKS=${BASE_TASKS:-niah_single,niah_multikey,niah_multivalue}
+# Retrieval tasks plus the training-only copy task (a 32-character code hidden in filler,
+# to repeat: dense supervision for locating and copying a span); variable tracking and
+# frequent words (and filler documents) come in with the long-context stage.
+BASE_TASKS=${BASE_TASKS:-copy,niah_single,niah_multikey,niah_multivalue}
 BASE_TRAIN_DOCS=${BASE_TRAIN_DOCS:-40000}
 BASE_GLOBAL_BATCH=${BASE_GLOBAL_BATCH:-8}
 BASE_SEED=${BASE_SEED:-1}

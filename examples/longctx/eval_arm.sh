@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Step 3: score one trained run on the held-out eval set.
 #   bash examples/longctx/eval_arm.sh ARM SEED
+#   bash examples/longctx/eval_arm.sh base        (the shared base model, for reference)
 # Every arm is scored with DENSE attention (the same yardstick for all: it
 # measures what the weights learned). With EVAL_SPARSE=1 the two sparse arms are
 # also scored with the sparse attention they were trained with (eval_sparse.json;
@@ -8,9 +9,13 @@
 # Output: $RUNS_DIR/ARM/seedSEED/eval_dense.json (+ eval_sparse.json)
 set -euo pipefail
 source "$(dirname "$0")/config.sh"
-ARM=${1:?usage: eval_arm.sh ARM SEED}
-SEED=${2:?usage: eval_arm.sh ARM SEED}
-RUN=$RUNS_DIR/$ARM/seed$SEED
+ARM=${1:?usage: eval_arm.sh ARM SEED   (or: eval_arm.sh base)}
+if [[ $ARM == base ]]; then
+    RUN=$BASE_DIR
+else
+    SEED=${2:?usage: eval_arm.sh ARM SEED}
+    RUN=$RUNS_DIR/$ARM/seed$SEED
+fi
 arm_flags "$ARM" "$RUN" >/dev/null
 cd "$SB_ROOT"
 export OMP_NUM_THREADS=${EVAL_THREADS:-2}   # evaluation is one process: use both cores

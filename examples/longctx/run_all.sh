@@ -19,6 +19,9 @@ for SEED in $SEEDS; do
         [[ -f $RUN/eval_dense.json ]] || bash "$HERE/eval_arm.sh" "$ARM" "$SEED"
     done
 done
+if (( BASE_BUDGET_S > 0 )) && [[ ! -f $BASE_DIR/eval_dense.json ]]; then
+    bash "$HERE/eval_arm.sh" base   # what the long-context stage starts from
+fi
 # shellcheck disable=SC2086
 "$PYTHON" "$HERE/collect.py" --runs-dir "$RUNS_DIR" --arms $ARMS --seeds $SEEDS \
     --needle-length "$NEEDLE_LENGTH" --mean-lengths $MEAN_LENGTHS --output "$RESULT_FILE"

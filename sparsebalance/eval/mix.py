@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from sparsebalance.eval import text as T
-from sparsebalance.eval.tasks import MIN_LENGTH, TASKS, Sample, TaskConfig, generate
+from sparsebalance.eval.tasks import ALL_TASKS, MIN_LENGTH, TASKS, Sample, TaskConfig, generate
 
 @dataclass(frozen=True)
 class MixConfig:
@@ -56,8 +56,8 @@ class MixConfig:
             raise ValueError(f"num_docs must be >= 1, got {self.num_docs}")
         if not 0.0 <= self.filler_share <= 1.0:
             raise ValueError(f"filler_share must be in [0, 1], got {self.filler_share}")
-        if not self.tasks or any(t not in TASKS for t in self.tasks):
-            raise ValueError(f"tasks must be a non-empty subset of {', '.join(TASKS)}; got {self.tasks}")
+        if not self.tasks or any(t not in ALL_TASKS for t in self.tasks):
+            raise ValueError(f"tasks must be a non-empty subset of {', '.join(ALL_TASKS)}; got {self.tasks}")
         if not self.lengths:
             raise ValueError("lengths must not be empty")
         if self.reserve_tokens < 0:

@@ -40,6 +40,18 @@ TASKS: tuple[str, ...] = (
 )
 """Task names, in report order."""
 
+TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy",)
+"""Tasks for training mixes only (not part of the evaluation suite):
+
+* ``copy``: a random alphanumeric code hidden in filler, to be repeated at the
+  end. Every answer token is a copy of the context, so it supervises locating a
+  span and copying it (induction) ~5x more densely per document than a needle
+  value; a warm-up aid for small models trained from scratch.
+"""
+
+ALL_TASKS: tuple[str, ...] = TASKS + TRAIN_ONLY_TASKS
+"""Every task :func:`generate` knows."""
+
 ANSWER_END = "\n"
 """Terminator after the answer in training text; decoding stops at it."""
 
@@ -55,7 +67,7 @@ class Sample:
     """One task instance."""
 
     task: str
-    """Task name (one of :data:`TASKS`)."""
+    """Task name (one of :data:`ALL_TASKS`)."""
     length: int
     """Requested context length in tokens (bounds ``len(text)``)."""
     prompt: str
@@ -93,7 +105,7 @@ class Sample:
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"sample: missing or bad field ({e})") from None
-        if s.task not in TASKS:
+        if s.task not in ALL_TASKS:
             raise ValueError(f"sample: unknown task {s.task!r}")
         return s
 
@@ -120,12 +132,14 @@ class TaskConfig:
     """freq_words: distinct coded words in one context."""
     fw_alpha: float = 1.0
     """freq_words: Zipf exponent of the word counts."""
+    copy_chars: int = 32
+    """copy: characters of the code (digits and lowercase letters)."""
     num_distractors: int = 3
     """Wrong candidates per sample for likelihood scoring (chance = 1/(n+1))."""
 
     def __post_init__(self) -> None:
         for name in ("num_keys", "num_values", "value_digits", "vt_chains", "vt_hops",
-                     "vt_value_digits", "fw_top", "num_distractors"):
+                     "vt_value_digits", "fw_top", "copy_chars", "num_distractors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.fw_vocab <= self.fw_top:
@@ -324,12 +338,28 @@ def _freq_words(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     return _build("freq_words", length, header, body, question, gold, dis)
 
 
+_CODE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _copy(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
+    make = lambda: "".join(rng.choice(_CODE_ALPHABET) for _ in range(cfg.copy_chars))
+    code = make()
+    header = ("A secret code is hidden within the following text. "
+              "Memorize it; you will be asked to repeat it afterwards.\n")
+    needle = f"The secret code is: {code}."
+    question = "\nWhat is the secret code mentioned in the text above? Answer: "
+    dis = _distractors(rng, code, (), cfg.num_distractors, make)
+    return _build("copy", length, header, lambda b: _haystack(rng, b, [needle], "copy", length),
+                  question, code, dis)
+
+
 _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
     "niah_single": _niah_single,
     "niah_multikey": _niah_multikey,
     "niah_multivalue": _niah_multivalue,
     "variable_tracking": _variable_tracking,
     "freq_words": _freq_words,
+    "copy": _copy,
 }
 
 
@@ -341,7 +371,7 @@ def generate(task: str, length: int, seed: int, index: int = 0, *, split: str = 
     ``split`` strings give independent streams (training vs held-out).
     """
     if task not in _GENERATORS:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+        raise ValueError(f"task must be one of {', '.join(ALL_TASKS)}; got {task!r}")
     if not isinstance(length, int) or length < MIN_LENGTH:
         raise ValueError(f"length must be an int >= {MIN_LENGTH}, got {length!r}")
     rng = random.Random(f"{seed}:{split}:{task}:{length}:{index}")

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from sparsebalance.eval import text as T
-from sparsebalance.eval.tasks import (ANSWER_END, LENGTH_TOLERANCE, MIN_LENGTH, TASKS, Sample,
+from sparsebalance.eval.tasks import (ALL_TASKS, ANSWER_END, LENGTH_TOLERANCE, MIN_LENGTH, TASKS, Sample,
                                       TaskConfig, generate, generate_set)
 
 LENGTHS = (1024, 2048, 4096, 16384)
@@ -56,10 +56,14 @@ def solve(s: Sample) -> str:
         counts = [c for _, c in ranked[:k + 1]]
         assert all(a > b for a, b in zip(counts, counts[1:])), counts
         return " ".join(w for w, _ in ranked[:k])
+    if s.task == "copy":
+        hits = _only(r"The secret code is: ([0-9a-z]+)\.", context)
+        assert len(hits) == 1, hits
+        return hits[0]
     raise AssertionError(s.task)
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", ALL_TASKS)
 @pytest.mark.parametrize("length", LENGTHS)
 def test_answer_recoverable_by_string_search(task, length):
     for i in range(3):
@@ -68,7 +72,7 @@ def test_answer_recoverable_by_string_search(task, length):
         assert solve(s) == s.answer
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", ALL_TASKS)
 @pytest.mark.parametrize("length", LENGTHS)
 def test_length_within_tolerance(task, length):
     for i in range(3):
@@ -76,7 +80,7 @@ def test_length_within_tolerance(task, length):
         assert length - LENGTH_TOLERANCE <= n <= length
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", ALL_TASKS)
 def test_deterministic_and_seed_sensitive(task):
     a = generate(task, 2048, seed=11, index=5)
     assert a == generate(task, 2048, seed=11, index=5)
@@ -93,7 +97,7 @@ def test_generate_set_order_and_answers_vary():
         assert len({s.answer for s in samples if s.task == t}) == 8
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", ALL_TASKS)
 def test_distractors_are_distinct_wrong_answers(task):
     cfg = TaskConfig(num_distractors=3)
     for i in range(10):
@@ -103,7 +107,7 @@ def test_distractors_are_distinct_wrong_answers(task):
 
 
 def test_ascii_only_and_terminator_only_at_the_end():
-    for s in generate_set(TASKS, (1024,), 2, seed=5):
+    for s in generate_set(ALL_TASKS, (1024,), 2, seed=5):
         assert s.text.isascii()
         assert ANSWER_END not in s.answer and s.text.endswith(s.answer + ANSWER_END)
 
@@ -150,3 +154,10 @@ def test_sample_dict_roundtrip_and_validation():
         Sample.from_dict({**s.to_dict(), "task": "x"})
     with pytest.raises(ValueError, match="missing"):
         Sample.from_dict({"task": "freq_words"})
+
+
+def test_copy_is_training_only_and_its_code_is_random():
+    assert "copy" not in TASKS and "copy" in ALL_TASKS  # not in the evaluation suite
+    codes = [generate("copy", 1024, seed=2, index=i, split="train").answer for i in range(20)]
+    assert len(set(codes)) == 20 and all(len(c) == TaskConfig().copy_chars for c in codes)
+    assert len(generate("copy", 1024, seed=2, config=TaskConfig(copy_chars=8)).answer) == 8
