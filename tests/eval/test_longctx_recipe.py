@@ -27,12 +27,14 @@ def test_recipe_with_base_stage_end_to_end(tmp_path):
                        env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
 
-    # Data: both mixes carry loss starts; the base mix holds only the retrieval tasks.
+    # Data: both mixes carry loss starts; the base mix holds only the retrieval tasks
+    # (needles and the copy warm-up), the arms' mix all five tasks and filler.
     for sub in ("", "base"):
         starts = np.load(data / sub / "train_text_document_loss_start.npy")
         assert len(starts) == 40 and (starts > 0).any()
-    base_kinds = {json.loads(x)["text"].split("\n", 1)[0][:20] for x in (data / "base" / "train.jsonl").open()}
-    assert all(k.startswith("Some special magic") for k in base_kinds), base_kinds
+    heads = lambda sub: {json.loads(x)["text"][:12] for x in (data / sub / "train.jsonl").open()}
+    assert heads("base") == {"Some special", "A secret cod"}, heads("base")
+    assert len(heads("")) > 3 and "A secret cod" not in heads("")
 
     # The base ran on its own data; the arm started from the base's weights and trained
     # answers only.
