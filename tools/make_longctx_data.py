@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-lengths", type=int_list, default=(1024, 2048, 4096))
     p.add_argument("--eval-tasks", type=task_list, default=TASKS, help="comma list or all")
     p.add_argument("--eval-samples", type=int, default=20, help="samples per (task, length); 0: none")
+    p.add_argument("--copy-chars", type=int, default=TaskConfig.copy_chars,
+                   help="length of the copy task's code (training-only task)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     if args.num_train_docs and not os.path.isfile(lengths_file):
         fail(f"--lengths: {lengths_file} not found")
     try:
-        tcfg = TaskConfig()
+        tcfg = TaskConfig(copy_chars=args.copy_chars)
         mix = MixConfig(num_docs=max(args.num_train_docs, 1), lengths=args.train_lengths,
                         tasks=args.train_tasks, filler_share=args.filler_share,
                         lengths_file=lengths_file, filler_quantile=args.filler_quantile,

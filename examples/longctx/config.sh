@@ -61,10 +61,12 @@ ARMS=${ARMS:-"dense megatron sparsebalance"}
 # BASE_BUDGET_S=0 skips it: the arms train from scratch.
 BASE_BUDGET_S=${BASE_BUDGET_S:-1800}
 BASE_LENGTHS=${BASE_LENGTHS:-1024}
-# Retrieval tasks plus the training-only copy task (a 32-character code hidden in filler,
-# to repeat: dense supervision for locating and copying a span); variable tracking and
-# frequent words (and filler documents) come in with the long-context stage.
+# Retrieval tasks plus the training-only copy task (a BASE_COPY_CHARS-character code
+# hidden in filler, to repeat: dense supervision for locating and copying a span, the
+# induction mechanism needle retrieval needs); variable tracking and frequent words
+# (and filler documents) come in with the long-context stage.
 BASE_TASKS=${BASE_TASKS:-copy,niah_single,niah_multikey,niah_multivalue}
+BASE_COPY_CHARS=${BASE_COPY_CHARS:-256}
 BASE_TRAIN_DOCS=${BASE_TRAIN_DOCS:-40000}
 BASE_GLOBAL_BATCH=${BASE_GLOBAL_BATCH:-8}
 BASE_SEED=${BASE_SEED:-1}

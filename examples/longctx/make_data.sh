@@ -17,7 +17,7 @@ if (( BASE_BUDGET_S > 0 )); then
     # The base stage's short-context mix: BASE_TASKS, its own seed (no shared documents).
     "$PYTHON" tools/make_longctx_data.py --output-dir "$DATA_DIR/base" \
         --num-train-docs "$BASE_TRAIN_DOCS" --train-lengths "$BASE_LENGTHS" --max-tokens "$SEQ_LENGTH" \
-        --train-tasks "$BASE_TASKS" \
+        --train-tasks "$BASE_TASKS" --copy-chars "$BASE_COPY_CHARS" \
         --filler-share "$BASE_FILLER_SHARE" --lengths "$LENGTHS_NAME" --eval-samples 0 \
         --seed "$BASE_DATA_SEED"
     "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/base/train.jsonl" \

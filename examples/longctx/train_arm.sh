@@ -52,6 +52,8 @@ done
 # Where the weights come from: this run's own checkpoint (a resumed run), else the
 # base model's (first launch of an arm with a base stage), else a fresh init.
 LOAD_FLAGS="--load $RUN/ckpt"
+RESUMED=0
+[[ -f $RUN/ckpt/latest_checkpointed_iteration.txt ]] && RESUMED=1
 if [[ $ARM != base && $BASE_BUDGET_S -gt 0 && ! -f $RUN/ckpt/latest_checkpointed_iteration.txt ]]; then
     [[ -f $BASE_DIR/ckpt/latest_checkpointed_iteration.txt ]] || {
         echo "train_arm.sh: no base model in $BASE_DIR/ckpt: run train_arm.sh base first" >&2; exit 2; }
@@ -107,10 +109,18 @@ if [[ $rc -ne 0 ]]; then
     echo "train_arm.sh: training of $ARM seed $SEED failed (exit $rc); see $RUN/train.log" >&2
     exit 1
 fi
-"$PYTHON" - "$RUN" "$ARM" "$SEED" "$start" "$end" "$BUDGET_S" "$FLAGS" "$LOAD_FLAGS" <<'PY'
+"$PYTHON" - "$RUN" "$ARM" "$SEED" "$start" "$end" "$BUDGET_S" "$FLAGS" "$LOAD_FLAGS" "$RESUMED" <<'PY'
 import json, os, sys
-run, arm, seed, start, end, budget, flags, load = sys.argv[1:]
-meta = {"arm": arm, "seed": int(seed), "wall_clock_s": round(float(end) - float(start), 1),
+run, arm, seed, start, end, budget, flags, load, resumed = sys.argv[1:]
+path = os.path.join(run, "train_meta.json")
+# A resumed run adds this launch to the earlier ones: wall_clock_s is the total.
+segments = []
+if resumed == "1" and os.path.isfile(path):
+    old = json.load(open(path))
+    segments = old.get("segments") or [{"wall_clock_s": old["wall_clock_s"], "iterations": old.get("iterations")}]
+segments.append({"wall_clock_s": round(float(end) - float(start), 1)})
+meta = {"arm": arm, "seed": int(seed), "wall_clock_s": round(sum(x["wall_clock_s"] for x in segments), 1),
+        "segments": segments,
         "budget_s": float(budget), "arm_flags": flags.split(),
         "init_from": load.split()[1] if "--finetune" in load.split() else None,
         "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS", "0"))}
@@ -118,9 +128,11 @@ meta = {"arm": arm, "seed": int(seed), "wall_clock_s": round(float(end) - float(
 summary = [l for l in open(os.path.join(run, "train.log")) if l.startswith("SUMMARY_JSON ")]
 if summary:
     s = json.loads(summary[-1].split(" ", 1)[1])
-    meta.update({k: s.get(k) for k in ("iterations", "tokens", "tokens_per_s", "median_step_s",
+    meta.update({k: s.get(k) for k in ("last_iteration", "tokens", "tokens_per_s", "median_step_s",
                                        "first_loss", "last_loss", "preempted")})
-path = os.path.join(run, "train_meta.json")
+    segments[-1]["iterations"] = s.get("iterations")
+    # the run's own iteration counter (--finetune starts it at 0): steps of all launches
+    meta["iterations"] = s.get("last_iteration")
 with open(path + ".tmp", "w") as f:
     json.dump(meta, f, indent=1)
 os.replace(path + ".tmp", path)
