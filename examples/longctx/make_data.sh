@@ -3,7 +3,8 @@
 #   bash examples/longctx/make_data.sh            (about a minute for 20K documents)
 # Writes $DATA_DIR/{train.jsonl,eval.jsonl,manifest.json,train_text_document.bin/.idx,
 #   train_text_document_loss_start.npy (where each document's answer starts)},
-# and with BASE_BUDGET_S > 0 the same for the base stage's mix in $DATA_DIR/base/.
+# and with BASE_BUDGET_S > 0 the same for the base stage's mix in $DATA_DIR/base/
+# (WARMUP_BUDGET_S > 0: the copy warm-up's in $DATA_DIR/warmup/).
 set -euo pipefail
 source "$(dirname "$0")/config.sh"
 cd "$SB_ROOT"
@@ -22,4 +23,13 @@ if (( BASE_BUDGET_S > 0 )); then
         --seed "$BASE_DATA_SEED"
     "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/base/train.jsonl" \
         --output-prefix "$DATA_DIR/base/train_text_document" --loss-start-key loss_start
+fi
+if (( WARMUP_BUDGET_S > 0 )); then
+    # The copy warm-up's mix: short copy documents only.
+    "$PYTHON" tools/make_longctx_data.py --output-dir "$DATA_DIR/warmup" \
+        --num-train-docs "$WARMUP_TRAIN_DOCS" --train-lengths "$WARMUP_LENGTHS" --max-tokens "$SEQ_LENGTH" \
+        --train-tasks copy --copy-chars "$WARMUP_COPY_CHARS" --filler-share 0 --lengths "$LENGTHS_NAME" \
+        --eval-samples 0 --seed "$BASE_DATA_SEED"
+    "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/warmup/train.jsonl" \
+        --output-prefix "$DATA_DIR/warmup/train_text_document" --loss-start-key loss_start
 fi

@@ -8,9 +8,14 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/config.sh"
 [[ -f $DATA_DIR/train_text_document.idx && -f $DATA_DIR/eval.jsonl ]] &&
-    { (( BASE_BUDGET_S == 0 )) || [[ -f $DATA_DIR/base/train_text_document.idx ]]; } || bash "$HERE/make_data.sh"
-if (( BASE_BUDGET_S > 0 )) && [[ ! -f $BASE_DIR/train_meta.json ]]; then
-    bash "$HERE/train_arm.sh" base
+    { (( BASE_BUDGET_S == 0 )) || [[ -f $DATA_DIR/base/train_text_document.idx ]]; } &&
+    { (( BASE_BUDGET_S == 0 || WARMUP_BUDGET_S == 0 )) || [[ -f $DATA_DIR/warmup/train_text_document.idx ]]; } ||
+    bash "$HERE/make_data.sh"
+if (( BASE_BUDGET_S > 0 )); then
+    if (( WARMUP_BUDGET_S > 0 )) && [[ ! -f $WARMUP_DIR/train_meta.json ]]; then
+        bash "$HERE/train_arm.sh" warmup
+    fi
+    [[ -f $BASE_DIR/train_meta.json ]] || bash "$HERE/train_arm.sh" base
 fi
 for SEED in $SEEDS; do
     for ARM in $ARMS; do

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Step 2: train one arm with one seed under the shared wall-clock budget.
 #   bash examples/longctx/train_arm.sh ARM SEED      ARM in: dense megatron sparsebalance
+#   bash examples/longctx/train_arm.sh warmup        the copy warm-up (WARMUP_BUDGET_S > 0)
 #   bash examples/longctx/train_arm.sh base          the shared base model (BASE_BUDGET_S > 0)
 #
 # With BASE_BUDGET_S > 0 an arm's first launch starts from the base model's weights
 # (--load BASE_DIR/ckpt --finetune: fresh optimizer, iteration 0); the base itself is
-# dense, trained on BASE_LENGTHS documents ($DATA_DIR/base/) for BASE_BUDGET_S.
+# dense, trained on BASE_LENGTHS documents ($DATA_DIR/base/) for BASE_BUDGET_S, and
+# starts the same way from the copy warm-up ($DATA_DIR/warmup/) when WARMUP_BUDGET_S > 0.
 #
 # PP=2 on CPU: torchrun starts one process per pipeline stage (gloo). The LR is
 # constant after warm-up, so cutting training at the budget does not interact
@@ -31,14 +33,23 @@
 set -euo pipefail
 source "$(dirname "$0")/config.sh"
 ARM=${1:?usage: train_arm.sh ARM SEED}
-if [[ $ARM == base ]]; then
-    (( BASE_BUDGET_S > 0 )) || { echo "train_arm.sh: the base stage needs BASE_BUDGET_S > 0" >&2; exit 2; }
-    SEED=$BASE_SEED RUN=$BASE_DIR BUDGET_S=$BASE_BUDGET_S GLOBAL_BATCH=$BASE_GLOBAL_BATCH
-    DATA_PREFIX=$DATA_DIR/base/train_text_document
+# INIT: the run whose weights a first launch starts from (none: a fresh init).
+INIT=""
+if [[ $ARM == base || $ARM == warmup ]]; then
+    (( BASE_BUDGET_S > 0 )) || { echo "train_arm.sh: the $ARM stage needs BASE_BUDGET_S > 0" >&2; exit 2; }
+    SEED=$BASE_SEED GLOBAL_BATCH=$BASE_GLOBAL_BATCH
+    DATA_PREFIX=$DATA_DIR/$ARM/train_text_document
+    if [[ $ARM == warmup ]]; then
+        RUN=$WARMUP_DIR BUDGET_S=$WARMUP_BUDGET_S
+    else
+        RUN=$BASE_DIR BUDGET_S=$BASE_BUDGET_S
+        (( WARMUP_BUDGET_S > 0 )) && INIT=$WARMUP_DIR
+    fi
 else
     SEED=${2:?usage: train_arm.sh ARM SEED}
     RUN=$RUNS_DIR/$ARM/seed$SEED
     DATA_PREFIX=$DATA_DIR/train_text_document
+    (( BASE_BUDGET_S > 0 )) && INIT=$BASE_DIR
 fi
 FLAGS=$(arm_flags "$ARM" "$RUN")
 cd "$SB_ROOT"
@@ -54,10 +65,10 @@ done
 LOAD_FLAGS="--load $RUN/ckpt"
 RESUMED=0
 [[ -f $RUN/ckpt/latest_checkpointed_iteration.txt ]] && RESUMED=1
-if [[ $ARM != base && $BASE_BUDGET_S -gt 0 && ! -f $RUN/ckpt/latest_checkpointed_iteration.txt ]]; then
-    [[ -f $BASE_DIR/ckpt/latest_checkpointed_iteration.txt ]] || {
-        echo "train_arm.sh: no base model in $BASE_DIR/ckpt: run train_arm.sh base first" >&2; exit 2; }
-    LOAD_FLAGS="--load $BASE_DIR/ckpt --finetune"
+if [[ -n $INIT && ! -f $RUN/ckpt/latest_checkpointed_iteration.txt ]]; then
+    [[ -f $INIT/ckpt/latest_checkpointed_iteration.txt ]] || {
+        echo "train_arm.sh: no model in $INIT/ckpt to start $ARM from: train that stage first" >&2; exit 2; }
+    LOAD_FLAGS="--load $INIT/ckpt --finetune"
 fi
 
 LOSS_FLAGS=""

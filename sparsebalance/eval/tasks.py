@@ -58,8 +58,10 @@ ANSWER_END = "\n"
 LENGTH_TOLERANCE = 32
 """Max shortfall (tokens) of a sample's length below the requested length."""
 
-MIN_LENGTH = 1024
-"""Smallest context length accepted (tokens)."""
+MIN_LENGTH = 256
+"""Smallest context length accepted (tokens). Most tasks need about 1K: a task whose
+text does not fit the length raises ValueError (short lengths are for the copy
+warm-up of the long-context recipe)."""
 
 
 @dataclass(frozen=True)
