@@ -74,14 +74,15 @@ BASE_DATA_SEED=${BASE_DATA_SEED:-0}              # != DATA_SEED: no document in 
 BASE_FILLER_SHARE=${BASE_FILLER_SHARE:-0}
 BASE_DIR=${BASE_DIR:-$RUNS_DIR/base}
 
-# Before the base, a copy warm-up (optional, WARMUP_BUDGET_S=0 skips it): only the copy
-# task, a WARMUP_COPY_CHARS-character code in short documents, so the span to copy is
-# tens of tokens back. A small model forms its copying (induction) heads here within
-# about a hundred steps; at 1K tokens with the code hundreds of tokens back it had not
-# after 200 steps (measured, see README). The base starts from the warm-up's weights.
+# Before the base, a copy warm-up (optional, WARMUP_BUDGET_S=0 skips it): only the
+# training-only repeat task (a random code, then "Answer: " and the code again, no
+# filler), so the span to copy is right before the copy. A small model forms its
+# copying (induction) heads on such data within about a hundred steps; on codes hidden
+# in 1K-token filler it had not after 200 steps (measured, see README). The base
+# starts from the warm-up's weights.
 WARMUP_BUDGET_S=${WARMUP_BUDGET_S:-240}
-WARMUP_LENGTHS=${WARMUP_LENGTHS:-384,512}
-WARMUP_COPY_CHARS=${WARMUP_COPY_CHARS:-48}
+WARMUP_TASKS=${WARMUP_TASKS:-repeat}
+WARMUP_LENGTHS=${WARMUP_LENGTHS:-256}
 WARMUP_TRAIN_DOCS=${WARMUP_TRAIN_DOCS:-40000}
 WARMUP_DIR=${WARMUP_DIR:-$RUNS_DIR/warmup}
 

@@ -25,10 +25,10 @@ if (( BASE_BUDGET_S > 0 )); then
         --output-prefix "$DATA_DIR/base/train_text_document" --loss-start-key loss_start
 fi
 if (( WARMUP_BUDGET_S > 0 )); then
-    # The copy warm-up's mix: short copy documents only.
+    # The copy warm-up's mix: short repeat documents only.
     "$PYTHON" tools/make_longctx_data.py --output-dir "$DATA_DIR/warmup" \
         --num-train-docs "$WARMUP_TRAIN_DOCS" --train-lengths "$WARMUP_LENGTHS" --max-tokens "$SEQ_LENGTH" \
-        --train-tasks copy --copy-chars "$WARMUP_COPY_CHARS" --filler-share 0 --lengths "$LENGTHS_NAME" \
+        --train-tasks "$WARMUP_TASKS" --filler-share 0 --lengths "$LENGTHS_NAME" \
         --eval-samples 0 --seed "$BASE_DATA_SEED"
     "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/warmup/train.jsonl" \
         --output-prefix "$DATA_DIR/warmup/train_text_document" --loss-start-key loss_start

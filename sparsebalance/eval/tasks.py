@@ -40,13 +40,16 @@ TASKS: tuple[str, ...] = (
 )
 """Task names, in report order."""
 
-TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy",)
+TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat")
 """Tasks for training mixes only (not part of the evaluation suite):
 
 * ``copy``: a random alphanumeric code hidden in filler, to be repeated at the
   end. Every answer token is a copy of the context, so it supervises locating a
   span and copying it (induction) ~5x more densely per document than a needle
   value; a warm-up aid for small models trained from scratch.
+* ``repeat``: a random code filling half the document, a one-line request, and the
+  code again: no header, no filler, the source right before the copy. The
+  easiest copying there is; a small model learns it within about a hundred steps.
 """
 
 ALL_TASKS: tuple[str, ...] = TASKS + TRAIN_ONLY_TASKS
@@ -355,6 +358,14 @@ def _copy(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
                   question, code, dis)
 
 
+def _repeat(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
+    cue = "\nRepeat the code above. Answer: "
+    n = (length - len(cue) - len(ANSWER_END)) // 2
+    make = lambda: "".join(rng.choice(_CODE_ALPHABET) for _ in range(n))
+    code = make()
+    return Sample("repeat", length, code + cue, code, _distractors(rng, code, (), cfg.num_distractors, make))
+
+
 _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
     "niah_single": _niah_single,
     "niah_multikey": _niah_multikey,
@@ -362,6 +373,7 @@ _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
     "variable_tracking": _variable_tracking,
     "freq_words": _freq_words,
     "copy": _copy,
+    "repeat": _repeat,
 }
 
 

@@ -22,14 +22,14 @@ def test_recipe_with_base_stage_end_to_end(tmp_path):
                MEAN_LENGTHS="1024", NUM_LAYERS="2", HIDDEN="32", HEADS="2", GLOBAL_BATCH="2",
                WARMUP="1", SAVE_INTERVAL="1000", BUDGET_S="30", SEEDS="1", ARMS="dense",
                BASE_BUDGET_S="30", BASE_TRAIN_DOCS="40", BASE_GLOBAL_BATCH="2", OMP_NUM_THREADS="1",
-               WARMUP_BUDGET_S="30", WARMUP_TRAIN_DOCS="40", WARMUP_LENGTHS="384")
+               WARMUP_BUDGET_S="30", WARMUP_TRAIN_DOCS="40")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     p = subprocess.run(["bash", os.path.join(REPO, "examples", "longctx", "run_all.sh")], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
 
-    # Data: every mix carries loss starts; the warm-up holds only copy documents, the base
+    # Data: every mix carries loss starts; the warm-up holds only repeat documents, the base
     # mix only the retrieval tasks (needles and copy), the arms' mix all five tasks and filler.
     for sub in ("", "base", "warmup"):
         starts = np.load(data / sub / "train_text_document_loss_start.npy")
@@ -37,7 +37,9 @@ def test_recipe_with_base_stage_end_to_end(tmp_path):
     heads = lambda sub: {json.loads(x)["text"][:12] for x in (data / sub / "train.jsonl").open()}
     assert heads("base") == {"Some special", "A secret cod"}, heads("base")
     assert len(heads("")) > 3 and "A secret cod" not in heads("")
-    assert heads("warmup") == {"A secret cod"}
+    assert all(h.count("\n") == 0 for h in heads("warmup"))  # a bare code, no header
+    assert all("Repeat the code above. Answer: " in json.loads(x)["text"]
+               for x in (data / "warmup" / "train.jsonl").open())
 
     # Each stage started from the previous one's weights; the arm trained answers only.
     warm_meta = json.loads((runs / "warmup" / "train_meta.json").read_text())
