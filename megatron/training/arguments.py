@@ -271,9 +271,12 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     for ext in (".bin", ".idx"):
         if not os.path.isfile(args.data_path + ext):
             raise UsageError(f"--data-path: {args.data_path + ext} does not exist")
-    if args.mask_prompt_loss and not os.path.isfile(args.data_path + "_loss_start.npy"):
-        raise UsageError(f"--mask-prompt-loss needs {args.data_path}_loss_start.npy "
-                         "(write it with tools/preprocess_data.py --loss-start-key)")
+    if args.mask_prompt_loss:
+        from megatron.training.indexed_io import loss_start_path
+
+        if not os.path.isfile(loss_start_path(args.data_path)):
+            raise UsageError(f"--mask-prompt-loss needs {loss_start_path(args.data_path)} "
+                             "(write it with tools/preprocess_data.py --loss-start-key)")
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise UsageError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model <tokenizer.json>")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
