@@ -80,7 +80,7 @@ BASE_DIR=${BASE_DIR:-$RUNS_DIR/base}
 # copying (induction) heads on such data within about a hundred steps; on codes hidden
 # in 1K-token filler it had not after 200 steps (measured, see README). The base
 # starts from the warm-up's weights.
-WARMUP_BUDGET_S=${WARMUP_BUDGET_S:-240}
+WARMUP_BUDGET_S=${WARMUP_BUDGET_S:-540}              # measured: copying at ~80 steps, done by ~150
 WARMUP_TASKS=${WARMUP_TASKS:-repeat}
 WARMUP_LENGTHS=${WARMUP_LENGTHS:-256}
 WARMUP_TRAIN_DOCS=${WARMUP_TRAIN_DOCS:-40000}

@@ -346,8 +346,13 @@ def _freq_words(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
 _CODE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
+def _code(rng: random.Random, n: int) -> str:
+    """A random code of ``n`` digits and lowercase letters (copy and repeat)."""
+    return "".join(rng.choice(_CODE_ALPHABET) for _ in range(n))
+
+
 def _copy(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
-    make = lambda: "".join(rng.choice(_CODE_ALPHABET) for _ in range(cfg.copy_chars))
+    make = lambda: _code(rng, cfg.copy_chars)
     code = make()
     header = ("A secret code is hidden within the following text. "
               "Memorize it; you will be asked to repeat it afterwards.\n")
@@ -361,7 +366,7 @@ def _copy(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
 def _repeat(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     cue = "\nRepeat the code above. Answer: "
     n = (length - len(cue) - len(ANSWER_END)) // 2
-    make = lambda: "".join(rng.choice(_CODE_ALPHABET) for _ in range(n))
+    make = lambda: _code(rng, n)
     code = make()
     return Sample("repeat", length, code + cue, code, _distractors(rng, code, (), cfg.num_distractors, make))
 
