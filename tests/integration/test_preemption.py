@@ -29,7 +29,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO, "pretrain_gpt.py")
 TRACKER = "latest_checkpointed_iteration.txt"
-ITERS = 8
+ITERS = 40  # long enough that the signal lands mid-run even on a fast machine (~40 ms/step)
 RUN_TIMEOUT_S = 300
 
 if not os.path.isfile(PRETRAIN):
@@ -170,7 +170,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_matches(data, uninterrupted, tmp
         while 2 not in losses(open(tmp_path / "log1").read()):
             assert p.poll() is None, open(tmp_path / "log1").read()[-3000:]
             assert time.monotonic() < deadline, "no iteration 2 logged"
-            time.sleep(0.2)
+            time.sleep(0.02)
         last = next(w for w in workers if worker_rank(w) == 1)
         os.kill(last, signal.SIGTERM)
         rc = p.wait(timeout=RUN_TIMEOUT_S)
