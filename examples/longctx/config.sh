@@ -69,20 +69,26 @@ BASE_TASKS=${BASE_TASKS:-copy,niah_single,niah_multikey,niah_multivalue}
 BASE_COPY_CHARS=${BASE_COPY_CHARS:-256}
 BASE_TRAIN_DOCS=${BASE_TRAIN_DOCS:-40000}
 BASE_GLOBAL_BATCH=${BASE_GLOBAL_BATCH:-8}
+BASE_SEQ_LENGTH=${BASE_SEQ_LENGTH:-$SEQ_LENGTH}  # packed micro-batch of the base (and no parameter)
 BASE_SEED=${BASE_SEED:-1}
 BASE_DATA_SEED=${BASE_DATA_SEED:-0}              # != DATA_SEED: no document in both mixes
 BASE_FILLER_SHARE=${BASE_FILLER_SHARE:-0}
 BASE_DIR=${BASE_DIR:-$RUNS_DIR/base}
 
 # Before the base, a copy warm-up (optional, WARMUP_BUDGET_S=0 skips it): only the
-# training-only repeat task (a random code, then "Answer: " and the code again, no
-# filler), so the span to copy is right before the copy. A small model forms its
-# copying (induction) heads on such data within about a hundred steps; on codes hidden
-# in 1K-token filler it had not after 200 steps (measured, see README). The base
-# starts from the warm-up's weights.
-WARMUP_BUDGET_S=${WARMUP_BUDGET_S:-540}              # measured: copying at ~80 steps, done by ~150
+# training-only repeat task (filler, then a random 16-32 character code of digits and
+# capitals, a request and the code again), packed into short micro-batches
+# (WARMUP_SEQ_LENGTH) so that the stage takes many small steps. The code's length and
+# so the copy distance vary per document: a model cannot solve it with a fixed-offset
+# head (which a fixed-length version taught it in ~100 steps, and which did not carry
+# to other lengths) and has to form content-matching copying (induction) heads, which
+# needle retrieval needs. Measured: loss at chance (3.58) for ~1,300 steps, then
+# falling (see README). The base starts from the warm-up's weights.
+WARMUP_BUDGET_S=${WARMUP_BUDGET_S:-2400}
 WARMUP_TASKS=${WARMUP_TASKS:-repeat}
-WARMUP_LENGTHS=${WARMUP_LENGTHS:-256}
+WARMUP_LENGTHS=${WARMUP_LENGTHS:-256,512}
+WARMUP_COPY_CHARS=${WARMUP_COPY_CHARS:-32}           # the longest code; the shortest is half
+WARMUP_SEQ_LENGTH=${WARMUP_SEQ_LENGTH:-1024}
 WARMUP_TRAIN_DOCS=${WARMUP_TRAIN_DOCS:-40000}
 WARMUP_DIR=${WARMUP_DIR:-$RUNS_DIR/warmup}
 

@@ -17,7 +17,7 @@ cd "$SB_ROOT"
 if (( BASE_BUDGET_S > 0 )); then
     # The base stage's short-context mix: BASE_TASKS, its own seed (no shared documents).
     "$PYTHON" tools/make_longctx_data.py --output-dir "$DATA_DIR/base" \
-        --num-train-docs "$BASE_TRAIN_DOCS" --train-lengths "$BASE_LENGTHS" --max-tokens "$SEQ_LENGTH" \
+        --num-train-docs "$BASE_TRAIN_DOCS" --train-lengths "$BASE_LENGTHS" --max-tokens "$BASE_SEQ_LENGTH" \
         --train-tasks "$BASE_TASKS" --copy-chars "$BASE_COPY_CHARS" \
         --filler-share "$BASE_FILLER_SHARE" --lengths "$LENGTHS_NAME" --eval-samples 0 \
         --seed "$BASE_DATA_SEED"
@@ -27,8 +27,8 @@ fi
 if (( WARMUP_BUDGET_S > 0 )); then
     # The copy warm-up's mix: short repeat documents only.
     "$PYTHON" tools/make_longctx_data.py --output-dir "$DATA_DIR/warmup" \
-        --num-train-docs "$WARMUP_TRAIN_DOCS" --train-lengths "$WARMUP_LENGTHS" --max-tokens "$SEQ_LENGTH" \
-        --train-tasks "$WARMUP_TASKS" --filler-share 0 --lengths "$LENGTHS_NAME" \
+        --num-train-docs "$WARMUP_TRAIN_DOCS" --train-lengths "$WARMUP_LENGTHS" --max-tokens "$WARMUP_SEQ_LENGTH" \
+        --train-tasks "$WARMUP_TASKS" --copy-chars "$WARMUP_COPY_CHARS" --filler-share 0 --lengths "$LENGTHS_NAME" \
         --eval-samples 0 --seed "$BASE_DATA_SEED"
     "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/warmup/train.jsonl" \
         --output-prefix "$DATA_DIR/warmup/train_text_document" --loss-start-key loss_start

@@ -40,9 +40,9 @@ if [[ $ARM == base || $ARM == warmup ]]; then
     SEED=$BASE_SEED GLOBAL_BATCH=$BASE_GLOBAL_BATCH
     DATA_PREFIX=$DATA_DIR/$ARM/train_text_document
     if [[ $ARM == warmup ]]; then
-        RUN=$WARMUP_DIR BUDGET_S=$WARMUP_BUDGET_S
+        RUN=$WARMUP_DIR BUDGET_S=$WARMUP_BUDGET_S SEQ_LENGTH=$WARMUP_SEQ_LENGTH
     else
-        RUN=$BASE_DIR BUDGET_S=$BASE_BUDGET_S
+        RUN=$BASE_DIR BUDGET_S=$BASE_BUDGET_S SEQ_LENGTH=$BASE_SEQ_LENGTH
         (( WARMUP_BUDGET_S > 0 )) && INIT=$WARMUP_DIR
     fi
 else

@@ -47,9 +47,10 @@ TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat")
   end. Every answer token is a copy of the context, so it supervises locating a
   span and copying it (induction) ~5x more densely per document than a needle
   value; a warm-up aid for small models trained from scratch.
-* ``repeat``: a random code filling half the document, a one-line request, and the
-  code again: no header, no filler, the source right before the copy. The
-  easiest copying there is; a small model learns it within about a hundred steps.
+* ``repeat``: filler, then a random code of random length (digits and capitals), a
+  one-line request, and the code again: the source right before the copy, at a
+  distance that varies from sample to sample. The easiest content-based copying
+  there is (a warm-up for the copying heads retrieval needs).
 """
 
 ALL_TASKS: tuple[str, ...] = TASKS + TRAIN_ONLY_TASKS
@@ -347,7 +348,7 @@ _CODE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
 def _code(rng: random.Random, n: int) -> str:
-    """A random code of ``n`` digits and lowercase letters (copy and repeat)."""
+    """A random code of ``n`` digits and lowercase letters (the copy task)."""
     return "".join(rng.choice(_CODE_ALPHABET) for _ in range(n))
 
 
@@ -363,12 +364,25 @@ def _copy(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
                   question, code, dis)
 
 
+_REPEAT_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+"""Digits and capitals: the filler before a repeat code is lowercase words, so a copying
+head that matches on the previous token finds (almost) only code positions."""
+
+
 def _repeat(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
+    # The code's length is drawn per sample and filler pads the document in front of it,
+    # so the distance from each answer token back to its source varies: copying must
+    # match on content (an induction head), not on a fixed offset. (With a fixed-length
+    # code filling the document a model learned to repeat within ~100 steps but only at
+    # the trained offset: at chance on 1,024-token documents after training at 256.)
     cue = "\nRepeat the code above. Answer: "
-    n = (length - len(cue) - len(ANSWER_END)) // 2
-    make = lambda: _code(rng, n)
+    longest = (length - len(cue) - len(ANSWER_END) - 1) // 2
+    n = rng.randint(min(cfg.copy_chars // 2, longest), min(cfg.copy_chars, longest))
+    make = lambda: "".join(rng.choice(_REPEAT_ALPHABET) for _ in range(n))
     code = make()
-    return Sample("repeat", length, code + cue, code, _distractors(rng, code, (), cfg.num_distractors, make))
+    pad = T.filler_text(rng, length - 2 * n - len(cue) - len(ANSWER_END) - 1)
+    return Sample("repeat", length, pad + "\n" + code + cue, code,
+                  _distractors(rng, code, (), cfg.num_distractors, make))
 
 
 _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {

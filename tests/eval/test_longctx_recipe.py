@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -37,9 +38,9 @@ def test_recipe_with_base_stage_end_to_end(tmp_path):
     heads = lambda sub: {json.loads(x)["text"][:12] for x in (data / sub / "train.jsonl").open()}
     assert heads("base") == {"Some special", "A secret cod"}, heads("base")
     assert len(heads("")) > 3 and "A secret cod" not in heads("")
-    assert all(h.count("\n") == 0 for h in heads("warmup"))  # a bare code, no header
-    assert all("Repeat the code above. Answer: " in json.loads(x)["text"]
-               for x in (data / "warmup" / "train.jsonl").open())
+    for x in (data / "warmup" / "train.jsonl").open():  # filler, a 16-32 char code, request, the code
+        text = json.loads(x)["text"]
+        assert re.fullmatch(r"[^\n]*\n([0-9A-Z]{16,32})\nRepeat the code above\. Answer: \1\n", text), text[-200:]
 
     # Each stage started from the previous one's weights; the arm trained answers only.
     warm_meta = json.loads((runs / "warmup" / "train_meta.json").read_text())

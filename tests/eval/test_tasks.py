@@ -57,7 +57,7 @@ def solve(s: Sample) -> str:
         assert all(a > b for a, b in zip(counts, counts[1:])), counts
         return " ".join(w for w, _ in ranked[:k])
     if s.task == "repeat":
-        return context.split("\n")[0]
+        return context.split("\n")[-1]  # filler, then the code
     if s.task == "copy":
         hits = _only(r"The secret code is: ([0-9a-z]+)\.", context)
         assert len(hits) == 1, hits
