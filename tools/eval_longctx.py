@@ -15,7 +15,8 @@ Attention is dense by default, whatever the model was trained with;
 (``--sb-topk``/``--sb-block-size`` default to the checkpoint's values).
 
 Modes: ``greedy`` (default; exact match of greedy decoding, one teacher-forced
-forward per sample), ``generate`` (real token-by-token greedy decoding; slow),
+forward per sample; also reports ``token_accuracy``, the fraction of answer tokens
+predicted right given the gold prefix, which moves before exact match does), ``generate`` (real token-by-token greedy decoding; slow),
 ``loglik`` (gold vs distractor answers by log-likelihood; chance = 1/(1 + distractors)).
 
 Tiny CPU run::
@@ -282,7 +283,7 @@ def load_samples(args) -> list:
 
 def report(args, results, model_args, iteration: int, chance: float, seconds: float) -> dict:
     """JSON-serialisable report: accuracy table plus what produced it."""
-    from sparsebalance.eval.scoring import accuracy_table, mean_accuracy
+    from sparsebalance.eval.scoring import accuracy_table, mean_accuracy, mean_token_accuracy
 
     table = accuracy_table(results)
     return {
@@ -297,6 +298,7 @@ def report(args, results, model_args, iteration: int, chance: float, seconds: fl
             "num_layers", "hidden_size", "num_attention_heads", "seq_length", "seed")},
         "samples": len(results),
         "mean": mean_accuracy(table),
+        "token_accuracy": mean_token_accuracy(table),
         "accuracy": {t: {str(n): c for n, c in row.items()} for t, row in table.items()},
         "eval_seconds": round(seconds, 3),
         "threads": args.threads,
@@ -372,6 +374,8 @@ def main(argv=None) -> int:
         print(format_table(accuracy_table(results)))
         print(f"mode {rep['mode']} (chance {rep['chance']:.3f}), attention {rep['attention']}, "
               f"{rep['samples']} samples in {rep['eval_seconds']:.1f} s on {args.threads} threads")
+        if rep["token_accuracy"] is not None:
+            print(f"answer tokens right given the gold prefix (teacher forcing): {rep['token_accuracy']:.3f}")
     return 0
 
 

@@ -62,11 +62,14 @@ def seed_summary(ev: dict, meta: dict, path: str, needle_length: int,
         per_task[t]["mean"] = sum(c["accuracy"] for c in sel) / len(sel)
         var += sum(c["accuracy"] * (1 - c["accuracy"]) / c["n"] for c in sel)
     k = len(per_task) * len(mean_lengths)
+    # Answer tokens right given the gold prefix (greedy reports), over the same cells.
+    tok = [cells[(t, n)].get("token_accuracy") for t in acc for n in mean_lengths]
     return {
         "seed": meta["seed"],
         "needle_4k": cells[(NEEDLE, needle_length)]["accuracy"],
         "mean": sum(v["mean"] for v in per_task.values()) / len(per_task),
         "mean_stderr": math.sqrt(var) / k,  # binomial, over the cells' samples
+        "token_accuracy": None if None in tok else sum(tok) / len(tok),
         "per_task": per_task,
         "wall_clock_s": meta["wall_clock_s"],
         "train_iterations": meta.get("iterations"),
@@ -89,6 +92,8 @@ def base_summary(runs_dir: str) -> dict | None:
     if os.path.isfile(ev_path):
         acc = _load(ev_path).get("accuracy", {})
         out["accuracy_by_length"] = {t: {n: c["accuracy"] for n, c in row.items()} for t, row in acc.items()}
+        out["token_accuracy_by_length"] = {t: {n: c.get("token_accuracy") for n, c in row.items()}
+                                           for t, row in acc.items()}
     return out
 
 
@@ -99,6 +104,8 @@ def arm_summary(runs: list[dict]) -> dict:
     return {
         "needle_4k": avg([r["needle_4k"] for r in runs]),
         "mean": avg([r["mean"] for r in runs]),
+        "token_accuracy": (None if any(r["token_accuracy"] is None for r in runs)
+                           else avg([r["token_accuracy"] for r in runs])),
         "per_task": {t: {k: avg([r["per_task"][t][k] for r in runs]) for k in tasks[t]} for t in tasks},
         "seeds": [r["seed"] for r in runs],
         "wall_clock_s": avg([r["wall_clock_s"] for r in runs]),

@@ -73,12 +73,14 @@ def test_eval_longctx_bad_input(tmp_path, argv, needle):
     assert needle in one_line_error(run("tools/eval_longctx.py", *argv))
 
 
-def _fake_run(root, arm, seed, acc, n=40):
-    """A run directory as train_arm.sh / eval_arm.sh leave it (numbers made up for the test)."""
+def _fake_run(root, arm, seed, acc, n=40, token_accuracy=None):
+    """A run directory as train_arm.sh / eval_arm.sh leave it (numbers made up for the test);
+    ``token_accuracy``: every cell's, if given."""
     d = root / arm / f"seed{seed}"
     d.mkdir(parents=True)
     (d / "train_meta.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_clock_s": 100.0 + seed}))
-    table = {t: {str(L): {"accuracy": a, "correct": round(a * n), "n": n} for L, a in row.items()}
+    extra = {} if token_accuracy is None else {"token_accuracy": token_accuracy}
+    table = {t: {str(L): {"accuracy": a, "correct": round(a * n), "n": n, **extra} for L, a in row.items()}
              for t, row in acc.items()}
     (d / "eval_dense.json").write_text(json.dumps({"attention": "dense", "mode": "greedy",
                                                    "accuracy": table}))
@@ -88,7 +90,7 @@ def test_collect_shape_and_arithmetic(tmp_path):
     base = {"niah_single": {1024: 1.0, 4096: 0.9, 8192: 0.5}, "freq_words": {4096: 0.2, 8192: 0.0}}
     worse = {"niah_single": {4096: 0.8, 8192: 0.4}, "freq_words": {4096: 0.2, 8192: 0.0}}
     for seed in (1, 2):
-        _fake_run(tmp_path, "dense", seed, base)
+        _fake_run(tmp_path, "dense", seed, base, token_accuracy=0.25 * seed)
         _fake_run(tmp_path, "megatron", seed, worse)
         _fake_run(tmp_path, "sparsebalance", seed, base)
     out = collect.collect(str(tmp_path), ["dense", "megatron", "sparsebalance"], [1, 2])
@@ -98,6 +100,7 @@ def test_collect_shape_and_arithmetic(tmp_path):
     assert d["mean"] == pytest.approx((0.9 + 0.5 + 0.2 + 0.0) / 4)  # 1K cell excluded
     assert d["per_task"]["niah_single"]["mean"] == pytest.approx(0.7)
     assert d["wall_clock_s"] == pytest.approx(101.5)
+    assert d["token_accuracy"] == pytest.approx(0.375) and out["arms"]["megatron"]["token_accuracy"] is None
     c = out["checks"]
     assert c["dense_needle_4k_ge_0.9"] is True
     assert c["sparsebalance_vs_megatron"]["diff"] == pytest.approx(0.05)

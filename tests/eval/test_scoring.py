@@ -16,7 +16,8 @@ import torch
 
 from sparsebalance.eval.runner import evaluate
 from sparsebalance.eval.scoring import (Result, accuracy_table, answer_span, chance_level,
-                                        choice_correct, exact_match, format_table, mean_accuracy)
+                                        choice_correct, exact_match, format_table, mean_accuracy,
+                                        mean_token_accuracy)
 from sparsebalance.eval.tasks import ANSWER_END, TASKS, generate_set
 from sparsebalance.eval.tokenizer import ByteTokenizer
 
@@ -117,6 +118,34 @@ def test_greedy_equals_generate_on_a_mixed_model(samples):
     a = [r.correct for r in evaluate(samples, lm, TOK, "greedy")]
     b = [r.correct for r in evaluate(samples, lm, TOK, "generate")]
     assert a == b and sum(a) == len(samples) // 2
+
+
+def test_greedy_token_accuracy_counts_answer_tokens_right_given_the_gold_prefix(samples):
+    s = next(x for x in samples if x.task == "niah_single")
+    target = s.answer + ANSWER_END
+    prompt_len, end = len(TOK.encode(s.prompt)), TOK.encode(ANSWER_END)[0]
+
+    def knows_3_chars_and_the_end(seqs):
+        """Right on the first 3 answer tokens and the terminator, token 0 in between."""
+        out = []
+        for seq in seqs:
+            lg = torch.zeros(len(seq), 256)
+            lg[torch.arange(len(seq) - 1), seq[1:]] = 1.0  # the gold next token ...
+            lg[prompt_len - 1 + 3:len(seq) - 1] = 0.0
+            lg[prompt_len - 1 + 3:len(seq) - 1, 0] = 1.0  # ... except answer tokens 4.. get byte 0
+            lg[-1, end] = 1.0
+            out.append(lg)
+        return out
+
+    res = evaluate([s], knows_3_chars_and_the_end, TOK, "greedy")[0]
+    assert not res.correct and res.token_accuracy == pytest.approx((3 + 1) / len(target))
+    assert evaluate([s], MemorisingLM([s.text]), TOK, "greedy")[0].token_accuracy == 1.0
+    assert evaluate([s], MemorisingLM([s.text]), TOK, "loglik")[0].token_accuracy is None
+    table = accuracy_table([res, Result(s.task, s.length, True, token_accuracy=1.0)])
+    cell = table[s.task][s.length]
+    assert cell["accuracy"] == 0.5 and cell["token_accuracy"] == pytest.approx((4 / len(target) + 1) / 2)
+    assert mean_token_accuracy(table) == pytest.approx(cell["token_accuracy"])
+    assert mean_token_accuracy(accuracy_table([Result(s.task, s.length, True)])) is None
 
 
 def test_uninformed_model_is_not_rewarded_by_ties(samples):
