@@ -347,9 +347,9 @@ def _freq_words(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
 _CODE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
-def _code(rng: random.Random, n: int) -> str:
-    """A random code of ``n`` digits and lowercase letters (the copy task)."""
-    return "".join(rng.choice(_CODE_ALPHABET) for _ in range(n))
+def _code(rng: random.Random, n: int, alphabet: str = _CODE_ALPHABET) -> str:
+    """A random code of ``n`` characters (digits and lowercase letters by default)."""
+    return "".join(rng.choice(alphabet) for _ in range(n))
 
 
 def _copy(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
@@ -378,7 +378,7 @@ def _repeat(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     cue = "\nRepeat the code above. Answer: "
     longest = (length - len(cue) - len(ANSWER_END) - 1) // 2
     n = rng.randint(min(cfg.copy_chars // 2, longest), min(cfg.copy_chars, longest))
-    make = lambda: "".join(rng.choice(_REPEAT_ALPHABET) for _ in range(n))
+    make = lambda: _code(rng, n, _REPEAT_ALPHABET)
     code = make()
     pad = T.filler_text(rng, length - 2 * n - len(cue) - len(ANSWER_END) - 1)
     return Sample("repeat", length, pad + "\n" + code + cue, code,
