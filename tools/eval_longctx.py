@@ -16,7 +16,8 @@ Attention is dense by default, whatever the model was trained with;
 
 Modes: ``greedy`` (default; exact match of greedy decoding, one teacher-forced
 forward per sample; also reports ``token_accuracy``, the fraction of answer tokens
-predicted right given the gold prefix, which moves before exact match does), ``generate`` (real token-by-token greedy decoding; slow),
+predicted right given the gold prefix, which moves before exact match does),
+``generate`` (real token-by-token greedy decoding; slow),
 ``loglik`` (gold vs distractor answers by log-likelihood; chance = 1/(1 + distractors)).
 
 Tiny CPU run::
