@@ -202,10 +202,21 @@ def _build(task: str, length: int, header: str, body: Callable[[int], str], ques
     return Sample(task, length, header + body(budget) + question, answer, distractors)
 
 
+def _needle_question(key: str) -> str:
+    """The question about ``key``'s value, ending in an answer prefix that restates the query.
+
+    As in RULER, whose prompts end with an answer prefix naming the queried key; ours
+    repeats the needle's own words (``The special magic number for KEY is: ``), so the
+    value follows the same characters in the needle and in the answer.
+    """
+    return (f"\nWhat is the special magic number for {key} mentioned in the text above? "
+            f"The special magic number for {key} is: ")
+
+
 def _niah_single(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     key, value = T.needle_key(rng), T.number(rng, cfg.value_digits)
     needle = f"The special magic number for {key} is: {value}."
-    question = f"\nWhat is the special magic number for {key} mentioned in the text above? Answer: "
+    question = _needle_question(key)
     dis = _distractors(rng, value, (), cfg.num_distractors, lambda: T.number(rng, cfg.value_digits))
     return _build("niah_single", length, _NEEDLE_HEADER,
                   lambda b: _haystack(rng, b, [needle], "niah_single", length), question, value, dis)
@@ -216,7 +227,7 @@ def _niah_multikey(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     values = _distinct(rng, cfg.num_keys, lambda: T.number(rng, cfg.value_digits))
     needles = [f"The special magic number for {k} is: {v}." for k, v in zip(keys, values)]
     q = rng.randrange(cfg.num_keys)
-    question = f"\nWhat is the special magic number for {keys[q]} mentioned in the text above? Answer: "
+    question = _needle_question(keys[q])
     # The other keys' values are the hardest wrong answers: they are in the context.
     others = [v for i, v in enumerate(values) if i != q]
     rng.shuffle(others)
@@ -232,7 +243,7 @@ def _niah_multivalue(rng: random.Random, length: int, cfg: TaskConfig) -> Sample
     values = _distinct(rng, cfg.num_values, lambda: T.number(rng, cfg.value_digits))
     needles = [f"One of the special magic numbers for {key} is: {v}." for v in values]
     question = (f"\nWhat are all the special magic numbers for {key} mentioned in the text "
-                f"above, in order? Answer: ")
+                f"above, in order? The special magic numbers for {key} are: ")
     gold = ", ".join(values)
 
     def replace_one() -> str:

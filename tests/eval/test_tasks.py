@@ -17,7 +17,8 @@ LENGTHS = (1024, 2048, 4096, 16384)
 def _question(s: Sample) -> tuple[str, str]:
     """(context, question): the question is the prompt's last line."""
     context, _, question = s.prompt.rpartition("\n")
-    assert context and question.endswith("Answer: ")
+    assert context and (question.endswith("Answer: ") or question.endswith(" are: ")
+                        or re.search(r"The special magic number for \S+ is: $", question)), question
     return context, question
 
 
@@ -114,6 +115,18 @@ def test_ascii_only_and_terminator_only_at_the_end():
         assert ANSWER_END not in s.answer and s.text.endswith(s.answer + ANSWER_END)
 
 
+@pytest.mark.parametrize("task", ("niah_single", "niah_multikey"))
+def test_needle_prompt_ends_with_the_queried_needles_words(task):
+    # The answer prefix restates the needle of the asked key, so the value follows the
+    # same characters in the context and at the end of the prompt (RULER-style prefix).
+    for i in range(5):
+        s = generate(task, 1024, seed=2, index=i)
+        key = re.search(r"magic number for (\S+) mentioned", s.prompt).group(1)
+        prefix = f"The special magic number for {key} is: "
+        assert s.prompt.endswith(prefix)
+        assert prefix + s.answer + "." in s.prompt[:-len(prefix)]
+
+
 def test_vocabularies_cannot_collide():
     filler = set(T.FILLER_WORDS)
     assert not filler & set(T.KEY_ADJECTIVES) and not filler & set(T.KEY_NOUNS)
@@ -122,7 +135,8 @@ def test_vocabularies_cannot_collide():
 
 def test_config_changes_structure():
     s = generate("niah_multikey", 2048, seed=0, config=TaskConfig(num_keys=6))
-    assert s.prompt.count("The special magic number for") == 6
+    context, _ = _question(s)
+    assert context.count("The special magic number for") == 6
     s = generate("variable_tracking", 2048, seed=0, config=TaskConfig(vt_chains=3, vt_hops=5))
     assert len(re.findall(r"VAR [A-Z]{5} = ", s.prompt)) == 15 and len(s.answer.split()) == 5
 
