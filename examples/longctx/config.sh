@@ -35,6 +35,7 @@ MAX_POSITIONS=${MAX_POSITIONS:-8192}
 NUM_LAYERS=${NUM_LAYERS:-4}
 HIDDEN=${HIDDEN:-128}
 HEADS=${HEADS:-4}
+ROTARY_PERCENT=${ROTARY_PERCENT:-1.0}              # head dims RoPE rotates; the rest match on content only
 GLOBAL_BATCH=${GLOBAL_BATCH:-4}                # micro-batches per step (PP=2 needs >= 2)
 LR=${LR:-3e-3}
 WARMUP=${WARMUP:-20}

@@ -87,7 +87,12 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="tokens per micro-batch (packed documents, THD)")
     g.add_argument("--max-position-embeddings", type=pos(int), default=None,
                    help="longest position (default: --seq-length)")
-    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"), default="rope",
+                   help="rope, learned_absolute, or none (no position signal besides the causal mask)")
+    g.add_argument("--rotary-percent", type=pos(float), default=1.0,
+                   help="fraction of each head's dims that RoPE rotates (GPT-NeoX style partial rotary); "
+                        "the rest carry content only")
+    g.add_argument("--rotary-base", type=pos(int), default=10000, help="RoPE base (theta)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama/Qwen style)")
     g.add_argument("--vocab-size", type=pos(int), default=None,
@@ -257,6 +262,13 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} < --seq-length {args.seq_length}")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    if args.rotary_percent > 1.0:
+        raise UsageError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    head_dim = args.hidden_size // args.num_attention_heads
+    rotated = int(head_dim * args.rotary_percent)
+    if args.position_embedding_type == "rope" and (rotated == 0 or rotated % 2):
+        raise UsageError(f"--rotary-percent {args.rotary_percent} rotates {rotated} of {head_dim} "
+                         f"head dims; RoPE needs an even number, at least 2")
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
     if args.lr_warmup_iters > args.train_iters:

@@ -102,6 +102,8 @@ def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=False,
             position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
             vp_stage=stage,
         )
         if not torch.cuda.is_available() or args.cpu:

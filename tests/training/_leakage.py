@@ -2,7 +2,8 @@
 
 Builds the driver's model (world of one) and a real packed micro-batch from
 ``argv[1]`` (dataset prefix); writes ``argv[2]`` (npz): logits before/after,
-cu_seqlens, and which segment was changed.
+cu_seqlens, which segment was changed, and how many head dims RoPE rotates.
+``argv[3:]``: more driver flags (position embedding variants).
 """
 
 import os
@@ -28,7 +29,7 @@ def main() -> None:
 
     prefix, out = sys.argv[1], sys.argv[2]
     args = parse_args(["--data-path", prefix, "--num-layers", "2", "--hidden-size", "64",
-                       "--num-attention-heads", "4", "--seq-length", "256"])
+                       "--num-attention-heads", "4", "--seq-length", "256", *sys.argv[3:]])
     init.initialize(args)
     config = M.transformer_config(args, use_cpu=True)
     model = M.build_model(args, config, 256)[0].module.eval()
@@ -56,7 +57,9 @@ def main() -> None:
     s, e = int(cu[changed]), int(cu[changed + 1])
     tokens[0, s:e] = (tokens[0, s:e] + 7) % 256
     after = logits(tokens)
-    np.savez(out, before=before, after=after, cu=cu.numpy(), changed=changed)
+    rope = getattr(model, "rotary_pos_emb", None)
+    rotary_dim = 2 * rope.inv_freq.numel() if rope is not None else 0
+    np.savez(out, before=before, after=after, cu=cu.numpy(), changed=changed, rotary_dim=rotary_dim)
     init.shutdown()
 
 

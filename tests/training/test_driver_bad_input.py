@@ -54,6 +54,8 @@ CASES = {
     "seq-length < 2": (lambda c, k: ["--data-path", c, "--seq-length", "1"], None, "--seq-length"),
     "gbs not divisible": (lambda c, k: ["--data-path", c, "--global-batch-size", "3"], 2, "not divisible"),
     "pp > layers": (lambda c, k: ["--data-path", c, "--pipeline-model-parallel-size", "8"], 8, "larger than --num-layers"),
+    "rotary percent > 1": (lambda c, k: ["--data-path", c, "--rotary-percent", "1.5"], None, "--rotary-percent"),
+    "odd rotary dims": (lambda c, k: ["--data-path", c, "--rotary-percent", "0.1875"], None, "even number"),
     "unknown flag": (lambda c, k: ["--data-path", c, "--no-such-flag", "3"], None, "--no-such-flag"),
     "abbreviated flag": (lambda c, k: ["--data-path", c, "--train-it", "3"], None, "--train-it"),
     "load without checkpoint": (lambda c, k: ["--data-path", c, "--load", k["no_ckpt"]], None, "no checkpoint"),

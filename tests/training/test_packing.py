@@ -68,12 +68,18 @@ def test_padding_segment_is_masked(dataset):
     assert empty["tokens"].shape == (1, 1) and float(empty["loss_mask"].sum()) == 0
 
 
-def test_no_cross_document_leakage(corpus, tmp_path):
+@pytest.mark.parametrize("flags,rotary_dim", [
+    ((), 16),                                         # head dim 64 / 4 = 16, all rotated
+    (("--rotary-percent", "0.5", "--rotary-base", "500000"), 8),  # GPT-NeoX style partial rotary
+    (("--position-embedding-type", "none"), 0),      # NoPE: the causal mask is the only order signal
+])
+def test_no_cross_document_leakage(corpus, tmp_path, flags, rotary_dim):
     out = str(tmp_path / "leak.npz")
-    proc = subprocess.run([PY, os.path.join(ROOT, "tests", "training", "_leakage.py"), corpus, out],
+    proc = subprocess.run([PY, os.path.join(ROOT, "tests", "training", "_leakage.py"), corpus, out, *flags],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     z = np.load(out)
+    assert int(z["rotary_dim"]) == rotary_dim
     cu, changed = z["cu"], int(z["changed"])
     before, after = z["before"].reshape(-1, z["before"].shape[-1]), z["after"].reshape(-1, z["after"].shape[-1])
     assert len(cu) - 1 >= 3, "fixture must pack several documents"
