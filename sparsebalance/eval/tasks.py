@@ -40,7 +40,7 @@ TASKS: tuple[str, ...] = (
 )
 """Task names, in report order."""
 
-TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat")
+TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat", "recall")
 """Tasks for training mixes only (not part of the evaluation suite):
 
 * ``copy``: a random alphanumeric code hidden in filler, to be repeated at the
@@ -51,6 +51,10 @@ TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat")
   one-line request, and the code again: the source right before the copy, at a
   distance that varies from sample to sample. The easiest content-based copying
   there is (a warm-up for the copying heads retrieval needs).
+* ``recall``: the ``repeat`` code hidden at a random depth of the filler instead of
+  right before the request, so the copy cannot be anchored to the request's
+  position: the code has to be found by what it is (the only run of digits and
+  capitals), as a needle's value has to be.
 """
 
 ALL_TASKS: tuple[str, ...] = TASKS + TRAIN_ONLY_TASKS
@@ -396,6 +400,16 @@ def _repeat(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
                   _distractors(rng, code, (), cfg.num_distractors, make))
 
 
+def _recall(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
+    cue = "\nRepeat the code above. Answer: "
+    longest = (length - len(cue) - len(ANSWER_END) - 2) // 2
+    n = rng.randint(min(cfg.copy_chars // 2, longest), min(cfg.copy_chars, longest))
+    make = lambda: _code(rng, n, _REPEAT_ALPHABET)
+    code = make()
+    return _build("recall", length, "", lambda b: _haystack(rng, b, [code], "recall", length), cue,
+                  code, _distractors(rng, code, (), cfg.num_distractors, make))
+
+
 _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
     "niah_single": _niah_single,
     "niah_multikey": _niah_multikey,
@@ -404,6 +418,7 @@ _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
     "freq_words": _freq_words,
     "copy": _copy,
     "repeat": _repeat,
+    "recall": _recall,
 }
 
 

@@ -59,6 +59,10 @@ def solve(s: Sample) -> str:
         return " ".join(w for w, _ in ranked[:k])
     if s.task == "repeat":
         return context.split("\n")[-1]  # filler, then the code
+    if s.task == "recall":  # the one run of digits and capitals in lowercase prose
+        hits = _only(r"(?<![0-9A-Za-z])[0-9A-Z]{8,}(?![0-9A-Za-z])", context)
+        assert len(hits) == 1, hits
+        return hits[0]
     if s.task == "copy":
         hits = _only(r"The secret code is: ([0-9a-z]+)\.", context)
         assert len(hits) == 1, hits
@@ -113,6 +117,17 @@ def test_ascii_only_and_terminator_only_at_the_end():
     for s in generate_set(ALL_TASKS, (1024,), 2, seed=5):
         assert s.text.isascii()
         assert ANSWER_END not in s.answer and s.text.endswith(s.answer + ANSWER_END)
+
+
+def test_recall_code_sits_at_varying_depths():
+    # Unlike repeat (code right before the request), the code's position varies, so
+    # copying cannot be anchored to the request.
+    gaps = set()
+    for i in range(20):
+        s = generate("recall", 1024, seed=3, index=i)
+        assert 16 <= len(s.answer) <= 32
+        gaps.add(len(s.prompt) - s.prompt.index(s.answer))
+    assert max(gaps) - min(gaps) > 300, sorted(gaps)
 
 
 @pytest.mark.parametrize("task", ("niah_single", "niah_multikey"))
@@ -173,7 +188,7 @@ def test_sample_dict_roundtrip_and_validation():
 
 
 def test_copy_is_training_only_and_its_code_is_random():
-    assert {"copy", "repeat"}.isdisjoint(TASKS) and {"copy", "repeat"} <= set(ALL_TASKS)  # training only
+    assert {"copy", "repeat", "recall"}.isdisjoint(TASKS) and {"copy", "repeat", "recall"} <= set(ALL_TASKS)
     codes = [generate("copy", 1024, seed=2, index=i, split="train").answer for i in range(20)]
     assert len(set(codes)) == 20 and all(len(c) == TaskConfig().copy_chars for c in codes)
     assert len(generate("copy", 1024, seed=2, config=TaskConfig(copy_chars=8)).answer) == 8
