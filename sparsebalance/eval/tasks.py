@@ -384,30 +384,34 @@ _REPEAT_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 head that matches on the previous token finds (almost) only code positions."""
 
 
+_REPEAT_CUE = "\nRepeat the code above. Answer: "
+
+
+def _repeat_code(rng: random.Random, length: int, cfg: TaskConfig, separators: int):
+    """A code of ``copy_chars // 2 .. copy_chars`` characters that fits twice in ``length``
+    with the cue, the terminator and ``separators`` more characters; and its maker."""
+    longest = (length - len(_REPEAT_CUE) - len(ANSWER_END) - separators) // 2
+    n = rng.randint(min(cfg.copy_chars // 2, longest), min(cfg.copy_chars, longest))
+    make = lambda: _code(rng, n, _REPEAT_ALPHABET)
+    return make(), make
+
+
 def _repeat(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     # The code's length is drawn per sample and filler pads the document in front of it,
     # so the distance from each answer token back to its source varies: copying must
     # match on content (an induction head), not on a fixed offset. (With a fixed-length
     # code filling the document a model learned to repeat within ~100 steps but only at
     # the trained offset: at chance on 1,024-token documents after training at 256.)
-    cue = "\nRepeat the code above. Answer: "
-    longest = (length - len(cue) - len(ANSWER_END) - 1) // 2
-    n = rng.randint(min(cfg.copy_chars // 2, longest), min(cfg.copy_chars, longest))
-    make = lambda: _code(rng, n, _REPEAT_ALPHABET)
-    code = make()
-    pad = T.filler_text(rng, length - 2 * n - len(cue) - len(ANSWER_END) - 1)
-    return Sample("repeat", length, pad + "\n" + code + cue, code,
+    code, make = _repeat_code(rng, length, cfg, separators=1)
+    pad = T.filler_text(rng, length - 2 * len(code) - len(_REPEAT_CUE) - len(ANSWER_END) - 1)
+    return Sample("repeat", length, pad + "\n" + code + _REPEAT_CUE, code,
                   _distractors(rng, code, (), cfg.num_distractors, make))
 
 
 def _recall(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
-    cue = "\nRepeat the code above. Answer: "
-    longest = (length - len(cue) - len(ANSWER_END) - 2) // 2
-    n = rng.randint(min(cfg.copy_chars // 2, longest), min(cfg.copy_chars, longest))
-    make = lambda: _code(rng, n, _REPEAT_ALPHABET)
-    code = make()
-    return _build("recall", length, "", lambda b: _haystack(rng, b, [code], "recall", length), cue,
-                  code, _distractors(rng, code, (), cfg.num_distractors, make))
+    code, make = _repeat_code(rng, length, cfg, separators=2)  # joined into the filler by spaces
+    return _build("recall", length, "", lambda b: _haystack(rng, b, [code], "recall", length),
+                  _REPEAT_CUE, code, _distractors(rng, code, (), cfg.num_distractors, make))
 
 
 _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
