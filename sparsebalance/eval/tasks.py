@@ -49,8 +49,9 @@ TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat", "recall")
   value; a warm-up aid for small models trained from scratch.
 * ``repeat``: filler, then a random code of random length (digits and capitals), a
   one-line request, and the code again: the source right before the copy, at a
-  distance that varies from sample to sample. The easiest content-based copying
-  there is (a warm-up for the copying heads retrieval needs).
+  distance that varies from sample to sample. Meant as the easiest content-based
+  copying (a warm-up for the copying heads retrieval needs); measured: a small model
+  learns it anchored to the request instead, which does not carry over to needles.
 * ``recall``: the ``repeat`` code hidden at a random depth of the filler instead of
   right before the request, so the copy cannot be anchored to the request's
   position: the code has to be found by what it is (the only run of digits and
@@ -401,7 +402,8 @@ def _repeat(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     # so the distance from each answer token back to its source varies: copying must
     # match on content (an induction head), not on a fixed offset. (With a fixed-length
     # code filling the document a model learned to repeat within ~100 steps but only at
-    # the trained offset: at chance on 1,024-token documents after training at 256.)
+    # the trained offset: at chance on 1,024-token documents after training at 256.
+    # This version, too, was learned as a copy anchored to the request: see recall.)
     code, make = _repeat_code(rng, length, cfg, separators=1)
     pad = T.filler_text(rng, length - 2 * len(code) - len(_REPEAT_CUE) - len(ANSWER_END) - 1)
     return Sample("repeat", length, pad + "\n" + code + _REPEAT_CUE, code,
