@@ -388,10 +388,10 @@ head that matches on the previous token finds (almost) only code positions."""
 _REPEAT_CUE = "\nRepeat the code above. Answer: "
 
 
-def _repeat_code(rng: random.Random, length: int, cfg: TaskConfig, separators: int):
+def _repeat_code(rng: random.Random, length: int, cfg: TaskConfig):
     """A code of ``copy_chars // 2 .. copy_chars`` characters that fits twice in ``length``
-    with the cue, the terminator and ``separators`` more characters; and its maker."""
-    longest = (length - len(_REPEAT_CUE) - len(ANSWER_END) - separators) // 2
+    with the cue, the terminator and one separator before it; and its maker."""
+    longest = (length - len(_REPEAT_CUE) - len(ANSWER_END) - 1) // 2
     n = rng.randint(min(cfg.copy_chars // 2, longest), min(cfg.copy_chars, longest))
     make = lambda: _code(rng, n, _REPEAT_ALPHABET)
     return make(), make
@@ -404,14 +404,14 @@ def _repeat(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     # code filling the document a model learned to repeat within ~100 steps but only at
     # the trained offset: at chance on 1,024-token documents after training at 256.
     # This version, too, was learned as a copy anchored to the request: see recall.)
-    code, make = _repeat_code(rng, length, cfg, separators=1)
+    code, make = _repeat_code(rng, length, cfg)
     pad = T.filler_text(rng, length - 2 * len(code) - len(_REPEAT_CUE) - len(ANSWER_END) - 1)
     return Sample("repeat", length, pad + "\n" + code + _REPEAT_CUE, code,
                   _distractors(rng, code, (), cfg.num_distractors, make))
 
 
 def _recall(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
-    code, make = _repeat_code(rng, length, cfg, separators=2)  # joined into the filler by spaces
+    code, make = _repeat_code(rng, length, cfg)
     return _build("recall", length, "", lambda b: _haystack(rng, b, [code], "recall", length),
                   _REPEAT_CUE, code, _distractors(rng, code, (), cfg.num_distractors, make))
 
