@@ -40,7 +40,7 @@ TASKS: tuple[str, ...] = (
 )
 """Task names, in report order."""
 
-TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat", "recall")
+TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat", "recall", "recite")
 """Tasks for training mixes only (not part of the evaluation suite):
 
 * ``copy``: a random alphanumeric code hidden in filler, to be repeated at the
@@ -56,6 +56,12 @@ TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat", "recall")
   right before the request, so the copy cannot be anchored to the request's
   position: the code has to be found by what it is (the only run of digits and
   capitals), as a needle's value has to be.
+* ``recite``: needles of distinct keys (one per ~200 tokens) in filler, then every
+  needle asked back in random order, each in the needle's own words (the prompt ends
+  in the first one's answer prefix; the answer goes on with the rest). A needle task
+  with one retrieval per needle instead of one per document: the answer is dense
+  supervision for key-matching retrieval, as RULER's multi-query needles and the
+  multi-query associative recall of the Zoology study (Arora et al., 2023).
 """
 
 ALL_TASKS: tuple[str, ...] = TASKS + TRAIN_ONLY_TASKS
@@ -416,6 +422,39 @@ def _recall(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
                   _REPEAT_CUE, code, _distractors(rng, code, (), cfg.num_distractors, make))
 
 
+_RECITE_QUESTION = "\nWhat are the special magic numbers mentioned in the text above? "
+
+_RECITE_TOKENS_PER_NEEDLE = 200
+"""recite: one needle per this many tokens of length (each costs ~110: needle + recital)."""
+
+
+def _recite(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
+    n = max(1, length // _RECITE_TOKENS_PER_NEEDLE)
+    keys = _distinct(rng, n, lambda: T.needle_key(rng))
+    values = _distinct(rng, n, lambda: T.number(rng, cfg.value_digits))
+    needles = [f"The special magic number for {k} is: {v}." for k, v in zip(keys, values)]
+    order = list(range(n))
+    rng.shuffle(order)  # asked back in an order unrelated to the context's
+    first, rest = order[0], order[1:]
+    question = _RECITE_QUESTION + f"The special magic number for {keys[first]} is: "
+
+    def gold(vals: list[str]) -> str:
+        return " ".join([vals[first] + "."] + [needles[i][:-len(values[i]) - 1] + vals[i] + "."
+                                               for i in rest])
+
+    def wrong() -> str:  # the context's values, assigned to the wrong keys
+        vals = list(values)
+        while n > 1 and vals == values:
+            rng.shuffle(vals)
+        if n <= 3:  # too few wrong assignments to draw from: one value made up, too
+            vals[rng.randrange(n)] = T.number(rng, cfg.value_digits)
+        return gold(vals)
+
+    dis = _distractors(rng, gold(values), (), cfg.num_distractors, wrong)
+    return _build("recite", length, "", lambda b: _haystack(rng, b, needles, "recite", length),
+                  question, gold(values), dis)
+
+
 _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
     "niah_single": _niah_single,
     "niah_multikey": _niah_multikey,
@@ -425,6 +464,7 @@ _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
     "copy": _copy,
     "repeat": _repeat,
     "recall": _recall,
+    "recite": _recite,
 }
 
 

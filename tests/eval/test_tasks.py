@@ -63,6 +63,16 @@ def solve(s: Sample) -> str:
         hits = _only(r"(?<![0-9A-Za-z])[0-9A-Z]{8,}(?![0-9A-Za-z])", context)
         assert len(hits) == 1, hits
         return hits[0]
+    if s.task == "recite":  # the keys are asked in the prompt and the answer; values from the context
+        keys = [re.search(r"magic number for (\S+) is: $", question).group(1)]
+        keys += re.findall(r"magic number for (\S+) is: ", s.answer)
+        values = []
+        for key in keys:
+            hits = _only(re.escape(f"The special magic number for {key} is: ") + r"(\d+)\.", context)
+            assert len(hits) == 1, hits
+            values.append(hits[0])
+        return " ".join([values[0] + "."] + [f"The special magic number for {k} is: {v}."
+                                             for k, v in zip(keys[1:], values[1:])])
     if s.task == "copy":
         hits = _only(r"The secret code is: ([0-9a-z]+)\.", context)
         assert len(hits) == 1, hits
@@ -187,8 +197,23 @@ def test_sample_dict_roundtrip_and_validation():
         Sample.from_dict({"task": "freq_words"})
 
 
+def test_recite_asks_back_every_needle_in_a_shuffled_order():
+    firsts = set()
+    for length in (256, 1024, 4096):
+        for i in range(5):
+            s = generate("recite", length, seed=4, index=i)
+            in_context = re.findall(r"magic number for (\S+) is: \d+\.", _question(s)[0])
+            asked = [re.search(r"for (\S+) is: $", s.prompt).group(1)]
+            asked += re.findall(r"for (\S+) is: ", s.answer)
+            assert len(in_context) == max(1, length // 200) == len(set(in_context))
+            assert sorted(asked) == sorted(in_context)
+            firsts.add(in_context.index(asked[0]))
+    assert len(firsts) > 3, firsts  # the first key asked is not always the same needle
+
+
 def test_copy_is_training_only_and_its_code_is_random():
-    assert {"copy", "repeat", "recall"}.isdisjoint(TASKS) and {"copy", "repeat", "recall"} <= set(ALL_TASKS)
+    train_only = {"copy", "repeat", "recall", "recite"}
+    assert train_only.isdisjoint(TASKS) and train_only <= set(ALL_TASKS)
     codes = [generate("copy", 1024, seed=2, index=i, split="train").answer for i in range(20)]
     assert len(set(codes)) == 20 and all(len(c) == TaskConfig().copy_chars for c in codes)
     assert len(generate("copy", 1024, seed=2, config=TaskConfig(copy_chars=8)).answer) == 8
