@@ -15,7 +15,7 @@ second SPAN; accuracy is measured on span tokens 2.. of a fixed held-out batch
 RoPE, untied output), a yardstick for whether a slow start is the task's or
 the implementation's.
 
-Prints JSON on stdout: the curve, the final accuracy (mean of the last five
+Prints JSON on stdout (and to ``--output``): the curve, the final accuracy (mean of the last five
 evaluations) and the first step reaching 0.5 and 0.9 (null: not reached);
 progress lines go to stderr.
 
@@ -64,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-samples", type=int, default=32)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--output", help="also write the JSON here (written whole or not at all)")
     a = p.parse_args(argv)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "span", "steps", "batch",
                  "eval_interval", "eval_samples", "threads"):
@@ -75,6 +76,8 @@ def parse_args(argv=None):
         fail(f"--max-gap must be >= 0, got {a.max_gap}")
     if not a.lr > 0:
         fail(f"--lr must be > 0, got {a.lr}")
+    if a.output and not os.path.isdir(os.path.dirname(os.path.abspath(a.output))):
+        fail(f"--output: directory of {a.output} does not exist")
     head_dim, rem = divmod(a.hidden_size, a.num_attention_heads)
     if rem or head_dim % 2:
         fail(f"--hidden-size {a.hidden_size} must split into --num-attention-heads {a.num_attention_heads} "
@@ -223,12 +226,18 @@ def main(argv=None) -> None:
     last = [p["copy_acc"] for p in curve[-5:]]
     first = lambda x: next((p["step"] for p in curve if p["copy_acc"] >= x), None)
     mean_len = a.max_gap + 2 * a.span  # two uniform 0..max_gap fillers and two copies
-    print(json.dumps({
+    text = json.dumps({
         "model": a.model, "num_layers": a.num_layers, "hidden_size": a.hidden_size,
         "num_attention_heads": a.num_attention_heads, "span": a.span, "max_gap": a.max_gap,
         "mean_tokens": mean_len, "lr": a.lr, "batch": a.batch, "seed": a.seed, "threads": a.threads,
         "steps": a.steps, "final_copy_acc": round(sum(last) / len(last), 4),
-        "steps_to": {"0.5": first(0.5), "0.9": first(0.9)}, "curve": curve}, indent=1))
+        "steps_to": {"0.5": first(0.5), "0.9": first(0.9)}, "curve": curve}, indent=1)
+    if a.output:
+        tmp = f"{a.output}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, a.output)
+    print(text)
 
 
 if __name__ == "__main__":

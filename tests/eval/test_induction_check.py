@@ -23,14 +23,15 @@ def run(*argv):
 
 
 @pytest.mark.parametrize("model", ("megatron", "reference"))
-def test_fixed_offset_copy_is_learned(model):
+def test_fixed_offset_copy_is_learned(model, tmp_path):
     # --max-gap 0: the second copy always starts SPAN tokens after the first, so a
     # positional head solves it within a few dozen steps; at initialisation the
     # accuracy is chance (1/26).
     p = run("--model", model, "--max-gap", "0", "--span", "16", "--steps", "150", "--eval-interval", "25",
-            "--num-layers", "2", "--hidden-size", "64")
+            "--num-layers", "2", "--hidden-size", "64", "--output", str(tmp_path / "out.json"))
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
+    assert json.loads((tmp_path / "out.json").read_text()) == out
     assert out["model"] == model and out["threads"] == 1 and out["steps"] == 150
     assert [c["step"] for c in out["curve"]] == list(range(25, 151, 25))
     assert out["curve"][0]["copy_acc"] < out["curve"][-1]["copy_acc"]

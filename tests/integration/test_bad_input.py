@@ -216,6 +216,14 @@ CASES = [
     Case("compare-missing-lengths", "tools/compare.py",
          _p("--quick", "--lengths", "{d}/none.json", "--report", "{d}/cmp2"), r"none\.json",
          _p("{d}/cmp2/report.md")),
+    # induction_check.py
+    Case("induction-negative-gap", "tools/induction_check.py", _p("--max-gap", "-3", "--output", "{d}/ic1.json"),
+         r"--max-gap", _p("{d}/ic1.json")),
+    Case("induction-odd-head-dim", "tools/induction_check.py",
+         _p("--hidden-size", "36", "--num-attention-heads", "4", "--output", "{d}/ic2.json"), r"even size",
+         _p("{d}/ic2.json")),
+    Case("induction-output-dir-missing", "tools/induction_check.py",
+         _p("--steps", "1", "--output", "{d}/no_dir/ic3.json"), r"no_dir", _p("{d}/no_dir/ic3.json")),
     # eval_longctx.py
     Case("eval-load-missing", "tools/eval_longctx.py",
          _p("--load", "{d}/no_ckpt", "--output", "{d}/ev1.json"), r"no_ckpt", _p("{d}/ev1.json")),
