@@ -439,7 +439,7 @@ def _recite(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     question = _RECITE_QUESTION + f"The special magic number for {keys[first]} is: "
 
     def gold(vals: list[str]) -> str:
-        return " ".join([vals[first] + "."] + [needles[i][:-len(values[i]) - 1] + vals[i] + "."
+        return " ".join([vals[first] + "."] + [f"The special magic number for {keys[i]} is: {vals[i]}."
                                                for i in rest])
 
     def wrong() -> str:  # the context's values, assigned to the wrong keys
