@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--output", help="also write the JSON here (written whole or not at all)")
     a = p.parse_args(argv)
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "span", "steps", "batch",
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "steps", "batch",
                  "eval_interval", "eval_samples", "threads"):
         if getattr(a, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -112,7 +112,7 @@ def reference_gpt(layers: int, hidden: int, heads: int, vocab: int = 256):
 
     dh = hidden // heads
 
-    def rope(x):  # [1, H, T, dh]: rotate half the dims by position-dependent angles
+    def rope(x):  # [1, H, T, dh]: rotate dim pairs (i, i + dh/2) by position-dependent angles
         T = x.shape[-2]
         inv = 1.0 / (10000 ** (torch.arange(0, dh, 2).float() / dh))
         ang = torch.arange(T).float()[:, None] * inv[None]
@@ -157,23 +157,22 @@ def reference_gpt(layers: int, hidden: int, heads: int, vocab: int = 256):
 
 
 def megatron_gpt(a):
-    """The driver's GPTModel (PP=1, world of one), unwrapped, and a closer for its process group."""
+    """The driver's GPTModel (PP=1, world of one) without the DDP wrapper (whose hooks move
+    gradients to its own buffers, out of a plain optimizer's sight), its packed forward, and
+    a closer for its process group."""
     import eval_longctx as E
-    from megatron.core.models.gpt import GPTModel
     from megatron.training.arguments import build_parser
     from megatron.training.initialize import initialize, shutdown, use_cpu
-    from megatron.training.model import layer_spec, transformer_config
+    from megatron.training.model import build_gpt_chunks, transformer_config
 
     args = build_parser().parse_args([
         "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
         "--num-attention-heads", str(a.num_attention_heads), "--seq-length", "1024",
-        "--max-position-embeddings", str(4 * a.max_gap + 2 * a.span + 8), "--cpu", "--seed", str(a.seed)])
+        "--max-position-embeddings", str(2 * a.max_gap + 2 * a.span), "--cpu", "--seed", str(a.seed)])
     args.ffn_hidden_size = 4 * a.hidden_size
     args.virtual_pipeline_model_parallel_size = None
     initialize(args)
-    gpt = GPTModel(config=transformer_config(args, use_cpu(args)), transformer_layer_spec=layer_spec(args),
-                   vocab_size=256, max_sequence_length=args.max_position_embeddings,
-                   share_embeddings_and_output_weights=False, position_embedding_type="rope").cpu()
+    (gpt,) = build_gpt_chunks(args, transformer_config(args, use_cpu(args)), 256)
     packed = E.EvalModel(gpt, args)  # its logits(): one packed THD forward, as in training
     return gpt, packed.logits, shutdown
 

@@ -82,10 +82,9 @@ def transformer_config(args, use_cpu: bool):
     )
 
 
-def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
-    """``GPTModel`` chunks of this pipeline rank (one per virtual stage), DDP-wrapped."""
+def build_gpt_chunks(args, config, vocab_size: int) -> List[torch.nn.Module]:
+    """``GPTModel`` chunks of this pipeline rank (one per virtual stage), unwrapped."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
 
     spec = layer_spec(args)
@@ -111,6 +110,14 @@ def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
         else:
             chunk = chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
+    return chunks
+
+
+def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
+    """``GPTModel`` chunks of this pipeline rank (one per virtual stage), DDP-wrapped."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    chunks = build_gpt_chunks(args, config, vocab_size)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
     return [
         DistributedDataParallel(
