@@ -16,7 +16,8 @@ Attention is dense by default, whatever the model was trained with;
 
 Modes: ``greedy`` (default; exact match of greedy decoding, one teacher-forced
 forward per sample; also reports ``token_accuracy``, the fraction of answer tokens
-predicted right given the gold prefix, which moves before exact match does),
+predicted right given the gold prefix, which moves before exact match does, and
+``digit_accuracy``, the same over the digits of the answer: the retrieved values),
 ``generate`` (real token-by-token greedy decoding; slow),
 ``loglik`` (gold vs distractor answers by log-likelihood; chance = 1/(1 + distractors)).
 
@@ -300,6 +301,7 @@ def report(args, results, model_args, iteration: int, chance: float, seconds: fl
         "samples": len(results),
         "mean": mean_accuracy(table),
         "token_accuracy": mean_token_accuracy(table),
+        "digit_accuracy": mean_token_accuracy(table, "digit_accuracy"),
         "accuracy": {t: {str(n): c for n, c in row.items()} for t, row in table.items()},
         "eval_seconds": round(seconds, 3),
         "threads": args.threads,
@@ -377,6 +379,8 @@ def main(argv=None) -> int:
               f"{rep['samples']} samples in {rep['eval_seconds']:.1f} s on {args.threads} threads")
         if rep["token_accuracy"] is not None:
             print(f"answer tokens right given the gold prefix (teacher forcing): {rep['token_accuracy']:.3f}")
+        if rep["digit_accuracy"] is not None:
+            print(f"of which the value digits (chance 0.1): {rep['digit_accuracy']:.3f}")
     return 0
 
 

@@ -79,10 +79,10 @@ def seed_summary(ev: dict, meta: dict, path: str, needle_length: int,
     }
 
 
-def base_summary(runs_dir: str) -> dict | None:
-    """The shared base stage (``runs_dir/base``), if the recipe had one: its training
-    metadata and, when scored (``eval_arm.sh base``), its accuracy per task and length."""
-    d = os.path.join(runs_dir, "base")
+def base_summary(d: str) -> dict | None:
+    """The shared base model (run directory ``d``: the curriculum's last stage), if the
+    recipe had one: its training metadata and, when scored (``eval_arm.sh base``), its
+    accuracy per task and length."""
     if not os.path.isfile(os.path.join(d, "train_meta.json")):
         return None
     meta = _load(os.path.join(d, "train_meta.json"))
@@ -123,7 +123,7 @@ def compare(a: dict, b: dict) -> dict:
 
 
 def collect(runs_dir: str, arms: list[str], seeds: list[int], needle_length: int = 4096,
-            mean_lengths: tuple[int, ...] = (4096, 8192)) -> dict:
+            mean_lengths: tuple[int, ...] = (4096, 8192), base_dir: str | None = None) -> dict:
     """The results file's content (``needle_4k`` is taken at ``needle_length``; ``mean``
     averages the ``mean_lengths`` cells: the issue's 4K and 4K-8K by default)."""
     out = {"arms": {}}
@@ -148,7 +148,7 @@ def collect(runs_dir: str, arms: list[str], seeds: list[int], needle_length: int
         c = compare(a["sparsebalance"], a["dense"])
         checks["sparsebalance_vs_dense"] = {**c, "within_2_points": c["diff"] >= -0.02}
     out["checks"] = checks
-    base = base_summary(runs_dir)
+    base = base_summary(base_dir) if base_dir else None
     if base is not None:
         out["base"] = base
     out["setup"] = {"eval_attention": "dense", "needle_length": needle_length,
@@ -160,6 +160,7 @@ def collect(runs_dir: str, arms: list[str], seeds: list[int], needle_length: int
 def main(argv=None) -> int:
     p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--runs-dir", required=True)
+    p.add_argument("--base-dir", help="the base model's run (the curriculum's last stage), reported as 'base'")
     p.add_argument("--arms", nargs="+", required=True)
     p.add_argument("--seeds", nargs="+", type=int, required=True)
     p.add_argument("--output", required=True)
@@ -167,7 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("--mean-lengths", type=int, nargs="+", default=[4096, 8192],
                    help="lengths averaged in mean (tokens)")
     args = p.parse_args(argv)
-    result = collect(args.runs_dir, args.arms, args.seeds, args.needle_length, tuple(args.mean_lengths))
+    result = collect(args.runs_dir, args.arms, args.seeds, args.needle_length, tuple(args.mean_lengths),
+                     args.base_dir)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     tmp = args.output + ".tmp"
     with open(tmp, "w") as f:

@@ -2,7 +2,8 @@
 # Every value can be overridden from the environment, e.g. BUDGET_S=600 bash run_all.sh.
 # Sizes are chosen for the 2-core CPU machine: a 4-layer byte-level GPT (hidden 128),
 # PP=2 (one process per stage, one thread each), packed micro-batches of 4K tokens;
-# a shared dense base model on 1K documents, then each arm at 1K-4K for BUDGET_S.
+# a shared dense base model (a curriculum on short documents), then each arm at 1K-4K
+# for BUDGET_S.
 
 SB_ROOT=${SB_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 PYTHON=${PYTHON:-$SB_ROOT/.venv/bin/python}
@@ -56,42 +57,24 @@ SB_TOPK=${SB_TOPK:-8}
 ARMS=${ARMS:-"dense megatron sparsebalance"}
 
 # Stage 0, the shared base model (as the paper starts from a pretrained LLM): dense
-# attention on short task documents (BASE_LENGTHS) for BASE_BUDGET_S seconds, once;
-# every arm and seed then starts from its weights (--finetune: fresh optimizer and
-# iteration count) and trains at long context under the equal budget BUDGET_S.
-# BASE_BUDGET_S=0 skips it: the arms train from scratch.
-BASE_BUDGET_S=${BASE_BUDGET_S:-1800}
-BASE_LENGTHS=${BASE_LENGTHS:-1024}
-# Retrieval tasks plus the training-only copy task (a BASE_COPY_CHARS-character code
-# hidden in filler, to repeat: dense supervision for locating and copying a span, the
-# induction mechanism needle retrieval needs); variable tracking and frequent words
-# (and filler documents) come in with the long-context stage.
-BASE_TASKS=${BASE_TASKS:-copy,niah_single,niah_multikey,niah_multivalue}
-BASE_COPY_CHARS=${BASE_COPY_CHARS:-256}
-BASE_TRAIN_DOCS=${BASE_TRAIN_DOCS:-40000}
-BASE_GLOBAL_BATCH=${BASE_GLOBAL_BATCH:-8}
-BASE_SEQ_LENGTH=${BASE_SEQ_LENGTH:-$SEQ_LENGTH}  # packed micro-batch of the base (and no parameter)
+# attention, trained once as a curriculum of stages (curriculum.py; each stage its own
+# data mix, learning rate and wall-clock budget, starting from the previous stage's
+# weights). Every arm and seed then starts from the last stage's weights (--finetune:
+# fresh optimizer and iteration count) and trains at long context under the equal
+# budget BUDGET_S. The default stage file is the lineage measured in README.md
+# (rounds 2-4): short-document copying first, then needles, then longer documents.
+# CURRICULUM=none skips stage 0: the arms train from scratch.
+CURRICULUM=${CURRICULUM:-$SB_ROOT/examples/longctx/stages.json}
+CURRICULUM_DATA_DIR=${CURRICULUM_DATA_DIR:-$DATA_DIR/curriculum}
+CURRICULUM_RUNS_DIR=${CURRICULUM_RUNS_DIR:-$RUNS_DIR/curriculum}
 BASE_SEED=${BASE_SEED:-1}
-BASE_DATA_SEED=${BASE_DATA_SEED:-0}              # != DATA_SEED: no document in both mixes
-BASE_FILLER_SHARE=${BASE_FILLER_SHARE:-0}
-BASE_DIR=${BASE_DIR:-$RUNS_DIR/base}
 
-# Before the base, a copy warm-up (optional, WARMUP_BUDGET_S=0 skips it): only the
-# training-only repeat task (filler, then a random 16-32 character code of digits and
-# capitals, a request and the code again), packed into short micro-batches
-# (WARMUP_SEQ_LENGTH) so that the stage takes many small steps. The code's length and
-# so the copy distance vary per document: a model cannot solve it with a fixed-offset
-# head (which a fixed-length version taught it in ~100 steps, and which did not carry
-# to other lengths) and has to form content-matching copying (induction) heads, which
-# needle retrieval needs. Measured: loss at chance (3.58) for ~1,300 steps, then
-# falling (see README). The base starts from the warm-up's weights.
-WARMUP_BUDGET_S=${WARMUP_BUDGET_S:-2400}
-WARMUP_TASKS=${WARMUP_TASKS:-repeat}
-WARMUP_LENGTHS=${WARMUP_LENGTHS:-256,512}
-WARMUP_COPY_CHARS=${WARMUP_COPY_CHARS:-32}           # the longest code; the shortest is half
-WARMUP_SEQ_LENGTH=${WARMUP_SEQ_LENGTH:-1024}
-WARMUP_TRAIN_DOCS=${WARMUP_TRAIN_DOCS:-40000}
-WARMUP_DIR=${WARMUP_DIR:-$RUNS_DIR/warmup}
+base_dir() {  # the base model's run directory (the curriculum's last stage; empty: none)
+    if [[ -n ${BASE_DIR:-} ]]; then echo "$BASE_DIR"; return; fi
+    [[ $CURRICULUM == none ]] ||
+        "$PYTHON" "$SB_ROOT/examples/longctx/curriculum.py" --stages "$CURRICULUM" \
+            --runs-dir "$CURRICULUM_RUNS_DIR" --final-dir
+}
 
 # SAB and DST plan from predicted latency: the sparsebalance arm trains with a latency
 # profile of this machine and model, written by train_arm.sh into the run directory
@@ -105,7 +88,7 @@ arm_profile() {  # the latency profile of run directory $1
 
 arm_flags() {  # pretrain_gpt.py flags of one arm; $2 = its run directory (sparsebalance)
     case $1 in
-        dense|base|warmup) ;;
+        dense|stage|base) ;;
         megatron) echo --sparse-attention --sb-block-size "$SB_BLOCK" --sb-topk "$SB_TOPK" ;;
         sparsebalance) echo --sparse-attention --sb-block-size "$SB_BLOCK" --sb-topk "$SB_TOPK" --sparse-balance \
             --sb-profile "$(arm_profile "${2:?arm_flags sparsebalance needs the run directory}")" ;;

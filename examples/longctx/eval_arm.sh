@@ -11,7 +11,8 @@ set -euo pipefail
 source "$(dirname "$0")/config.sh"
 ARM=${1:?usage: eval_arm.sh ARM SEED   (or: eval_arm.sh base)}
 if [[ $ARM == base ]]; then
-    RUN=$BASE_DIR
+    RUN=$(base_dir)
+    [[ -n $RUN ]] || { echo "eval_arm.sh: no base model (CURRICULUM=none)" >&2; exit 2; }
 else
     SEED=${2:?usage: eval_arm.sh ARM SEED}
     RUN=$RUNS_DIR/$ARM/seed$SEED

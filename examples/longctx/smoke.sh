@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A seconds-to-minutes smoke run of the whole recipe (NOT the comparison): tiny data,
-# a 2-layer model, 1K contexts, a 30 s copy warm-up and a 40 s base stage, a 60 s budget per arm, one seed,
-# 2 eval samples per cell. Its numbers mean nothing; it checks that every step runs end to end.
+# a 2-layer model, 1K contexts, a two-stage base curriculum of 30 s each
+# (stages_smoke.json), a 60 s budget per arm, one seed, 2 eval samples per cell. Its numbers mean nothing; it checks that every step runs end to end.
 #   bash examples/longctx/smoke.sh
 # Everything goes to runs/longctx-smoke/ (results/ is never touched).
 set -euo pipefail
@@ -13,8 +13,7 @@ export RESULT_FILE=$RUNS_DIR/longctx_accuracy.json
 export NUM_TRAIN_DOCS=${NUM_TRAIN_DOCS:-300} TRAIN_LENGTHS=1024 SEQ_LENGTH=1024
 export EVAL_LENGTHS=1024 EVAL_SAMPLES=${EVAL_SAMPLES:-2} NEEDLE_LENGTH=1024 MEAN_LENGTHS=1024
 export NUM_LAYERS=2 HIDDEN=64 HEADS=4 GLOBAL_BATCH=2 WARMUP=2 SAVE_INTERVAL=1000 MAX_POSITIONS=1024
-export BASE_BUDGET_S=${BASE_BUDGET_S:-40} BASE_TRAIN_DOCS=200 BASE_GLOBAL_BATCH=2
-export WARMUP_BUDGET_S=${WARMUP_BUDGET_S:-30} WARMUP_TRAIN_DOCS=200
+export CURRICULUM=${CURRICULUM:-$HERE/stages_smoke.json}
 export BUDGET_S=${BUDGET_S:-60} SEEDS=${SEEDS:-1} SB_BLOCK=64 SB_TOPK=2
 export ARMS=${ARMS:-"dense megatron sparsebalance"}
 [[ $RUNS_DIR == */longctx-smoke ]] && rm -rf "$RUNS_DIR"  # fresh, but never a user-chosen dir

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Step 2: train one arm with one seed under the shared wall-clock budget.
 #   bash examples/longctx/train_arm.sh ARM SEED      ARM in: dense megatron sparsebalance
-#   bash examples/longctx/train_arm.sh warmup        the copy warm-up (WARMUP_BUDGET_S > 0)
-#   bash examples/longctx/train_arm.sh base          the shared base model (BASE_BUDGET_S > 0)
+#   bash examples/longctx/train_arm.sh stage         one curriculum stage (curriculum.py runs it)
 #
-# With BASE_BUDGET_S > 0 an arm's first launch starts from the base model's weights
-# (--load BASE_DIR/ckpt --finetune: fresh optimizer, iteration 0); the base itself is
-# dense, trained on BASE_LENGTHS documents ($DATA_DIR/base/) for BASE_BUDGET_S, and
-# starts the same way from the copy warm-up ($DATA_DIR/warmup/) when WARMUP_BUDGET_S > 0.
+# An arm's first launch starts from the base model's weights (--load BASE/ckpt
+# --finetune: fresh optimizer, iteration 0), BASE being the curriculum's last stage
+# (none with CURRICULUM=none: a fresh init). A stage is dense and is described by
+# STAGE_DIR (its run), STAGE_DATA (data prefix), STAGE_INIT (the run it starts from;
+# empty: a fresh init), STAGE_BUDGET_S and STAGE_GLOBAL_BATCH, with LR and SEQ_LENGTH.
 #
 # PP=2 on CPU: torchrun starts one process per pipeline stage (gloo). The LR is
 # constant after warm-up, so cutting training at the budget does not interact
@@ -32,24 +32,19 @@
 #         (+ latency_profile.json, profile.log for sparsebalance)
 set -euo pipefail
 source "$(dirname "$0")/config.sh"
-ARM=${1:?usage: train_arm.sh ARM SEED}
+ARM=${1:?usage: train_arm.sh ARM SEED   (or: train_arm.sh stage)}
 # INIT: the run whose weights a first launch starts from (none: a fresh init).
-INIT=""
-if [[ $ARM == base || $ARM == warmup ]]; then
-    (( BASE_BUDGET_S > 0 )) || { echo "train_arm.sh: the $ARM stage needs BASE_BUDGET_S > 0" >&2; exit 2; }
-    SEED=$BASE_SEED GLOBAL_BATCH=$BASE_GLOBAL_BATCH
-    DATA_PREFIX=$DATA_DIR/$ARM/train_text_document
-    if [[ $ARM == warmup ]]; then
-        RUN=$WARMUP_DIR BUDGET_S=$WARMUP_BUDGET_S SEQ_LENGTH=$WARMUP_SEQ_LENGTH
-    else
-        RUN=$BASE_DIR BUDGET_S=$BASE_BUDGET_S SEQ_LENGTH=$BASE_SEQ_LENGTH
-        (( WARMUP_BUDGET_S > 0 )) && INIT=$WARMUP_DIR
-    fi
+if [[ $ARM == stage ]]; then
+    for v in STAGE_DIR STAGE_DATA STAGE_BUDGET_S STAGE_GLOBAL_BATCH; do
+        [[ -n ${!v:-} ]] || { echo "train_arm.sh: a stage needs $v (curriculum.py sets it)" >&2; exit 2; }
+    done
+    SEED=$BASE_SEED GLOBAL_BATCH=$STAGE_GLOBAL_BATCH RUN=$STAGE_DIR BUDGET_S=$STAGE_BUDGET_S
+    DATA_PREFIX=$STAGE_DATA INIT=${STAGE_INIT:-}
 else
     SEED=${2:?usage: train_arm.sh ARM SEED}
     RUN=$RUNS_DIR/$ARM/seed$SEED
     DATA_PREFIX=$DATA_DIR/train_text_document
-    (( BASE_BUDGET_S > 0 )) && INIT=$BASE_DIR
+    INIT=$(base_dir)
 fi
 FLAGS=$(arm_flags "$ARM" "$RUN")
 cd "$SB_ROOT"
@@ -59,7 +54,7 @@ for f in $FLAGS; do
         exit 2
     fi
 done
-[[ -f $DATA_PREFIX.idx ]] || { echo "train_arm.sh: $DATA_PREFIX.idx is missing: run make_data.sh first" >&2; exit 2; }
+[[ -f $DATA_PREFIX.idx ]] || { echo "train_arm.sh: $DATA_PREFIX.idx is missing: run make_data.sh (or curriculum.py) first" >&2; exit 2; }
 # Where the weights come from: this run's own checkpoint (a resumed run), else the
 # base model's (first launch of an arm with a base stage), else a fresh init.
 LOAD_FLAGS="--load $RUN/ckpt"

@@ -52,8 +52,10 @@ def score_greedy(sample: Sample, logits_fn: LogitsFn, tok: Tokenizer) -> Result:
     # Greedy decoding's output up to (and including) its first deviation.
     n = len(target) if ok else int((~hit).nonzero()[0]) + 1
     shown = torch.cat([target[:n - 1], pred[n - 1:n]]) if not ok else target
+    digits = torch.tensor([tok.decode([t]).strip().isdigit() for t in target.tolist()])
     return Result(sample.task, sample.length, ok, tok.decode(shown.tolist()),
-                  token_accuracy=float(hit.float().mean()))
+                  token_accuracy=float(hit.float().mean()),
+                  digit_accuracy=float(hit[digits].float().mean()) if digits.any() else None)
 
 
 def score_generate(sample: Sample, logits_fn: LogitsFn, tok: Tokenizer,

@@ -77,11 +77,16 @@ class Result:
     argmax given the gold prefix (teacher forcing). Graded where exact match is all or
     nothing, so it shows retrieval being learned before whole answers come out right
     (chance: about 1/10 per digit, 1/26 per letter). None in the other modes."""
+    digit_accuracy: float | None = None
+    """Greedy mode: the same over the answer tokens that are digits only, i.e. the
+    retrieved values themselves (chance 0.1), without the easy separators and
+    terminator. None in the other modes and for answers without digits."""
 
 
 def accuracy_table(results: Iterable[Result]) -> dict[str, dict[int, dict[str, float]]]:
     """``{task: {length: {"accuracy", "correct", "n"}}}`` over the results, plus
-    ``"token_accuracy"`` (the mean) in cells whose results all carry one."""
+    ``"token_accuracy"`` and ``"digit_accuracy"`` (means) in cells whose results all
+    carry one."""
     cells: dict[str, dict[int, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for r in results:
         cells[r.task][r.length].append(r)
@@ -89,8 +94,10 @@ def accuracy_table(results: Iterable[Result]) -> dict[str, dict[int, dict[str, f
     def cell(rs: list[Result]) -> dict[str, float]:
         c = sum(r.correct for r in rs)
         out = {"accuracy": c / len(rs), "correct": c, "n": len(rs)}
-        if all(r.token_accuracy is not None for r in rs):
-            out["token_accuracy"] = sum(r.token_accuracy for r in rs) / len(rs)
+        for key in ("token_accuracy", "digit_accuracy"):
+            vals = [getattr(r, key) for r in rs]
+            if None not in vals:
+                out[key] = sum(vals) / len(vals)
         return out
 
     order = {t: i for i, t in enumerate(TASKS)}
@@ -98,9 +105,10 @@ def accuracy_table(results: Iterable[Result]) -> dict[str, dict[int, dict[str, f
             for t in sorted(cells, key=lambda t: order.get(t, len(order)))}
 
 
-def mean_token_accuracy(table: dict) -> float | None:
-    """Unweighted mean of the cells' ``token_accuracy`` (None unless every cell has one)."""
-    vals = [c.get("token_accuracy") for row in table.values() for c in row.values()]
+def mean_token_accuracy(table: dict, key: str = "token_accuracy") -> float | None:
+    """Unweighted mean of the cells' ``token_accuracy`` (or ``key``, e.g.
+    ``"digit_accuracy"``); None unless every cell has one."""
+    vals = [c.get(key) for row in table.values() for c in row.values()]
     if not vals or any(v is None for v in vals):
         return None
     return sum(vals) / len(vals)

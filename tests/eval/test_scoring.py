@@ -139,6 +139,9 @@ def test_greedy_token_accuracy_counts_answer_tokens_right_given_the_gold_prefix(
 
     res = evaluate([s], knows_3_chars_and_the_end, TOK, "greedy")[0]
     assert not res.correct and res.token_accuracy == pytest.approx((3 + 1) / len(target))
+    n_digits = sum(c.isdigit() for c in s.answer)
+    assert n_digits == 7 and s.answer[:3].isdigit()  # the value: 3 digits right, the terminator not counted
+    assert res.digit_accuracy == pytest.approx(3 / n_digits)
     assert evaluate([s], MemorisingLM([s.text]), TOK, "greedy")[0].token_accuracy == 1.0
     assert evaluate([s], MemorisingLM([s.text]), TOK, "loglik")[0].token_accuracy is None
     table = accuracy_table([res, Result(s.task, s.length, True, token_accuracy=1.0)])
@@ -146,6 +149,20 @@ def test_greedy_token_accuracy_counts_answer_tokens_right_given_the_gold_prefix(
     assert cell["accuracy"] == 0.5 and cell["token_accuracy"] == pytest.approx((4 / len(target) + 1) / 2)
     assert mean_token_accuracy(table) == pytest.approx(cell["token_accuracy"])
     assert mean_token_accuracy(accuracy_table([Result(s.task, s.length, True)])) is None
+    assert "digit_accuracy" not in cell  # the second result carries none
+
+
+def test_digit_accuracy_is_none_for_answers_without_digits(samples):
+    words = next(x for x in samples if x.task == "freq_words")
+    assert not any(c.isdigit() for c in words.answer)
+    res = evaluate([words], MemorisingLM([words.text]), TOK, "greedy")[0]
+    assert res.correct and res.token_accuracy == 1.0 and res.digit_accuracy is None
+    needle = next(x for x in samples if x.task == "niah_single")
+    both = evaluate([needle], MemorisingLM([needle.text]), TOK, "greedy") + [res]
+    table = accuracy_table(both)
+    assert table["niah_single"][needle.length]["digit_accuracy"] == 1.0
+    assert "digit_accuracy" not in table["freq_words"][words.length]
+    assert mean_token_accuracy(table, "digit_accuracy") is None  # not every cell has one
 
 
 def test_uninformed_model_is_not_rewarded_by_ties(samples):

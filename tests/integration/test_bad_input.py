@@ -1,4 +1,5 @@
-"""Bad-input sweep: pretrain_gpt.py and every tool in tools/ on bad arguments and files.
+"""Bad-input sweep: pretrain_gpt.py, every tool in tools/ and the long-context recipe's
+curriculum.py on bad arguments and files.
 
 The contract (project standard for CLIs): a non-zero exit, exactly one line on stderr
 that names the problem, no traceback anywhere, and no output file left behind.
@@ -67,6 +68,11 @@ def make_bad_files(d: str) -> None:
     open(f"{d}/empty.json", "w").close()
     open(f"{d}/garbage.json", "w").write("{ this is not json")
     json.dump({"unrelated": True}, open(f"{d}/wrong_schema.json", "w"))
+    stage = {"name": "s1", "lr": 1e-3, "budget_s": 60, "seq_length": 512, "global_batch": 2,
+             "mixes": [{"tasks": "recite", "lengths": "256,1024", "docs": 10, "seed": 1}]}
+    json.dump({"stages": [stage]}, open(f"{d}/stages_too_long.json", "w"))
+    json.dump({"stages": [dict(stage, seq_length=1024, warmup=5)]}, open(f"{d}/stages_unknown_key.json", "w"))
+    json.dump({"stages": [dict(stage, seq_length=1024)]}, open(f"{d}/stages_ok.json", "w"))
     # A latency profile of another model (48 layers, block 128) than the one asked for.
     from sparsebalance.predictor import profile as prof
 
@@ -224,6 +230,22 @@ CASES = [
          _p("{d}/ic2.json")),
     Case("induction-output-dir-missing", "tools/induction_check.py",
          _p("--steps", "1", "--output", "{d}/no_dir/ic3.json"), r"no_dir", _p("{d}/no_dir/ic3.json")),
+    # examples/longctx/curriculum.py (the base model's stages; nothing is trained on bad input)
+    Case("curriculum-garbage-file", "examples/longctx/curriculum.py",
+         _p("--stages", "{d}/garbage.json", "--runs-dir", "{d}/cur1", "--data-dir", "{d}/curd1"), r"garbage\.json",
+         _p("{d}/cur1", "{d}/curd1")),
+    Case("curriculum-no-stages", "examples/longctx/curriculum.py",
+         _p("--stages", "{d}/wrong_schema.json", "--runs-dir", "{d}/cur2", "--data-dir", "{d}/curd2"), r"stages|unknown",
+         _p("{d}/cur2", "{d}/curd2")),
+    Case("curriculum-doc-longer-than-seq", "examples/longctx/curriculum.py",
+         _p("--stages", "{d}/stages_too_long.json", "--runs-dir", "{d}/cur3", "--data-dir", "{d}/curd3"),
+         r"1024.*seq_length 512", _p("{d}/cur3", "{d}/curd3")),
+    Case("curriculum-unknown-key", "examples/longctx/curriculum.py",
+         _p("--stages", "{d}/stages_unknown_key.json", "--runs-dir", "{d}/cur4", "--data-dir", "{d}/curd4"),
+         r"unknown key.*warmup", _p("{d}/cur4", "{d}/curd4")),
+    Case("curriculum-until-unknown", "examples/longctx/curriculum.py",
+         _p("--stages", "{d}/stages_ok.json", "--until", "zz", "--runs-dir", "{d}/cur5", "--data-dir", "{d}/curd5"),
+         r"--until.*zz", _p("{d}/cur5", "{d}/curd5")),
     # eval_longctx.py
     Case("eval-load-missing", "tools/eval_longctx.py",
          _p("--load", "{d}/no_ckpt", "--output", "{d}/ev1.json"), r"no_ckpt", _p("{d}/ev1.json")),
