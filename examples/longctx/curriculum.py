@@ -49,6 +49,7 @@ from typing import NoReturn
 PROG = "curriculum.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPO)
 # A stage cut short by less than this (or half its budget) is done: a launch costs
 # ~30 s of start-up.
 SLACK_S = 60.0
@@ -99,6 +100,20 @@ def _tasks(where: str, d: dict) -> str:
     return d["tasks"]
 
 
+def _check_samples(where: str, tasks: str, lengths: list[int], copy_chars: int | None = None) -> None:
+    """Every (task, length) of a mix or probe can be generated: a typo or a length too
+    short for a task fails here, not hours later when the stage's turn comes."""
+    from sparsebalance.eval.tasks import TaskConfig, generate
+
+    cfg = TaskConfig() if copy_chars is None else TaskConfig(copy_chars=copy_chars)
+    for task in tasks.split(","):
+        for n in sorted(set(lengths)):
+            try:
+                generate(task, n, seed=0, config=cfg)
+            except ValueError as e:
+                raise StageError(f"{where}: {e}") from None
+
+
 def _unknown(where: str, d: dict, allowed: set) -> None:
     extra = sorted(set(d) - allowed)
     if extra:
@@ -147,6 +162,7 @@ def parse_stages(spec) -> list[dict]:
                    "docs": _number(mw, m, "docs", int, 1), "seed": _number(mw, m, "seed", int, 0)}
             if "copy_chars" in m:
                 mix["copy_chars"] = _number(mw, m, "copy_chars", int, 1)
+            _check_samples(mw, tasks, lengths, mix.get("copy_chars"))
             out["mixes"].append(mix)
         probe = st.get("probe")
         if probe is not None:
@@ -154,7 +170,9 @@ def parse_stages(spec) -> list[dict]:
             if not isinstance(probe, dict):
                 raise StageError(f"{pw}: must be an object")
             _unknown(pw, probe, PROBE_KEYS)
-            out["probe"] = {"tasks": _tasks(pw, probe), "lengths": ",".join(map(str, _lengths(pw, probe.get("lengths")))),
+            tasks, lengths = _tasks(pw, probe), _lengths(pw, probe.get("lengths"))
+            _check_samples(pw, tasks, lengths)
+            out["probe"] = {"tasks": tasks, "lengths": ",".join(map(str, lengths)),
                             "samples": _number(pw, probe, "samples", int, 1),
                             "seed": _number(pw, probe, "seed", int, 0)}
         stages.append(out)

@@ -64,6 +64,9 @@ def test_defaults_and_normalised_fields():
     (lambda s: s["mixes"][0].update(docs=0), "docs must be an integer >= 1"),
     (lambda s: s["mixes"][0].update(filler=0.1), "unknown key.*filler"),
     (lambda s: s.update(probe={"tasks": "recite", "lengths": "512", "samples": 0, "seed": 1}), "samples must be"),
+    (lambda s: s["mixes"][0].update(tasks="recite,niah_singel"), "mix 0: task must be one of .*niah_singel"),
+    (lambda s: s.update(probe={"tasks": "niah_single", "lengths": "256", "samples": 5, "seed": 1}),
+     "probe: length 256 is too small for task niah_single"),
 ])
 def test_bad_stages_are_named_in_the_error(edit, message):
     st = copy.deepcopy(STAGE)
