@@ -379,8 +379,10 @@ def main(argv=None) -> int:
               f"{rep['samples']} samples in {rep['eval_seconds']:.1f} s on {args.threads} threads")
         if rep["token_accuracy"] is not None:
             print(f"answer tokens right given the gold prefix (teacher forcing): {rep['token_accuracy']:.3f}")
-        if rep["digit_accuracy"] is not None:
-            print(f"of which the value digits (chance 0.1): {rep['digit_accuracy']:.3f}")
+        digits = format_table(accuracy_table(results), "digit_accuracy")
+        if "\n" in digits:
+            print("\nvalue digits right given the gold prefix (teacher forcing, chance 0.1):")
+            print(digits)
     return 0
 
 

@@ -130,14 +130,18 @@ def mean_accuracy(table: dict, lengths: Iterable[int] | None = None,
     return sum(cells) / len(cells)
 
 
-def format_table(table: dict) -> str:
-    """Plain-text table: one row per task, one column per length, plus the mean."""
+def format_table(table: dict, key: str = "accuracy") -> str:
+    """Plain-text table of one cell metric (``accuracy``, or e.g. ``digit_accuracy``):
+    one row per task that has it, one column per length, plus the row's mean."""
     lengths = sorted({n for row in table.values() for n in row})
     head = ["task"] + [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths] + ["mean"]
     rows = [head]
     for t, row in table.items():
-        cells = [f"{row[n]['accuracy']:.3f}" if n in row else "-" for n in lengths]
-        rows.append([t] + cells + [f"{mean_accuracy({t: row}):.3f}"])
+        vals = {n: c[key] for n, c in row.items() if key in c}
+        if not vals:
+            continue
+        cells = [f"{vals[n]:.3f}" if n in vals else "-" for n in lengths]
+        rows.append([t] + cells + [f"{sum(vals.values()) / len(vals):.3f}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))) for r in rows)

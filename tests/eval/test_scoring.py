@@ -163,6 +163,9 @@ def test_digit_accuracy_is_none_for_answers_without_digits(samples):
     assert table["niah_single"][needle.length]["digit_accuracy"] == 1.0
     assert "digit_accuracy" not in table["freq_words"][words.length]
     assert mean_token_accuracy(table, "digit_accuracy") is None  # not every cell has one
+    shown = format_table(table, "digit_accuracy").splitlines()
+    assert len(shown) == 2 and shown[1].split()[0] == "niah_single" and shown[1].split()[-1] == "1.000"
+    assert [r.split()[0] for r in format_table(table).splitlines()[1:]] == ["niah_single", "freq_words"]
 
 
 def test_uninformed_model_is_not_rewarded_by_ties(samples):
