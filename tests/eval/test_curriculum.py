@@ -36,11 +36,10 @@ def test_shipped_stage_files_parse_and_chain_from_short_to_long():
         stages = cur.load_stages(os.path.join(HERE, name))
         assert len(stages) >= 2 and all(s["loss"] == "answer" for s in stages)
     lineage = cur.load_stages(os.path.join(HERE, "stages.json"))
-    # The measured lineage: copying (repeat) first, recite (retrieval) last, LR never rising after C.
+    # The measured lineage: copying (repeat) first, recite (retrieval) last, every stage probed.
     assert lineage[0]["mixes"][0]["tasks"] == "repeat"
     assert "recite" in lineage[-1]["mixes"][0]["tasks"]
-    lrs = [s["lr"] for s in lineage]
-    assert lrs[2:] == sorted(lrs[2:], reverse=True)
+    assert all("probe" in s for s in lineage)
 
 
 def test_defaults_and_normalised_fields():
