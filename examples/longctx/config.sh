@@ -62,7 +62,7 @@ ARMS=${ARMS:-"dense megatron sparsebalance"}
 # weights). Every arm and seed then starts from the last stage's weights (--finetune:
 # fresh optimizer and iteration count) and trains at long context under the equal
 # budget BUDGET_S. The default stage file is the lineage measured in README.md
-# (rounds 2-4): short-document copying first, then needles, then longer documents.
+# (rounds 2-5): short-document copying first, then needles, then longer documents.
 # CURRICULUM=none skips stage 0: the arms train from scratch.
 CURRICULUM=${CURRICULUM:-$SB_ROOT/examples/longctx/stages.json}
 CURRICULUM_DATA_DIR=${CURRICULUM_DATA_DIR:-$DATA_DIR/curriculum}
