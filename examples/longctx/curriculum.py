@@ -50,6 +50,8 @@ PROG = "curriculum.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
+from megatron.training.arguments import usage_error  # noqa: E402  (one error line, exit code)
+
 # A stage cut short by less than this (or half its budget) is done: a launch costs
 # ~30 s of start-up.
 SLACK_S = 60.0
@@ -64,8 +66,7 @@ class StageError(ValueError):
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    sys.stderr.write(f"{PROG}: error: {message}\n")
-    raise SystemExit(code)
+    usage_error(message, prog=PROG, code=code)
 
 
 class _Parser(argparse.ArgumentParser):
