@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-samples", type=int, default=20, help="samples per (task, length); 0: none")
     p.add_argument("--copy-chars", type=int, default=TaskConfig.copy_chars,
                    help="length of the copy task's code (training-only task)")
+    p.add_argument("--value-digits", type=int, default=TaskConfig.value_digits,
+                   help="digits of a needle's value (RULER's 7; longer values in a training mix "
+                        "make copying them by position offset fail, so it has to match on content)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
     if args.num_train_docs and not os.path.isfile(lengths_file):
         fail(f"--lengths: {lengths_file} not found")
     try:
-        tcfg = TaskConfig(copy_chars=args.copy_chars)
+        tcfg = TaskConfig(copy_chars=args.copy_chars, value_digits=args.value_digits)
         mix = MixConfig(num_docs=max(args.num_train_docs, 1), lengths=args.train_lengths,
                         tasks=args.train_tasks, filler_share=args.filler_share,
                         lengths_file=lengths_file, filler_quantile=args.filler_quantile,

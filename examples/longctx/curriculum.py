@@ -29,7 +29,9 @@ Stage file::
        "probe": {"tasks": "repeat", "lengths": "512,1024", "samples": 20, "seed": 78},
        "note": "what this stage is for"}, ...]}
 
-``loss`` ("answer", the default, or "all") picks answer-only or plain LM loss. A mix's
+``loss`` ("answer", the default, or "all") picks answer-only or plain LM loss. A mix may
+set ``copy_chars`` and ``value_digits`` (a needle value's digits, 7 by default), the task
+generator knobs of tools/make_longctx_data.py. A mix's
 ``lengths`` (a comma list or a JSON list) is cycled over its documents: repeat a length
 to weight it.
 """
@@ -57,7 +59,9 @@ from megatron.training.arguments import usage_error  # noqa: E402  (one error li
 SLACK_S = 60.0
 
 STAGE_KEYS = {"name", "lr", "budget_s", "seq_length", "global_batch", "mixes", "probe", "loss", "note"}
-MIX_KEYS = {"tasks", "lengths", "docs", "seed", "copy_chars"}
+MIX_KEYS = {"tasks", "lengths", "docs", "seed", "copy_chars", "value_digits"}
+TASK_KNOBS = ("copy_chars", "value_digits")
+"""Optional mix keys passed to tools/make_longctx_data.py as ``--copy-chars`` / ``--value-digits``."""
 PROBE_KEYS = {"tasks", "lengths", "samples", "seed"}
 
 
@@ -101,12 +105,12 @@ def _tasks(where: str, d: dict) -> str:
     return d["tasks"]
 
 
-def _check_samples(where: str, tasks: str, lengths: list[int], copy_chars: int | None = None) -> None:
+def _check_samples(where: str, tasks: str, lengths: list[int], knobs: dict | None = None) -> None:
     """Every (task, length) of a mix or probe can be generated: a typo or a length too
     short for a task fails here, not hours later when the stage's turn comes."""
     from sparsebalance.eval.tasks import TaskConfig, generate
 
-    cfg = TaskConfig() if copy_chars is None else TaskConfig(copy_chars=copy_chars)
+    cfg = TaskConfig(**(knobs or {}))
     for task in tasks.split(","):
         for n in sorted(set(lengths)):
             try:
@@ -161,9 +165,10 @@ def parse_stages(spec) -> list[dict]:
                 raise StageError(f"{mw}: documents of {max(lengths)} tokens do not fit seq_length {out['seq_length']}")
             mix = {"tasks": tasks, "lengths": ",".join(map(str, lengths)),
                    "docs": _number(mw, m, "docs", int, 1), "seed": _number(mw, m, "seed", int, 0)}
-            if "copy_chars" in m:
-                mix["copy_chars"] = _number(mw, m, "copy_chars", int, 1)
-            _check_samples(mw, tasks, lengths, mix.get("copy_chars"))
+            for knob in TASK_KNOBS:
+                if knob in m:
+                    mix[knob] = _number(mw, m, knob, int, 1)
+            _check_samples(mw, tasks, lengths, {k: mix[k] for k in TASK_KNOBS if k in mix})
             out["mixes"].append(mix)
         probe = st.get("probe")
         if probe is not None:
@@ -227,8 +232,9 @@ def build_data(stage: dict, data_dir: str, python: str) -> str:
                "--num-train-docs", str(mix["docs"]), "--train-tasks", mix["tasks"],
                "--train-lengths", mix["lengths"], "--max-tokens", str(stage["seq_length"]),
                "--filler-share", "0", "--eval-samples", "0", "--seed", str(mix["seed"])]
-        if "copy_chars" in mix:
-            cmd += ["--copy-chars", str(mix["copy_chars"])]
+        for knob in TASK_KNOBS:
+            if knob in mix:
+                cmd += ["--" + knob.replace("_", "-"), str(mix[knob])]
         _run(cmd, f"building the data of stage {stage['name']} (mix {j})")
         with open(os.path.join(out, "train.jsonl")) as f:
             lines += f.readlines()

@@ -63,6 +63,7 @@ def test_defaults_and_normalised_fields():
     (lambda s: s["mixes"][0].update(lengths="2048"), "2048 tokens do not fit seq_length 1024"),
     (lambda s: s["mixes"][0].update(docs=0), "docs must be an integer >= 1"),
     (lambda s: s["mixes"][0].update(filler=0.1), "unknown key.*filler"),
+    (lambda s: s["mixes"][1].update(value_digits=0), "value_digits must be an integer >= 1"),
     (lambda s: s.update(probe={"tasks": "recite", "lengths": "512", "samples": 0, "seed": 1}), "samples must be"),
     (lambda s: s["mixes"][0].update(tasks="recite,niah_singel"), "mix 0: task must be one of .*niah_singel"),
     (lambda s: s.update(probe={"tasks": "niah_single", "lengths": "256", "samples": 5, "seed": 1}),
@@ -133,3 +134,15 @@ def test_stage_data_holds_every_mix_shuffled_with_loss_starts(tmp_path):
     mtime = os.path.getmtime(prefix + ".idx")
     assert cur.build_data(st, str(tmp_path), sys.executable) == prefix
     assert os.path.getmtime(prefix + ".idx") == mtime
+
+
+def test_task_knobs_of_a_mix_reach_its_documents(tmp_path):
+    st = dict(STAGE, mixes=[{"tasks": "niah_single", "lengths": "512", "docs": 6, "seed": 7, "value_digits": 20},
+                            {"tasks": "niah_single", "lengths": "512", "docs": 6, "seed": 8}])
+    (st,) = cur.parse_stages({"stages": [st]})
+    assert st["mixes"][0]["value_digits"] == 20 and "value_digits" not in st["mixes"][1]
+    cur.build_data(st, str(tmp_path), sys.executable)
+    docs = [json.loads(x) for x in (tmp_path / "s1" / "train.jsonl").open()]
+    answers = collections.Counter(len(d["text"][d["loss_start"]:].strip()) for d in docs)
+    assert answers == {20: 6, 7: 6}  # RULER's 7 digits unless the mix says otherwise
+    assert all(d["text"][d["loss_start"]:].strip().isdigit() for d in docs)
