@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     p.add_argument("--output", default=None, help="also write the JSON report here (atomically)")
+    p.add_argument("--per-position", action="store_true",
+                   help="also print, per task and length, the accuracy of each answer token given "
+                        "the gold prefix (greedy mode; in the JSON report always)")
     p.add_argument("--quiet", action="store_true", help="no per-sample progress on stderr")
     return p
 
@@ -316,6 +319,8 @@ def main(argv=None) -> int:
         fail("--sb-topk/--sb-block-size/--sb-attention-backend need --sparse-attention")
     if args.threads is not None and args.threads < 1:
         fail("--threads must be >= 1")
+    if args.per_position and args.mode != "greedy":
+        fail("--per-position needs --mode greedy (answer tokens scored under teacher forcing)")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         fail("--max-new-tokens must be >= 1")
     if args.mode == "loglik" and not all(s.distractors for s in samples):
@@ -383,6 +388,12 @@ def main(argv=None) -> int:
         if "\n" in digits:
             print("\nvalue digits right given the gold prefix (teacher forcing, chance 0.1):")
             print(digits)
+        if args.per_position:
+            print("\nper answer token, right given the gold prefix (the terminator last):")
+            for task, row in rep["accuracy"].items():
+                for n, c in row.items():
+                    if "position_accuracy" in c:
+                        print(f"{task:<18} {n:>6}  " + " ".join(f"{a:.2f}" for a in c["position_accuracy"]))
     return 0
 
 

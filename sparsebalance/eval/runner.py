@@ -55,7 +55,8 @@ def score_greedy(sample: Sample, logits_fn: LogitsFn, tok: Tokenizer) -> Result:
     digits = torch.tensor([tok.decode([t]).strip().isdigit() for t in target.tolist()])
     return Result(sample.task, sample.length, ok, tok.decode(shown.tolist()),
                   token_accuracy=float(hit.float().mean()),
-                  digit_accuracy=float(hit[digits].float().mean()) if digits.any() else None)
+                  digit_accuracy=float(hit[digits].float().mean()) if digits.any() else None,
+                  answer_hits=tuple(bool(h) for h in hit))
 
 
 def score_generate(sample: Sample, logits_fn: LogitsFn, tok: Tokenizer,

@@ -81,12 +81,18 @@ class Result:
     """Greedy mode: the same over the answer tokens that are digits only, i.e. the
     retrieved values themselves (chance 0.1), without the easy separators and
     terminator. None in the other modes and for answers without digits."""
+    answer_hits: tuple[bool, ...] | None = None
+    """Greedy mode: per answer token (the terminator last), whether its argmax given the
+    gold prefix is right. Where a model goes wrong inside an answer: e.g. a needle's
+    first digit right and the next ones not says the needle was found and its value
+    copied by position rather than by content. None in the other modes."""
 
 
 def accuracy_table(results: Iterable[Result]) -> dict[str, dict[int, dict[str, float]]]:
     """``{task: {length: {"accuracy", "correct", "n"}}}`` over the results, plus
     ``"token_accuracy"`` and ``"digit_accuracy"`` (means) in cells whose results all
-    carry one."""
+    carry one, and ``"position_accuracy"`` (per answer position, the mean of
+    ``answer_hits``) in cells whose results all carry hits of one length."""
     cells: dict[str, dict[int, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for r in results:
         cells[r.task][r.length].append(r)
@@ -98,6 +104,9 @@ def accuracy_table(results: Iterable[Result]) -> dict[str, dict[int, dict[str, f
             vals = [getattr(r, key) for r in rs]
             if None not in vals:
                 out[key] = sum(vals) / len(vals)
+        hits = [r.answer_hits for r in rs]
+        if None not in hits and len({len(h) for h in hits}) == 1:
+            out["position_accuracy"] = [sum(col) / len(col) for col in zip(*hits)]
         return out
 
     order = {t: i for i, t in enumerate(TASKS)}

@@ -48,6 +48,7 @@ def test_make_longctx_data_tiny_run(tmp_path):
     (["--train-lengths", "9000", "--max-tokens", "4096"], "lengths"),
     (["--eval-tasks", "nope"], "unknown task"),
     (["--train-lengths", "1k"], "integers"),
+    (["--value-digits", "0"], "value_digits must be >= 1"),
     (["--filler-share", "2"], "filler_share"),
     (["--lengths", "/nonexistent/x.json"], "not found"),
     (["--bogus"], "unrecognized"),
@@ -66,6 +67,7 @@ def test_make_longctx_data_bad_input(tmp_path, argv, needle):
     (["--load", "{tmp}", "--lengths", "100"], "length"),
     (["--load", "{tmp}", "--sb-topk", "4"], "--sparse-attention"),
     (["--load", "{tmp}", "--mode", "beam"], "invalid choice"),
+    (["--load", "{tmp}", "--mode", "loglik", "--per-position"], "--per-position needs --mode greedy"),
     (["--lengths", "1024"], "--load"),
 ])
 def test_eval_longctx_bad_input(tmp_path, argv, needle):

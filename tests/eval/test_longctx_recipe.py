@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import numpy as np
 
@@ -76,7 +77,19 @@ def test_recipe_with_curriculum_end_to_end(tmp_path):
         probe = json.loads((cur / name / "probe.json").read_text())
         cell = probe["accuracy"][task]["512"]
         assert cell["n"] == 1 and 0.0 <= cell["digit_accuracy"] <= 1.0, cell
+        assert all(0.0 <= a <= 1.0 for a in cell["position_accuracy"]) and len(cell["position_accuracy"]) > 1
     assert "copy" in p.stdout and "needles" in p.stdout and "recite@512: exact" in p.stdout
+    # Where inside the answers the last stage goes wrong: one row per cell, one number per
+    # answer token (a needle's 7 digits and the terminator).
+    ev = subprocess.run([sys.executable, "tools/eval_longctx.py", "--load",
+                         str(cur / "needles" / "ckpt"), "--train-args", (cur / "needles" / "model_flags.txt").read_text(),
+                         "--tasks", "niah_single", "--lengths", "512",
+                         "--num-samples", "2", "--seed", "86", "--per-position", "--quiet"],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    rows = ev.stdout.split("(the terminator last):\n", 1)[1].splitlines()
+    assert len(rows) == 1 and rows[0].split()[:2] == ["niah_single", "512"], ev.stdout
+    assert len(rows[0].split()) == 2 + 8 and all(float(a) in (0.0, 0.5, 1.0) for a in rows[0].split()[2:])
 
     out = json.loads(result.read_text())
     dense = out["arms"]["dense"]

@@ -142,6 +142,10 @@ def test_greedy_token_accuracy_counts_answer_tokens_right_given_the_gold_prefix(
     n_digits = sum(c.isdigit() for c in s.answer)
     assert n_digits == 7 and s.answer[:3].isdigit()  # the value: 3 digits right, the terminator not counted
     assert res.digit_accuracy == pytest.approx(3 / n_digits)
+    assert res.answer_hits == (True,) * 3 + (False,) * (len(target) - 4) + (True,)
+    other = evaluate([s], MemorisingLM([s.text]), TOK, "greedy")[0]
+    pos = accuracy_table([res, other])[s.task][s.length]["position_accuracy"]
+    assert pos == [1.0] * 3 + [0.5] * (len(target) - 4) + [1.0]
     assert evaluate([s], MemorisingLM([s.text]), TOK, "greedy")[0].token_accuracy == 1.0
     assert evaluate([s], MemorisingLM([s.text]), TOK, "loglik")[0].token_accuracy is None
     table = accuracy_table([res, Result(s.task, s.length, True, token_accuracy=1.0)])
@@ -149,7 +153,7 @@ def test_greedy_token_accuracy_counts_answer_tokens_right_given_the_gold_prefix(
     assert cell["accuracy"] == 0.5 and cell["token_accuracy"] == pytest.approx((4 / len(target) + 1) / 2)
     assert mean_token_accuracy(table) == pytest.approx(cell["token_accuracy"])
     assert mean_token_accuracy(accuracy_table([Result(s.task, s.length, True)])) is None
-    assert "digit_accuracy" not in cell  # the second result carries none
+    assert "digit_accuracy" not in cell and "position_accuracy" not in cell  # the second result carries none
 
 
 def test_digit_accuracy_is_none_for_answers_without_digits(samples):
