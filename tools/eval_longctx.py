@@ -217,6 +217,31 @@ def load_eval_model(root: str, train_flags, **attention) -> EvalModel:
     return model
 
 
+def open_eval_model(root: str, train_flags, threads, fail_fn, **attention):
+    """``load_eval_model`` for a command line: quiet imports, ``threads`` torch threads
+    (default: OMP_NUM_THREADS, else torch's), load errors to ``fail_fn(message, code)``.
+
+    Returns ``(model, threads)``.
+    """
+    import warnings
+
+    import torch
+
+    from megatron.training import quiet_optional_extras
+
+    quiet_optional_extras()
+    # torch.distributed.checkpoint's deprecation notices while megatron reads the
+    # checkpoint are not actionable here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
+    threads = threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return load_eval_model(root, train_flags, **attention), threads
+    except EvalModelError as e:
+        fail_fn(str(e), e.code)
+
+
 # --- command line ---------------------------------------------------------------------
 
 
@@ -328,29 +353,13 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.load):
         fail(f"--load: {args.load} is not a directory")
 
-    import warnings
-
-    import torch
-
-    from megatron.training import quiet_optional_extras
-
-    quiet_optional_extras()
-    # torch.distributed.checkpoint's deprecation notices while megatron reads the
-    # checkpoint are not actionable here.
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
-
+    model, args.threads = open_eval_model(args.load, args.train_args, args.threads, fail,
+                                          sparse=args.sparse_attention, sb_topk=args.sb_topk,
+                                          sb_block_size=args.sb_block_size, backend=args.sb_attention_backend)
     from sparsebalance.eval.runner import evaluate
     from sparsebalance.eval.scoring import chance_level, format_table
     from sparsebalance.eval.tokenizer import get_tokenizer
 
-    args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        model = load_eval_model(args.load, args.train_args, sparse=args.sparse_attention, sb_topk=args.sb_topk,
-                                sb_block_size=args.sb_block_size, backend=args.sb_attention_backend)
-    except EvalModelError as e:
-        fail(str(e), code=e.code)
     too_long = [s.length for s in samples if s.length > model.max_positions]
     if too_long:
         fail(f"samples of {max(too_long)} tokens exceed the model's max positions {model.max_positions}")
