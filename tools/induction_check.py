@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--smeared-keys", action="store_true",
+                   help="keys also carry the previous token's key (pretrain_gpt.py --smeared-keys)")
     p.add_argument("--span", type=int, default=24, help="characters to copy")
     p.add_argument("--max-gap", type=int, default=150,
                    help="longest filler before the span and between the copies (drawn uniformly from 0..N)")
@@ -104,8 +106,9 @@ def make_sampler(span: int, max_gap: int, seed: int):
     return sample
 
 
-def reference_gpt(layers: int, hidden: int, heads: int, vocab: int = 256):
-    """A minimal pre-LN GPT with RoPE: ``model([T_i] tensors) -> [T_i, vocab] logits``."""
+def reference_gpt(layers: int, hidden: int, heads: int, vocab: int = 256, smeared_keys: bool = False):
+    """A minimal pre-LN GPT with RoPE: ``model([T_i] tensors) -> [T_i, vocab] logits``;
+    ``smeared_keys`` mixes each rotated key with the one before it as the driver does."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -126,11 +129,16 @@ def reference_gpt(layers: int, hidden: int, heads: int, vocab: int = 256):
             self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
             self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
             self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+            self.key_smear = nn.Parameter(torch.zeros(heads)) if smeared_keys else None
 
         def forward(self, x):  # [1, T, hidden]
             T = x.shape[1]
             q, k, v = self.qkv(self.ln1(x)).view(1, T, 3, heads, dh).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+            k = rope(k)
+            if self.key_smear is not None:  # the first token has nothing before it
+                prev = torch.cat([k[:, :, :1], k[:, :, :-1]], dim=2)
+                k = k + self.key_smear.view(1, heads, 1, 1) * (prev - k)
+            a = F.scaled_dot_product_attention(rope(q), k, v, is_causal=True)
             x = x + self.proj(a.transpose(1, 2).reshape(1, T, hidden))
             return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -168,7 +176,8 @@ def megatron_gpt(a):
     args = build_parser().parse_args([
         "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
         "--num-attention-heads", str(a.num_attention_heads), "--seq-length", "1024",
-        "--max-position-embeddings", str(2 * a.max_gap + 2 * a.span), "--cpu", "--seed", str(a.seed)])
+        "--max-position-embeddings", str(2 * a.max_gap + 2 * a.span), "--cpu", "--seed", str(a.seed)]
+        + (["--smeared-keys"] if a.smeared_keys else []))
     args.ffn_hidden_size = 4 * a.hidden_size
     args.virtual_pipeline_model_parallel_size = None
     initialize(args)
@@ -188,7 +197,7 @@ def main(argv=None) -> None:
     if a.model == "megatron":
         model, forward, close = megatron_gpt(a)
     else:
-        model = reference_gpt(a.num_layers, a.hidden_size, a.num_attention_heads)
+        model = reference_gpt(a.num_layers, a.hidden_size, a.num_attention_heads, smeared_keys=a.smeared_keys)
         forward = model
     try:
         model.train()
@@ -227,7 +236,7 @@ def main(argv=None) -> None:
     mean_len = a.max_gap + 2 * a.span  # two uniform 0..max_gap fillers and two copies
     text = json.dumps({
         "model": a.model, "num_layers": a.num_layers, "hidden_size": a.hidden_size,
-        "num_attention_heads": a.num_attention_heads, "span": a.span, "max_gap": a.max_gap,
+        "num_attention_heads": a.num_attention_heads, "smeared_keys": a.smeared_keys, "span": a.span, "max_gap": a.max_gap,
         "mean_tokens": mean_len, "lr": a.lr, "batch": a.batch, "seed": a.seed, "threads": a.threads,
         "steps": a.steps, "final_copy_acc": round(sum(last) / len(last), 4),
         "steps_to": {"0.5": first(0.5), "0.9": first(0.9)}, "curve": curve}, indent=1)

@@ -3,11 +3,12 @@
 Runs held-out ``niah_single`` samples under teacher forcing (as
 ``tools/eval_longctx.py`` scores them, dense attention), records the query and key
 tensors that reach every layer's core attention (forward pre-hooks; the keys are
-rotated already) and, for the queries that predict the answer's digits, reports per
-layer and head: the attention mass on the needle's value, how often the strongest
-key is the digit to write (offset 0: copying by content), the offsets it reads at
-instead, and the digit accuracy when the head reads at its usual offset and when it
-slips (``sparsebalance/eval/attention_probe.py`` says what each number is).
+rotated already, and smeared here as the module does with ``--smeared-keys``) and,
+for the queries that predict the answer's digits, reports per layer and head: the
+attention mass on the needle's value, how often the strongest key is the digit to
+write (offset 0: copying by content), the offsets it reads at instead, and the digit
+accuracy when the head reads at its usual offset and when it slips
+(``sparsebalance/eval/attention_probe.py`` says what each number is).
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/needle_attention.py --load RUN/ckpt \\
         --train-args "$(cat RUN/model_flags.txt)" --lengths 1024,4096 --num-samples 20 --seed 86
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
     import torch
 
     from eval_longctx import open_eval_model
+    from sparsebalance.attention.dense import smear_keys
     from sparsebalance.eval.attention_probe import NeedleAttention, attention_rows, needle_value_start
     from sparsebalance.eval.tasks import ANSWER_END
     from sparsebalance.eval.tokenizer import get_tokenizer
@@ -125,7 +127,10 @@ def main(argv=None) -> int:
         core = layer.self_attention.core_attention
 
         def grab(module, a, kw, number=layer.layer_number):
-            seen[number] = (a[0].detach(), a[1].detach(), module.softmax_scale)
+            k = a[1].detach()
+            if getattr(module, "key_smear", None) is not None:  # --smeared-keys: the keys it attends with
+                k = smear_keys(k, torch.tensor([0, k.shape[0]]), module.key_smear.detach())
+            seen[number] = (a[0].detach(), k, module.softmax_scale)
 
         hooks.append(core.register_forward_pre_hook(grab, with_kwargs=True))
 

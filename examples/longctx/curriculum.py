@@ -29,7 +29,9 @@ Stage file::
        "probe": {"tasks": "repeat", "lengths": "512,1024", "samples": 20, "seed": 78},
        "note": "what this stage is for"}, ...]}
 
-``loss`` ("answer", the default, or "all") picks answer-only or plain LM loss. A mix may
+``loss`` ("answer", the default, or "all") picks answer-only or plain LM loss;
+``smeared_keys: true`` trains with ``--smeared-keys`` from that stage on (weights
+trained without them load with them at 0; later stages must keep them). A mix may
 set ``copy_chars`` and ``value_digits`` (a needle value's digits, 7 by default), the task
 generator knobs of tools/make_longctx_data.py. A mix's
 ``lengths`` (a comma list or a JSON list) is cycled over its documents: repeat a length
@@ -58,7 +60,8 @@ from megatron.training.arguments import usage_error  # noqa: E402  (one error li
 # ~30 s of start-up.
 SLACK_S = 60.0
 
-STAGE_KEYS = {"name", "lr", "budget_s", "seq_length", "global_batch", "mixes", "probe", "loss", "note"}
+STAGE_KEYS = {"name", "lr", "budget_s", "seq_length", "global_batch", "mixes", "probe", "loss", "note",
+              "smeared_keys"}
 MIX_KEYS = {"tasks", "lengths", "docs", "seed", "copy_chars", "value_digits"}
 TASK_KNOBS = ("copy_chars", "value_digits")
 """Optional mix keys passed to tools/make_longctx_data.py as ``--copy-chars`` / ``--value-digits``."""
@@ -147,9 +150,15 @@ def parse_stages(spec) -> list[dict]:
                "budget_s": _number(where, st, "budget_s", float, 1),
                "seq_length": _number(where, st, "seq_length", int, 16),
                "global_batch": _number(where, st, "global_batch", int, 2),  # PP=2 needs >= 2
-               "loss": st.get("loss", "answer"), "note": st.get("note", "")}
+               "loss": st.get("loss", "answer"), "note": st.get("note", ""),
+               "smeared_keys": st.get("smeared_keys", False)}
         if out["loss"] not in ("answer", "all"):
             raise StageError(f"{where}: loss must be 'answer' or 'all', got {out['loss']!r}")
+        if not isinstance(out["smeared_keys"], bool):
+            raise StageError(f"{where}: smeared_keys must be true or false")
+        if stages and stages[-1]["smeared_keys"] and not out["smeared_keys"]:
+            raise StageError(f"{where}: the model has smeared keys from stage {stages[-1]['name']!r} on; "
+                             f"a later stage cannot drop them (set smeared_keys: true)")
         mixes = st.get("mixes")
         if not isinstance(mixes, list) or not mixes:
             raise StageError(f"{where}: mixes must be a non-empty list")
@@ -264,7 +273,8 @@ def train(stage: dict, prev_run: str | None, run: str, data_prefix: str, budget_
     env = dict(os.environ, STAGE_DIR=run, STAGE_DATA=data_prefix, STAGE_INIT=prev_run or "",
                STAGE_BUDGET_S=str(int(round(budget_s))), STAGE_GLOBAL_BATCH=str(stage["global_batch"]),
                LR=repr(stage["lr"]), SEQ_LENGTH=str(stage["seq_length"]),
-               ANSWER_ONLY_LOSS="1" if stage["loss"] == "answer" else "0")
+               ANSWER_ONLY_LOSS="1" if stage["loss"] == "answer" else "0",
+               SMEARED_KEYS="1" if stage["smeared_keys"] else "0")
     p = subprocess.run(["bash", os.path.join(HERE, "train_arm.sh"), "stage"], env=env)
     if p.returncode != 0:
         fail(f"training stage {stage['name']} failed; see {run}/train.log", code=1)

@@ -94,6 +94,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "the rest carry content only")
     g.add_argument("--rotary-base", type=pos(int), default=10000, help="RoPE base (theta)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--smeared-keys", action="store_true",
+                   help="each attention key also carries the previous token's key, mixed in by a "
+                        "learned weight per key head that starts at 0 (Olsson et al. 2022's smeared "
+                        "keys: content-based copying forms in one layer); checkpoints without it load")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama/Qwen style)")
     g.add_argument("--vocab-size", type=pos(int), default=None,
                    help="vocabulary size (default: from the tokenizer)")

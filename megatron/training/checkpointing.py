@@ -163,10 +163,40 @@ def load_weights(root: str, model) -> int:
     path = iter_dir(root, iteration)
     state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
     try:
+        fresh = _drop_new_key_smear(state, path)
         loaded = dist_checkpointing.load(state, path)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--load: checkpoint {path} does not match this model: {first[:300]}") from None
     for i, chunk in enumerate(model):
-        chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
+        missing, unexpected = chunk.module.load_state_dict(loaded[f"model{i}"], strict=False)
+        if unexpected or set(missing) - fresh.get(f"model{i}", set()):
+            raise ValueError(f"--load: checkpoint {path} does not match this model: missing "
+                             f"{sorted(set(missing) - fresh.get(f'model{i}', set()))[:3]}, unexpected {unexpected[:3]}")
+    if fresh:
+        print(f"--load: {path} has no smeared-key weights; --smeared-keys starts them at 0 (plain keys)",
+              flush=True)
     return iteration
+
+
+def _drop_new_key_smear(state: dict, path: str) -> dict:
+    """Take ``--smeared-keys`` weights the checkpoint lacks out of ``state`` (in place).
+
+    A model trained without ``--smeared-keys`` is the smeared one with its weights at 0,
+    their initial value, so it can be fine-tuned with them. Returns the local names
+    left out, per ``modelN`` entry.
+    """
+    from megatron.core import dist_checkpointing
+
+    stored = set(dist_checkpointing.load_tensors_metadata(path))
+    wanted = {getattr(t, "key", None) for sd in state.values() for t in sd.values()}
+    if any(k.endswith("core_attention.key_smear") and not k.startswith("optimizer.") and k not in wanted
+           for k in stored):
+        raise ValueError("it was trained with --smeared-keys; pass --smeared-keys")
+    fresh: dict = {}
+    for entry, sd in state.items():
+        for name in [n for n, t in sd.items()
+                     if n.endswith("core_attention.key_smear") and getattr(t, "key", None) not in stored]:
+            del sd[name]
+            fresh.setdefault(entry, set()).add(name)
+    return fresh

@@ -32,10 +32,12 @@ def layer_spec(args):
             backend=args.sb_attention_backend,
             dense_layers=tuple(args.sb_dense_layers),
             normalization=args.normalization,
+            smeared_keys=args.smeared_keys,
         )
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
-    return get_gpt_layer_dense_spec(normalization=args.normalization)
+    params = {"smeared_keys": True} if args.smeared_keys else None
+    return get_gpt_layer_dense_spec(normalization=args.normalization, core_attention_params=params)
 
 
 def transformer_config(args, use_cpu: bool):

@@ -11,6 +11,14 @@ both layouts megatron hands to ``core_attention``:
 * SBHD: ``query [S, B, H, D]``, ``key/value [S, B, Hkv, D]``; causal over S.
   Returns ``[S, B, H * D]``.
 
+With ``smeared_keys=True`` (``--smeared-keys``) each key head also carries the key
+of the token before it, ``k'_t = k_t + b_h (k_{t-1} - k_t)`` within a document, with
+one learned ``b_h`` per key head starting at 0 (the plain model, so weights trained
+without it load unchanged). A query can then match "the token after an occurrence of
+mine" in one attention layer, which is how content-based copying (an induction head)
+works: the smeared keys of Olsson et al., *In-context Learning and Induction Heads*
+(2022). It sits before the kernel, so every attention backend sees the same keys.
+
 Attention runs per document through ``torch.nn.functional.scaled_dot_product_attention``
 (whose CPU kernel is torch's optimised flash path), so its speed is the honest
 "dense" baseline for the sparse kernels.
@@ -67,6 +75,22 @@ def causal_varlen_attention(
     return out
 
 
+def smear_keys(k: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``k_t + weight_h * (k_{t-1} - k_t)`` per document (a document's first key unchanged).
+
+    Args:
+        k: ``[T, Hkv, D]`` keys of packed documents.
+        cu_seqlens: int ``[n_docs + 1]`` document boundaries (0 .. T).
+        weight: ``[Hkv]`` smearing weight per key head.
+    """
+    if weight.shape != (k.shape[1],):
+        raise ValueError(f"weight must have one entry per key head ({k.shape[1]}), got {tuple(weight.shape)}")
+    prev = torch.roll(k, 1, dims=0)
+    starts = cu_seqlens[:-1].long().to(k.device)
+    prev[starts[starts < k.shape[0]]] = k[starts[starts < k.shape[0]]]  # nothing before a document's first token
+    return k + weight.to(k.dtype).view(1, -1, 1) * (prev - k)
+
+
 class CausalVarlenAttention(MegatronModule):
     """Dense causal attention with megatron-core's ``DotProductAttention`` signature."""
 
@@ -80,6 +104,8 @@ class CausalVarlenAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        *,
+        smeared_keys: bool = False,
     ):
         super().__init__(config=config)
         name = type(self).__name__
@@ -89,6 +115,30 @@ class CausalVarlenAttention(MegatronModule):
             raise ValueError(f"attn_mask_type must be causal for {name}, got {attn_mask_type}")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
+        self.key_smear = None
+        if smeared_keys:
+            groups = config.num_query_groups or config.num_attention_heads
+            if groups % config.tensor_model_parallel_size:
+                raise ValueError(f"smeared keys: {groups} key heads do not split over "
+                                 f"tensor parallel size {config.tensor_model_parallel_size}")
+            # One weight per key head of this tensor-parallel rank; 0 = plain keys.
+            self.key_smear = torch.nn.Parameter(torch.zeros(groups // config.tensor_model_parallel_size,
+                                                            dtype=config.params_dtype))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """As MegatronModule's, with ``key_smear`` split over tensor-parallel ranks like the heads."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                     make_sharded_tensors_for_checkpoint)
+
+        if self.key_smear is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        state = {}
+        self._save_to_state_dict(state, "", keep_vars=True)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"key_smear": 0}, sharded_offsets,
+                                                   tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
         """``[T, H, D]`` attention over the documents of ``cu_seqlens`` (subclasses swap it)."""
@@ -108,11 +158,16 @@ class CausalVarlenAttention(MegatronModule):
             raise ValueError(f"attention_bias is not supported by {type(self).__name__}")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
+            if self.key_smear is not None:
+                key = smear_keys(key, cu, self.key_smear)
             out = self._attend(query, key, value, cu)
             return out.reshape(out.shape[0], -1)
         # SBHD: every sequence of the batch is one document of length S.
         S, B, H, D = query.shape
         to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
-        out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu)
+        key = to_thd(key)
+        if self.key_smear is not None:
+            key = smear_keys(key, cu, self.key_smear)
+        out = self._attend(to_thd(query), key, to_thd(value), cu)
         return out.reshape(B, S, H * D).transpose(0, 1).contiguous()

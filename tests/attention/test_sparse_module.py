@@ -1,28 +1,11 @@
 """SparseAttention in megatron-core's TransformerLayer (THD and SBHD) on CPU."""
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from sparsebalance import runtime
 from sparsebalance.attention.routing import kept_pairs
-
-
-@pytest.fixture(scope="module")
-def mp():
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _config(**kw):

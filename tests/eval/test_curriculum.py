@@ -57,6 +57,7 @@ def test_defaults_and_normalised_fields():
     (lambda s: s.update(global_batch=1), "global_batch must be an integer >= 2"),
     (lambda s: s.update(global_batch=2.5), "global_batch must be an integer"),
     (lambda s: s.update(loss="prompt"), "loss must be 'answer' or 'all'"),
+    (lambda s: s.update(smeared_keys="yes"), "smeared_keys must be true or false"),
     (lambda s: s.update(name="a b"), "name must be"),
     (lambda s: s.update(mixes=[]), "mixes must be a non-empty list"),
     (lambda s: s["mixes"][0].update(lengths="256,x"), "comma list of integers"),
@@ -74,6 +75,13 @@ def test_bad_stages_are_named_in_the_error(edit, message):
     edit(st)
     with pytest.raises(cur.StageError, match=message):
         cur.parse_stages({"stages": [st]})
+
+
+def test_smeared_keys_once_on_stay_on():
+    first, second = dict(STAGE, smeared_keys=True), dict(STAGE, name="s2")
+    assert [s["smeared_keys"] for s in cur.parse_stages({"stages": [second, first]})] == [False, True]
+    with pytest.raises(cur.StageError, match="stage 's2': the model has smeared keys from stage 's1' on"):
+        cur.parse_stages({"stages": [first, second]})
 
 
 def test_duplicate_names_and_empty_files_are_rejected():
