@@ -1,6 +1,5 @@
 """SparseAttention in megatron-core's TransformerLayer (THD and SBHD) on CPU."""
 
-
 import pytest
 import torch
 
