@@ -110,13 +110,14 @@ def main(argv=None) -> int:
     import torch
 
     from eval_longctx import open_eval_model
+
+    # Quiets megatron's optional-extras warnings before anything imports megatron-core.
+    model, args.threads = open_eval_model(args.load, args.train_args, args.threads, fail, sparse=False,
+                                          sb_topk=None, sb_block_size=None, backend=None)
     from sparsebalance.attention.dense import smear_keys
     from sparsebalance.eval.attention_probe import NeedleAttention, attention_rows, needle_value_start
     from sparsebalance.eval.tasks import ANSWER_END
     from sparsebalance.eval.tokenizer import get_tokenizer
-
-    model, args.threads = open_eval_model(args.load, args.train_args, args.threads, fail, sparse=False,
-                                          sb_topk=None, sb_block_size=None, backend=None)
     if max(lengths) > model.max_positions:
         model.close()
         fail(f"--lengths: {max(lengths)} tokens exceed the model's max positions {model.max_positions}")

@@ -173,7 +173,7 @@ def load_weights(root: str, model) -> int:
         if unexpected or set(missing) - fresh.get(f"model{i}", set()):
             raise ValueError(f"--load: checkpoint {path} does not match this model: missing "
                              f"{sorted(set(missing) - fresh.get(f'model{i}', set()))[:3]}, unexpected {unexpected[:3]}")
-    if fresh:
+    if fresh and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print(f"--load: {path} has no smeared-key weights; --smeared-keys starts them at 0 (plain keys)",
               flush=True)
     return iteration

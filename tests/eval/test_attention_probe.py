@@ -1,12 +1,8 @@
-"""sparsebalance/eval/attention_probe.py (where heads read while writing a needle's value)
-and the usage errors of tools/needle_attention.py; its run on a trained checkpoint is in
-test_longctx_recipe.py."""
+"""sparsebalance/eval/attention_probe.py (where heads read while writing a needle's value);
+tools/needle_attention.py's bad input is in tests/integration/test_bad_input.py, its run
+on a trained checkpoint in test_longctx_recipe.py."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,8 +10,6 @@ import torch.nn.functional as F
 
 from sparsebalance.eval.attention_probe import FAR, NeedleAttention, attention_rows, needle_value_start
 from sparsebalance.eval.tasks import TaskConfig, generate
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("hkv", [4, 2])
@@ -88,18 +82,3 @@ def test_needle_attention_rejects_mismatched_rows():
         NeedleAttention().add({2: torch.zeros(4, 1, 10)}, 0, [True] * 3)
     with pytest.raises(ValueError, match="window"):
         NeedleAttention(window=-1)
-
-
-@pytest.mark.parametrize("argv, needle", [
-    (["--lengths", "1k"], "integers"),
-    (["--num-samples", "0"], "--num-samples must be >= 1"),
-    (["--window", "-2"], "--window must be >= 0"),
-    (["--lengths", "100"], "length must be an int >= 256"),
-    ([], "is not a directory"),
-])
-def test_needle_attention_cli_bad_input(tmp_path, argv, needle):
-    p = subprocess.run([sys.executable, "tools/needle_attention.py", "--load", str(tmp_path / "nope"), *argv],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "error:" in lines[0] and needle in lines[0] and "Traceback" not in p.stderr

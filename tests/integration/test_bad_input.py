@@ -254,6 +254,22 @@ CASES = [
     Case("eval-empty-data", "tools/eval_longctx.py",
          _p("--load", "{d}/empty_ckpt", "--data", "{d}/empty.jsonl", "--output", "{d}/ev3.json"),
          r"empty|checkpoint", _p("{d}/ev3.json")),
+    # needle_attention.py
+    Case("needle-attn-lengths-not-int", "tools/needle_attention.py",
+         _p("--load", "{d}/empty_ckpt", "--lengths", "1k", "--output", "{d}/na1.json"), r"integers", _p("{d}/na1.json")),
+    Case("needle-attn-zero-samples", "tools/needle_attention.py",
+         _p("--load", "{d}/empty_ckpt", "--num-samples", "0", "--output", "{d}/na2.json"), r"--num-samples must be >= 1",
+         _p("{d}/na2.json")),
+    Case("needle-attn-negative-window", "tools/needle_attention.py",
+         _p("--load", "{d}/empty_ckpt", "--window", "-2", "--output", "{d}/na3.json"), r"--window must be >= 0",
+         _p("{d}/na3.json")),
+    Case("needle-attn-too-short", "tools/needle_attention.py",
+         _p("--load", "{d}/empty_ckpt", "--lengths", "100", "--output", "{d}/na4.json"), r"length must be an int >= 256",
+         _p("{d}/na4.json")),
+    Case("needle-attn-load-missing", "tools/needle_attention.py",
+         _p("--load", "{d}/no_ckpt", "--output", "{d}/na5.json"), r"no_ckpt.*not a directory", _p("{d}/na5.json")),
+    Case("needle-attn-load-empty-dir", "tools/needle_attention.py",
+         _p("--load", "{d}/empty_ckpt", "--output", "{d}/na6.json"), r"empty_ckpt|checkpoint", _p("{d}/na6.json")),
 ]
 
 
