@@ -3,7 +3,7 @@
 Runs held-out ``niah_single`` samples under teacher forcing (as
 ``tools/eval_longctx.py`` scores them, dense attention), records the query and key
 tensors that reach every layer's core attention (forward pre-hooks; the keys are
-rotated already, and smeared here as the module does with ``--smeared-keys``) and,
+rotated already; ``attended_keys`` smears them as ``--smeared-keys`` does) and,
 for the queries that predict the answer's digits, reports per layer and head: the
 attention mass on the needle's value, how often the strongest key is the digit to
 write (offset 0: copying by content), the offsets it reads at instead, and the digit
@@ -25,24 +25,17 @@ from typing import NoReturn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402  (no megatron-core import)
 
 PROG = "needle_attention.py"
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """One error line on stderr, then exit."""
-    sys.stderr.write(f"{PROG}: error: {message}\n")
-    sys.stderr.flush()
-    raise SystemExit(code)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        fail(message)
+    usage_error(message, prog=PROG, code=code)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint directory written by pretrain_gpt.py --save")
     p.add_argument("--train-args", default=None,
                    help="pretrain_gpt.py flags of the run (model shape), for checkpoints that do not "
@@ -114,7 +107,6 @@ def main(argv=None) -> int:
     # Quiets megatron's optional-extras warnings before anything imports megatron-core.
     model, args.threads = open_eval_model(args.load, args.train_args, args.threads, fail, sparse=False,
                                           sb_topk=None, sb_block_size=None, backend=None)
-    from sparsebalance.attention.dense import smear_keys
     from sparsebalance.eval.attention_probe import NeedleAttention, attention_rows, needle_value_start
     from sparsebalance.eval.tasks import ANSWER_END
     from sparsebalance.eval.tokenizer import get_tokenizer
@@ -128,9 +120,8 @@ def main(argv=None) -> int:
         core = layer.self_attention.core_attention
 
         def grab(module, a, kw, number=layer.layer_number):
-            k = a[1].detach()
-            if getattr(module, "key_smear", None) is not None:  # --smeared-keys: the keys it attends with
-                k = smear_keys(k, torch.tensor([0, k.shape[0]]), module.key_smear.detach())
+            with torch.no_grad():  # the keys it attends with (smeared with --smeared-keys)
+                k = module.attended_keys(a[1], torch.tensor([0, a[1].shape[0]], dtype=torch.int32))
             seen[number] = (a[0].detach(), k, module.softmax_scale)
 
         hooks.append(core.register_forward_pre_hook(grab, with_kwargs=True))

@@ -18,7 +18,7 @@ class UsageError(Exception):
     """Bad command line or input; reported as one line, exit code 2."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse without the usage dump: errors are one line, exit 2."""
 
     def error(self, message: str) -> NoReturn:
@@ -68,7 +68,7 @@ DST_POLICIES = ("off", "anchor", "critical-path")
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     """The full flag set of ``pretrain_gpt.py`` (no validation beyond types)."""
-    p = _OneLineParser(
+    p = OneLineParser(
         prog=prog,
         description="GPT training on megatron-core with packed documents (CPU/gloo or GPU/NCCL).",
         allow_abbrev=False,  # a typo must never silently match another flag

@@ -170,9 +170,10 @@ def load_weights(root: str, model) -> int:
         raise ValueError(f"--load: checkpoint {path} does not match this model: {first[:300]}") from None
     for i, chunk in enumerate(model):
         missing, unexpected = chunk.module.load_state_dict(loaded[f"model{i}"], strict=False)
-        if unexpected or set(missing) - fresh.get(f"model{i}", set()):
-            raise ValueError(f"--load: checkpoint {path} does not match this model: missing "
-                             f"{sorted(set(missing) - fresh.get(f'model{i}', set()))[:3]}, unexpected {unexpected[:3]}")
+        missing = sorted(set(missing) - fresh.get(f"model{i}", set()))  # fresh smear weights stay at 0
+        if missing or unexpected:
+            raise ValueError(f"--load: checkpoint {path} does not match this model: "
+                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     if fresh and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print(f"--load: {path} has no smeared-key weights; --smeared-keys starts them at 0 (plain keys)",
               flush=True)

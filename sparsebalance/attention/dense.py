@@ -87,7 +87,8 @@ def smear_keys(k: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor) 
         raise ValueError(f"weight must have one entry per key head ({k.shape[1]}), got {tuple(weight.shape)}")
     prev = torch.roll(k, 1, dims=0)
     starts = cu_seqlens[:-1].long().to(k.device)
-    prev[starts[starts < k.shape[0]]] = k[starts[starts < k.shape[0]]]  # nothing before a document's first token
+    starts = starts[starts < k.shape[0]]  # empty documents at the end start past T
+    prev[starts] = k[starts]  # nothing before a document's first token
     return k + weight.to(k.dtype).view(1, -1, 1) * (prev - k)
 
 
@@ -140,6 +141,10 @@ class CausalVarlenAttention(MegatronModule):
         return make_sharded_tensors_for_checkpoint(state, prefix, {"key_smear": 0}, sharded_offsets,
                                                    tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
 
+    def attended_keys(self, key: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The ``[T, Hkv, D]`` keys attention uses: ``key`` itself, or smeared (``--smeared-keys``)."""
+        return key if self.key_smear is None else smear_keys(key, cu_seqlens, self.key_smear)
+
     def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
         """``[T, H, D]`` attention over the documents of ``cu_seqlens`` (subclasses swap it)."""
         return causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale)
@@ -158,16 +163,11 @@ class CausalVarlenAttention(MegatronModule):
             raise ValueError(f"attention_bias is not supported by {type(self).__name__}")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
-            if self.key_smear is not None:
-                key = smear_keys(key, cu, self.key_smear)
-            out = self._attend(query, key, value, cu)
+            out = self._attend(query, self.attended_keys(key, cu), value, cu)
             return out.reshape(out.shape[0], -1)
         # SBHD: every sequence of the batch is one document of length S.
         S, B, H, D = query.shape
         to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
-        key = to_thd(key)
-        if self.key_smear is not None:
-            key = smear_keys(key, cu, self.key_smear)
-        out = self._attend(to_thd(query), key, to_thd(value), cu)
+        out = self._attend(to_thd(query), self.attended_keys(to_thd(key), cu), to_thd(value), cu)
         return out.reshape(B, S, H * D).transpose(0, 1).contiguous()
