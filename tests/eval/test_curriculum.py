@@ -32,9 +32,10 @@ STAGE = {"name": "s1", "lr": 1e-3, "budget_s": 600, "seq_length": 1024, "global_
 
 
 def test_shipped_stage_files_parse_and_chain_from_short_to_long():
-    for name in ("stages.json", "stages_smoke.json"):
+    for name in ("stages.json", "stages_smoke.json", "stages_smeared.json"):
         stages = cur.load_stages(os.path.join(HERE, name))
         assert len(stages) >= 2 and all(s["loss"] == "answer" for s in stages)
+    assert all(s["smeared_keys"] for s in cur.load_stages(os.path.join(HERE, "stages_smeared.json")))
     lineage = cur.load_stages(os.path.join(HERE, "stages.json"))
     # The measured lineage: copying (repeat) first, needle retrieval last, every stage probed.
     assert lineage[0]["mixes"][0]["tasks"] == "repeat"
