@@ -32,11 +32,12 @@ STAGE = {"name": "s1", "lr": 1e-3, "budget_s": 600, "seq_length": 1024, "global_
 
 
 def test_shipped_stage_files_parse_and_chain_from_short_to_long():
-    for name in ("stages.json", "stages_smoke.json", "stages_smeared.json"):
-        stages = cur.load_stages(os.path.join(HERE, name))
+    shipped = {name: cur.load_stages(os.path.join(HERE, name))
+               for name in ("stages.json", "stages_smoke.json", "stages_smeared.json")}
+    for stages in shipped.values():
         assert len(stages) >= 2 and all(s["loss"] == "answer" for s in stages)
-    assert all(s["smeared_keys"] for s in cur.load_stages(os.path.join(HERE, "stages_smeared.json")))
-    lineage = cur.load_stages(os.path.join(HERE, "stages.json"))
+    assert all(s["smeared_keys"] for s in shipped["stages_smeared.json"])
+    lineage = shipped["stages.json"]
     # The measured lineage: copying (repeat) first, needle retrieval last, every stage probed.
     assert lineage[0]["mixes"][0]["tasks"] == "repeat"
     last_tasks = {t for m in lineage[-1]["mixes"] for t in m["tasks"].split(",")}
