@@ -38,6 +38,7 @@ HIDDEN=${HIDDEN:-128}
 HEADS=${HEADS:-4}
 ROTARY_PERCENT=${ROTARY_PERCENT:-1.0}              # head dims RoPE rotates; the rest match on content only
 SMEARED_KEYS=${SMEARED_KEYS:-0}                    # 1: --smeared-keys (keys carry the previous token's key)
+QK_CONV=${QK_CONV:-0}                              # N >= 2: --qk-conv N (short convolution on queries and keys)
 GLOBAL_BATCH=${GLOBAL_BATCH:-4}                # micro-batches per step (PP=2 needs >= 2)
 LR=${LR:-3e-3}
 WARMUP=${WARMUP:-20}

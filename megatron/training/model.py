@@ -33,10 +33,12 @@ def layer_spec(args):
             dense_layers=tuple(args.sb_dense_layers),
             normalization=args.normalization,
             smeared_keys=args.smeared_keys,
+            qk_conv=args.qk_conv,
         )
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
-    params = {"smeared_keys": True} if args.smeared_keys else None
+    params = {**({"smeared_keys": True} if args.smeared_keys else {}),
+              **({"qk_conv": args.qk_conv} if args.qk_conv else {})} or None
     return get_gpt_layer_dense_spec(normalization=args.normalization, core_attention_params=params)
 
 

@@ -19,6 +19,15 @@ mine" in one attention layer, which is how content-based copying (an induction h
 works: the smeared keys of Olsson et al., *In-context Learning and Induction Heads*
 (2022). It sits before the kernel, so every attention backend sees the same keys.
 
+With ``qk_conv=N`` (``--qk-conv N``) queries and keys each pass through a causal
+depthwise convolution of ``N`` taps within a document, ``q'_t = sum_i w_i * q_{t-i}``
+with one learned weight per tap, head and channel, starting as the identity (tap 0 at
+1, the others at 0). A query then describes the last ``N`` tokens and a key the ``N``
+before and at its position, so one attention layer can match a short n-gram and read
+what follows it (the short convolutions that make associative recall learnable in the
+Zoology study, Arora et al. 2023, and in H3/Based). Like the smear it sits before the
+kernel, on the rotated queries and keys.
+
 Attention runs per document through ``torch.nn.functional.scaled_dot_product_attention``
 (whose CPU kernel is torch's optimised flash path), so its speed is the honest
 "dense" baseline for the sparse kernels.
@@ -92,6 +101,33 @@ def smear_keys(k: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor) 
     return k + weight.to(k.dtype).view(1, -1, 1) * (prev - k)
 
 
+def position_in_document(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total]`` int64: each packed token's offset from its document's first token."""
+    cu = cu_seqlens.long().cpu()
+    t = torch.arange(total)
+    doc = torch.searchsorted(cu[1:], t, right=True).clamp(max=cu.numel() - 1)
+    return t - cu[doc]
+
+
+def short_conv(x: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``sum_i weight[i] * x_{t-i}`` per document (nothing before a document's first token).
+
+    Args:
+        x: ``[T, H, D]`` queries or keys of packed documents.
+        cu_seqlens: int ``[n_docs + 1]`` document boundaries (0 .. T).
+        weight: ``[N, H, D]`` taps: ``weight[0]`` scales ``x_t``, ``weight[i]`` scales ``x_{t-i}``.
+    """
+    if weight.dim() != 3 or weight.shape[1:] != x.shape[1:]:
+        raise ValueError(f"weight must be [taps, {x.shape[1]}, {x.shape[2]}], got {tuple(weight.shape)}")
+    pos = position_in_document(cu_seqlens, x.shape[0]).to(x.device)
+    w = weight.to(x.dtype)
+    out = x * w[0]
+    for i in range(1, w.shape[0]):
+        keep = (pos >= i).to(x.dtype).view(-1, 1, 1)
+        out = out + torch.roll(x, i, dims=0) * keep * w[i]
+    return out
+
+
 class CausalVarlenAttention(MegatronModule):
     """Dense causal attention with megatron-core's ``DotProductAttention`` signature."""
 
@@ -107,6 +143,7 @@ class CausalVarlenAttention(MegatronModule):
         pg_collection=None,
         *,
         smeared_keys: bool = False,
+        qk_conv: int = 0,
     ):
         super().__init__(config=config)
         name = type(self).__name__
@@ -125,25 +162,53 @@ class CausalVarlenAttention(MegatronModule):
             # One weight per key head of this tensor-parallel rank; 0 = plain keys.
             self.key_smear = torch.nn.Parameter(torch.zeros(groups // config.tensor_model_parallel_size,
                                                             dtype=config.params_dtype))
+        self.query_conv = self.key_conv = None
+        if qk_conv:
+            if not isinstance(qk_conv, int) or qk_conv < 2:
+                raise ValueError(f"qk_conv must be 0 (off) or an int >= 2 taps, got {qk_conv!r}")
+            tp = config.tensor_model_parallel_size
+            heads = config.num_attention_heads
+            groups = config.num_query_groups or heads
+            if heads % tp or groups % tp:
+                raise ValueError(f"qk conv: {heads} query / {groups} key heads do not split over "
+                                 f"tensor parallel size {tp}")
+            dim = config.kv_channels or config.hidden_size // heads
+
+            def identity(h: int) -> torch.nn.Parameter:  # tap 0 = 1: the plain queries / keys
+                w = torch.zeros(qk_conv, h // tp, dim, dtype=config.params_dtype)
+                w[0] = 1
+                return torch.nn.Parameter(w)
+
+            self.query_conv, self.key_conv = identity(heads), identity(groups)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """As MegatronModule's, with ``key_smear`` split over tensor-parallel ranks like the heads."""
+        """As MegatronModule's, with ``key_smear`` and the conv taps split over tensor-parallel
+        ranks like the heads."""
         from megatron.core import parallel_state
         from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
                                                      make_sharded_tensors_for_checkpoint)
 
-        if self.key_smear is None:
+        split = {name: axis for name, axis in (("key_smear", 0), ("query_conv", 1), ("key_conv", 1))
+                 if getattr(self, name) is not None}
+        if not split:
             return super().sharded_state_dict(prefix, sharded_offsets, metadata)
         state = {}
         self._save_to_state_dict(state, "", keep_vars=True)
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         tp_group = getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
-        return make_sharded_tensors_for_checkpoint(state, prefix, {"key_smear": 0}, sharded_offsets,
+        return make_sharded_tensors_for_checkpoint(state, prefix, split, sharded_offsets,
                                                    tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     def attended_keys(self, key: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """The ``[T, Hkv, D]`` keys attention uses: ``key`` itself, or smeared (``--smeared-keys``)."""
-        return key if self.key_smear is None else smear_keys(key, cu_seqlens, self.key_smear)
+        """The ``[T, Hkv, D]`` keys attention uses: ``key`` itself, smeared (``--smeared-keys``)
+        and/or convolved (``--qk-conv``)."""
+        if self.key_smear is not None:
+            key = smear_keys(key, cu_seqlens, self.key_smear)
+        return key if self.key_conv is None else short_conv(key, cu_seqlens, self.key_conv)
+
+    def attended_queries(self, query: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The ``[T, H, D]`` queries attention uses: ``query`` itself, or convolved (``--qk-conv``)."""
+        return query if self.query_conv is None else short_conv(query, cu_seqlens, self.query_conv)
 
     def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
         """``[T, H, D]`` attention over the documents of ``cu_seqlens`` (subclasses swap it)."""
@@ -163,11 +228,12 @@ class CausalVarlenAttention(MegatronModule):
             raise ValueError(f"attention_bias is not supported by {type(self).__name__}")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
-            out = self._attend(query, self.attended_keys(key, cu), value, cu)
+            out = self._attend(self.attended_queries(query, cu), self.attended_keys(key, cu), value, cu)
             return out.reshape(out.shape[0], -1)
         # SBHD: every sequence of the batch is one document of length S.
         S, B, H, D = query.shape
         to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
-        out = self._attend(to_thd(query), self.attended_keys(to_thd(key), cu), to_thd(value), cu)
+        out = self._attend(self.attended_queries(to_thd(query), cu), self.attended_keys(to_thd(key), cu),
+                           to_thd(value), cu)
         return out.reshape(B, S, H * D).transpose(0, 1).contiguous()
