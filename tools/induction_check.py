@@ -56,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--smeared-keys", action="store_true",
                    help="keys also carry the previous token's key (pretrain_gpt.py --smeared-keys)")
+    p.add_argument("--qk-conv", type=int, default=0, metavar="N",
+                   help="queries and keys through an N-tap causal convolution (pretrain_gpt.py --qk-conv; "
+                        "--model megatron only)")
     p.add_argument("--span", type=int, default=24, help="characters to copy")
     p.add_argument("--max-gap", type=int, default=150,
                    help="longest filler before the span and between the copies (drawn uniformly from 0..N)")
@@ -74,6 +77,10 @@ def parse_args(argv=None):
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.span < 2:
         fail(f"--span must be >= 2, got {a.span}")
+    if a.qk_conv == 1 or a.qk_conv < 0:
+        fail(f"--qk-conv must be 0 (off) or >= 2 taps, got {a.qk_conv}")
+    if a.qk_conv and a.model != "megatron":
+        fail("--qk-conv is built into the driver's model only (--model megatron)")
     if a.max_gap < 0:
         fail(f"--max-gap must be >= 0, got {a.max_gap}")
     if not a.lr > 0:
@@ -177,7 +184,7 @@ def megatron_gpt(a):
         "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
         "--num-attention-heads", str(a.num_attention_heads), "--seq-length", "1024",
         "--max-position-embeddings", str(2 * a.max_gap + 2 * a.span), "--cpu", "--seed", str(a.seed)]
-        + (["--smeared-keys"] if a.smeared_keys else []))
+        + (["--smeared-keys"] if a.smeared_keys else []) + (["--qk-conv", str(a.qk_conv)] if a.qk_conv else []))
     args.ffn_hidden_size = 4 * a.hidden_size
     args.virtual_pipeline_model_parallel_size = None
     initialize(args)
@@ -236,7 +243,7 @@ def main(argv=None) -> None:
     mean_len = a.max_gap + 2 * a.span  # two uniform 0..max_gap fillers and two copies
     text = json.dumps({
         "model": a.model, "num_layers": a.num_layers, "hidden_size": a.hidden_size,
-        "num_attention_heads": a.num_attention_heads, "smeared_keys": a.smeared_keys, "span": a.span, "max_gap": a.max_gap,
+        "num_attention_heads": a.num_attention_heads, "smeared_keys": a.smeared_keys, "qk_conv": a.qk_conv, "span": a.span, "max_gap": a.max_gap,
         "mean_tokens": mean_len, "lr": a.lr, "batch": a.batch, "seed": a.seed, "threads": a.threads,
         "steps": a.steps, "final_copy_acc": round(sum(last) / len(last), 4),
         "steps_to": {"0.5": first(0.5), "0.9": first(0.9)}, "curve": curve}, indent=1)

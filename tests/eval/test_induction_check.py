@@ -58,6 +58,8 @@ def test_samples_copy_the_span_from_a_varying_distance():
     (["--hidden-size", "60", "--num-attention-heads", "4"], "heads of even size"),
     (["--lr", "0"], "--lr must be > 0"),
     (["--model", "nope"], "invalid choice"),
+    (["--qk-conv", "1"], "--qk-conv must be 0 (off) or >= 2"),
+    (["--model", "reference", "--qk-conv", "4"], "driver's model only (--model megatron)"),
 ])
 def test_bad_input_one_error_line(argv, needle):
     p = run(*argv)

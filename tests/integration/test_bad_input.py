@@ -101,6 +101,8 @@ CASES = [
     Case("pretrain-zero-hidden", "pretrain_gpt.py", _pretrain("--hidden-size", "0"), r"hidden-size"),
     Case("pretrain-negative-seq", "pretrain_gpt.py", _pretrain("--seq-length", "-8"), r"seq-length"),
     Case("pretrain-negative-lr", "pretrain_gpt.py", _pretrain("--lr", "-1"), r"--lr"),
+    Case("pretrain-qk-conv-one-tap", "pretrain_gpt.py", _pretrain("--qk-conv", "1"), r"--qk-conv needs at least 2 taps"),
+    Case("pretrain-qk-conv-negative", "pretrain_gpt.py", _pretrain("--qk-conv", "-2"), r"qk-conv"),
     Case("pretrain-pp-vs-world", "pretrain_gpt.py", _pretrain("--pipeline-model-parallel-size", "2"),
          r"world size|pipeline"),
     Case("pretrain-unknown-flag", "pretrain_gpt.py", _pretrain("--no-such-flag"), r"no-such-flag"),
