@@ -3,8 +3,8 @@
 Runs held-out ``niah_single`` samples under teacher forcing (as
 ``tools/eval_longctx.py`` scores them, dense attention), records the query and key
 tensors that reach every layer's core attention (forward pre-hooks; the keys are
-rotated already; ``attended_queries``/``attended_keys`` apply ``--smeared-keys`` and
-``--qk-conv`` as training does) and,
+rotated already; ``attended`` applies ``--smeared-keys`` and ``--qk-conv`` as
+training does) and,
 for the queries that predict the answer's digits, reports per layer and head: the
 attention mass on the needle's value, how often the strongest key is the digit to
 write (offset 0: copying by content), the offsets it reads at instead, and the digit
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         def grab(module, a, kw, number=layer.layer_number):
             with torch.no_grad():  # the queries and keys it attends with (--smeared-keys, --qk-conv)
                 cu = torch.tensor([0, a[1].shape[0]], dtype=torch.int32)
-                q, k = module.attended_queries(a[0], cu), module.attended_keys(a[1], cu)
+                q, k = module.attended(a[0], a[1], cu)
             seen[number] = (q.detach(), k, module.softmax_scale)
 
         hooks.append(core.register_forward_pre_hook(grab, with_kwargs=True))

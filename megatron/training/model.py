@@ -37,8 +37,7 @@ def layer_spec(args):
         )
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
-    params = {**({"smeared_keys": True} if args.smeared_keys else {}),
-              **({"qk_conv": args.qk_conv} if args.qk_conv else {})} or None
+    params = {"smeared_keys": args.smeared_keys, "qk_conv": args.qk_conv}
     return get_gpt_layer_dense_spec(normalization=args.normalization, core_attention_params=params)
 
 

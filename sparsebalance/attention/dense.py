@@ -109,17 +109,17 @@ def position_in_document(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return t - cu[doc]
 
 
-def short_conv(x: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def short_conv(x: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``sum_i weight[i] * x_{t-i}`` per document (nothing before a document's first token).
 
     Args:
         x: ``[T, H, D]`` queries or keys of packed documents.
-        cu_seqlens: int ``[n_docs + 1]`` document boundaries (0 .. T).
+        pos: ``[T]`` each token's offset in its document (:func:`position_in_document`).
         weight: ``[N, H, D]`` taps: ``weight[0]`` scales ``x_t``, ``weight[i]`` scales ``x_{t-i}``.
     """
     if weight.dim() != 3 or weight.shape[1:] != x.shape[1:]:
         raise ValueError(f"weight must be [taps, {x.shape[1]}, {x.shape[2]}], got {tuple(weight.shape)}")
-    pos = position_in_document(cu_seqlens, x.shape[0]).to(x.device)
+    pos = pos.to(x.device)
     w = weight.to(x.dtype)
     out = x * w[0]
     for i in range(1, w.shape[0]):
@@ -199,16 +199,16 @@ class CausalVarlenAttention(MegatronModule):
         return make_sharded_tensors_for_checkpoint(state, prefix, split, sharded_offsets,
                                                    tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
 
-    def attended_keys(self, key: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """The ``[T, Hkv, D]`` keys attention uses: ``key`` itself, smeared (``--smeared-keys``)
-        and/or convolved (``--qk-conv``)."""
+    def attended(self, query: torch.Tensor, key: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``[T, H, D]`` queries and ``[T, Hkv, D]`` keys attention uses: as given, keys
+        smeared (``--smeared-keys``), both convolved (``--qk-conv``)."""
         if self.key_smear is not None:
             key = smear_keys(key, cu_seqlens, self.key_smear)
-        return key if self.key_conv is None else short_conv(key, cu_seqlens, self.key_conv)
-
-    def attended_queries(self, query: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """The ``[T, H, D]`` queries attention uses: ``query`` itself, or convolved (``--qk-conv``)."""
-        return query if self.query_conv is None else short_conv(query, cu_seqlens, self.query_conv)
+        if self.key_conv is None:
+            return query, key
+        pos = position_in_document(cu_seqlens, key.shape[0])  # once for both convolutions
+        return short_conv(query, pos, self.query_conv), short_conv(key, pos, self.key_conv)
 
     def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
         """``[T, H, D]`` attention over the documents of ``cu_seqlens`` (subclasses swap it)."""
@@ -228,12 +228,11 @@ class CausalVarlenAttention(MegatronModule):
             raise ValueError(f"attention_bias is not supported by {type(self).__name__}")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
-            out = self._attend(self.attended_queries(query, cu), self.attended_keys(key, cu), value, cu)
+            out = self._attend(*self.attended(query, key, cu), value, cu)
             return out.reshape(out.shape[0], -1)
         # SBHD: every sequence of the batch is one document of length S.
         S, B, H, D = query.shape
         to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
-        out = self._attend(self.attended_queries(to_thd(query), cu), self.attended_keys(to_thd(key), cu),
-                           to_thd(value), cu)
+        out = self._attend(*self.attended(to_thd(query), to_thd(key), cu), to_thd(value), cu)
         return out.reshape(B, S, H * D).transpose(0, 1).contiguous()

@@ -481,7 +481,6 @@ def _echo(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     values = _distinct(rng, n, lambda: T.number(rng, cfg.value_digits))
     needles = [f"The special magic number for {k} is: {v}." for k, v in zip(keys, values)]
     source = _haystack(rng, source_chars, needles, "echo", length)
-    starts = [source.index(nd) for nd in needles]  # keys are distinct, so each is found once
     room = length - len(source) - len(_ECHO_CUE) - len(ANSWER_END)
 
     def span() -> str:

@@ -37,8 +37,8 @@ def _layer(sparse: bool, smeared: bool, qk_conv: int = 0):
     if sparse:
         spec = get_gpt_layer_sparse_spec(use_te=False, block_size=16, topk=1, smeared_keys=smeared, qk_conv=qk_conv)
     else:
-        params = {**({"smeared_keys": True} if smeared else {}), **({"qk_conv": qk_conv} if qk_conv else {})}
-        spec = get_gpt_layer_dense_spec(use_te=False, core_attention_params=params or None)
+        spec = get_gpt_layer_dense_spec(use_te=False,
+                                        core_attention_params={"smeared_keys": smeared, "qk_conv": qk_conv})
     torch.manual_seed(0)
     return build_module(spec, config=cfg, layer_number=1)
 
@@ -93,17 +93,17 @@ def test_position_in_document():
 def test_short_conv_sums_earlier_tokens_of_the_same_document_only():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(9, 2, 3, generator=g), torch.randn(3, 2, 3, generator=g)
-    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    out = short_conv(x, cu, w)
+    pos = position_in_document(torch.tensor([0, 4, 9], dtype=torch.int32), 9)
+    out = short_conv(x, pos, w)
     for t in range(9):
         start = 0 if t < 4 else 4
         want = sum(w[i] * x[t - i] for i in range(3) if t - i >= start)
         assert torch.allclose(out[t], want, atol=1e-6), t
     ident = torch.zeros(3, 2, 3)
     ident[0] = 1
-    assert torch.equal(short_conv(x, cu, ident), x)
+    assert torch.equal(short_conv(x, pos, ident), x)
     with pytest.raises(ValueError, match=r"weight must be \[taps, 2, 3\]"):
-        short_conv(x, cu, torch.zeros(3, 1, 3))
+        short_conv(x, pos, torch.zeros(3, 1, 3))
 
 
 @pytest.mark.parametrize("sparse", [False, True])

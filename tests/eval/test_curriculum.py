@@ -35,8 +35,10 @@ def test_shipped_stage_files_parse_and_chain_from_short_to_long():
     shipped = {name: cur.load_stages(os.path.join(HERE, name))
                for name in ("stages.json", "stages_smoke.json", "stages_smeared.json", "stages_echo.json",
                             "stages_qkconv.json")}
-    for stages in shipped.values():
+    for name, stages in shipped.items():
         assert all(s["loss"] == "answer" for s in stages)
+        if name in ("stages.json", "stages_smoke.json", "stages_smeared.json"):  # lineages, not one-off starts
+            assert len(stages) >= 2
     assert all(s["smeared_keys"] for s in shipped["stages_smeared.json"])
     lineage = shipped["stages.json"]
     # The measured lineage: copying (repeat) first, needle retrieval last, every stage probed.
