@@ -37,8 +37,6 @@ NUM_LAYERS=${NUM_LAYERS:-4}
 HIDDEN=${HIDDEN:-128}
 HEADS=${HEADS:-4}
 ROTARY_PERCENT=${ROTARY_PERCENT:-1.0}              # head dims RoPE rotates; the rest match on content only
-SMEARED_KEYS=${SMEARED_KEYS:-0}                    # 1: --smeared-keys (keys carry the previous token's key)
-QK_CONV=${QK_CONV:-0}                              # N >= 2: --qk-conv N (short convolution on queries and keys)
 GLOBAL_BATCH=${GLOBAL_BATCH:-4}                # micro-batches per step (PP=2 needs >= 2)
 LR=${LR:-3e-3}
 WARMUP=${WARMUP:-20}
@@ -63,8 +61,9 @@ ARMS=${ARMS:-"dense megatron sparsebalance"}
 # data mix, learning rate and wall-clock budget, starting from the previous stage's
 # weights). Every arm and seed then starts from the last stage's weights (--finetune:
 # fresh optimizer and iteration count) and trains at long context under the equal
-# budget BUDGET_S. The default stage file is the lineage measured in README.md
-# (rounds 2-5): short-document copying first, then needles, then longer documents.
+# budget BUDGET_S. The default stage file is the lineage measured on a 2-core CPU
+# (docs/longctx_findings.md): short-document copying first, then needles, then longer
+# documents.
 # CURRICULUM=none skips stage 0: the arms train from scratch.
 CURRICULUM=${CURRICULUM:-$SB_ROOT/examples/longctx/stages.json}
 CURRICULUM_DATA_DIR=${CURRICULUM_DATA_DIR:-$DATA_DIR/curriculum}

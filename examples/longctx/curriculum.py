@@ -1,6 +1,6 @@
 """Stage 0 of the long-context recipe: the shared dense base model, trained as a
 curriculum of stages read from a JSON file (``stages.json``: the lineage measured
-in README.md, rounds 2-4).
+on a 2-core CPU, docs/longctx_findings.md).
 
 Each stage trains dense for its own wall-clock budget on its own data mix, starting
 from the previous stage's weights with a fresh optimizer (the first from a fresh
@@ -29,10 +29,7 @@ Stage file::
        "probe": {"tasks": "repeat", "lengths": "512,1024", "samples": 20, "seed": 78},
        "note": "what this stage is for"}, ...]}
 
-``loss`` ("answer", the default, or "all") picks answer-only or plain LM loss;
-``smeared_keys: true`` trains with ``--smeared-keys`` from that stage on (weights
-trained without them load with them at 0; later stages must keep them); ``qk_conv: N``
-trains with ``--qk-conv N`` (every stage of a file the same: it is the model's shape). A mix may
+``loss`` ("answer", the default, or "all") picks answer-only or plain LM loss. A mix may
 set ``copy_chars`` and ``value_digits`` (a needle value's digits, 7 by default), the task
 generator knobs of tools/make_longctx_data.py. A mix's
 ``lengths`` (a comma list or a JSON list) is cycled over its documents: repeat a length
@@ -61,8 +58,7 @@ from megatron.training.arguments import usage_error  # noqa: E402  (one error li
 # ~30 s of start-up.
 SLACK_S = 60.0
 
-STAGE_KEYS = {"name", "lr", "budget_s", "seq_length", "global_batch", "mixes", "probe", "loss", "note",
-              "smeared_keys", "qk_conv"}
+STAGE_KEYS = {"name", "lr", "budget_s", "seq_length", "global_batch", "mixes", "probe", "loss", "note"}
 MIX_KEYS = {"tasks", "lengths", "docs", "seed", "copy_chars", "value_digits"}
 TASK_KNOBS = ("copy_chars", "value_digits")
 """Optional mix keys passed to tools/make_longctx_data.py as ``--copy-chars`` / ``--value-digits``."""
@@ -151,21 +147,9 @@ def parse_stages(spec) -> list[dict]:
                "budget_s": _number(where, st, "budget_s", float, 1),
                "seq_length": _number(where, st, "seq_length", int, 16),
                "global_batch": _number(where, st, "global_batch", int, 2),  # PP=2 needs >= 2
-               "loss": st.get("loss", "answer"), "note": st.get("note", ""),
-               "smeared_keys": st.get("smeared_keys", False), "qk_conv": st.get("qk_conv", 0)}
+               "loss": st.get("loss", "answer"), "note": st.get("note", "")}
         if out["loss"] not in ("answer", "all"):
             raise StageError(f"{where}: loss must be 'answer' or 'all', got {out['loss']!r}")
-        if not isinstance(out["smeared_keys"], bool):
-            raise StageError(f"{where}: smeared_keys must be true or false")
-        qk = out["qk_conv"]
-        if isinstance(qk, bool) or not isinstance(qk, int) or qk == 1 or qk < 0:
-            raise StageError(f"{where}: qk_conv must be 0 (off) or an integer >= 2, got {qk!r}")
-        if stages and stages[-1]["qk_conv"] != qk:
-            raise StageError(f"{where}: the model's qk_conv is {stages[-1]['qk_conv']} from stage "
-                             f"{stages[-1]['name']!r} on; a later stage must keep it (a model's shape)")
-        if stages and stages[-1]["smeared_keys"] and not out["smeared_keys"]:
-            raise StageError(f"{where}: the model has smeared keys from stage {stages[-1]['name']!r} on; "
-                             f"a later stage cannot drop them (set smeared_keys: true)")
         mixes = st.get("mixes")
         if not isinstance(mixes, list) or not mixes:
             raise StageError(f"{where}: mixes must be a non-empty list")
@@ -280,8 +264,7 @@ def train(stage: dict, prev_run: str | None, run: str, data_prefix: str, budget_
     env = dict(os.environ, STAGE_DIR=run, STAGE_DATA=data_prefix, STAGE_INIT=prev_run or "",
                STAGE_BUDGET_S=str(int(round(budget_s))), STAGE_GLOBAL_BATCH=str(stage["global_batch"]),
                LR=repr(stage["lr"]), SEQ_LENGTH=str(stage["seq_length"]),
-               ANSWER_ONLY_LOSS="1" if stage["loss"] == "answer" else "0",
-               SMEARED_KEYS="1" if stage["smeared_keys"] else "0", QK_CONV=str(stage["qk_conv"]))
+               ANSWER_ONLY_LOSS="1" if stage["loss"] == "answer" else "0")
     p = subprocess.run(["bash", os.path.join(HERE, "train_arm.sh"), "stage"], env=env)
     if p.returncode != 0:
         fail(f"training stage {stage['name']} failed; see {run}/train.log", code=1)

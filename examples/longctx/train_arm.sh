@@ -71,8 +71,6 @@ LOSS_FLAGS=""
 mkdir -p "$RUN/ckpt"
 SHAPE_FLAGS="--num-layers $NUM_LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS \
 --seq-length $SEQ_LENGTH --max-position-embeddings $MAX_POSITIONS --rotary-percent $ROTARY_PERCENT"
-[[ $SMEARED_KEYS == 1 ]] && SHAPE_FLAGS="$SHAPE_FLAGS --smeared-keys"
-[[ $QK_CONV != 0 ]] && SHAPE_FLAGS="$SHAPE_FLAGS --qk-conv $QK_CONV"
 # Model flags, also stored for eval_arm.sh (checkpoints do not record their arguments).
 MODEL_FLAGS="$SHAPE_FLAGS $FLAGS"
 echo "$MODEL_FLAGS" > "$RUN/model_flags.txt"

@@ -94,14 +94,6 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "the rest carry content only")
     g.add_argument("--rotary-base", type=pos(int), default=10000, help="RoPE base (theta)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--smeared-keys", action="store_true",
-                   help="each attention key also carries the previous token's key, mixed in by a "
-                        "learned weight per key head that starts at 0 (Olsson et al. 2022's smeared "
-                        "keys: content-based copying forms in one layer); checkpoints without it load")
-    g.add_argument("--qk-conv", type=_non_negative(int), default=0, metavar="N",
-                   help="queries and keys pass through a causal depthwise convolution of N taps within "
-                        "each document (identity at init), so one attention layer can match an n-gram "
-                        "and read what follows it (0: off)")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama/Qwen style)")
     g.add_argument("--vocab-size", type=pos(int), default=None,
                    help="vocabulary size (default: from the tokenizer)")
@@ -270,8 +262,6 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} < --seq-length {args.seq_length}")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
-    if args.qk_conv == 1:
-        raise UsageError("--qk-conv needs at least 2 taps (1 would be the plain queries and keys); 0 turns it off")
     if args.rotary_percent > 1.0:
         raise UsageError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
     head_dim = args.hidden_size // args.num_attention_heads

@@ -163,53 +163,10 @@ def load_weights(root: str, model) -> int:
     path = iter_dir(root, iteration)
     state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
     try:
-        fresh = _drop_new_attention_weights(state, path)
         loaded = dist_checkpointing.load(state, path)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--load: checkpoint {path} does not match this model: {first[:300]}") from None
     for i, chunk in enumerate(model):
-        missing, unexpected = chunk.module.load_state_dict(loaded[f"model{i}"], strict=False)
-        missing = sorted(set(missing) - fresh.get(f"model{i}", set()))  # fresh ones keep their init
-        if missing or unexpected:
-            raise ValueError(f"--load: checkpoint {path} does not match this model: "
-                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    names = {n for names in fresh.values() for n in names}
-    if names and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        if any(n.endswith("key_smear") for n in names):
-            print(f"--load: {path} has no smeared-key weights; --smeared-keys starts them at 0 (plain keys)",
-                  flush=True)
-        if any(n.endswith("_conv") for n in names):
-            print(f"--load: {path} has no qk-conv taps; --qk-conv starts them as the identity "
-                  f"(plain queries and keys)", flush=True)
+        chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     return iteration
-
-
-_ADDED_WEIGHTS = {"core_attention.key_smear": "--smeared-keys", "core_attention.query_conv": "--qk-conv N",
-                  "core_attention.key_conv": "--qk-conv N"}
-"""Attention weights a model can gain on top of a checkpoint's, with the flag that adds them.
-Each starts as a no-op (smear weight 0, conv taps the identity)."""
-
-
-def _drop_new_attention_weights(state: dict, path: str) -> dict:
-    """Take ``--smeared-keys`` / ``--qk-conv`` weights the checkpoint lacks out of ``state``
-    (in place).
-
-    A model trained without them is the one with them at their initial value (no smear,
-    identity taps), so it can be fine-tuned with them. Returns the local names left out,
-    per ``modelN`` entry; refuses a checkpoint that has such weights this model lacks.
-    """
-    from megatron.core import dist_checkpointing
-
-    stored = set(dist_checkpointing.load_tensors_metadata(path))
-    wanted = {getattr(t, "key", None) for sd in state.values() for t in sd.values()}
-    added = lambda name: next((flag for suffix, flag in _ADDED_WEIGHTS.items() if name.endswith(suffix)), None)
-    for k in sorted(stored):
-        if added(k) and not k.startswith("optimizer.") and k not in wanted:
-            raise ValueError(f"it was trained with {added(k).split()[0]}; pass {added(k)}")
-    fresh: dict = {}
-    for entry, sd in state.items():
-        for name in [n for n, t in sd.items() if added(n) and getattr(t, "key", None) not in stored]:
-            del sd[name]
-            fresh.setdefault(entry, set()).add(name)
-    return fresh

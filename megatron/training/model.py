@@ -32,13 +32,10 @@ def layer_spec(args):
             backend=args.sb_attention_backend,
             dense_layers=tuple(args.sb_dense_layers),
             normalization=args.normalization,
-            smeared_keys=args.smeared_keys,
-            qk_conv=args.qk_conv,
         )
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
-    params = {"smeared_keys": args.smeared_keys, "qk_conv": args.qk_conv}
-    return get_gpt_layer_dense_spec(normalization=args.normalization, core_attention_params=params)
+    return get_gpt_layer_dense_spec(normalization=args.normalization)
 
 
 def transformer_config(args, use_cpu: bool):

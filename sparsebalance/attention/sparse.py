@@ -55,12 +55,9 @@ class SparseAttention(CausalVarlenAttention):
         topk: Optional[int] = 8,
         backend: str = "auto",
         dense_layers: Iterable[int] = (),
-        smeared_keys: bool = False,
-        qk_conv: int = 0,
     ):
         super().__init__(config, layer_number, attn_mask_type, attention_type,
-                         attention_dropout, softmax_scale, cp_comm_type, pg_collection,
-                         smeared_keys=smeared_keys, qk_conv=qk_conv)
+                         attention_dropout, softmax_scale, cp_comm_type, pg_collection)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if topk is not None and (not isinstance(topk, int) or topk < 0):
@@ -99,16 +96,13 @@ def get_gpt_layer_sparse_spec(
     dense_layers: Iterable[int] = (),
     use_te: Optional[bool] = None,
     normalization: str = "LayerNorm",
-    smeared_keys: bool = False,
-    qk_conv: int = 0,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec with :class:`SparseAttention` as ``core_attention``.
 
     Args mirror the flags ``--sb-block-size``, ``--sb-topk``, ``--sb-attention-backend``,
-    ``--sb-dense-layers`` (1-based layer numbers), ``--smeared-keys`` and ``--qk-conv``; ``use_te`` and
-    ``normalization`` are passed to :func:`sparsebalance.attention.spec.get_gpt_layer_spec`.
+    ``--sb-dense-layers`` (1-based layer numbers); ``use_te`` and ``normalization`` are
+    passed to :func:`sparsebalance.attention.spec.get_gpt_layer_spec`.
     """
     params = dict(block_size=block_size, topk=topk, backend=backend,
-                  dense_layers=tuple(int(x) for x in dense_layers), smeared_keys=smeared_keys,
-                  qk_conv=qk_conv)
+                  dense_layers=tuple(int(x) for x in dense_layers))
     return get_gpt_layer_spec(SparseAttention, params, use_te=use_te, normalization=normalization)

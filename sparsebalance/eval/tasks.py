@@ -26,7 +26,6 @@ ANSWER_END``; generated samples land in ``[length - LENGTH_TOLERANCE, length]``.
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -41,12 +40,12 @@ TASKS: tuple[str, ...] = (
 )
 """Task names, in report order."""
 
-TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat", "recall", "recite", "echo")
+TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat", "recall", "recite")
 """Tasks for training mixes only (not part of the evaluation suite):
 
 * ``copy``: a random alphanumeric code hidden in filler, to be repeated at the
   end. Every answer token is a copy of the context, so it supervises locating a
-  span and copying it (induction) ~5x more densely per document than a needle
+  span and copying it ~5x more densely per document than a needle
   value; a warm-up aid for small models trained from scratch.
 * ``repeat``: filler, then a random code of random length (digits and capitals), a
   one-line request, and the code again: the source right before the copy, at a
@@ -63,14 +62,6 @@ TRAIN_ONLY_TASKS: tuple[str, ...] = ("copy", "repeat", "recall", "recite", "echo
   with one retrieval per needle instead of one per document: the answer is dense
   supervision for key-matching retrieval, as RULER's multi-query needles and the
   multi-query associative recall of the Zoology study (Arora et al., 2023).
-* ``echo``: filler with needles of distinct keys (one per ~120 tokens), then a request
-  and, as the answer, spans copied from that text in random order (half are whole needle
-  statements started at a random word, half arbitrary stretches), joined by ``" | "``.
-  About 40% of the document is answer, and every answer token past a span's first few
-  characters is predictable only by finding where the span came from and copying on:
-  dense supervision for content-based copying at every distance the document offers.
-  A needle span copied from inside its key on is exactly a retrieval: the characters
-  after ``for KEY is: `` are that key's value.
 """
 
 ALL_TASKS: tuple[str, ...] = TASKS + TRAIN_ONLY_TASKS
@@ -415,7 +406,7 @@ def _repeat_code(rng: random.Random, length: int, cfg: TaskConfig):
 def _repeat(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
     # The code's length is drawn per sample and filler pads the document in front of it,
     # so the distance from each answer token back to its source varies: copying must
-    # match on content (an induction head), not on a fixed offset. (With a fixed-length
+    # match on content, not on a fixed offset. (With a fixed-length
     # code filling the document a model learned to repeat within ~100 steps but only at
     # the trained offset: at chance on 1,024-token documents after training at 256.
     # This version, too, was learned as a copy anchored to the request: see recall.)
@@ -464,55 +455,6 @@ def _recite(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
                   question, gold(values), dis)
 
 
-_ECHO_CUE = "\nRepeat parts of the text above.\n"
-_ECHO_SEP = " | "
-_ECHO_TOKENS_PER_NEEDLE = 120
-"""echo: one needle per this many tokens of the source text."""
-_ECHO_SOURCE_SHARE = 0.6
-"""echo: share of the document that is source text (the rest: cue and copied spans)."""
-_ECHO_SPAN = (16, 48)
-"""echo: length range of an arbitrary (non-needle) span, in characters."""
-
-
-def _echo(rng: random.Random, length: int, cfg: TaskConfig) -> Sample:
-    source_chars = int(length * _ECHO_SOURCE_SHARE)
-    n = max(1, source_chars // _ECHO_TOKENS_PER_NEEDLE)
-    keys = _distinct(rng, n, lambda: T.needle_key(rng))
-    values = _distinct(rng, n, lambda: T.number(rng, cfg.value_digits))
-    needles = [f"The special magic number for {k} is: {v}." for k, v in zip(keys, values)]
-    source = _haystack(rng, source_chars, needles, "echo", length)
-    room = length - len(source) - len(_ECHO_CUE) - len(ANSWER_END)
-
-    def span() -> str:
-        if rng.random() < 0.5:  # a needle statement, from a random word of it to its end
-            i = rng.randrange(n)
-            words = [m.start() for m in re.finditer(r"\S+", needles[i])][:-1]  # not the value alone
-            return needles[i][rng.choice(words):]
-        k = rng.randint(*_ECHO_SPAN)
-        a = rng.randrange(max(1, len(source) - k))
-        return source[a:a + k]
-
-    def spans() -> str:
-        out: list[str] = []
-        used = 0
-        while True:
-            s = span()
-            sep = len(_ECHO_SEP) if out else 0
-            if used + sep + len(s) > room:
-                left = room - used - sep
-                if left >= _ECHO_SPAN[0]:  # fill the document up to its length
-                    out.append(s[:left])
-                return _ECHO_SEP.join(out)
-            out.append(s)
-            used += sep + len(s)
-
-    gold = spans()
-    if not gold:
-        raise ValueError(f"length {length} is too small for task echo")
-    dis = _distractors(rng, gold, (), cfg.num_distractors, spans)
-    return Sample("echo", length, source + _ECHO_CUE, gold, dis)
-
-
 _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
     "niah_single": _niah_single,
     "niah_multikey": _niah_multikey,
@@ -523,7 +465,6 @@ _GENERATORS: dict[str, Callable[[random.Random, int, TaskConfig], Sample]] = {
     "repeat": _repeat,
     "recall": _recall,
     "recite": _recite,
-    "echo": _echo,
 }
 
 

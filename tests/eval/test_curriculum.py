@@ -33,13 +33,9 @@ STAGE = {"name": "s1", "lr": 1e-3, "budget_s": 600, "seq_length": 1024, "global_
 
 def test_shipped_stage_files_parse_and_chain_from_short_to_long():
     shipped = {name: cur.load_stages(os.path.join(HERE, name))
-               for name in ("stages.json", "stages_smoke.json", "stages_smeared.json", "stages_echo.json",
-                            "stages_qkconv.json")}
-    for name, stages in shipped.items():
-        assert all(s["loss"] == "answer" for s in stages)
-        if name in ("stages.json", "stages_smoke.json", "stages_smeared.json"):  # lineages, not one-off starts
-            assert len(stages) >= 2
-    assert all(s["smeared_keys"] for s in shipped["stages_smeared.json"])
+               for name in ("stages.json", "stages_smoke.json")}
+    for stages in shipped.values():
+        assert all(s["loss"] == "answer" for s in stages) and len(stages) >= 2
     lineage = shipped["stages.json"]
     # The measured lineage: copying (repeat) first, needle retrieval last, every stage probed.
     assert lineage[0]["mixes"][0]["tasks"] == "repeat"
@@ -62,9 +58,6 @@ def test_defaults_and_normalised_fields():
     (lambda s: s.update(global_batch=1), "global_batch must be an integer >= 2"),
     (lambda s: s.update(global_batch=2.5), "global_batch must be an integer"),
     (lambda s: s.update(loss="prompt"), "loss must be 'answer' or 'all'"),
-    (lambda s: s.update(smeared_keys="yes"), "smeared_keys must be true or false"),
-    (lambda s: s.update(qk_conv=1), "qk_conv must be 0 .off. or an integer >= 2"),
-    (lambda s: s.update(qk_conv=True), "qk_conv must be"),
     (lambda s: s.update(name="a b"), "name must be"),
     (lambda s: s.update(mixes=[]), "mixes must be a non-empty list"),
     (lambda s: s["mixes"][0].update(lengths="256,x"), "comma list of integers"),
@@ -82,21 +75,6 @@ def test_bad_stages_are_named_in_the_error(edit, message):
     edit(st)
     with pytest.raises(cur.StageError, match=message):
         cur.parse_stages({"stages": [st]})
-
-
-def test_smeared_keys_once_on_stay_on():
-    first, second = dict(STAGE, smeared_keys=True), dict(STAGE, name="s2")
-    assert [s["smeared_keys"] for s in cur.parse_stages({"stages": [second, first]})] == [False, True]
-    with pytest.raises(cur.StageError, match="stage 's2': the model has smeared keys from stage 's1' on"):
-        cur.parse_stages({"stages": [first, second]})
-
-
-def test_qk_conv_is_the_same_in_every_stage():
-    first, second = dict(STAGE, qk_conv=4), dict(STAGE, name="s2", qk_conv=4)
-    assert [s["qk_conv"] for s in cur.parse_stages({"stages": [first, second]})] == [4, 4]
-    assert cur.parse_stages({"stages": [STAGE]})[0]["qk_conv"] == 0
-    with pytest.raises(cur.StageError, match="stage 's2': the model's qk_conv is 4 from stage 's1' on"):
-        cur.parse_stages({"stages": [first, dict(second, qk_conv=0)]})
 
 
 def test_duplicate_names_and_empty_files_are_rejected():

@@ -101,8 +101,6 @@ CASES = [
     Case("pretrain-zero-hidden", "pretrain_gpt.py", _pretrain("--hidden-size", "0"), r"hidden-size"),
     Case("pretrain-negative-seq", "pretrain_gpt.py", _pretrain("--seq-length", "-8"), r"seq-length"),
     Case("pretrain-negative-lr", "pretrain_gpt.py", _pretrain("--lr", "-1"), r"--lr"),
-    Case("pretrain-qk-conv-one-tap", "pretrain_gpt.py", _pretrain("--qk-conv", "1"), r"--qk-conv needs at least 2 taps"),
-    Case("pretrain-qk-conv-negative", "pretrain_gpt.py", _pretrain("--qk-conv", "-2"), r"qk-conv"),
     Case("pretrain-pp-vs-world", "pretrain_gpt.py", _pretrain("--pipeline-model-parallel-size", "2"),
          r"world size|pipeline"),
     Case("pretrain-unknown-flag", "pretrain_gpt.py", _pretrain("--no-such-flag"), r"no-such-flag"),
@@ -224,14 +222,6 @@ CASES = [
     Case("compare-missing-lengths", "tools/compare.py",
          _p("--quick", "--lengths", "{d}/none.json", "--report", "{d}/cmp2"), r"none\.json",
          _p("{d}/cmp2/report.md")),
-    # induction_check.py
-    Case("induction-negative-gap", "tools/induction_check.py", _p("--max-gap", "-3", "--output", "{d}/ic1.json"),
-         r"--max-gap", _p("{d}/ic1.json")),
-    Case("induction-odd-head-dim", "tools/induction_check.py",
-         _p("--hidden-size", "36", "--num-attention-heads", "4", "--output", "{d}/ic2.json"), r"even size",
-         _p("{d}/ic2.json")),
-    Case("induction-output-dir-missing", "tools/induction_check.py",
-         _p("--steps", "1", "--output", "{d}/no_dir/ic3.json"), r"no_dir", _p("{d}/no_dir/ic3.json")),
     # examples/longctx/curriculum.py (the base model's stages; nothing is trained on bad input)
     Case("curriculum-garbage-file", "examples/longctx/curriculum.py",
          _p("--stages", "{d}/garbage.json", "--runs-dir", "{d}/cur1", "--data-dir", "{d}/curd1"), r"garbage\.json",
@@ -256,22 +246,6 @@ CASES = [
     Case("eval-empty-data", "tools/eval_longctx.py",
          _p("--load", "{d}/empty_ckpt", "--data", "{d}/empty.jsonl", "--output", "{d}/ev3.json"),
          r"empty|checkpoint", _p("{d}/ev3.json")),
-    # needle_attention.py
-    Case("needle-attn-lengths-not-int", "tools/needle_attention.py",
-         _p("--load", "{d}/empty_ckpt", "--lengths", "1k", "--output", "{d}/na1.json"), r"integers", _p("{d}/na1.json")),
-    Case("needle-attn-zero-samples", "tools/needle_attention.py",
-         _p("--load", "{d}/empty_ckpt", "--num-samples", "0", "--output", "{d}/na2.json"), r"--num-samples must be >= 1",
-         _p("{d}/na2.json")),
-    Case("needle-attn-negative-window", "tools/needle_attention.py",
-         _p("--load", "{d}/empty_ckpt", "--window", "-2", "--output", "{d}/na3.json"), r"--window must be >= 0",
-         _p("{d}/na3.json")),
-    Case("needle-attn-too-short", "tools/needle_attention.py",
-         _p("--load", "{d}/empty_ckpt", "--lengths", "100", "--output", "{d}/na4.json"), r"length must be an int >= 256",
-         _p("{d}/na4.json")),
-    Case("needle-attn-load-missing", "tools/needle_attention.py",
-         _p("--load", "{d}/no_ckpt", "--output", "{d}/na5.json"), r"no_ckpt.*not a directory", _p("{d}/na5.json")),
-    Case("needle-attn-load-empty-dir", "tools/needle_attention.py",
-         _p("--load", "{d}/empty_ckpt", "--output", "{d}/na6.json"), r"empty_ckpt|checkpoint", _p("{d}/na6.json")),
 ]
 
 
