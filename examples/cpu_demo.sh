@@ -1,38 +1,37 @@
 #!/usr/bin/env bash
-# `make demo`: pipeline-parallel (PP=2, real megatron-core 1F1B over gloo) training of a
-# tiny GPT on CPU, on the embedded synthetic corpus (document lengths resampled from
-# ../shared/data/lengths/prolong.json). Two processes, one thread each; < 5 min on 2 cores.
+# `make demo`: SparseBalance against the Megatron baseline, trained for real on this CPU.
 #
-#   bash examples/cpu_demo.sh            # from the repo root (the Makefile does this)
-#   ITERS=10 bash examples/cpu_demo.sh   # shorter
+# 1. a corpus whose document lengths are resampled from ../shared/data/lengths/
+#    (WLB-LLM reconstruction: whole documents of very different lengths, 8K context);
+# 2. a latency profile of this machine's sparse layer (tools/profile_latency.py --quick),
+#    reused while the model flags and thread count stay the same;
+# 3. pretrain_gpt.py under torchrun, PP=2 (megatron-core's 1F1B over gloo, one thread per
+#    rank), for two arms in interleaved rounds so that machine drift cancels:
+#      megatron       static top-k, whole documents in dataset order (Megatron's sampler)
+#      sparsebalance  --sparse-balance: SAB packing + critical-path DST (attention slack 0)
+# 4. one side-by-side table (tokens/s, speedup with a 95% interval, retained attention vs
+#    static top-k, micro-batch imbalance, bubble per stage, planning time), a Gantt PNG and
+#    a Chrome trace (chrome://tracing, ui.perfetto.dev) of one step of each arm.
 #
-# Outputs: data/corpus.{bin,idx} (kept between runs), runs/cpu_demo/logs/<attempt>/<rank>/
-# (torchrun's per-rank stdout/stderr), runs/cpu_demo/tensorboard, runs/cpu_demo/checkpoints.
+#   bash examples/cpu_demo.sh                 # from the repo root (the Makefile does this)
+#   ROUNDS=5 ITERS=23 bash examples/cpu_demo.sh   # longer, tighter interval
+#   DENSE=1 bash examples/cpu_demo.sh         # add full attention as a third arm
+#
+# Outputs under runs/demo/: report/report.md (every number, the commands, the figures),
+# report/real_gantt.png, report/real_trace.json, runs/<arm>-<round>/ (per-run logs,
+# summary JSON, per-step timelines), corpus and profile (kept between runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-ITERS=${ITERS:-40}
-OUT=runs/cpu_demo
-export OMP_NUM_THREADS=1
-echo "OMP_NUM_THREADS=$OMP_NUM_THREADS (per rank, 2 ranks)"
-
-if [[ ! -f data/corpus.bin || ! -f data/corpus.idx ]]; then
-    "$PY" tools/make_corpus.py --output-prefix data/corpus --lengths prolong \
-        --num-docs 4000 --max-length 1024 --seed 0
-fi
-
-rm -rf "$OUT/logs" "$OUT/checkpoints"
-mkdir -p "$OUT/logs"
+ROUNDS=${ROUNDS:-3}
+ITERS=${ITERS:-12}
+ARMS=megatron,sparsebalance
+if [[ -n "${DENSE:-}" ]]; then ARMS=$ARMS,dense; fi
+OUT=runs/demo
+mkdir -p "$OUT"
+rm -rf "$OUT/runs" "$OUT/report"
 start=$(date +%s)
-# --tee 1: rank stdout also on this terminal; everything per rank in $OUT/logs.
-"$PY" -m torch.distributed.run --nproc-per-node 2 --log-dir "$OUT/logs" --redirects 3 --tee 1 \
-    pretrain_gpt.py \
-    --data-path data/corpus --split 98,2,0 \
-    --pipeline-model-parallel-size 2 \
-    --num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 \
-    --seq-length 1024 --global-batch-size 4 \
-    --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 4 --lr-decay-style cosine --clip-grad 1.0 \
-    --train-iters "$ITERS" --log-interval 5 --eval-interval 20 --eval-iters 2 \
-    --tensorboard-dir "$OUT/tensorboard" --save "$OUT/checkpoints" --no-progress-bar \
-    | sed -u -e 's/^\[default[0-9]\]:\s*//' | grep --line-buffered -v '^SUMMARY_JSON'
-echo "demo wall time: $(( $(date +%s) - start )) s (training incl. startup); per-rank logs in $OUT/logs"
+# The tool runs every rank with OMP_NUM_THREADS=1 (--threads) whatever this shell has.
+"$PY" tools/compare.py --mode real --arms "$ARMS" --rounds "$ROUNDS" --iters "$ITERS" \
+    --threads 1 --workdir "$OUT" --report "$OUT/report"
+echo "demo wall time: $(( $(date +%s) - start )) s; full report: $OUT/report/report.md"

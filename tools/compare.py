@@ -144,9 +144,10 @@ def _real_config(a):
                          rounds=a.rounds or (1 if a.quick else 2), threads=a.threads)
     except ValueError as e:
         raise UsageError(str(e))
-    if measured_steps(cfg) < 20:
-        raise UsageError(f"--iters {cfg.iters} leaves {measured_steps(cfg)} measured steps "
-                         "after warm-up; need >= 20")
+    if measured_steps(cfg) * cfg.rounds < 20:
+        raise UsageError(f"--iters {cfg.iters} x --rounds {cfg.rounds} leaves "
+                         f"{measured_steps(cfg) * cfg.rounds} measured steps per arm after "
+                         "warm-up; need >= 20")
     return cfg
 
 
@@ -227,7 +228,7 @@ def _sim_figures(d: str, model: str, cells: dict, gantt, figs: dict) -> None:
 
 
 def run_real(a, figs: dict, log) -> dict:
-    from sparsebalance.compare.arms import ARMS, FRONTIER
+    from sparsebalance.compare.arms import ARMS, FRONTIER, get_arm
     from sparsebalance.compare.campaign import cpu_prediction, prepare, run_arms
 
     arms = a.arms or list(ARMS)
@@ -235,7 +236,8 @@ def run_real(a, figs: dict, log) -> dict:
         arms += [n for n in FRONTIER if n not in arms]
     cfg = a.real_cfg
     os.makedirs(a.workdir, exist_ok=True)
-    prep = prepare(REPO, SHARED, cfg, a.workdir, log)
+    kinds = ["sparse"] + (["dense"] if any(not get_arm(n).sparse for n in arms) else [])
+    prep = prepare(REPO, SHARED, cfg, a.workdir, log, kinds)
     pred = cpu_prediction(cfg, prep)
     log("[compare] predicted (profile + pipeline model) throughput vs megatron: " + ", ".join(
         f"{n} {r['speedup_vs_megatron']:.3f}x" for n, r in pred["arms"].items()))
@@ -267,7 +269,7 @@ def _real_figures(d: str, res: dict, figs: dict) -> None:
     from sparsebalance.compare.figures import (frontier, last_timeline, speedup_bars,
                                                validation_scatter)
     from sparsebalance.pipeline import simulate
-    from sparsebalance.pipeline.trace import write_gantt
+    from sparsebalance.pipeline.trace import write_chrome_trace, write_gantt
 
     arms = res["arms"]
     if "megatron" in arms:
@@ -286,6 +288,8 @@ def _real_figures(d: str, res: dict, figs: dict) -> None:
         write_gantt(os.path.join(d, "real_gantt.png"), results,
                     title="last step, measured per-op times replayed in megatron's 1F1B order")
         figs["real_gantt"] = "real_gantt.png"
+        write_chrome_trace(os.path.join(d, "real_trace.json"), results)
+        figs["real_trace"] = "real_trace.json"
     pts = _real_frontier(arms)
     if len(pts) >= 2:
         frontier(os.path.join(d, "real_frontier.png"), {}, pts)
@@ -335,7 +339,7 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"tools/compare.py: error: {e}", file=sys.stderr)
         return 2
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:
         print(f"tools/compare.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     from sparsebalance.compare.report import build_report, write_text
@@ -372,8 +376,14 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(summary))
     else:
-        for n, v in summary["speedup_vs_megatron"].items():
-            print(f"real {n}: {v:.3f}x megatron's throughput")
+        if real is not None and real.get("arms"):
+            from sparsebalance.compare.report import real_table
+
+            print("\n".join(real_table(real)))
+        if a.report and real is not None:
+            for key in ("real_gantt", "real_trace"):
+                if key in figs:
+                    print(f"{key.split('_')[1]}: {os.path.join(a.report, figs[key])}")
         for f, by in (sim["models"][sim["primary_model"]]["cells"] if sim else {}).items():
             for seq, c in by.items():
                 print(f"sim {f} {seq}: " + ", ".join(

@@ -151,6 +151,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--sb-attn-slack", type=float, default=0.0,
                    help="critical-path policy: retained attention may drop to (1 - slack) x "
                         "the static plan's, 0 <= slack < 1")
+    g.add_argument("--no-sb-plan-ahead", dest="sb_plan_ahead", action="store_false",
+                   help="DST: plan each step in line before it runs instead of in the "
+                        "background during the previous step (with the correction one step "
+                        "newer)")
     g.add_argument("--sb-timeline", default=None, metavar="DIR",
                    help="write each logged step's predicted and measured timeline "
                         "(tools/timeline.py format) and a Gantt PNG of the last one")

@@ -190,8 +190,24 @@ class PackedDataLoader:
                                       strategy=strategy, seed=seed, shuffle=shuffle,
                                       max_carry_steps=max_carry_steps, predictor=predictor, pp=pp)
 
+        self._ahead: Optional[tuple] = None  # (sampler state before it, the peeked step)
+
+    def peek(self) -> StepBatches:
+        """The next step without consuming it (built once: :meth:`next_step` returns the
+        same object). Checkpoints taken meanwhile still resume at that step."""
+        if self._ahead is None:
+            state = self.sampler.state_dict()
+            self._ahead = (state, self._build())
+        return self._ahead[1]
+
     def next_step(self) -> StepBatches:
         """Plan the next step (identically on every rank) and build this rank's micro-batches."""
+        if self._ahead is not None:
+            batches, self._ahead = self._ahead[1], None
+            return batches
+        return self._build()
+
+    def _build(self) -> StepBatches:
         plan = self.sampler.next_step()
         mine = plan.ranks[self.dp_rank]
         all_segments = [seg for rank in plan.ranks for mb in rank for seg in mb]
@@ -213,7 +229,8 @@ class PackedDataLoader:
         )
 
     def state_dict(self) -> dict:
-        return self.sampler.state_dict()
+        return self._ahead[0] if self._ahead is not None else self.sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        self._ahead = None
         self.sampler.load_state_dict(state)

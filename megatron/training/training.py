@@ -51,6 +51,8 @@ class StepLog:
     """CPU time of the sampler's packing of this step (ms)."""
     plan_ms: float = 0.0
     """Wall time of the DST instance + plan, or of the prediction without DST (ms)."""
+    plan_wait_ms: float = 0.0
+    """Part of plan_ms the step waited for (less when planned ahead in the background)."""
     predicted_step_ms: Optional[float] = None
     """Pipeline model + predictor's step time at the step's budgets (None: no predictor)."""
     imbalance: float = 1.0
@@ -62,6 +64,9 @@ class StepLog:
     """Attention (query, key) pairs kept, all ranks and layers (0 without records)."""
     causal_pairs: float = 0.0
     """Causal (query, key) pairs behind ``kept_pairs``."""
+    static_density: Optional[float] = None
+    """Kept / causal pairs the step's documents would have at the static ``--sb-topk``
+    (every layer), counted from the routing rule; None without sparse attention."""
 
     @property
     def density(self) -> float:
@@ -243,7 +248,9 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         batches = loader.next_step()
-        forecast = balancer.plan(batches) if balancer is not None else None
+        forecast = balancer.forecast(batches) if balancer is not None else None
+        if balancer is not None and balancer.ahead and iteration + 1 < args.train_iters:
+            balancer.plan_ahead(loader.peek())
         lr = float(optimizer.param_groups[0]["lr"])  # the rate this step applies
         result = train_step(args, model, optimizer, scheduler, batches, state["timers"])
         result.budget = batches.budget
@@ -252,7 +259,7 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
         table = _gather_rows(_step_row(args, result, step_s, pp_rank, dp_rank))
         meas_fwd, meas_bwd = _measured_ops(args, table)
         if balancer is not None:  # same table on every rank -> same correction everywhere
-            balancer.observe(meas_fwd, meas_bwd)
+            balancer.observe(forecast, meas_fwd, meas_bwd)
         mb_ms = (meas_fwd + meas_bwd).sum(axis=2)
         tokens_in_loss = table[:, _COL["loss_tokens"]].sum()
         entry = StepLog(
@@ -266,11 +273,13 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             stage_bwd_s=_stage_times(table, _COL["bwd_s"]),
             pack_ms=float(batches.plan.pack_ms),
             plan_ms=forecast.plan_ms if forecast else 0.0,
+            plan_wait_ms=forecast.wait_ms if forecast else 0.0,
             predicted_step_ms=forecast.step_ms if forecast else None,
             imbalance=float(mb_ms.max() / mb_ms.mean()) if mb_ms.mean() > 0 else 1.0,
             bubble=_bubbles(args, table),
             kept_pairs=float(table[:, _COL["kept_pairs"]].sum()),
             causal_pairs=float(table[:, _COL["causal_pairs"]].sum()),
+            static_density=_static_density(args, batches),
         )
         log.step(entry)
         if timeline is not None and iteration % args.log_interval == 0:
@@ -298,6 +307,17 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
     return summary
 
 
+def _retained_vs_static(steps: List[StepLog], density: float) -> Optional[float]:
+    """Measured density over the run / the static top-k's density on the same
+    documents (weighted by causal pairs like the measured one); 1.0 = static."""
+    pairs = [(s.static_density, s.causal_pairs) for s in steps if s.static_density is not None]
+    weight = sum(c for _, c in pairs)
+    if not pairs or weight <= 0:
+        return None
+    static = sum(d * c for d, c in pairs) / weight
+    return density / static if static > 0 else None
+
+
 class _Timeline:
     """``--sb-timeline DIR``: per logged step, ``step_<iter>.predicted.json`` and
     ``step_<iter>.measured.json`` (tools/timeline.py format, every DP replica and
@@ -320,7 +340,10 @@ class _Timeline:
             return
         for kind, f, b in (("predicted", forecast.fwd_ms, forecast.bwd_ms),
                            ("measured", meas_fwd, meas_bwd)):
-            _atomic_json(os.path.join(self.dir, f"step_{iteration:07d}.{kind}.json"), self._doc(f, b))
+            doc = self._doc(f, b)
+            if forecast.budget is not None:  # DST's top-k per [dp, microbatch, stage]
+                doc["budget"] = np.asarray(forecast.budget).tolist()
+            _atomic_json(os.path.join(self.dir, f"step_{iteration:07d}.{kind}.json"), doc)
         self.last = (iteration, forecast.fwd_ms, forecast.bwd_ms, meas_fwd, meas_bwd)
 
     def finish(self) -> None:
@@ -334,6 +357,21 @@ class _Timeline:
         write_gantt(os.path.join(self.dir, f"step_{it:07d}.png"),
                     {"predicted": sim(pf, pb), "measured": sim(mf, mb)},
                     title=f"iteration {it}: predicted vs measured op times (megatron op order)")
+
+
+def _static_density(args, batches) -> Optional[float]:
+    """Density of the step's whole global batch at the static top-k (the baseline that
+    DST's retained attention is compared with, on the same documents)."""
+    if not args.sparse_attention or batches.plan is None:
+        return None
+    from megatron.training.data import microbatch_lengths
+    from sparsebalance.attention.routing import causal_pairs, kept_pairs
+
+    pad_to = args.seq_length if args.virtual_pipeline_model_parallel_size is not None else None
+    L = np.array([n for rank in batches.plan.ranks for mb in rank
+                  for n in microbatch_lengths(mb, pad_to)], dtype=np.int64)
+    causal = float(causal_pairs(L).sum())
+    return float(kept_pairs(L, args.sb_topk, args.sb_block_size).sum()) / causal if causal else 1.0
 
 
 def _atomic_json(path: str, obj) -> None:
@@ -398,7 +436,8 @@ class _Logger:
             if self.args.sparse_attention:
                 extra += f" | density {s.density:.3f}"
             if s.predicted_step_ms is not None:
-                extra += f" | predicted {s.predicted_step_ms:.1f} ms | plan {s.plan_ms:.1f} ms"
+                extra += (f" | predicted {s.predicted_step_ms:.1f} ms | plan {s.plan_ms:.1f} ms"
+                          f" (waited {s.plan_wait_ms:.1f})")
             bub = " ".join(f"{b:.2f}" for b in s.bubble)
             self.info(f"iter {s.iteration:6d}/{self.args.train_iters} | loss {s.loss:.4f} | lr {s.lr:.3e} | "
                       f"grad-norm {s.grad_norm:.3f} | step {s.step_s * 1e3:.0f} ms | "
@@ -458,7 +497,7 @@ class _Logger:
                 _atomic_json(self.args.summary_json, out)
         return out
 
-    def _balance_metrics(self) -> dict:
+    def _balance_metrics(self) -> dict:  # noqa: C901 (one flat table of metrics)
         """The evaluation tool's metrics (see pretrain_gpt.py --summary-json). Timing
         metrics skip the warm-up steps (:func:`_warmup_steps`); density and losses use
         every step of this run."""
@@ -480,15 +519,20 @@ class _Logger:
         return {
             "step_ms_median": med([s.step_s * 1e3 for s in counted]),
             "step_ms_all": [s.step_s * 1e3 for s in steps],
+            "step_tokens_all": [int(s.tokens) for s in steps],
+            "plan_ms_all": [s.plan_ms for s in steps],
+            "plan_wait_ms_all": [s.plan_wait_ms for s in steps],
             "warmup_steps_skipped": len(steps) - len(counted),
             "tokens_per_s": float(sum(s.tokens for s in counted) / t_s) if t_s > 0 else 0.0,
             "loss_first": steps[0].loss if steps else None,
             "loss_last": steps[-1].loss if steps else None,
             "density_mean": kept / causal if causal else 1.0,
+            "retained_vs_static": _retained_vs_static(steps, kept / causal if causal else 1.0),
             "imbalance_mean": float(np.mean([s.imbalance for s in counted])) if counted else None,
             "bubble_fraction": bubbles.mean(axis=0).tolist() if len(counted) else [],
             "predicted_step_ms_median": med(preds) if preds else None,
             "pack_ms_median": med([s.pack_ms for s in counted]),
             "plan_ms_median": med([s.plan_ms for s in counted]) if preds else None,
+            "plan_wait_ms_median": med([s.plan_wait_ms for s in counted]) if preds else None,
             "args": {k: getattr(self.args, k, None) for k in keys},
         }

@@ -25,6 +25,8 @@ class Arm:
     """Anchor: p (budget range +-p k0). Critical-path: attention slack eps."""
     sparse: bool = True
     """Block top-k sparse attention (False: full attention)."""
+    plan_ahead: bool = True
+    """DST plans the next step in the background (False: in line, before each step)."""
     description: str = ""
     """One line for the report."""
 
@@ -37,6 +39,8 @@ class Arm:
             flags += ["--sb-anchor", "mean", "--sb-p", f"{self.param:g}"]
         elif self.dst == "critical-path":
             flags += ["--sb-attn-slack", f"{self.param:g}"]
+        if self.dst != "off" and not self.plan_ahead:
+            flags.append("--no-sb-plan-ahead")
         return flags
 
 
@@ -77,6 +81,12 @@ def frontier_arms() -> Dict[str, Arm]:
 FRONTIER: Dict[str, Arm] = frontier_arms()
 """Frontier points by name."""
 
+ABLATIONS: Dict[str, Arm] = {a.name: a for a in (
+    Arm("sparsebalance-inline", "sab", "critical-path", 0.0, plan_ahead=False,
+        description="sparsebalance with each step's plan made in line (on the critical path)"),
+)}
+"""Arms that isolate one mechanism, run by name (``--arms``)."""
+
 
 def get_arm(name: str) -> Arm:
     """Main or frontier arm by name; raises ValueError naming ``arm``."""
@@ -84,4 +94,7 @@ def get_arm(name: str) -> Arm:
         return ARMS[name]
     if name in FRONTIER:
         return FRONTIER[name]
-    raise ValueError(f"arm must be one of {sorted(ARMS) + sorted(FRONTIER)}, got {name!r}")
+    if name in ABLATIONS:
+        return ABLATIONS[name]
+    raise ValueError(f"arm must be one of {sorted(ARMS) + sorted(FRONTIER) + sorted(ABLATIONS)}, "
+                     f"got {name!r}")

@@ -61,8 +61,10 @@ def _cached(cmd: List[str], output: str, cfg: RealConfig, log: Callable, what: s
     return text
 
 
-def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable) -> dict:
-    """Corpus and profiles; returns their paths, commands and the corpus statistics."""
+def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable,
+            kinds: Sequence[str] = ("sparse", "dense")) -> dict:
+    """Corpus and the profiles of ``kinds`` (the sparse layer always; the dense one for
+    a dense arm); returns their paths, commands and the corpus statistics."""
     r = cfg.recipe
     py = python_exe(repo)
     src = source_lengths(os.path.join(shared, "data", "lengths"), r.lengths_file)
@@ -84,7 +86,7 @@ def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable) -
     info["recipe_lines"] = describe(r, info["stats"], q, scale)
     kmin, kmax = max(1, r.topk // 2), 2 * r.topk
     lfile = os.path.join(shared, "data", "lengths", r.lengths_file + ".json")
-    for kind in ("sparse", "dense"):
+    for kind in kinds:
         path = os.path.join(work, f"profile_{kind}.json")
         cmd = [py, os.path.join(repo, "tools", "profile_latency.py"), "--quick", "--output", path,
                *cfg.model_flags(), "--length-files", lfile, "--length-scale", f"{scale:.6f}",
@@ -112,7 +114,7 @@ def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: d
         summary = os.path.join(d, "summary.json")
         if os.path.exists(summary):
             os.unlink(summary)
-        profile = prep["profile_sparse" if arm.sparse else "profile_dense"]
+        profile = prep.get("profile_sparse" if arm.sparse else "profile_dense")
         cmd = driver_command(py, repo, cfg, arm, prep["corpus_prefix"], summary,
                              os.path.join(d, "logs"), profile, os.path.join(d, "timeline"))
         runs[arm_name].append(launch(cmd, cfg, arm_name, k, summary, d, log))
@@ -128,6 +130,7 @@ def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: d
             p["replayed_step_ms"] = float(np.mean([s["replayed_ms"] for s in stats]))
             p["op_sum_error"] = float(np.mean([s["op_sum_predicted_ms"] / s["op_sum_measured_ms"] - 1
                                                for s in stats]))
+    ratios, pairs = _ratios(runs, cfg)
     drift = None
     base = runs.get("megatron", [])
     if cfg.rounds == 1 and len(base) == 2 and all(r.summary for r in base):
@@ -142,8 +145,30 @@ def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: d
         "arms": {a: p for a, p in pooled.items() if p is not None},
         "failed": {a: [r.error for r in rs] for a, rs in runs.items() if pooled[a] is None},
         "baseline_drift": drift,
+        "ratios_vs_megatron": ratios,
+        "pairs": pairs,
         "timelines": {a: os.path.join(work, "runs", f"{a}-0", "timeline") for a in arms},
     }
+
+
+PAIRS = (("sparsebalance", "sab", "DST (critical-path) on top of SAB"),
+         ("sparsebalance", "sparsebalance-inline", "DST planned ahead vs in line"),
+         ("dst", "megatron", "DST alone on Megatron packing"))
+"""(arm, reference, what it isolates): throughput ratios reported when both arms ran."""
+
+
+def _ratios(runs: Dict[str, List[RunResult]], cfg: RealConfig):
+    """Per-round throughput ratios vs megatron and for :data:`PAIRS`, median + 95% CI
+    (:mod:`sparsebalance.compare.stats`); one round pools both megatron runs."""
+    from .stats import ratio_estimate, run_steps
+
+    steps = {a: [run_steps(r.summary, r.repeat if cfg.rounds > 1 else 0)
+                 for r in rs if r.summary is not None] for a, rs in runs.items()}
+    ratios = {a: ratio_estimate(s, steps["megatron"]).as_dict()
+              for a, s in steps.items() if a != "megatron" and s and steps.get("megatron")}
+    pairs = {f"{a}/{b}": {**ratio_estimate(steps[a], steps[b]).as_dict(), "isolates": what}
+             for a, b, what in PAIRS if steps.get(a) and steps.get(b)}
+    return ratios, pairs
 
 
 def cpu_prediction(cfg: RealConfig, prep: dict) -> dict:
@@ -157,5 +182,5 @@ def cpu_prediction(cfg: RealConfig, prep: dict) -> dict:
     r = cfg.recipe
     scfg = SimConfig(pp=cfg.ranks, dp=1, micro_batches=cfg.micro_batches, steps=cfg.iters,
                      seed=cfg.seed, cost_model=prep["profile_sparse"], block_size=r.block_size,
-                     topk=r.topk, model=(("num_layers", cfg.num_layers),))
+                     topk=r.topk, model=(("num_layers", cfg.num_layers),), threads=cfg.threads)
     return simulate_cell(lengths, r.seq_length, scfg).table

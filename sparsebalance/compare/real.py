@@ -94,7 +94,7 @@ class RealConfig:
 
 
 def measured_steps(cfg: RealConfig) -> int:
-    """Steps the driver counts after its warm-up skip (max(2, 10%))."""
+    """Steps the driver counts after its warm-up skip (max(2, 10%)), per run."""
     skip = max(2, cfg.iters // 10)
     return cfg.iters - skip if cfg.iters > skip else cfg.iters
 
@@ -220,6 +220,11 @@ def pool(runs: Sequence[RunResult]) -> Optional[dict]:
         "loss_first": float(np.mean([s["loss_first"] for s in ok])),
         "plan_ms": (float(np.median([s["plan_ms_median"] for s in ok]))
                     if all(s.get("plan_ms_median") is not None for s in ok) else None),
+        "plan_wait_ms": (float(np.median([s["plan_wait_ms_median"] for s in ok]))
+                         if all(s.get("plan_wait_ms_median") is not None for s in ok) else None),
+        "retained_vs_static": (float(np.mean([s["retained_vs_static"] for s in ok]))
+                               if all(s.get("retained_vs_static") is not None for s in ok)
+                               else None),
         "pack_ms": float(np.median([s.get("pack_ms_median") or 0.0 for s in ok])),
     }
     return out

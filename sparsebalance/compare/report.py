@@ -190,6 +190,7 @@ def real_section(real: dict, figs: dict) -> List[str]:
     if real.get("baseline_drift") is not None:
         out += [f"Machine drift: megatron's median step changed by "
                 f"{real['baseline_drift']:+.1%} between its first and last run (both pooled).", ""]
+    out += real_table(real) + [""]
     out += ["| arm | median step ms (p25-p75) | tokens/s | speedup | loss (last) | density | "
             "imbalance | bubble per stage | predicted ms | validation | replayed ops ms | "
             "op-sum error | steps (runs) | run medians ms |",
@@ -232,6 +233,33 @@ def real_section(real: dict, figs: dict) -> List[str]:
             out.append(f"![{key}]({figs[key]})")
     out += ["", "Commands:", "", "```"] + list(prep["commands"].values())
     out += [r["command"] for r in real["runs"]] + ["```", ""]
+    return out
+
+
+def _ratio_text(r: Optional[dict]) -> str:
+    if r is None:
+        return "1 (reference)"
+    return f"{r['median']:.3f}x [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+
+
+def real_table(real: dict) -> List[str]:
+    """Side-by-side table of the real arms (what ``make demo`` prints), then the pairs."""
+    rounds = real.get("config", {}).get("rounds", 1)
+    out = ["| arm | tokens/s | vs megatron, median [95% CI] | retained attention vs static | "
+           "micro-batch imbalance | bubble per stage | planning ms (step waited) |",
+           "|---|---|---|---|---|---|---|"]
+    ratios = real.get("ratios_vs_megatron", {})
+    for a, r in real["arms"].items():
+        plan = (f"{r['plan_ms']:.1f} ({_f(r.get('plan_wait_ms'), '{:.1f}')})"
+                if r.get("plan_ms") is not None else "-")
+        out.append(f"| {a} | {r['tokens_per_s']:.0f} | {_ratio_text(ratios.get(a))} | "
+                   f"{_f(r.get('retained_vs_static'))} | {r['imbalance']:.2f} | "
+                   f"{' / '.join(f'{b:.2f}' for b in r['bubble_fraction'])} | {plan} |")
+    out += ["", f"Ratios: per-round tokens/s ratio, median over {rounds} interleaved round(s); "
+            "95% two-level bootstrap interval (rounds, then steps within each run)."]
+    for name, p in real.get("pairs", {}).items():
+        verdict = "beyond noise" if p["beyond_noise"] else "within noise"
+        out.append(f"{p['isolates']} ({name}): {_ratio_text(p)}, {verdict}.")
     return out
 
 

@@ -72,6 +72,8 @@ class SimConfig:
     """Longest wait of a deferred document, steps."""
     model: Tuple[Tuple[str, object], ...] = ()
     """Predictor ModelShape overrides as (field, value) pairs (default: its defaults)."""
+    threads: Optional[int] = None
+    """Threads per rank of the runs a profile cost model predicts (None: this process's)."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "micro_batches", "steps", "block_size", "topk"):
@@ -82,8 +84,9 @@ class SimConfig:
 
     def predictor(self):
         """The cost model of the simulation."""
+        extra = {"threads": self.threads} if self.threads is not None else {}
         return get_predictor(self.cost_model, block_size=self.block_size, topk=self.topk,
-                             **dict(self.model))
+                             **dict(self.model), **extra)
 
 
 @dataclass

@@ -40,6 +40,8 @@ def get_predictor(name_or_profile_path: str, **model_cfg: Any) -> LatencyPredict
             raises ValueError after a warning) and ``expect`` (dict of extra
             model-fingerprint entries to check, e.g. ``{"attention_backend": "cpu"}``).
             Optional for both: ``recalibration_alpha`` (EMA weight, default 0.2).
+            Profiles only: ``threads`` (the thread count of the run predicted for;
+            default this process's), checked against the profile's.
 
     Raises:
         ValueError: unknown name or model_cfg key, or a stale profile.
@@ -49,7 +51,7 @@ def get_predictor(name_or_profile_path: str, **model_cfg: Any) -> LatencyPredict
     cfg = dict(model_cfg)
     recal = Recalibrator(alpha=float(cfg.pop("recalibration_alpha", 0.2)))
     if name_or_profile_path in ANALYTIC_MODELS:
-        for key in ("allow_stale", "expect"):
+        for key in ("allow_stale", "expect", "threads"):
             if key in cfg:
                 raise ValueError(f"{key} applies to profiles, not to {name_or_profile_path!r}")
         shape = ModelShape.from_kwargs(**cfg)

@@ -166,7 +166,7 @@ def read_profile(path: str) -> tuple[dict, str]:
 
 def load_predictor(path: str, recalibrator: Optional[Recalibrator] = None,
                    allow_stale: bool = False, expect: Optional[dict] = None,
-                   **model_cfg: Any) -> FittedPredictor:
+                   threads: Optional[int] = None, **model_cfg: Any) -> FittedPredictor:
     """Fitted predictor from a profile, after checking its fingerprints.
 
     Args:
@@ -174,6 +174,8 @@ def load_predictor(path: str, recalibrator: Optional[Recalibrator] = None,
         recalibrator: online correction state (a fresh one by default).
         allow_stale: use a profile whose fingerprint differs (after a warning).
         expect: extra model-fingerprint entries to check (e.g. attention_backend).
+        threads: the thread count of the run the prediction is for (default: this
+            process's); a tool predicting for child processes passes theirs.
         **model_cfg: ModelShape fields of the running model; given ones are checked,
             the others are taken from the profile.
 
@@ -189,7 +191,7 @@ def load_predictor(path: str, recalibrator: Optional[Recalibrator] = None,
         raise FileNotFoundError(f"latency profile {path} does not exist; create it with: "
                                 f"{create_command(path, want, sparse=want.get('attention') != 'dense')}")
     prof, digest = read_profile(path)
-    diffs = fingerprint_diffs(prof, model_cfg, expect)
+    diffs = fingerprint_diffs(prof, model_cfg, expect, hardware_fingerprint(threads))
     if diffs:
         msg = f"latency profile {path} does not match this run: " + "; ".join(diffs)
         warnings.warn(msg, stacklevel=2)
@@ -197,7 +199,7 @@ def load_predictor(path: str, recalibrator: Optional[Recalibrator] = None,
             # Re-profiling for this run: the profile's model with the requested changes,
             # at this process's thread count.
             want = {**prof["model"], **model_cfg, **(expect or {})}
-            cmd = create_command(path, want, sparse=want.get("attention") != "dense")
+            cmd = create_command(path, want, threads, sparse=want.get("attention") != "dense")
             raise ValueError(f"{msg} (re-profile with: {cmd}; or pass --sb-allow-stale-profile)")
     if digest not in _CACHE:
         coef = prof.get("coefficients") or fit_coefficients(

@@ -174,3 +174,20 @@ def test_printed_command_writes_the_profile_the_run_accepts(tmp_path, run):
         want.pop("topk")  # a dense profile serves any budget (topk is not fingerprinted)
     diffs = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
     assert not diffs, f"profile written by the printed command differs: {diffs}"
+
+
+def test_threads_of_the_predicted_run(tmp_path):
+    """A tool that launches ranks with N threads predicts with the N-thread profile,
+    whatever its own thread count (tools/compare.py runs ranks with one thread)."""
+    import torch
+
+    other = torch.get_num_threads() + 1
+    path = str(tmp_path / "prof.json")
+    save_profile(path, make_profile(hardware_fingerprint(threads=other), MODEL, _samples(), "t"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=f"hardware.threads: profile {other}"):
+            get_predictor(path)
+    assert get_predictor(path, threads=other).block_size == 64
+    with pytest.raises(ValueError, match="threads applies to profiles"):
+        get_predictor("h100-analytic", threads=1)
