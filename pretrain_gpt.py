@@ -73,7 +73,7 @@ def _check_inputs(args) -> None:
             same_as_save = args.save and os.path.realpath(args.save) == os.path.realpath(args.load)
             if not same_as_save:  # --load == --save on an empty dir: a fresh start that can resume
                 raise ValueError(f"--load: no checkpoint in {args.load}")
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: a profile or dataset that cannot be read
         _fail(" ".join(str(e).split()), 2)
 
 

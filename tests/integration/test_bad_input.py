@@ -1,5 +1,6 @@
-"""Bad-input sweep: pretrain_gpt.py, every tool in tools/ and the long-context recipe's
-curriculum.py on bad arguments and files.
+"""Bad-input sweep: pretrain_gpt.py, every tool in tools/, ``python -m
+sparsebalance.batching`` and the long-context recipe's curriculum.py on bad arguments
+and files (a latency profile that is stale, malformed or missing included).
 
 The contract (project standard for CLIs): a non-zero exit, exactly one line on stderr
 that names the problem, no traceback anywhere, and no output file left behind.
@@ -33,7 +34,7 @@ class Case:
     """One bad invocation and what its single error line must mention."""
 
     id: str
-    script: str  # path relative to the repo root
+    script: str  # path relative to the repo root, or "-m package" (run as a module)
     argv: Callable[[str], list[str]]  # tmp dir -> arguments
     mention: str  # regex the error line must match (case-insensitive)
     no_outputs: Callable[[str], list[str]] = field(default=lambda d: [])  # paths that must not exist
@@ -82,17 +83,53 @@ def make_bad_files(d: str) -> None:
                        "block_size": 128, "topk": 16},
              "timing": {}, "samples": []}
     json.dump(other, open(f"{d}/other_model_profile.json", "w"))
+    # A real profile of the model the cases ask for (TINY + SB_TINY), made at another thread
+    # count than theirs (OMP_NUM_THREADS=1): the only difference is hardware.threads.
+    made = subprocess.run([PY, os.path.join(REPO, "tools", "profile_latency.py"), "--quick", "--cpu",
+                           "--output", f"{d}/threads_profile.json", "--sparse-attention",
+                           *TINY_MODEL, *SB_TINY, "--repeats", "1", "--warmup", "0"],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=d,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL)
+    assert made.returncode == 0, made.stderr[-2000:]
+    real = json.load(open(f"{d}/threads_profile.json"))
+    assert real["hardware"]["threads"] == 1, real["hardware"]
+    real["hardware"]["threads"] = 2
+    json.dump(real, open(f"{d}/threads_profile.json", "w"))
+    text = open(f"{d}/threads_profile.json").read()
+    open(f"{d}/truncated_profile.json", "w").write(text[: len(text) // 2])
     json.dump([int(x) for x in rng.integers(100, 3000, size=80)], open(f"{d}/lengths.json", "w"))
     os.makedirs(f"{d}/a_dir", exist_ok=True)
     os.makedirs(f"{d}/empty_ckpt", exist_ok=True)
 
 
-TINY = ["--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
-        "--seq-length", "64", "--train-iters", "1"]
+TINY_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64"]
+TINY = ["--cpu", *TINY_MODEL, "--train-iters", "1"]
+SB_TINY = ["--sb-block-size", "32", "--sb-topk", "2"]
 
 
 def _pretrain(*extra):
     return lambda d: TINY + ["--data-path", f"{d}/good"] + [a.format(d=d) for a in extra]
+
+
+def _pretrain_sb(profile):
+    return _pretrain("--sparse-balance", *SB_TINY, "--sb-profile", profile)
+
+
+def _sim_profile(profile, out):
+    return _p("from-lengths", "--lengths", "{d}/lengths.json", "--predictor", profile, "--num-layers", "2",
+              "--block-size", "32", "--seq-length", "8192", "--pp", "2", "--dp", "1", "--microbatches", "2",
+              "--out", out)
+
+
+def _pack(profile, *model):
+    """``python -m sparsebalance.batching pack`` on the sweep's tiny model (or ``model``)."""
+    shape = dict(model) or {"hidden_size": 32, "num_attention_heads": 2}
+    return _p("pack", "--lengths", "{d}/lengths.json", "--dp", "1", "--micro-batches", "2",
+              "--seq-length", "8192", "--pp", "2", "--steps", "1", "--block-size", "32", "--topk", "2",
+              "--cost-model", profile, "--model-config", json.dumps(shape).replace("{", "{{").replace("}", "}}"))
+
+
+STALE_THREADS = r"threads_profile\.json does not match.*hardware\.threads: profile 2, now 1"
 
 
 CASES = [
@@ -122,6 +159,14 @@ CASES = [
     Case("pretrain-profile-of-another-model", "pretrain_gpt.py",
          _pretrain("--sparse-balance", "--sb-profile", "{d}/other_model_profile.json"),
          r"other_model_profile\.json.*(match|num_layers|block_size|hidden)"),
+    Case("pretrain-profile-other-threads", "pretrain_gpt.py", _pretrain_sb("{d}/threads_profile.json"),
+         STALE_THREADS),
+    Case("pretrain-profile-truncated", "pretrain_gpt.py", _pretrain_sb("{d}/truncated_profile.json"),
+         r"truncated_profile\.json.*not valid JSON"),
+    Case("pretrain-profile-wrong-format", "pretrain_gpt.py", _pretrain_sb("{d}/wrong_schema.json"),
+         r"wrong_schema\.json.*not a sparsebalance-latency-profile"),
+    Case("pretrain-profile-missing", "pretrain_gpt.py", _pretrain_sb("{d}/no_profile.json"),
+         r"no_profile\.json does not exist.*tools/profile_latency\.py", _p("{d}/no_profile.json")),
     # preprocess_data.py: bad JSONL
     Case("preprocess-missing-input", "tools/preprocess_data.py",
          _p("--input", "{d}/none.jsonl", "--output-prefix", "{d}/pp0"), r"none\.jsonl",
@@ -204,6 +249,17 @@ CASES = [
             "--num-layers", "24", "--block-size", "256", "--seq-length", "8192", "--pp", "2", "--dp", "1",
             "--microbatches", "2", "--out", "{d}/fl.json"),
          r"other_model_profile\.json.*(match|num_layers|block_size)", _p("{d}/fl.json")),
+    Case("simulate-profile-other-threads", "tools/simulate.py",
+         _sim_profile("{d}/threads_profile.json", "{d}/fl2.json"), STALE_THREADS, _p("{d}/fl2.json")),
+    Case("simulate-profile-truncated", "tools/simulate.py",
+         _sim_profile("{d}/truncated_profile.json", "{d}/fl3.json"), r"truncated_profile\.json.*not valid JSON",
+         _p("{d}/fl3.json")),
+    Case("simulate-profile-wrong-format", "tools/simulate.py",
+         _sim_profile("{d}/wrong_schema.json", "{d}/fl4.json"),
+         r"wrong_schema\.json.*not a sparsebalance-latency-profile", _p("{d}/fl4.json")),
+    Case("simulate-profile-missing", "tools/simulate.py",
+         _sim_profile("{d}/no_profile.json", "{d}/fl5.json"), r"no_profile\.json does not exist",
+         _p("{d}/fl5.json", "{d}/no_profile.json")),
     Case("simulate-binary-instance", "tools/simulate.py",
          _p("run", "--instance", "{d}/good.idx", "--trace", "{d}/sim4.trace.json"), r"good\.idx",
          _p("{d}/sim4.trace.json")),
@@ -222,6 +278,18 @@ CASES = [
     Case("compare-missing-lengths", "tools/compare.py",
          _p("--quick", "--lengths", "{d}/none.json", "--report", "{d}/cmp2"), r"none\.json",
          _p("{d}/cmp2/report.md")),
+    # python -m sparsebalance.batching pack --cost-model PROFILE
+    Case("batching-profile-other-threads", "-m sparsebalance.batching", _pack("{d}/threads_profile.json"),
+         STALE_THREADS),
+    Case("batching-profile-of-another-model", "-m sparsebalance.batching",
+         _pack("{d}/other_model_profile.json", ("hidden_size", 64)),
+         r"other_model_profile\.json.*model\.block_size: profile 128, now 32"),
+    Case("batching-profile-truncated", "-m sparsebalance.batching", _pack("{d}/truncated_profile.json"),
+         r"truncated_profile\.json.*not valid JSON"),
+    Case("batching-profile-wrong-format", "-m sparsebalance.batching", _pack("{d}/wrong_schema.json"),
+         r"wrong_schema\.json.*not a sparsebalance-latency-profile"),
+    Case("batching-profile-missing", "-m sparsebalance.batching", _pack("{d}/no_profile.json"),
+         r"no_profile\.json does not exist", _p("{d}/no_profile.json")),
     # examples/longctx/curriculum.py (the base model's stages; nothing is trained on bad input)
     Case("curriculum-garbage-file", "examples/longctx/curriculum.py",
          _p("--stages", "{d}/garbage.json", "--runs-dir", "{d}/cur1", "--data-dir", "{d}/curd1"), r"garbage\.json",
@@ -250,13 +318,21 @@ CASES = [
 
 
 def run_case(case: Case, d: str) -> subprocess.CompletedProcess | None:
-    script = os.path.join(REPO, case.script)
-    if not os.path.isfile(script):
-        return None
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", WORLD_SIZE="1")
     for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    return subprocess.run([PY, script, *case.argv(d)], capture_output=True, text=True,
+    if case.script.startswith("-m "):
+        module = case.script[3:]
+        if not os.path.isdir(os.path.join(REPO, *module.split("."))):
+            return None
+        cmd = [PY, "-m", module]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    else:
+        script = os.path.join(REPO, case.script)
+        if not os.path.isfile(script):
+            return None
+        cmd = [PY, script]
+    return subprocess.run([*cmd, *case.argv(d)], capture_output=True, text=True,
                           timeout=TIMEOUT_S, cwd=d, env=env, stdin=subprocess.DEVNULL)
 
 

@@ -91,6 +91,19 @@ def test_sb_bad_input_cli(name, corpus, tmp_path):
     _check_one_line(proc.returncode, proc.stderr, expect, tmp_path)
 
 
+def test_stale_profile_on_a_rank_one_line(corpus, tmp_path):
+    """Under torchrun every rank checks the profile before any process group starts: a
+    stale one ends each rank with one line naming the rank (exit 2), not a traceback."""
+    argv, expect = _argv("stale profile", corpus, tmp_path)
+    e = env()
+    e.update(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1")  # what torchrun sets for rank 1
+    proc = subprocess.run([PY, PRETRAIN, *argv], cwd=ROOT, env=e, capture_output=True, text=True,
+                          timeout=120)
+    assert "Traceback" not in proc.stdout
+    _check_one_line(proc.returncode, proc.stderr, expect, tmp_path)
+    assert proc.stderr.startswith("pretrain_gpt.py: error: [rank 1] latency profile "), proc.stderr
+
+
 def test_help_lists_the_sparsebalance_flags():
     import sys
 
