@@ -8,7 +8,13 @@ CPU, PP=2 on 2 cores; ``--ranks 4`` for PP=4 oversubscribed) on a fixed corpus
 recipe, after profiling this machine's layer latency. ``--mode all``: both.
 ``--report DIR`` stores the raw results (sim.json, real.json) and writes DIR/report.md
 with PNG figures (results of the other mode already in DIR are included);
-``--json`` prints one object: arms, speedup_vs_megatron, sim, validation.
+``--json`` prints one object: arms, speedup_vs_megatron, sim, validation. Without
+``--json``, real runs end with a side-by-side table: per arm tokens/s, the throughput
+ratio vs megatron as the median over ``--rounds`` interleaved rounds with a 95%
+bootstrap interval, retained attention vs static top-k on the same documents,
+micro-batch imbalance, bubble per stage and planning time; then the ratios that
+isolate one mechanism (DST on top of SAB, planning ahead vs in line) with a verdict
+(beyond or within noise). ``make demo`` is this table for megatron vs sparsebalance.
 
 Tiny CPU run (simulation, under a minute)::
 
@@ -18,6 +24,8 @@ Full evaluation on the 2-core CPU machine (simulation + real runs, background it
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode all --report results/compare
     OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode real --quick --report results/compare
+    .venv/bin/python tools/compare.py --mode real --rounds 3 --iters 23 \
+        --arms megatron,sab,sparsebalance,sparsebalance-inline --report results/compare
 
 GPU cluster (simulation with a profile of the target GPU instead of h100-analytic)::
 
@@ -131,6 +139,16 @@ def _check(a) -> None:
     if a.mode == "report" and not (a.report and (os.path.isfile(os.path.join(a.report, "sim.json"))
                                                  or os.path.isfile(os.path.join(a.report, "real.json")))):
         raise UsageError("--mode report needs --report DIR holding sim.json or real.json")
+    if a.mode in ("sim", "all"):  # a bad cost model is a usage error, before any work
+        from sparsebalance.compare.sim import SimConfig
+
+        for model in a.sim_models:
+            try:
+                SimConfig(pp=a.pp, dp=a.dp, micro_batches=a.micro_batches, cost_model=a.cost_model,
+                          block_size=a.block_size, topk=a.topk,
+                          model=tuple(MODELS[model].items())).predictor()
+            except (ValueError, OSError) as e:
+                raise UsageError(str(e).splitlines()[0])
     a.length_arrays = ({os.path.splitext(os.path.basename(f))[0]: _read_lengths(f)
                         for f in a.lengths} if a.mode in ("sim", "all") else {})
     a.real_cfg = _real_config(a) if a.mode in ("real", "all") else None
@@ -315,6 +333,10 @@ def _dump(d: str, name: str, obj) -> None:
 
 
 def main(argv=None) -> int:
+    import warnings
+
+    # A stale profile is an error (one line below), not a warning plus an error.
+    warnings.filterwarnings("ignore", message="latency profile .* does not match")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         a = build_parser().parse_args(argv)
@@ -324,7 +346,7 @@ def main(argv=None) -> int:
         figs: dict = {}
         if a.report:
             os.makedirs(a.report, exist_ok=True)
-        cmd = ("OMP_NUM_THREADS=" + str(os.environ.get("OMP_NUM_THREADS")) + " tools/compare.py "
+        cmd = ("OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "(unset)") + " tools/compare.py "
                + " ".join(argv if argv is not None else sys.argv[1:]))
         sim = run_sim(a, figs, log) if a.mode in ("sim", "all") else None
         if sim is not None:

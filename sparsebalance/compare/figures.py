@@ -10,6 +10,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from .report import STRETCH_SPEEDUP, TARGET_REAL_SPEEDUP
+
 
 def _plt():
     import matplotlib
@@ -47,7 +49,7 @@ def speedup_bars(path: str, real: Optional[Dict[str, float]], sim: Optional[dict
             x = np.arange(len(arms)) + g * w
             ax.bar(x, [vals.get(a, np.nan) for a in arms], w, label=label or None)
         ax.axhline(1.0, color="black", lw=0.8)
-        target = 1.2 if title.startswith("real") else 1.33
+        target = TARGET_REAL_SPEEDUP if title.startswith("real") else STRETCH_SPEEDUP
         ax.axhline(target, color="red", lw=0.8, ls="--", label=f"target {target}x")
         ax.set_xticks(np.arange(len(arms)) + 0.4 - w / 2, arms, rotation=30, ha="right")
         ax.set_ylabel("throughput / megatron's")

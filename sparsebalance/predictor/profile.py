@@ -161,6 +161,14 @@ def read_profile(path: str) -> tuple[dict, str]:
     for key in ("hardware", "model", "samples"):
         if key not in prof:
             raise ValueError(f"profile {path}: missing {key!r}")
+    for key, kind in (("hardware", dict), ("model", dict), ("samples", list)):
+        if not isinstance(prof[key], kind):
+            raise ValueError(f"profile {path}: {key!r} must be a JSON {kind.__name__}")
+    if not all(isinstance(x, dict) and {"kind", "phase", "lengths", "ms"} <= set(x)
+               for x in prof["samples"]):
+        raise ValueError(f"profile {path}: every sample needs kind, phase, lengths and ms")
+    if prof.get("coefficients") is not None and not isinstance(prof["coefficients"], dict):
+        raise ValueError(f"profile {path}: 'coefficients' must be a JSON object")
     return prof, hashlib.sha256(raw).hexdigest()
 
 
@@ -200,7 +208,8 @@ def load_predictor(path: str, recalibrator: Optional[Recalibrator] = None,
             # at this process's thread count.
             want = {**prof["model"], **model_cfg, **(expect or {})}
             cmd = create_command(path, want, threads, sparse=want.get("attention") != "dense")
-            raise ValueError(f"{msg} (re-profile with: {cmd}; or pass --sb-allow-stale-profile)")
+            raise ValueError(f"{msg} (re-profile with: {cmd}; pretrain_gpt.py can use it anyway "
+                             "with --sb-allow-stale-profile)")
     if digest not in _CACHE:
         coef = prof.get("coefficients") or fit_coefficients(
             prof["samples"], int(prof["model"]["block_size"]))

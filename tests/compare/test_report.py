@@ -42,7 +42,7 @@ def _real(sb_tps, sb_pred):
             "prep": {"recipe_lines": ["- recipe"], "commands": {}}}
 
 
-@pytest.mark.parametrize("sb_tps,sb_pred,met", [(1300.0, 92.0, True), (1100.0, 60.0, False)])
+@pytest.mark.parametrize("sb_tps,sb_pred,met", [(1300.0, 92.0, True), (1050.0, 60.0, False)])
 def test_real_targets(sim, sb_tps, sb_pred, met):
     text = build_report(_real(sb_tps, sb_pred), sim, {}, ["header"], ["note"])
     line = next(ln for ln in text.splitlines() if ln.startswith("- real CPU"))

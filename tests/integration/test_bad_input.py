@@ -97,6 +97,7 @@ def make_bad_files(d: str) -> None:
     json.dump(real, open(f"{d}/threads_profile.json", "w"))
     text = open(f"{d}/threads_profile.json").read()
     open(f"{d}/truncated_profile.json", "w").write(text[: len(text) // 2])
+    json.dump(dict(real, hardware=[], samples="x"), open(f"{d}/bad_types_profile.json", "w"))
     json.dump([int(x) for x in rng.integers(100, 3000, size=80)], open(f"{d}/lengths.json", "w"))
     os.makedirs(f"{d}/a_dir", exist_ok=True)
     os.makedirs(f"{d}/empty_ckpt", exist_ok=True)
@@ -127,6 +128,14 @@ def _pack(profile, *model):
     return _p("pack", "--lengths", "{d}/lengths.json", "--dp", "1", "--micro-batches", "2",
               "--seq-length", "8192", "--pp", "2", "--steps", "1", "--block-size", "32", "--topk", "2",
               "--cost-model", profile, "--model-config", json.dumps(shape).replace("{", "{{").replace("}", "}}"))
+
+
+def _compare_sim(profile, n):
+    """``tools/compare.py --mode sim`` with ``profile`` as the cost model of the tiny model."""
+    return _p("--mode", "sim", "--cost-model", profile, "--sim-models", "profile", "--lengths",
+              "{d}/lengths.json", "--seq-lengths", "8192", "--pp", "2", "--dp", "1",
+              "--micro-batches", "2", "--block-size", "32", "--topk", "2", "--sim-steps", "1",
+              "--report", f"{{d}}/cmp{n}")
 
 
 STALE_THREADS = r"threads_profile\.json does not match.*hardware\.threads: profile 2, now 1"
@@ -278,6 +287,12 @@ CASES = [
     Case("compare-missing-lengths", "tools/compare.py",
          _p("--quick", "--lengths", "{d}/none.json", "--report", "{d}/cmp2"), r"none\.json",
          _p("{d}/cmp2/report.md")),
+    Case("compare-profile-other-threads", "tools/compare.py", _compare_sim("{d}/threads_profile.json", 3),
+         STALE_THREADS, _p("{d}/cmp3/report.md")),
+    Case("compare-profile-bad-types", "tools/compare.py", _compare_sim("{d}/bad_types_profile.json", 4),
+         r"bad_types_profile\.json: 'hardware' must be a JSON dict", _p("{d}/cmp4/report.md")),
+    Case("compare-profile-missing", "tools/compare.py", _compare_sim("{d}/no_profile.json", 5),
+         r"no_profile\.json does not exist", _p("{d}/no_profile.json", "{d}/cmp5/report.md")),
     # python -m sparsebalance.batching pack --cost-model PROFILE
     Case("batching-profile-other-threads", "-m sparsebalance.batching", _pack("{d}/threads_profile.json"),
          STALE_THREADS),
