@@ -147,12 +147,15 @@ def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: d
         "baseline_drift": drift,
         "ratios_vs_megatron": ratios,
         "pairs": pairs,
+        "dst_ops": _dst_ops(runs, cfg, work),
         "timelines": {a: os.path.join(work, "runs", f"{a}-0", "timeline") for a in arms},
     }
 
 
 PAIRS = (("sparsebalance", "sab", "DST (critical-path) on top of SAB"),
          ("sparsebalance", "sparsebalance-inline", "DST planned ahead vs in line"),
+         ("sparsebalance-floor", "sparsebalance-slack",
+          "DST raising to the attention floor vs into all slack"),
          ("dst", "megatron", "DST alone on Megatron packing"))
 """(arm, reference, what it isolates): throughput ratios reported when both arms ran."""
 
@@ -169,6 +172,24 @@ def _ratios(runs: Dict[str, List[RunResult]], cfg: RealConfig):
     pairs = {f"{a}/{b}": {**ratio_estimate(steps[a], steps[b]).as_dict(), "isolates": what}
              for a, b, what in PAIRS if steps.get(a) and steps.get(b)}
     return ratios, pairs
+
+
+def _dst_ops(runs: Dict[str, List[RunResult]], cfg: RealConfig, work: str) -> Dict[str, dict]:
+    """Per round, sparsebalance's ops against the same ops of sab (same packing):
+    :func:`sparsebalance.compare.timelines.paired_ops`."""
+    from .timelines import paired_ops
+
+    out = {}
+    for r in runs.get("sparsebalance", []):
+        ref = [x for x in runs.get("sab", []) if x.repeat == r.repeat and x.summary is not None]
+        if r.summary is None or not ref:
+            continue
+        res = paired_ops(os.path.join(work, "runs", f"sparsebalance-{r.repeat}", "timeline"),
+                         os.path.join(work, "runs", f"sab-{r.repeat}", "timeline"),
+                         cfg.recipe.topk, int(r.summary.get("warmup_steps_skipped", 0)))
+        if res is not None:
+            out[str(r.repeat)] = res
+    return out
 
 
 def cpu_prediction(cfg: RealConfig, prep: dict) -> dict:

@@ -198,6 +198,16 @@ def real_section(real: dict, figs: dict) -> List[str]:
         out += [f"Machine drift: megatron's median step changed by "
                 f"{real['baseline_drift']:+.1%} between its first and last run (both pooled).", ""]
     out += real_table(real) + [""]
+    if real.get("dst_ops"):
+        out += ["DST's ops against the same ops of `sab` (same packing, so the same work but "
+                "for the budget), summed per group of the DST budget vs k0; measured and "
+                "predicted ratio (sparsebalance / sab), per round:", "",
+                "| round | cut: measured (predicted) | same budget | raised |", "|---|---|---|---|"]
+        for rnd, g in real["dst_ops"].items():
+            cell = lambda k: (f"{_f(g[k]['measured_ratio'])} ({_f(g[k]['predicted_ratio'])}), "  # noqa: E731
+                              f"{g[k]['ops']} ops") if k in g else "-"
+            out.append(f"| {rnd} | {cell('cut')} | {cell('same')} | {cell('raised')} |")
+        out.append("")
     out += ["| arm | median step ms (p25-p75) | tokens/s | speedup | loss (last) | density | "
             "imbalance | bubble per stage | predicted ms | validation | replayed ops ms | "
             "op-sum error | steps (runs) | run medians ms |",

@@ -44,3 +44,42 @@ def timeline_stats(directory: str, skip: int) -> Optional[dict]:
     return {"replayed_ms": float(r[0]), "predicted_ops_ms": float(r[1]),
             "op_sum_measured_ms": float(r[2]), "op_sum_predicted_ms": float(r[3]),
             "steps": len(rows)}
+
+
+
+def paired_ops(directory: str, reference: str, k0: int, skip: int) -> Optional[dict]:
+    """Op-by-op comparison of a DST run with a static-top-k run on the same packing.
+
+    Both runs must have packed the same documents (same seed and packer, e.g.
+    ``sparsebalance`` and ``sab``), so op ``(step, micro-batch, stage, phase)`` is the
+    same work but for its budget. Ops are grouped by the DST run's budget against the
+    static ``k0`` (``cut``, ``same``, ``raised``); per group, the ratio of summed
+    measured times (DST run / static run) and of summed predicted times, and the op
+    count. ``same`` isolates what the budgets do not explain: an op at k0 in both runs
+    is the same work in both. None without the timeline files (with budgets).
+    """
+    sums: dict = {}
+    for f in sorted(glob.glob(os.path.join(directory, "step_*.measured.json")))[skip:]:
+        docs = [f, os.path.join(reference, os.path.basename(f))]
+        docs += [d.replace(".measured.json", ".predicted.json") for d in docs]
+        if not all(os.path.isfile(d) for d in docs):
+            continue
+        loaded = []
+        for d in docs:
+            with open(d) as fh:
+                loaded.append(json.load(fh))
+        if "budget" not in loaded[2]:
+            return None
+        b = np.asarray(loaded[2]["budget"], dtype=float)
+        for phase in ("fwd_ms", "bwd_ms"):
+            arrays = [np.asarray(x[phase], dtype=float) for x in loaded]
+            if any(a.shape != b.shape for a in arrays):
+                continue
+            for key, sel in (("cut", b < k0), ("same", b == k0), ("raised", b > k0)):
+                g = sums.setdefault(key, np.zeros(5))
+                g += [a[sel].sum() for a in arrays] + [sel.sum()]
+    if not sums:
+        return None
+    ratio = lambda a, b: float(a / b) if b > 0 else None  # noqa: E731
+    return {k: {"measured_ratio": ratio(g[0], g[1]), "predicted_ratio": ratio(g[2], g[3]),
+                "ops": int(g[4])} for k, g in sums.items()}

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from sparsebalance.compare.arms import ARMS, FRONTIER, get_arm
+from sparsebalance.compare.arms import ABLATIONS, ARMS, FRONTIER, get_arm
 from sparsebalance.compare.real import RealConfig, measured_steps, pool, run_order, RunResult
 from sparsebalance.compare.summary import build_summary, check_summary
 
 
-@pytest.mark.parametrize("name", list(ARMS) + list(FRONTIER))
+@pytest.mark.parametrize("name", list(ARMS) + list(FRONTIER) + list(ABLATIONS))
 def test_driver_flags_select_the_arm(name):
     """Every arm's flags parse with pretrain_gpt.py's own parser and mean what the arm says."""
     from megatron.training.arguments import build_parser
@@ -23,6 +23,8 @@ def test_driver_flags_select_the_arm(name):
         assert a.sb_anchor == "mean" and a.sb_p == pytest.approx(arm.param)
     if arm.dst == "critical-path":
         assert a.sb_attn_slack == pytest.approx(arm.param)
+        assert a.sb_raise == arm.raise_to
+    assert a.sb_plan_ahead == arm.plan_ahead
 
 
 def test_main_arms_are_the_issue_s():

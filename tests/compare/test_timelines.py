@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from sparsebalance.compare.timelines import timeline_stats
+from sparsebalance.compare.timelines import paired_ops, timeline_stats
 from sparsebalance.pipeline import simulate
 
 
@@ -32,3 +32,28 @@ def test_replay_and_op_sum(tmp_path):
 
 def test_no_files(tmp_path):
     assert timeline_stats(str(tmp_path), 0) is None
+
+
+def test_paired_ops_groups_by_budget(tmp_path):
+    """A DST run vs the static run on the same packing: cut ops 20% faster, raised ones
+    50% slower, ops at k0 identical; predictions 10% high in the DST run."""
+    dst, ref = tmp_path / "dst", tmp_path / "ref"
+    dst.mkdir(), ref.mkdir()
+    budget = np.array([[[2, 4], [8, 4], [4, 2]]])  # k0 = 4: two cut, three same, one raised
+    speed = np.where(budget < 4, 0.8, np.where(budget > 4, 1.5, 1.0))
+    for it in (1, 2, 3):
+        f, b = np.full((1, 3, 2), 10.0 * it), np.full((1, 3, 2), 20.0 * it)
+        _write(ref, it, "measured", f, b)
+        _write(ref, it, "predicted", f, b)
+        _write(dst, it, "measured", f * speed, b * speed)
+        _write(dst, it, "predicted", 1.1 * f * speed, 1.1 * b * speed)
+        doc = json.loads((dst / f"step_{it:07d}.predicted.json").read_text())
+        (dst / f"step_{it:07d}.predicted.json").write_text(json.dumps(dict(doc, budget=budget.tolist())))
+    got = paired_ops(str(dst), str(ref), k0=4, skip=1)
+    assert got["cut"]["ops"] == 2 * 2 * 2 and got["same"]["ops"] == 3 * 2 * 2
+    assert got["raised"]["ops"] == 1 * 2 * 2
+    for key, want in (("cut", 0.8), ("same", 1.0), ("raised", 1.5)):
+        assert got[key]["measured_ratio"] == pytest.approx(want)
+        assert got[key]["predicted_ratio"] == pytest.approx(1.1 * want)
+    # Without budgets in the DST run's timeline (DST off) there is nothing to compare.
+    assert paired_ops(str(ref), str(ref), k0=4, skip=0) is None
