@@ -151,12 +151,6 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--sb-attn-slack", type=float, default=0.0,
                    help="critical-path policy: retained attention may drop to (1 - slack) x "
                         "the static plan's, 0 <= slack < 1")
-    g.add_argument("--sb-raise", choices=("auto", "slack", "floor"), default="auto",
-                   help="critical-path policy: after cutting the critical ops, raise budgets "
-                        "into every op's slack (slack: extra attention in the bubbles, free when "
-                        "each stage owns its GPU) or only as far as the attention floor needs "
-                        "(floor: least added work, for ranks sharing a chip, where work in one "
-                        "rank's bubble slows the others). auto: floor on CPU, slack on GPU")
     g.add_argument("--no-sb-plan-ahead", dest="sb_plan_ahead", action="store_false",
                    help="DST: plan each step in line before it runs instead of in the "
                         "background during the previous step (with the correction one step "
@@ -335,10 +329,6 @@ def _validate_balance(args: argparse.Namespace) -> None:
         raise UsageError(f"--sb-p must be in (0, 1), got {args.sb_p}")
     if not 0.0 <= args.sb_attn_slack < 1.0:
         raise UsageError(f"--sb-attn-slack must be in [0, 1), got {args.sb_attn_slack}")
-    if args.sb_raise == "auto":
-        import torch
-
-        args.sb_raise = "floor" if args.cpu or not torch.cuda.is_available() else "slack"
     if args.sb_profile is not None and args.sb_cost_model is not None:
         raise UsageError("give either --sb-profile or --sb-cost-model, not both")
     if args.sb_cost_model is not None:

@@ -185,8 +185,7 @@ class Balancer:
             if a.sb_dst == "anchor":
                 plan = anchor_plan(inst, agg=a.sb_anchor, p=a.sb_p)
             else:
-                plan = critical_path_plan(inst, eps=a.sb_attn_slack,
-                                          raise_to=getattr(a, "sb_raise", "slack"))
+                plan = critical_path_plan(inst, eps=a.sb_attn_slack)
             budget = plan.budget
             fwd, bwd, _ = inst.at(inst.indices(budget))
             step_ms, base_ms = plan.step_ms, plan.baseline_step_ms

@@ -27,8 +27,6 @@ class Arm:
     """Block top-k sparse attention (False: full attention)."""
     plan_ahead: bool = True
     """DST plans the next step in the background (False: in line, before each step)."""
-    raise_to: str = "auto"
-    """Critical-path DST's final raise (``--sb-raise``): auto, slack or floor."""
     description: str = ""
     """One line for the report."""
 
@@ -43,8 +41,6 @@ class Arm:
             flags += ["--sb-attn-slack", f"{self.param:g}"]
         if self.dst != "off" and not self.plan_ahead:
             flags.append("--no-sb-plan-ahead")
-        if self.dst == "critical-path" and self.raise_to != "auto":
-            flags += ["--sb-raise", self.raise_to]
         return flags
 
 
@@ -88,10 +84,6 @@ FRONTIER: Dict[str, Arm] = frontier_arms()
 ABLATIONS: Dict[str, Arm] = {a.name: a for a in (
     Arm("sparsebalance-inline", "sab", "critical-path", 0.0, plan_ahead=False,
         description="sparsebalance with each step's plan made in line (on the critical path)"),
-    Arm("sparsebalance-slack", "sab", "critical-path", 0.0, raise_to="slack",
-        description="sparsebalance raising every op into its slack (the GPU default)"),
-    Arm("sparsebalance-floor", "sab", "critical-path", 0.0, raise_to="floor",
-        description="sparsebalance raising only to the attention floor (the CPU default)"),
 )}
 """Arms that isolate one mechanism, run by name (``--arms``)."""
 

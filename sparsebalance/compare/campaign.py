@@ -154,8 +154,6 @@ def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: d
 
 PAIRS = (("sparsebalance", "sab", "DST (critical-path) on top of SAB"),
          ("sparsebalance", "sparsebalance-inline", "DST planned ahead vs in line"),
-         ("sparsebalance-floor", "sparsebalance-slack",
-          "DST raising to the attention floor vs into all slack"),
          ("dst", "megatron", "DST alone on Megatron packing"))
 """(arm, reference, what it isolates): throughput ratios reported when both arms ran."""
 

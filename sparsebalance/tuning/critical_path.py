@@ -35,14 +35,6 @@ Finally the plan is raised with its own step time as the deadline (objective 2):
 free-float passes, then total-float rounds that give one op per replica the whole
 float of its forward and backward (an op whose forward has float only early and
 whose backward only late cannot move in the free-float passes).
-
-That last raise assumes idle time is free, as it is when every pipeline stage owns
-its device. Where stages share a chip (CPU ranks on one socket) it is not: work
-added in one rank's bubble slows the ranks running beside it (measured on the
-2-core machine: a layer's forward and backward take ~3% longer while the other core
-is busy), which the per-op predictor cannot see. ``raise_to="floor"`` therefore
-skips it and takes back raises, cheapest attention per millisecond first, down to
-the attention floor: the same step time, the least added work.
 """
 
 from __future__ import annotations
@@ -226,22 +218,14 @@ def _family(inst: Instance, thetas: np.ndarray) -> np.ndarray:
     return np.maximum(fits - 1, 0).transpose(1, 0, 2).reshape(M * S, -1)
 
 
-RAISE_TO = ("slack", "floor")
-"""What the final raise fills: every op's slack, or only up to the attention floor."""
-
-
 def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
                           num_deadlines: int = 4, polish_moves: int = 16,
-                          polish_budget: float = 5e5, shift_rounds: int = 4,
-                          raise_to: str = "slack") -> np.ndarray:
+                          polish_budget: float = 5e5, shift_rounds: int = 4) -> np.ndarray:
     """Level indices [D, M, S] of the critical-path plan (see module docstring).
 
     Args:
         eps: attention slack: the plan keeps at least ``(1 - eps)`` of the static
             plan's retained attention. 0 = never less than static.
-        raise_to: "slack" raises every op into its slack at the chosen step time
-            (most attention); "floor" keeps only the raises the attention floor
-            needs (least added work, for stages that share a chip).
         num_caps: cap factors per cap family (search resolution).
         num_deadlines: candidate deadlines raised per round.
         polish_moves: most local-search moves (cuts and swaps) after the search.
@@ -251,8 +235,6 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
     """
     if not 0.0 <= eps <= 1.0:
         raise ValueError(f"eps must be in [0, 1], got {eps}")
-    if raise_to not in RAISE_TO:
-        raise ValueError(f"raise_to must be one of {RAISE_TO}, got {raise_to!r}")
     if num_caps < 2 or num_deadlines < 1 or shift_rounds < 0 or polish_moves < 0:
         raise ValueError("need num_caps >= 2, num_deadlines >= 1, shift_rounds >= 0 and "
                          "polish_moves >= 0")
@@ -300,48 +282,11 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
     # Polish within a fixed compute budget (large instances get few or no moves).
     best_X = _polish(inst, one.fill(best_X, np.full(D, best_t)), target - atol, polish_moves,
                      polish_budget, shift_rounds)
-    if raise_to == "floor":
-        return _trim(inst, one, best_X, target - atol).T.reshape(D, M, S)
     # Objective (2): everything that fits under the chosen step time.
     best_t = float(one.makespan(best_X)[0])
     best_X = one.fill(best_X, np.full(D, best_t))
     best_X = one.fill(one.shift(best_X, np.full(D, best_t), shift_rounds), np.full(D, best_t))
     return best_X.T.reshape(D, M, S)
-
-
-def _trim(inst: Instance, one: _Batch, X: np.ndarray, floor: float) -> np.ndarray:
-    """Lower raised ops (level above k0) one level at a time, most milliseconds saved
-    per attention given up first, while the total attention stays >= ``floor``.
-
-    Only durations shrink, so the step time cannot grow; ops at or below k0 (the
-    cuts) are left alone.
-    """
-    import heapq
-
-    X = X.copy()
-    k0 = inst.k0_index
-    total = float(one.attention(X)[0])
-    heap = []
-
-    def push(i: int, c: int) -> None:
-        x, r = X[i, c], one.col_rep[c]
-        if x <= k0:
-            return
-        saved = float(one.Lr[x, i, r] - one.Lr[x - 1, i, r])
-        lost = float(one.Ar[x, i, r] - one.Ar[x - 1, i, r])
-        # Free steps (no attention lost, e.g. a document already dense) go first.
-        heapq.heappush(heap, (-(saved / lost) if lost > 0 else -np.inf, i, c, lost))
-
-    for i, c in zip(*np.nonzero(X > k0)):
-        push(int(i), int(c))
-    while heap:
-        _, i, c, lost = heapq.heappop(heap)
-        if total - lost < floor:
-            continue  # this op keeps its level; a cheaper step elsewhere may still fit
-        X[i, c] -= 1
-        total -= lost
-        push(i, c)
-    return X
 
 
 def _critical_vars(inst: Instance, one: _Batch, X: np.ndarray) -> Tuple[np.ndarray, int]:
@@ -433,9 +378,9 @@ def raise_indices(inst: Instance, idx: np.ndarray, deadline: Optional[float] = N
     return one.fill(one.shift(one.fill(X, dl), dl, shift_rounds), dl).T.reshape(D, M, S)
 
 
-def critical_path_plan(inst: Instance, eps: float = 0.0, raise_to: str = "slack") -> Plan:
-    """The critical-path plan, evaluated (``raise_to``: see :func:`critical_path_indices`)."""
-    return make_plan(inst, critical_path_indices(inst, eps, raise_to=raise_to), "critical-path")
+def critical_path_plan(inst: Instance, eps: float = 0.0) -> Plan:
+    """The critical-path plan, evaluated."""
+    return make_plan(inst, critical_path_indices(inst, eps), "critical-path")
 
 
 def objective(inst: Instance, idx: np.ndarray) -> Tuple[float, float]:

@@ -23,7 +23,6 @@ def test_driver_flags_select_the_arm(name):
         assert a.sb_anchor == "mean" and a.sb_p == pytest.approx(arm.param)
     if arm.dst == "critical-path":
         assert a.sb_attn_slack == pytest.approx(arm.param)
-        assert a.sb_raise == arm.raise_to
     assert a.sb_plan_ahead == arm.plan_ahead
 
 

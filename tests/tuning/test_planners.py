@@ -119,39 +119,3 @@ def test_bad_arguments():
         anchor_indices(inst, "mean", 1.5)
     with pytest.raises(ValueError, match="eps"):
         critical_path_indices(inst, -0.1)
-
-
-@pytest.mark.parametrize("cfg", MEDIUM, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-@pytest.mark.parametrize("eps", [0.0, 0.05])
-def test_raise_to_floor_same_step_least_work(cfg, eps):
-    """Raising only to the attention floor: the step is as short as with every slack
-    raised, the floor holds, no op ends above its slack-mode level or below the cut it
-    had, and the added work (sum of op times) is no larger."""
-    inst = random_instance(3, levels=[16, 20, 24, 28, 32, 40, 48], k0=32, **cfg)
-    t0, a0 = objective(inst, static(inst))
-    slack = critical_path_indices(inst, eps)
-    floor = critical_path_indices(inst, eps, raise_to="floor")
-    t_s, a_s = objective(inst, slack)
-    t_f, a_f = objective(inst, floor)
-    assert a_f >= (1 - eps) * a0 * (1 - 1e-9) and a_f <= a_s * (1 + 1e-12)
-    assert t_f <= t_s * (1 + 1e-12) and t_f <= t0 * (1 + 1e-12)
-    work = lambda idx: float(np.take_along_axis(inst.fwd + inst.bwd, idx[None], 0).sum())  # noqa: E731
-    assert work(floor) <= work(slack) * (1 + 1e-12)
-    assert np.array_equal(floor, critical_path_indices(inst, eps, raise_to="floor"))
-
-
-def test_raise_to_floor_trims_something():
-    """Not vacuous: on these instances the slack raise adds attention above the floor
-    and the floor mode gives it back."""
-    trimmed = 0
-    for seed in range(4):
-        inst = random_instance(seed, levels=[16, 20, 24, 28, 32, 40, 48], k0=32, pp=4, dp=2,
-                               microbatches=8)
-        _, a0 = objective(inst, static(inst))
-        _, a_s = objective(inst, critical_path_indices(inst))
-        _, a_f = objective(inst, critical_path_indices(inst, raise_to="floor"))
-        trimmed += a_s > a_f * (1 + 1e-6)
-        assert a_f >= a0 * (1 - 1e-9)
-    assert trimmed >= 2
-    with pytest.raises(ValueError, match="raise_to"):
-        critical_path_indices(inst, raise_to="bubbles")
