@@ -24,7 +24,7 @@ import numpy as np
 from .arms import get_arm
 from .corpus import (corpus_stats, describe, make_corpus_quantile, realised_scale,
                      source_lengths)
-from .timelines import timeline_stats
+from .timelines import noise_penalty, timeline_stats
 from .real import (RealConfig, RunResult, driver_command, launch, measured_steps, pool,
                    python_exe, run_order)
 
@@ -126,6 +126,13 @@ def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: d
                                 int(r.summary.get("warmup_steps_skipped", 0)))
                  for r in runs[a] if r.summary is not None]
         stats = [s for s in stats if s]
+        noise = [noise_penalty(os.path.join(work, "runs", f"{a}-{r.repeat}", "timeline"),
+                               int(r.summary.get("warmup_steps_skipped", 0)))
+                 for r in runs[a] if r.summary is not None]
+        noise = [x for x in noise if x]
+        if noise:
+            p["op_scatter"] = float(np.mean([x["op_scatter"] for x in noise]))
+            p["noise_penalty"] = float(np.mean([x["penalty"] for x in noise]))
         if stats:
             p["replayed_step_ms"] = float(np.mean([s["replayed_ms"] for s in stats]))
             p["op_sum_error"] = float(np.mean([s["op_sum_predicted_ms"] / s["op_sum_measured_ms"] - 1

@@ -198,6 +198,15 @@ def real_section(real: dict, figs: dict) -> List[str]:
         out += [f"Machine drift: megatron's median step changed by "
                 f"{real['baseline_drift']:+.1%} between its first and last run (both pooled).", ""]
     out += real_table(real) + [""]
+    scatter = {a: r for a, r in real["arms"].items() if r.get("noise_penalty") is not None}
+    if scatter:
+        out += ["Op-time scatter and what it costs the planned step (each run's measured / "
+                "predicted op times, resampled onto its predicted steps and replayed; "
+                "`tools/compare.py` computes it from the timelines):", "",
+                "| arm | op scatter (std) | expected step over the predicted one |", "|---|---|---|"]
+        out += [f"| {a} | {r['op_scatter']:.3f} | {r['noise_penalty']:+.1%} |"
+                for a, r in scatter.items()]
+        out.append("")
     if real.get("dst_ops"):
         out += ["DST's ops against the same ops of `sab` (same packing, so the same work but "
                 "for the budget), summed per group of the DST budget vs k0; measured and "

@@ -83,3 +83,38 @@ def paired_ops(directory: str, reference: str, k0: int, skip: int) -> Optional[d
     ratio = lambda a, b: float(a / b) if b > 0 else None  # noqa: E731
     return {k: {"measured_ratio": ratio(g[0], g[1]), "predicted_ratio": ratio(g[2], g[3]),
                 "ops": int(g[4])} for k, g in sums.items()}
+
+
+def noise_penalty(directory: str, skip: int, draws: int = 30, seed: int = 0) -> Optional[dict]:
+    """How much op-time scatter lengthens this run's planned steps.
+
+    The scatter is the run's own: every op's measured / predicted time, over the
+    logged steps after ``skip``, divided by its median. Each step's predicted op
+    times are multiplied by ``draws`` resamples of that scatter (seeded) and replayed
+    through the pipeline model; ``penalty`` is the mean of the noisy step over the
+    noiseless one, minus 1. A plan that balances the stages leaves no slack to absorb
+    overruns, so it pays more than one whose bubbles soak them up. None without files.
+    """
+    pairs = []
+    for f in sorted(glob.glob(os.path.join(directory, "step_*.measured.json")))[skip:]:
+        pf = f.replace(".measured.json", ".predicted.json")
+        if os.path.isfile(pf):
+            with open(f) as fh, open(pf) as gh:
+                pairs.append((json.load(fh), json.load(gh)))
+    if not pairs:
+        return None
+    ratios = np.concatenate([(np.asarray(m[k], float) / np.asarray(p[k], float)).ravel()
+                             for m, p in pairs for k in ("fwd_ms", "bwd_ms")])
+    ratios = ratios[np.isfinite(ratios) & (ratios > 0)]
+    ratios = ratios / np.median(ratios)
+    rng = np.random.default_rng(seed)
+    grow = []
+    for m, p in pairs:
+        f, b = np.asarray(p["fwd_ms"], float), np.asarray(p["bwd_ms"], float)
+        kw = dict(schedule=p.get("schedule", "1f1b"), vpp=int(p.get("vpp", 1)))
+        base = simulate(f, b, **kw).step_ms
+        noisy = [simulate(f * rng.choice(ratios, f.shape), b * rng.choice(ratios, b.shape),
+                          **kw).step_ms for _ in range(draws)]
+        grow.append(float(np.mean(noisy)) / base)
+    return {"op_scatter": float(np.std(ratios)), "penalty": float(np.mean(grow)) - 1.0,
+            "steps": len(pairs)}
