@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from sparsebalance.compare.timelines import paired_ops, timeline_stats
+from sparsebalance.compare.timelines import noise_penalty, paired_ops, timeline_stats
 from sparsebalance.pipeline import simulate
 
 
@@ -57,3 +57,30 @@ def test_paired_ops_groups_by_budget(tmp_path):
         assert got[key]["predicted_ratio"] == pytest.approx(1.1 * want)
     # Without budgets in the DST run's timeline (DST off) there is nothing to compare.
     assert paired_ops(str(ref), str(ref), k0=4, skip=0) is None
+
+
+def _noisy_run(d, stage1_ms, factors):
+    """Four steps of a PP=2, M=4 plan whose measured op times are the predicted ones
+    times ``factors`` (cycled): the same scatter for every plan."""
+    d.mkdir()
+    for it in range(1, 5):
+        f = np.array([[[10.0, stage1_ms]] * 4])
+        b = 2 * f
+        k = np.resize(np.roll(factors, it), f.size).reshape(f.shape)
+        _write(d, it, "predicted", f, b)
+        _write(d, it, "measured", f * k, b * k[:, ::-1])
+
+
+def test_noise_penalty_grows_when_the_plan_has_no_slack(tmp_path):
+    factors = np.array([0.8, 1.25, 1.0, 0.9, 1.1, 1.0, 1.3, 0.85])
+    _noisy_run(tmp_path / "balanced", 10.0, factors)  # both stages equal: no slack
+    _noisy_run(tmp_path / "slack", 5.0, factors)  # stage 1 idles half the time
+    _noisy_run(tmp_path / "exact", 10.0, np.ones(8))
+    bal = noise_penalty(str(tmp_path / "balanced"), skip=0)
+    slack = noise_penalty(str(tmp_path / "slack"), skip=0)
+    assert bal["steps"] == 4 and bal["op_scatter"] == pytest.approx(slack["op_scatter"])
+    assert bal["op_scatter"] > 0.1
+    assert bal["penalty"] > slack["penalty"] + 0.02 and slack["penalty"] >= 0.0
+    exact = noise_penalty(str(tmp_path / "exact"), skip=0)
+    assert exact["op_scatter"] == 0.0 and exact["penalty"] == pytest.approx(0.0)
+    assert noise_penalty(str(tmp_path / "none"), skip=0) is None
