@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 2
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test build venv clean
+.PHONY: demo test build venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: build
 
 test: build
 	$(PY) -m pytest -q tests
+
+# On a CUDA machine whose python3 has torch + triton (no venv): tools/gpu_check.py.
+gpu-check:
+	bash tools/gpu_check.sh
 
 clean:
 	rm -rf build *.egg-info sparsebalance/*.so

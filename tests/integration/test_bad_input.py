@@ -219,6 +219,11 @@ CASES = [
     Case("longctx-unknown-task", "tools/make_longctx_data.py",
          _p("--output-dir", "{d}/lc3", "--train-tasks", "no_such_task"), r"no_such_task", _p("{d}/lc3/train.jsonl")),
     # bench_attention.py
+    Case("gpu-check-unknown-part", "tools/gpu_check.py", _p("--parts", "tests,nope", "--out", "{d}/gc1"),
+         r"--parts", _p("{d}/gc1")),
+    Case("gpu-check-bad-seq-lens", "tools/gpu_check.py", _p("--seq-lens", "16k", "--out", "{d}/gc2"),
+         r"--seq-lens", _p("{d}/gc2")),
+    Case("gpu-check-out-is-file", "tools/gpu_check.py", _p("--out", "{d}/good.idx"), r"--out"),
     Case("bench-negative-seq", "tools/bench_attention.py", _p("--seq-len", "-4"), r"seq-len"),
     Case("bench-unknown-backend", "tools/bench_attention.py", _p("--seq-len", "256", "--backend", "nope"),
          r"nope"),
