@@ -5,10 +5,26 @@ One program per (query block, head) in the forward and dq kernels, one per
 routing plan (no atomics: each program owns its dk/dv rows). Logits are scaled
 by ``scale * log2(e)`` so the softmax uses ``exp2``; ``lse`` is kept in base 2.
 Importing this module imports triton (the launcher does it lazily).
+
+Launch parameters are autotuned per (routing block, head dim, precision) over a small
+list sized for Ampere/Hopper (4 or 8 warps, 1-3 pipeline stages); every kernel only
+overwrites its outputs, so the autotuner's repeated launches are harmless. Under
+``TRITON_INTERPRET=1`` (CPU tests) there is one config: nothing to time.
 """
+
+import os
 
 import triton
 import triton.language as tl
+
+
+def _configs():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+
+
+_autotune = triton.autotune(configs=_configs(), key=["BLOCK", "BLOCK_D", "F32"])
 
 
 @triton.jit
@@ -23,6 +39,7 @@ def _mm(a, b, F32: tl.constexpr):
         return tl.dot(a.to(b.dtype), b)
 
 
+@_autotune
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, QB_START, QB_LEN, KV_IDX, KV_CNT, qk_scale,
                 s_qt, s_qh, s_kt, s_kh, T, NB, W, REP, D,
@@ -62,6 +79,7 @@ def _fwd_kernel(Q, K, V, O, LSE, QB_START, QB_LEN, KV_IDX, KV_CNT, qk_scale,
     tl.store(LSE + h * T + s0 + rm, m_i + tl.log2(l_i), mask=rm < ql)
 
 
+@_autotune
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, QB_START, QB_LEN, KV_IDX, KV_CNT, qk_scale, sm_scale,
                    s_qt, s_qh, s_kt, s_kh, T, NB, W, REP, D,
@@ -98,6 +116,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, QB_START, QB_LEN, KV_IDX, KV_CNT
     tl.store(DQ + qoff, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
+@_autotune
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, QB_START, QB_LEN, REV_PTR, REV_Q, qk_scale,
                      sm_scale, s_qt, s_qh, s_kt, s_kh, T, NB, NNZ, REP, D,

@@ -33,6 +33,20 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         passed = re.search(r"(\d+) passed", r.stdout)
         assert passed and int(passed.group(1)) == len(CASES) + 1, r.stdout[-2000:]
 
+    def test_autotune_configs(monkeypatch):
+        """GPU: a small warps x stages list per (block, head dim, precision); the
+        interpreter gets one config (nothing to time on CPU)."""
+        from sparsebalance.ops import triton_kernels as tk
+
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        gpu = tk._configs()
+        assert sorted((c.num_warps, c.num_stages) for c in gpu) == [
+            (w, s) for w in (4, 8) for s in (1, 2, 3)]
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert [(c.num_warps, c.num_stages) for c in tk._configs()] == [(4, 1)]
+        for kernel in (tk._fwd_kernel, tk._bwd_dq_kernel, tk._bwd_dkdv_kernel):
+            assert list(kernel.keys) == ["BLOCK", "BLOCK_D", "F32"]
+
 else:
     from sparsebalance.ops import is_available
 
