@@ -75,7 +75,13 @@ def eval_args(train_args, *, sparse: bool, sb_topk, sb_block_size, backend):
     """The checkpoint's arguments with the layout and attention of this evaluation."""
     import copy
 
+    from megatron.training.arguments import build_parser
+
     args = copy.copy(train_args)
+    # Checkpoints saved before a flag existed lack it: take the flag's default.
+    for name, value in vars(build_parser().parse_args([])).items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
     args.tensor_model_parallel_size = 1
     args.pipeline_model_parallel_size = 1
     args.num_layers_per_virtual_pipeline_stage = None
@@ -130,7 +136,7 @@ def build_eval_model(train_args, load_weights, **attention) -> EvalModel:
     """
     from megatron.training.initialize import initialize, use_cpu
     from megatron.training.model import build_model, transformer_config
-    from megatron.training.tokenizer import vocab_size_for
+    from megatron.training.tokenizer import padded_vocab_size, vocab_size_for
 
     args = eval_args(train_args, **attention)
     if args.sparse_attention:
@@ -142,7 +148,9 @@ def build_eval_model(train_args, load_weights, **attention) -> EvalModel:
     initialize(args)
     try:
         config = transformer_config(args, use_cpu(args))
-        vocab = vocab_size_for(args.tokenizer_type, getattr(args, "tokenizer_model", None), args.vocab_size)
+        vocab = padded_vocab_size(
+            vocab_size_for(args.tokenizer_type, getattr(args, "tokenizer_model", None), args.vocab_size),
+            args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
         chunks = build_model(args, config, vocab)
         load_weights(chunks)
     except BaseException:

@@ -24,6 +24,15 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         usage_error(message, prog=self.prog)
 
+    def parse_known_args(self, args=None, namespace=None):
+        # --model-preset sets defaults before parsing, so explicit flags override it.
+        from megatron.training.presets import MODEL_PRESETS, preset_in
+
+        name = preset_in(sys.argv[1:] if args is None else list(args))
+        if name in MODEL_PRESETS and any(a.dest == "model_preset" for a in self._actions):
+            self.set_defaults(**MODEL_PRESETS[name])
+        return super().parse_known_args(args, namespace)
+
 
 def usage_error(message: str, prog: str = "pretrain_gpt.py", code: int = 2) -> NoReturn:
     """Print ``prog: error: message`` on stderr and exit with ``code``."""
@@ -77,12 +86,18 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     pos, nonneg = _positive, _non_negative
 
     g = p.add_argument_group("model")
+    from megatron.training.presets import MODEL_PRESETS
+
+    g.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), default=None,
+                   help="architecture of a published model (Qwen2.5, Llama 3); explicit flags override it")
     g.add_argument("--num-layers", type=pos(int), default=4, help="transformer layers")
     g.add_argument("--hidden-size", type=pos(int), default=128, help="model width")
     g.add_argument("--ffn-hidden-size", type=pos(int), default=None, help="MLP width (default 4 x hidden)")
     g.add_argument("--num-attention-heads", type=pos(int), default=4, help="query heads")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention (Megatron-LM's switch; --num-query-groups alone also enables it)")
     g.add_argument("--num-query-groups", type=pos(int), default=None,
-                   help="key/value heads for GQA (default: = attention heads)")
+                   help="key/value heads for GQA (default: = attention heads; 1 with --group-query-attention)")
     g.add_argument("--seq-length", type=int, default=1024,
                    help="tokens per micro-batch (packed documents, THD)")
     g.add_argument("--max-position-embeddings", type=pos(int), default=None,
@@ -93,10 +108,25 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="fraction of each head's dims that RoPE rotates (GPT-NeoX style partial rotary); "
                         "the rest carry content only")
     g.add_argument("--rotary-base", type=pos(int), default=10000, help="RoPE base (theta)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1 RoPE frequency scaling (low/high frequency factors 1/4, original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=pos(float), default=8.0, help="with --use-rope-scaling")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=pos(float), default=1e-5, help="LayerNorm/RMSNorm epsilon")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="bias on the query/key/value projection only (Qwen2), even with --disable-bias-linear")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=True,
+                   help="separate output-layer weights (this driver's default; presets of tied models "
+                        "such as qwen2.5-0.5b tie them, and this flag unties them again)")
+    g.add_argument("--init-method-std", type=pos(float), default=0.02,
+                   help="std of the normal initialization of the weights")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama/Qwen style)")
     g.add_argument("--vocab-size", type=pos(int), default=None,
                    help="vocabulary size (default: from the tokenizer)")
+    g.add_argument("--make-vocab-size-divisible-by", type=pos(int), default=1,
+                   help="pad the vocabulary to a multiple of this x TP (Megatron-LM's default is 128; "
+                        "1 here keeps a converted model's vocabulary exact)")
     g.add_argument("--bf16", action="store_true", help="bf16 weights/activations (GPU only)")
 
     g = p.add_argument_group("sparse attention")
@@ -207,6 +237,12 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     return p
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _split(text: str) -> tuple[float, float, float]:
     try:
         parts = [float(x) for x in text.replace("/", ",").split(",")]
@@ -229,6 +265,10 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"world size {ws} is not divisible by TP x PP = {tp * pp}")
     args.world_size = ws
     args.data_parallel_size = dp = ws // (tp * pp)
+    if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not _has_cuda()):
+        raise UsageError("tied embeddings (from --model-preset) with --pipeline-model-parallel-size > 1 "
+                         "need CUDA (megatron-core syncs them across stages on the GPU); add "
+                         "--untie-embeddings-and-output-weights or use PP=1")
     if pp > args.num_layers:
         raise UsageError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {args.num_layers}")
     if args.num_layers % pp:
@@ -257,6 +297,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     if args.hidden_size % args.num_attention_heads:
         raise UsageError(f"--hidden-size {args.hidden_size} not divisible by "
                          f"--num-attention-heads {args.num_attention_heads}")
+    if args.group_query_attention and args.num_query_groups is None:
+        args.num_query_groups = 1
     if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
         raise UsageError(f"--num-attention-heads {args.num_attention_heads} not divisible by "
                          f"--num-query-groups {args.num_query_groups}")

@@ -47,3 +47,10 @@ def vocab_size_for(tokenizer_type: str, tokenizer_model: Optional[str], vocab_si
     if tokenizer_type == "HuggingFaceTokenizer":
         return HFJsonTokenizer(tokenizer_model).vocab_size
     raise ValueError(f"tokenizer_type {tokenizer_type!r} needs an explicit vocab_size")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by x tensor_parallel``
+    (``--make-vocab-size-divisible-by``): embedding rows split evenly over TP ranks."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple

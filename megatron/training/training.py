@@ -170,13 +170,14 @@ def setup(args):
     from megatron.training import model as M
     from megatron.training.indexed_io import open_dataset, open_loss_starts
     from megatron.training.step import StageTimers
-    from megatron.training.tokenizer import vocab_size_for
+    from megatron.training.tokenizer import padded_vocab_size, vocab_size_for
 
     from megatron.training import balance as B
 
     init.initialize(args)
     cpu = init.use_cpu(args)
-    vocab = vocab_size_for(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    vocab = padded_vocab_size(vocab_size_for(args.tokenizer_type, args.tokenizer_model, args.vocab_size),
+                              args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     dataset = open_dataset(args.data_path)
     loss_starts = open_loss_starts(args.data_path, dataset.sequence_lengths) if args.mask_prompt_loss else None
     train_ids, valid_ids, _ = D.split_documents(len(dataset), args.split_fractions)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +102,23 @@ def make_bad_files(d: str) -> None:
     json.dump([int(x) for x in rng.integers(100, 3000, size=80)], open(f"{d}/lengths.json", "w"))
     os.makedirs(f"{d}/a_dir", exist_ok=True)
     os.makedirs(f"{d}/empty_ckpt", exist_ok=True)
+    os.makedirs(f"{d}/a_dir_with_file", exist_ok=True)
+    open(f"{d}/a_dir_with_file/x", "w").close()
+    _make_hf_dirs(d)
+
+
+def _make_hf_dirs(d: str) -> None:
+    """Tiny Hugging Face directories with one defect each, for tools/checkpoint/convert.py."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "checkpoint"))
+    from _hf_models import write_plain_hf
+
+    write_plain_hf(f"{d}/hf_good")
+    write_plain_hf(f"{d}/hf_mistral", architectures=["MistralForCausalLM"])
+    write_plain_hf(f"{d}/hf_missing", drop=("model.layers.0.mlp.up_proj.weight",))
+    write_plain_hf(f"{d}/hf_shape", tensors_of={"intermediate_size": 20})
+    write_plain_hf(f"{d}/hf_vocab", tokens=40)
+    os.makedirs(f"{d}/hf_noweights", exist_ok=True)
+    shutil.copy(f"{d}/hf_good/config.json", f"{d}/hf_noweights/config.json")
 
 
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64"]
@@ -326,6 +344,31 @@ CASES = [
     Case("curriculum-until-unknown", "examples/longctx/curriculum.py",
          _p("--stages", "{d}/stages_ok.json", "--until", "zz", "--runs-dir", "{d}/cur5", "--data-dir", "{d}/curd5"),
          r"--until.*zz", _p("{d}/cur5", "{d}/curd5")),
+    # checkpoint/convert.py
+    Case("convert-wrong-architecture", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_mistral", "--output", "{d}/cv1"), r"MistralForCausalLM",
+         _p("{d}/cv1")),
+    Case("convert-missing-tensor", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_missing", "--output", "{d}/cv2"), r"missing tensor.*up_proj",
+         _p("{d}/cv2")),
+    Case("convert-shape-mismatch", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_shape", "--output", "{d}/cv3"), r"shape \[20, 16\].*\[24, 16\]",
+         _p("{d}/cv3")),
+    Case("convert-vocab-does-not-fit", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_vocab", "--output", "{d}/cv4"), r"40 tokens.*vocab_size is 32",
+         _p("{d}/cv4")),
+    Case("convert-no-weights", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_noweights", "--output", "{d}/cv5"), r"model\.safetensors",
+         _p("{d}/cv5")),
+    Case("convert-output-not-empty", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_good", "--output", "{d}/a_dir_with_file"), r"--output"),
+    Case("convert-load-missing", "tools/checkpoint/convert.py",
+         _p("megatron-to-hf", "--load", "{d}/no_ckpt", "--hf-config", "{d}/hf_good", "--output", "{d}/cv6"),
+         r"no_ckpt", _p("{d}/cv6")),
+    Case("convert-load-empty", "tools/checkpoint/convert.py",
+         _p("megatron-to-hf", "--load", "{d}/empty_ckpt", "--hf-config", "{d}/hf_good", "--output", "{d}/cv7"),
+         r"empty_ckpt", _p("{d}/cv7")),
+    Case("convert-no-subcommand", "tools/checkpoint/convert.py", _p(), r"command|required"),
     # attention_recall.py
     Case("recall-load-missing", "tools/attention_recall.py",
          _p("--load", "{d}/no_ckpt", "--data-path", "{d}/good", "--plot", "{d}/rc1.png"), r"no_ckpt",
