@@ -18,7 +18,11 @@ def make_hf(out_dir, arch="qwen2", tied=False, vocab=160, shard_kb=None, seed=0)
         cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=tied, rope_theta=1000000.0, **TINY)
         model = Qwen2ForCausalLM(cfg)
     else:
-        cfg = LlamaConfig(vocab_size=vocab, tie_word_embeddings=tied, rope_theta=500000.0, **TINY)
+        # Llama 3.1 RoPE scaling; at head_dim 16 and theta 5e5 it rescales 4 of 8 frequencies.
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        cfg = LlamaConfig(vocab_size=vocab, tie_word_embeddings=tied, rope_parameters=rope,
+                          **dict(TINY, max_position_embeddings=16384))
         model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # norms and biases away from their 1 / 0 init so a mix-up shows
         for name, p in model.named_parameters():

@@ -27,7 +27,7 @@ WORKER = os.path.join(HERE, "_logits_worker.py")
 CONFIGS = {  # name -> (arch, tied embeddings, shard size of the HF files in KB or None)
     "qwen2-tied-sharded": ("qwen2", True, 60),
     "qwen2-untied": ("qwen2", False, None),
-    "llama-untied-sharded": ("llama", False, 60),
+    "llama-untied-sharded": ("llama", False, 60),  # with Llama 3.1 RoPE scaling
 }
 VOCAB = 160
 DOCS = [(0, 17), (17, 40), (40, 64)]
@@ -58,6 +58,8 @@ def converted(tmp_path_factory):
         p = run(CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt"),
                 "--no-progress-bar")
         assert p.returncode == 0, p.stderr[-3000:]
+        flags = open(d / "ckpt" / "model_flags.txt").read().split()
+        assert ("--use-rope-scaling" in flags) == (arch == "llama")
         out[name] = (model, str(d / "hf"), str(d / "ckpt"))
     return out
 

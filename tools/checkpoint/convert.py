@@ -21,6 +21,7 @@ complete (temp directory, then rename). Bad input: one ``error:`` line, exit 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -267,7 +268,7 @@ def megatron_to_hf(a) -> None:
                 raise UsageError(str(e)) from None
             sd = model.state_dict()
             tied = shape.tied and torch.equal(sd["embedding.word_embeddings.weight"], sd["output_layer.weight"])
-            total = len(H.hf_names(H.Shape(**{**shape.__dict__, "tied": tied})))
+            total = len(H.hf_names(dataclasses.replace(shape, tied=tied)))
             tensors = ((n, t.to(dtype).contiguous()) for n, t in H.hf_from_megatron(shape, sd.__getitem__, tied))
             _write_shards(tensors, tmp, int(a.max_shard_size_mb * 2**20), total, a.no_progress_bar)
         finally:
