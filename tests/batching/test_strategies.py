@@ -129,6 +129,19 @@ def test_cost_model_sums_whole_model(predictor):
     assert (c.stage_item_ms(L).sum() + c.stage_const_ms().sum()) == pytest.approx(want)
 
 
+def test_sab_with_one_micro_batch_per_step(lengths, predictor):
+    """--global-batch-size 1 per replica: nothing to shape, and no crash (it was an
+    argmin over no candidate moves)."""
+    from sparsebalance.batching.strategies.sab import pipeline_profile
+
+    assert list(pipeline_profile(1, (1.0, 3.0), (2.0, 6.0))) == [1.0]
+    s = PackingSampler(lengths, dp=DP, micro_batches=1, seq_length=SEQ, strategy="sab", seed=5,
+                       predictor=predictor, pp=2)
+    for _ in range(3):
+        plan = s.next_step()
+        assert all(len(rank) == 1 and rank[0] for rank in plan.ranks)
+
+
 @pytest.mark.parametrize("M_, pp", [(4, 2), (8, 4), (6, 3)])
 def test_pipeline_profile_beats_equal_micro_batches(M_, pp):
     from sparsebalance.batching.strategies.sab import pipeline_profile

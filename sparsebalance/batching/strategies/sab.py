@@ -58,6 +58,8 @@ def pipeline_profile(M: int, fwd: tuple, bwd: tuple) -> np.ndarray:
     """
     f0, b0 = np.asarray(fwd), np.asarray(bwd)
     x = np.ones(M)
+    if M < 2:  # one micro-batch per step: nothing to shape
+        return x
 
     def t(xs):
         return one_f_one_b_ms(xs[..., :, None] * f0, xs[..., :, None] * b0)
