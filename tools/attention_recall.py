@@ -49,23 +49,18 @@ from typing import NoReturn
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 
+from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
+
 PROG = "attention_recall.py"
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """One error line on stderr, then exit."""
-    sys.stderr.write(f"{PROG}: error: {message}\n")
-    sys.stderr.flush()
-    raise SystemExit(code)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        fail(message)
+    """One ``attention_recall.py: error:`` line on stderr, then exit ``code``."""
+    usage_error(message, prog=PROG, code=code)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint directory written by pretrain_gpt.py --save")
     p.add_argument("--data-path", required=True, help="prefix of the .bin/.idx indexed dataset")
     p.add_argument("--train-args", default=None,

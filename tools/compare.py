@@ -139,19 +139,28 @@ def _check(a) -> None:
     if a.mode == "report" and not (a.report and (os.path.isfile(os.path.join(a.report, "sim.json"))
                                                  or os.path.isfile(os.path.join(a.report, "real.json")))):
         raise UsageError("--mode report needs --report DIR holding sim.json or real.json")
-    if a.mode in ("sim", "all"):  # a bad cost model is a usage error, before any work
-        from sparsebalance.compare.sim import SimConfig
-
-        for model in a.sim_models:
-            try:
-                SimConfig(pp=a.pp, dp=a.dp, micro_batches=a.micro_batches, cost_model=a.cost_model,
-                          block_size=a.block_size, topk=a.topk,
-                          model=tuple(MODELS[model].items())).predictor()
-            except (ValueError, OSError) as e:
-                raise UsageError(str(e).splitlines()[0])
+    a.sim_cfgs = _sim_configs(a) if a.mode in ("sim", "all") else {}
     a.length_arrays = ({os.path.splitext(os.path.basename(f))[0]: _read_lengths(f)
                         for f in a.lengths} if a.mode in ("sim", "all") else {})
     a.real_cfg = _real_config(a) if a.mode in ("real", "all") else None
+
+
+def _sim_configs(a) -> dict:
+    """SimConfig per simulated model, with its predictor (shape) loaded: a bad cost model
+    is a usage error before any work."""
+    from sparsebalance.compare.sim import MODELS, SimConfig
+
+    out = {}
+    for model in a.sim_models:
+        try:
+            cfg = SimConfig(pp=a.pp, dp=a.dp, micro_batches=a.micro_batches,
+                            steps=a.sim_steps or (2 if a.quick else 6), seed=a.seed,
+                            cost_model=a.cost_model, block_size=a.block_size, topk=a.topk,
+                            model=tuple(MODELS[model].items()))
+            out[model] = (cfg, cfg.predictor().shape.as_dict())
+        except (ValueError, OSError) as e:
+            raise UsageError(str(e).splitlines()[0])
+    return out
 
 
 def _real_config(a):
@@ -184,20 +193,12 @@ def _read_lengths(path: str):
 
 
 def run_sim(a, figs: dict, log) -> dict:
-    from sparsebalance.compare.sim import MODELS, SimConfig, simulate_cell
+    from sparsebalance.compare.sim import simulate_cell
 
     t0 = time.time()
-    steps = a.sim_steps or (2 if a.quick else 6)
     files = a.length_arrays
     out = {"config": None, "primary_model": a.sim_models[0], "models": {}}
-    for model in a.sim_models:
-        try:
-            cfg = SimConfig(pp=a.pp, dp=a.dp, micro_batches=a.micro_batches, steps=steps,
-                            seed=a.seed, cost_model=a.cost_model, block_size=a.block_size,
-                            topk=a.topk, model=tuple(MODELS[model].items()))
-            shape = cfg.predictor().shape.as_dict()
-        except (ValueError, FileNotFoundError) as e:
-            raise UsageError(str(e).splitlines()[0])
+    for model, (cfg, shape) in a.sim_cfgs.items():
         out["config"] = {k: v for k, v in cfg.__dict__.items() if k != "model"}
         cells, gantt = {}, None
         for fname, lengths in files.items():

@@ -61,14 +61,10 @@ class Part:
     data: dict = field(default_factory=dict)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        sys.stderr.write(f"gpu_check.py: error: {message}\n")
-        sys.exit(2)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.split("\n")[0])
+    from megatron.training.arguments import OneLineParser
+
+    p = OneLineParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(REPO, "runs", "gpu_check"), help="report folder")
     p.add_argument("--wheels", default=os.path.join(REPO, "wheels"),
                    help="folder of wheels for the deps part (missing: use what is installed)")

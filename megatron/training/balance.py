@@ -152,7 +152,7 @@ class Balancer:
 
     def __init__(self, args, predictor, pad_to: Optional[int]) -> None:
         self.args = args
-        self.ahead = args.sb_dst != "off" and getattr(args, "sb_plan_ahead", True)
+        self.ahead = args.sb_dst != "off" and args.sb_plan_ahead
         self.predictor = predictor
         self.pad_to = pad_to
         self.pp = args.pipeline_model_parallel_size
@@ -245,8 +245,7 @@ class Balancer:
         """Fold the step's measured ``[dp, M, S]`` op times into the predictor's
         per-(stage, phase) correction (identical on every rank: same inputs). A plan
         being made ahead reads the correction, so it is finished first."""
-        if self._pending is not None:
-            self._pending[1].join()
+        self._join(self._pending)  # keeps it pending: forecast() collects the result
         for phase, model, meas in (("fwd", forecast.model[0], measured_fwd_ms),
                                    ("bwd", forecast.model[1], measured_bwd_ms)):
             for s in range(self.stages):

@@ -366,13 +366,11 @@ def _static_density(args, batches) -> Optional[float]:
     if not args.sparse_attention or batches.plan is None:
         return None
     from megatron.training.data import microbatch_lengths
-    from sparsebalance.attention.routing import causal_pairs, kept_pairs
+    from sparsebalance.attention.routing import density
 
     pad_to = args.seq_length if args.virtual_pipeline_model_parallel_size is not None else None
-    L = np.array([n for rank in batches.plan.ranks for mb in rank
-                  for n in microbatch_lengths(mb, pad_to)], dtype=np.int64)
-    causal = float(causal_pairs(L).sum())
-    return float(kept_pairs(L, args.sb_topk, args.sb_block_size).sum()) / causal if causal else 1.0
+    return density([n for rank in batches.plan.ranks for mb in rank
+                    for n in microbatch_lengths(mb, pad_to)], args.sb_topk, args.sb_block_size)
 
 
 def _atomic_json(path: str, obj) -> None:
@@ -498,7 +496,7 @@ class _Logger:
                 _atomic_json(self.args.summary_json, out)
         return out
 
-    def _balance_metrics(self) -> dict:  # noqa: C901 (one flat table of metrics)
+    def _balance_metrics(self) -> dict:
         """The evaluation tool's metrics (see pretrain_gpt.py --summary-json). Timing
         metrics skip the warm-up steps (:func:`_warmup_steps`); density and losses use
         every step of this run."""
@@ -521,8 +519,6 @@ class _Logger:
             "step_ms_median": med([s.step_s * 1e3 for s in counted]),
             "step_ms_all": [s.step_s * 1e3 for s in steps],
             "step_tokens_all": [int(s.tokens) for s in steps],
-            "plan_ms_all": [s.plan_ms for s in steps],
-            "plan_wait_ms_all": [s.plan_wait_ms for s in steps],
             "warmup_steps_skipped": len(steps) - len(counted),
             "tokens_per_s": float(sum(s.tokens for s in counted) / t_s) if t_s > 0 else 0.0,
             "loss_first": steps[0].loss if steps else None,

@@ -14,25 +14,27 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Optional
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
 from ..pipeline import simulate
 
 
+def _steps(directory: str, skip: int) -> Iterator[Tuple[str, dict, dict]]:
+    """(file name, measured, predicted) of each logged step after the first ``skip``
+    that has both files, in step order."""
+    for f in sorted(glob.glob(os.path.join(directory, "step_*.measured.json")))[skip:]:
+        pf = f.replace(".measured.json", ".predicted.json")
+        if os.path.isfile(pf):
+            with open(f) as fh, open(pf) as gh:
+                yield os.path.basename(f), json.load(fh), json.load(gh)
+
+
 def timeline_stats(directory: str, skip: int) -> Optional[dict]:
     """Medians over the logged steps after the first ``skip``; None without files."""
-    files = sorted(glob.glob(os.path.join(directory, "step_*.measured.json")))[skip:]
     rows = []
-    for f in files:
-        pf = f.replace(".measured.json", ".predicted.json")
-        if not os.path.isfile(pf):
-            continue
-        with open(f) as fh:
-            m = json.load(fh)
-        with open(pf) as fh:
-            p = json.load(fh)
+    for _, m, p in _steps(directory, skip):
         mf, mb = np.asarray(m["fwd_ms"]), np.asarray(m["bwd_ms"])
         qf, qb = np.asarray(p["fwd_ms"]), np.asarray(p["bwd_ms"])
         kw = dict(schedule=m.get("schedule", "1f1b"), vpp=int(m.get("vpp", 1)))
@@ -59,18 +61,14 @@ def paired_ops(directory: str, reference: str, k0: int, skip: int) -> Optional[d
     is the same work in both. None without the timeline files (with budgets).
     """
     sums: dict = {}
-    for f in sorted(glob.glob(os.path.join(directory, "step_*.measured.json")))[skip:]:
-        docs = [f, os.path.join(reference, os.path.basename(f))]
-        docs += [d.replace(".measured.json", ".predicted.json") for d in docs]
-        if not all(os.path.isfile(d) for d in docs):
+    ref = {name: (m, p) for name, m, p in _steps(reference, 0)}
+    for name, m, p in _steps(directory, skip):
+        if name not in ref:
             continue
-        loaded = []
-        for d in docs:
-            with open(d) as fh:
-                loaded.append(json.load(fh))
-        if "budget" not in loaded[2]:
+        if "budget" not in p:
             return None
-        b = np.asarray(loaded[2]["budget"], dtype=float)
+        loaded = (m, ref[name][0], p, ref[name][1])  # measured, measured, predicted, predicted
+        b = np.asarray(p["budget"], dtype=float)
         for phase in ("fwd_ms", "bwd_ms"):
             arrays = [np.asarray(x[phase], dtype=float) for x in loaded]
             if any(a.shape != b.shape for a in arrays):
@@ -95,12 +93,7 @@ def noise_penalty(directory: str, skip: int, draws: int = 30, seed: int = 0) -> 
     noiseless one, minus 1. A plan that balances the stages leaves no slack to absorb
     overruns, so it pays more than one whose bubbles soak them up. None without files.
     """
-    pairs = []
-    for f in sorted(glob.glob(os.path.join(directory, "step_*.measured.json")))[skip:]:
-        pf = f.replace(".measured.json", ".predicted.json")
-        if os.path.isfile(pf):
-            with open(f) as fh, open(pf) as gh:
-                pairs.append((json.load(fh), json.load(gh)))
+    pairs = [(m, p) for _, m, p in _steps(directory, skip)]
     if not pairs:
         return None
     ratios = np.concatenate([(np.asarray(m[k], float) / np.asarray(p[k], float)).ravel()
