@@ -6,10 +6,17 @@ Parts, in order (one failing never hides the rest; each has a time cap):
 * ``deps``   install the pure-Python needs from wheels put in ``--wheels DIR`` beforehand
              (never torch, triton or nvidia-*: the machine's own stay), then import them;
 * ``build``  build the C++/CUDA extension in place for this GPU's architecture;
-* ``tests``  tests/ops/test_gpu_backends.py and every other test module that needs CUDA;
-* ``bench``  cuda and triton backends vs torch SDPA (flash, dense causal) in one process:
-             fwd and fwd+bwd, bf16, head dim 128, GQA, 16K-128K, block 64 and 128,
-             densities ~5%, 12%, 25%: ms, TFLOP/s on kept pairs, efficiency = speedup x density;
+* ``tests``  tests/ops/test_gpu_backends.py and every other test module that needs CUDA, with
+             ``SPARSEBALANCE_TRITON_AUTOTUNE=0``: one launch config per Triton kernel, no
+             autotuning (the tests check correctness, not speed);
+* ``bench``  triton and cuda backends vs torch SDPA (flash, dense causal), one process per
+             backend for all its points (imports and Triton autotuning are paid once; the
+             bench does autotune): fwd and fwd+bwd, bf16, head dim 128, GQA, 16K-128K, block
+             64 and 128, densities ~5%, 12%, 25%: ms, TFLOP/s on kept pairs, efficiency =
+             speedup x density. Each finished point is kept even if its process later dies
+             or runs out of its share of the time. The cuda rows are the extension's
+             tensor-core kernels (``SPARSEBALANCE_CUDA_TENSOR_CORES=1``, opt-in until
+             they have passed the tests part on a GPU).
 * ``train``  pretrain_gpt.py, 20 iterations on one GPU in bf16 (Qwen2.5-0.5B-like layers cut
              to 4, 32K micro-batches, --sparse-balance --sb-cost-model h100-analytic): the loss
              must decrease and the summary JSON must hold the run's metrics.
@@ -32,7 +39,11 @@ The wheels, downloaded once on a connected machine::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import glob
+import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -40,7 +51,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -70,8 +81,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="folder of wheels for the deps part (missing: use what is installed)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list from {','.join(PARTS)}")
     p.add_argument("--seq-lens", default="16384,32768,65536,131072", help="bench: tokens")
+    p.add_argument("--backends", default="triton,cuda", help="bench: comma list from triton,cuda")
+    p.add_argument("--bench-reps", type=int, default=3,
+                   help="bench: timed repetitions per point (bench_attention.py --reps)")
+    p.add_argument("--lengths", default="prolong",
+                   help="train: document lengths for make_corpus.py (a shared/ name or a .json path)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="wall-clock budget of all parts; a part that would start after it is failed")
+    # Internal: the bench part's per-backend process (see bench_worker).
+    p.add_argument("--bench-worker", nargs=2, metavar=("POINTS_JSON", "OUT_JSONL"),
+                   help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.parts = [x for x in a.parts.split(",") if x]
     bad = [x for x in a.parts if x not in PARTS]
@@ -81,10 +100,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.seq_lens = [int(x) for x in a.seq_lens.split(",") if x]
     except ValueError:
         p.error(f"--seq-lens must be comma-separated integers, got {a.seq_lens!r}")
+    a.backends = [x for x in a.backends.split(",") if x]
+    if not a.backends or set(a.backends) - {"triton", "cuda"}:
+        p.error(f"--backends must be a comma list from triton,cuda, got {a.backends}")
     if not a.seq_lens or min(a.seq_lens) < 1024:
         p.error("--seq-lens must be integers >= 1024")
     if a.budget_s <= 0:
         p.error("--budget-s must be > 0")
+    if a.bench_reps < 1:
+        p.error(f"--bench-reps must be >= 1, got {a.bench_reps}")
     if os.path.isfile(a.out):
         p.error(f"--out {a.out} is a file, expected a folder")
     return a
@@ -159,8 +183,9 @@ def part_tests(a, left: float) -> Part:
     if not mods:
         return Part("tests", False, detail="no CUDA test module found under tests/")
     junit = os.path.join(a.out, "gpu_tests.xml")
+    # Correctness, not speed: one Triton launch config, no autotuning over every test shape.
     proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                 f"--junitxml={junit}", *mods], left)
+                 f"--junitxml={junit}", *mods], left, env={"SPARSEBALANCE_TRITON_AUTOTUNE": "0"})
     tail = (proc.stdout or "").strip().splitlines()
     summary = tail[-1] if tail else _last_line(proc)
     return Part("tests", proc.returncode == 0, detail=summary, data={"modules": mods})
@@ -179,11 +204,11 @@ def topk_for_density(seq_len: int, block: int, density: float) -> int:
                key=lambda k: abs(exact([seq_len], k, block) - density))
 
 
-def bench_points(seq_lens: List[int]) -> List[dict]:
-    """The benchmark grid (backend outermost so a slow backend cannot starve the other)."""
+def bench_points(seq_lens: List[int], backends=("triton", "cuda")) -> List[dict]:
+    """The benchmark grid, one backend after the other in the order given."""
     return [dict(backend=b, seq_len=s, block=blk, density=d,
                  topk=topk_for_density(s, blk, d))
-            for b in ("cuda", "triton") for s in seq_lens for blk in (64, 128)
+            for b in backends for s in seq_lens for blk in (64, 128)
             for d in (0.05, 0.12, 0.25)]
 
 
@@ -196,35 +221,138 @@ def kept_tflops(res: dict) -> Dict[str, float]:
             "fwd_bwd_tflops": 3.5 * fwd / (res["sparse_ms"] * 1e-3) / 1e12}
 
 
+def point_key(pt: dict) -> str:
+    """A grid point in one line, as the ``failed`` entries name it."""
+    return f"{pt['backend']} {pt['seq_len']}/{pt['block']}/{pt['density']}"
+
+
+def bench_argv(pt: dict, reps: int, out: str) -> List[str]:
+    """tools/bench_attention.py's arguments for one grid point."""
+    return ["--seq-len", str(pt["seq_len"]), "--heads", "16", "--kv-heads", "2",
+            "--head-dim", "128", "--block-size", str(pt["block"]), "--topk", str(pt["topk"]),
+            "--backend", pt["backend"], "--dtype", "bf16", "--reps", str(reps),
+            "--json", "--out", out]
+
+
+def _bench_main() -> Callable:
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", os.path.join(REPO, "tools", "bench_attention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def bench_worker(points_json: str, out_jsonl: str, reps: int,
+                 bench_main: Optional[Callable] = None) -> int:
+    """One backend's points in this process, one after the other (imports and Triton's
+    compile and autotune caches are shared). Each point appends one line to ``out_jsonl``
+    as soon as it is done: ``{"point", "result"}`` or ``{"point", "error"}``; a point that
+    fails does not stop the next. A crash or a kill keeps the lines already written."""
+    bench_main = bench_main or _bench_main()
+    with open(points_json) as fh:
+        points = json.load(fh)
+    tmp = out_jsonl + ".point.json"
+    for pt in points:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        said, error = io.StringIO(), None
+        try:
+            with contextlib.redirect_stderr(said):
+                rc = bench_main(bench_argv(pt, reps, tmp))
+        except SystemExit as e:  # bench_attention's argument errors
+            rc = e.code if isinstance(e.code, int) else 1
+        except Exception as e:  # e.g. CUDA out of memory at 128K: the next point may fit
+            rc, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        sys.stderr.write(said.getvalue())
+        if rc == 0 and os.path.isfile(tmp) and os.path.getsize(tmp):
+            with open(tmp) as fh:
+                line = {"point": pt, "result": json.load(fh)}
+        else:
+            last = said.getvalue().strip().splitlines()
+            line = {"point": pt, "error": error or (f"bench_attention.py exit code {rc}"
+                                                    + (f": {last[-1][:300]}" if last else ""))}
+        with open(out_jsonl, "a") as fh:  # one write per point: a kill loses no finished line
+            fh.write(json.dumps(line) + "\n")
+        gc.collect()  # free the point's tensors before the next, larger one
+        if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+            sys.modules["torch"].cuda.empty_cache()
+    if os.path.exists(tmp):
+        os.unlink(tmp)
+    return 0
+
+
+def read_worker_lines(path: str) -> List[dict]:
+    """The complete lines of a worker's JSONL file (a line cut by a kill is dropped)."""
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path) as fh:
+        for text in fh:
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(line, dict) and "point" in line:
+                out.append(line)
+    return out
+
+
+def bench_row(pt: dict, res: dict) -> dict:
+    """One row of the bench table from bench_attention.py's JSON."""
+    fwd_speedup = res["dense_fwd_ms"] / res["sparse_fwd_ms"]
+    return {**pt, "density_measured": res["density"], "dense_fwd_ms": res["dense_fwd_ms"],
+            "sparse_fwd_ms": res["sparse_fwd_ms"], "dense_ms": res["dense_ms"],
+            "sparse_ms": res["sparse_ms"], "speedup_fwd": fwd_speedup,
+            "speedup": res["speedup"], "efficiency_fwd": fwd_speedup * res["density"],
+            "efficiency": res["efficiency"], "gate_share": res["gate_share"],
+            **kept_tflops(res)}
+
+
+def collect_backend(points: List[dict], lines: List[dict],
+                    proc: subprocess.CompletedProcess) -> Tuple[List[dict], List[str]]:
+    """(rows, failed) of one backend's worker: its finished points are rows, its failed
+    points name their error, and the points it never reached name why the worker stopped."""
+    done = {point_key(x["point"]): x for x in lines}
+    if proc.returncode == 124:
+        why = proc.stderr or "timed out"
+    else:
+        why = f"worker exit code {proc.returncode}: {_last_line(proc)}"
+    rows, failed = [], []
+    for pt in points:
+        line = done.get(point_key(pt))
+        if line is None:
+            failed.append(f"{point_key(pt)}: not run: {why}")
+        elif "result" in line:
+            try:
+                rows.append(bench_row(pt, line["result"]))
+            except (KeyError, TypeError, ZeroDivisionError) as e:
+                failed.append(f"{point_key(pt)}: bad result ({type(e).__name__}: {e})")
+        else:
+            failed.append(f"{point_key(pt)}: {line.get('error')}")
+    return rows, failed
+
+
 def part_bench(a, left: float) -> Part:
     rows, failed = [], []
     t0 = time.time()
-    for pt in bench_points(a.seq_lens):
-        remaining = left - (time.time() - t0)
-        if remaining < 20:
-            failed.append(f"{pt['backend']} {pt['seq_len']}: no time left")
+    points = bench_points(a.seq_lens, a.backends)
+    for i, backend in enumerate(a.backends):
+        mine = [pt for pt in points if pt["backend"] == backend]
+        # A fair share of the time left; the last backend gets all of it.
+        cap = (left - (time.time() - t0)) / (len(a.backends) - i)
+        if cap < 20:
+            failed += [f"{point_key(pt)}: no time left" for pt in mine]
             continue
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
-            out = fh.name
-        proc = _run([sys.executable, "tools/bench_attention.py", "--seq-len", str(pt["seq_len"]),
-                     "--heads", "16", "--kv-heads", "2", "--head-dim", "128",
-                     "--block-size", str(pt["block"]), "--topk", str(pt["topk"]),
-                     "--backend", pt["backend"], "--dtype", "bf16", "--reps", "3",
-                     "--json", "--out", out], min(remaining, 120))
-        if proc.returncode != 0 or not os.path.getsize(out):
-            failed.append(f"{pt['backend']} {pt['seq_len']}/{pt['block']}/{pt['density']}: "
-                          + _last_line(proc))
-            continue
-        with open(out) as fh:
-            res = json.load(fh)
-        os.unlink(out)
-        fwd_speedup = res["dense_fwd_ms"] / res["sparse_fwd_ms"]
-        rows.append({**pt, "density_measured": res["density"], "dense_fwd_ms": res["dense_fwd_ms"],
-                     "sparse_fwd_ms": res["sparse_fwd_ms"], "dense_ms": res["dense_ms"],
-                     "sparse_ms": res["sparse_ms"], "speedup_fwd": fwd_speedup,
-                     "speedup": res["speedup"], "efficiency_fwd": fwd_speedup * res["density"],
-                     "efficiency": res["efficiency"], "gate_share": res["gate_share"],
-                     **kept_tflops(res)})
+        with tempfile.TemporaryDirectory(prefix="gpu_check_bench-") as tmp:
+            pts_file, out_file = os.path.join(tmp, "points.json"), os.path.join(tmp, "out.jsonl")
+            with open(pts_file, "w") as fh:
+                json.dump(mine, fh)
+            proc = _run([sys.executable, os.path.abspath(__file__), "--bench-worker",
+                         pts_file, out_file, "--bench-reps", str(a.bench_reps)], cap,
+                        env={"SPARSEBALANCE_CUDA_TENSOR_CORES": "1"})
+            r, f = collect_backend(mine, read_worker_lines(out_file), proc)
+        rows += r
+        failed += f
     best = {}
     for r in rows:
         if r["seq_len"] == 65536 and r["block"] == 128:
@@ -241,7 +369,7 @@ def part_train(a, left: float) -> Part:
     corpus = os.path.join(work, "corpus")
     if not os.path.isfile(corpus + ".idx"):
         proc = _run([sys.executable, "tools/make_corpus.py", "--output-prefix", corpus,
-                     "--lengths", "prolong", "--num-docs", "400", "--max-length", "32768"], left)
+                     "--lengths", a.lengths, "--num-docs", "400", "--max-length", "32768"], left)
         if proc.returncode != 0:
             return Part("train", False, detail="corpus: " + _last_line(proc))
     summary = os.path.join(work, "summary.json")
@@ -264,7 +392,8 @@ def part_train(a, left: float) -> Part:
 
 def check_train_summary(s: dict) -> Part:
     """The train part's verdict from the driver's summary JSON."""
-    need = ("losses", "tokens_per_s", "step_ms_median", "density_mean", "plan_ms_median")
+    need = ("losses", "tokens_per_s", "step_ms_median", "density_mean", "plan_ms_median",
+            "attention_backend")
     missing = [k for k in need if s.get(k) is None]
     if missing:
         return Part("train", False, detail=f"summary JSON lacks {missing}", data=s)
@@ -273,8 +402,9 @@ def check_train_summary(s: dict) -> Part:
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     ok = len(losses) >= 8 and last < first
     return Part("train", ok, detail=(f"loss {first:.3f} -> {last:.3f} (mean of first / last {k}), "
-                                     f"{s['tokens_per_s']:.0f} tokens/s, density "
-                                     f"{s['density_mean']:.3f}"),
+                                     f"{s['tokens_per_s']:.0f} tokens/s, "
+                                     f"{s['step_ms_median']:.0f} ms/step, density "
+                                     f"{s['density_mean']:.3f}, backend {s['attention_backend']}"),
                 data={k2: s[k2] for k2 in need if k2 != "losses"} | {"losses": losses})
 
 
@@ -329,6 +459,8 @@ def write_report(out_dir: str, parts: List[Part], device: str) -> None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.bench_worker:
+        return bench_worker(*a.bench_worker, reps=a.bench_reps)
     try:
         import torch
     except ImportError:

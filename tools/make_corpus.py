@@ -65,7 +65,8 @@ def markov_text(length: int, rng: np.random.Generator, words: list, trans: np.nd
 def main(argv=None) -> int:
     p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--output-prefix", required=True)
-    p.add_argument("--lengths", default="prolong", help="name of a file in ../shared/data/lengths (no .json)")
+    p.add_argument("--lengths", default="prolong",
+                   help="name of a file in ../shared/data/lengths (no .json), or a path to a JSON list")
     p.add_argument("--num-docs", type=int, default=2000)
     p.add_argument("--max-length", type=int, default=512, help="tokens of the longest document")
     p.add_argument("--quantile", type=float, default=0.999, help="source quantile mapped to --max-length")
@@ -73,9 +74,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.num_docs < 1 or args.max_length < 2 or not 0.0 < args.quantile <= 1.0:
         usage_error("need --num-docs >= 1, --max-length >= 2 and 0 < --quantile <= 1", prog=PROG)
-    src = os.path.join(SHARED_LENGTHS, args.lengths + ".json")
+    src = (args.lengths if args.lengths.endswith(".json")
+           else os.path.join(SHARED_LENGTHS, args.lengths + ".json"))
     if not os.path.isfile(src):
-        usage_error(f"length file {src} not found (shared/ must be the sibling of the repo root)", prog=PROG)
+        usage_error(f"length file {src} not found (a name needs shared/ as the sibling of the repo root; "
+                    "or pass a path to a .json list)", prog=PROG)
     source = np.asarray(json.load(open(src)), dtype=np.int64)
     rng = np.random.default_rng(args.seed)
     lengths = scaled_lengths(source, args.num_docs, args.max_length, args.quantile, rng)

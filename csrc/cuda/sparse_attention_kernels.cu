@@ -3,11 +3,14 @@
 //
 // Same routing plan and conventions as the CPU kernel (csrc/cpu): kv_idx lists the
 // kept key blocks of every (head, query block) with the diagonal last; logits are
-// scaled by scale * log2(e) and lse2 is a base-2 log-sum-exp. This is a portable
-// SIMT kernel (one thread per query row in the forward and dq kernels, one per key
-// row in the dk/dv kernel, key/query chunks staged in shared memory, fp32
-// accumulation); the tensor-core path on GPUs is the Triton backend. The dk/dv
-// kernel owns its key block and walks the reverse index, so there are no atomics.
+// scaled by scale * log2(e) and lse2 is a base-2 log-sum-exp. Two kernel families:
+// * tensor cores (sparse_attention_wmma.cuh: WMMA bf16 x bf16 -> fp32, 64-row tiles
+//   in shared memory, online softmax) for bf16 inputs with head dim % 8 == 0 and
+//   16-byte aligned tensors, opt-in for now (see use_wmma);
+// * a portable SIMT kernel (one thread per query row in the forward and dq kernels,
+//   one per key row in the dk/dv kernel, fp32 accumulation) for fp32 and every other
+//   shape.
+// Both dk/dv kernels own their key block and walk the reverse index: no atomics.
 //
 // Only CUDA headers are included, so nvcc compiles kernels, not torch's headers
 // (one line):
@@ -18,7 +21,12 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
+
+#include "sparse_attention_wmma.cuh"
 
 namespace sbcuda {
 namespace {
@@ -236,6 +244,35 @@ cudaError_t dispatch(DType dtype, int head_dim, Fn&& fn) {
   return cudaGetLastError();
 }
 
+// Whether the tensor-core kernels take these inputs. They have compiled (sm_80, sm_90)
+// but not yet run on a GPU, so they are opt-in until `make gpu-check` has passed them:
+// SPARSEBALANCE_CUDA_TENSOR_CORES=1 turns them on (tests/ops/test_gpu_backends.py does).
+bool use_wmma(DType dtype, int head_dim, std::initializer_list<const void*> ptrs) {
+  const char* on = std::getenv("SPARSEBALANCE_CUDA_TENSOR_CORES");
+  if (on == nullptr || std::strcmp(on, "1") != 0) return false;
+  if (dtype != DType::kBFloat16 || head_dim < 8 || head_dim > kMaxHeadDim || head_dim % 8) return false;
+  for (const void* ptr : ptrs)
+    if (reinterpret_cast<std::uintptr_t>(ptr) % 16) return false;
+  return true;
+}
+
+// Calls fn(std::integral_constant<int, DP>{}) for the padded head dim DP of 32, 64, 128.
+template <typename Fn>
+cudaError_t dispatch_wmma(int head_dim, Fn&& fn) {
+  if (head_dim <= 32) fn(std::integral_constant<int, 32>{});
+  else if (head_dim <= 64) fn(std::integral_constant<int, 64>{});
+  else fn(std::integral_constant<int, 128>{});
+  return cudaGetLastError();
+}
+
+// Launches a tensor-core kernel with `smem` bytes of dynamic shared memory (> 48 KiB
+// needs the opt-in attribute).
+template <typename Kernel, typename... Args>
+void launch_tc(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream, Args... args) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  kernel<<<grid, wmma_kernels::kThreadsTC, smem, stream>>>(args...);
+}
+
 }  // namespace
 
 cudaError_t launch_sparse_attention_fwd(DType dtype, const void* q, const void* k, const void* v,
@@ -243,6 +280,16 @@ cudaError_t launch_sparse_attention_fwd(DType dtype, const void* q, const void* 
                                         float scale, cudaStream_t stream) {
   if (plan.NB == 0) return cudaSuccess;
   const float c = scale * kLog2e;
+  if (use_wmma(dtype, head_dim, {q, k, v, out})) {
+    using wmma_kernels::bf16;
+    return dispatch_wmma(head_dim, [&](auto dp) {
+      constexpr int DP = decltype(dp)::value;
+      launch_tc(wmma_kernels::fwd_kernel<DP>, dim3(plan.NB, plan.H),
+                sizeof(wmma_kernels::FwdSmem<DP>), stream, static_cast<const bf16*>(q),
+                static_cast<const bf16*>(k), static_cast<const bf16*>(v), static_cast<bf16*>(out),
+                lse2, plan, c, head_dim);
+    });
+  }
   return dispatch(dtype, head_dim, [&](auto zero, auto maxd) {
     using scalar_t = decltype(zero);
     fwd_kernel<scalar_t, decltype(maxd)::value><<<dim3(plan.NB, plan.H), kThreads, 0, stream>>>(
@@ -258,6 +305,23 @@ cudaError_t launch_sparse_attention_bwd(DType dtype, const void* q, const void* 
                                         float scale, cudaStream_t stream) {
   if (plan.NB == 0) return cudaSuccess;
   const float c = scale * kLog2e;
+  if (use_wmma(dtype, head_dim, {q, k, v, dout, dq, dk, dv})) {
+    using wmma_kernels::bf16;
+    return dispatch_wmma(head_dim, [&](auto dp) {
+      constexpr int DP = decltype(dp)::value;
+      const auto* qp = static_cast<const bf16*>(q);
+      const auto* kp = static_cast<const bf16*>(k);
+      const auto* vp = static_cast<const bf16*>(v);
+      const auto* dop = static_cast<const bf16*>(dout);
+      launch_tc(wmma_kernels::bwd_dq_kernel<DP>, dim3(plan.NB, plan.H),
+                sizeof(wmma_kernels::DqSmem<DP>), stream, qp, kp, vp, dop, lse2, delta,
+                static_cast<bf16*>(dq), plan, c, scale, head_dim);
+      launch_tc(wmma_kernels::bwd_dkdv_kernel<DP>, dim3(plan.NB, plan.Hkv),
+                sizeof(wmma_kernels::DkdvSmem<DP>), stream, qp, kp, vp, dop, lse2, delta, rev_ptr,
+                rev_q, nnz, static_cast<bf16*>(dk), static_cast<bf16*>(dv), plan, c, scale,
+                head_dim);
+    });
+  }
   return dispatch(dtype, head_dim, [&](auto zero, auto maxd) {
     using scalar_t = decltype(zero);
     constexpr int MAXD = decltype(maxd)::value;

@@ -240,6 +240,11 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             iteration = ckpt.load_checkpoint(args.load, model, optimizer, scheduler, loader)
     start = iteration
     log = _Logger(args, rank, start=iteration)
+    if args.sparse_attention:
+        from megatron.training.balance import attention_backend
+
+        log.info(f"sparse attention backend: {attention_backend(args)} "
+                 f"(--sb-attention-backend {args.sb_attention_backend})")
     flag = SignalFlag(args.exit_signal_handler)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     dp_rank = ps.get_data_parallel_rank()
@@ -500,6 +505,8 @@ class _Logger:
         """The evaluation tool's metrics (see pretrain_gpt.py --summary-json). Timing
         metrics skip the warm-up steps (:func:`_warmup_steps`); density and losses use
         every step of this run."""
+        from megatron.training.balance import attention_backend
+
         steps = self.steps
         counted = steps[_warmup_steps(len(steps)):]
         med = lambda xs: float(np.median(xs)) if len(xs) else None
@@ -531,5 +538,6 @@ class _Logger:
             "pack_ms_median": med([s.pack_ms for s in counted]),
             "plan_ms_median": med([s.plan_ms for s in counted]) if preds else None,
             "plan_wait_ms_median": med([s.plan_wait_ms for s in counted]) if preds else None,
+            "attention_backend": attention_backend(self.args),
             "args": {k: getattr(self.args, k, None) for k in keys},
         }

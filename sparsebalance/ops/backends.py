@@ -2,8 +2,9 @@
 
 Every implementation has the signature
 ``impl(q, k, v, cu_seqlens, topk, block_size, scale) -> (out, kept_pairs)`` on
-validated inputs. ``"auto"`` picks ``cuda`` > ``triton`` for CUDA tensors and
-``cpu`` > ``reference`` for CPU tensors. Tests steer ``"auto"`` with
+validated inputs. ``"auto"`` picks ``triton`` > ``cuda`` for CUDA tensors (by rule:
+on an H100 the Triton kernels ran far faster than the SIMT CUDA extension, see
+docs/gpu.md) and ``cpu`` > ``reference`` for CPU tensors. Tests steer ``"auto"`` with
 :func:`override_backend`.
 """
 
@@ -82,7 +83,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         if _override is not None:
             return _override
-        order = ("cuda", "triton") if device.type == "cuda" else ("cpu", "reference")
+        order = ("triton", "cuda") if device.type == "cuda" else ("cpu", "reference")
         return next((n for n in order if is_available(n, device)), "reference")
     if not is_available(name, device):
         raise ValueError(f"backend {name!r} is not available for {device.type} tensors "

@@ -1,8 +1,11 @@
 """Block top-k routing plan shared by every kernel backend.
 
-The plan is computed once per call in plain PyTorch (fp32 gate, stable sort)
-and handed to the cpu / triton / cuda kernels as small int32 tables, so all
-backends select exactly the same key blocks.
+The plan is computed once per call in plain PyTorch (fp32 gate; ties at the
+k-th value keep the lower block id) and handed to the cpu / triton / cuda kernels
+as small int32 tables, so all backends select exactly the same key blocks. The
+O(blocks) metadata is numpy on the host; the gates and the choice are batched
+tensor ops on q's device (all documents in padded batches, no host sync when
+cu_seqlens and topk are host values).
 
 Blocks are numbered globally over the packed batch: document ``d`` of length
 ``L`` contributes ``ceil(L / B)`` consecutive blocks (the last may be partial).
@@ -17,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
+import numpy as np
 import torch
 
 TopK = Union[int, torch.Tensor]
@@ -41,6 +45,9 @@ class RoutingPlan:
     """Kept (query, key) pairs summed over heads and documents."""
     causal_pairs: int
     """Causal (query, key) pairs summed over heads and documents."""
+    kv_nnz: Optional[int] = None
+    """Valid entries of ``kv_idx`` per head (``kv_cnt.sum()``), known on the host when the
+    plan is built; lets :func:`reverse_index` size its output without a device sync."""
 
     @property
     def density(self) -> float:
@@ -51,7 +58,7 @@ class RoutingPlan:
         """The same plan with its tables on ``device``."""
         mv = lambda t: t.to(device, non_blocking=True)
         return RoutingPlan(self.block_size, mv(self.qb_start), mv(self.qb_len), mv(self.kv_idx),
-                           mv(self.kv_cnt), self.kept_pairs, self.causal_pairs)
+                           mv(self.kv_cnt), self.kept_pairs, self.causal_pairs, self.kv_nnz)
 
 
 def _per_doc_topk(topk: TopK, n_docs: int) -> torch.Tensor:
@@ -75,6 +82,47 @@ def doc_block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.cat(parts, 0)
 
 
+def _select_rows(g: torch.Tensor, k: Union[int, torch.Tensor], kmax: int,
+                 host_check: Optional[bool] = None) -> torch.Tensor:
+    """Column ids of the ``k`` largest entries per row of ``g``, ascending (ties: lower index).
+
+    ``k`` is an int (then ``kmax == k > 0``) or an int64 tensor broadcastable to
+    ``g.shape[:-1] + (1,)`` with values in ``0..kmax``; entries past a row's ``k`` are -1.
+    With ``t`` the k-th largest value of a row, everything above ``t`` is kept and the ties
+    at ``t`` are filled from the left. On the GPU this is plain tensor ops with no host
+    sync; on the CPU (where a host check is free; ``host_check`` overrides) a batch
+    without ties at ``t`` takes topk's ids directly. Returns int64 ``[..., kmax]``.
+    """
+    n = g.shape[-1]
+    if isinstance(k, int):
+        vals, idx = torch.topk(g, k, dim=-1, sorted=False)
+        t = vals.amin(-1, keepdim=True)
+    else:
+        vals, idx = torch.topk(g, kmax, dim=-1, sorted=True)  # descending
+        t = vals.gather(-1, (k - 1).clamp(min=0).expand(*g.shape[:-1], 1))
+    del vals
+    eq = g == t
+    if g.device.type == "cpu" if host_check is None else host_check:
+        # Rows that are all -inf (batch padding) have t == -inf; they are not looked at.
+        tie = (eq.sum(-1, keepdim=True) > 1) & (t > float("-inf"))
+        if not isinstance(k, int):
+            tie &= k > 0
+        if not bool(tie.any()):  # topk's first k ids are exactly the k largest
+            if isinstance(k, int):
+                return idx.sort(-1).values
+            idx = torch.where(torch.arange(kmax, device=g.device) < k, idx, n).sort(-1).values
+            return idx.masked_fill_(idx == n, -1)
+    del idx
+    gt = g > t
+    need = k - gt.sum(-1, keepdim=True, dtype=torch.int32)  # rows with k == 0: need 0, gt empty
+    chosen = eq.logical_and_(eq.cumsum(-1, dtype=torch.int32) <= need).logical_or_(gt)
+    del gt
+    slot = torch.where(chosen, chosen.cumsum(-1) - 1, kmax)
+    cols = torch.arange(n, device=g.device).expand(g.shape)
+    out = torch.full(g.shape[:-1] + (kmax + 1,), -1, dtype=torch.int64, device=g.device)
+    return out.scatter_(-1, slot, cols)[..., :kmax]  # non-chosen land in the dropped slot
+
+
 def select_topk(g: torch.Tensor, k: int) -> torch.Tensor:
     """Column ids of the ``k`` largest entries per row of ``g``, ascending (ties: lower index).
 
@@ -83,18 +131,7 @@ def select_topk(g: torch.Tensor, k: int) -> torch.Tensor:
     """
     if k == 0:
         return torch.zeros(g.shape[:-1] + (0,), dtype=torch.int64, device=g.device)
-    vals, idx = torch.topk(g, k, dim=-1, sorted=False)
-    t = vals.amin(-1, keepdim=True)
-    eq = g == t
-    if bool((eq.sum(-1) == 1).all()):  # no tie at the threshold: topk's set is exact
-        return idx.sort(-1).values
-    # Ties at the k-th value: keep everything above it, fill from the left with ties.
-    gt = g > t
-    need = k - gt.sum(-1, keepdim=True)
-    chosen = gt | (eq & (eq.cumsum(-1) <= need))
-    n = g.shape[-1]
-    cols = torch.arange(n, device=g.device).expand_as(chosen)
-    return torch.where(chosen, cols, n).sort(-1).values[..., :k]
+    return _select_rows(g, int(k), int(k))
 
 
 @contextlib.contextmanager
@@ -107,6 +144,14 @@ def _one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(prev)
+
+
+_GATE_BUDGET = 1 << 24
+"""Most gate entries (heads x rows x columns, padding included) routed in one batch."""
+_GATHER_BUDGET = 1 << 26
+"""Most token x head x dim elements copied at once to take block means (GPU)."""
+_CPU_CHUNK = 1 << 19
+"""The same on the CPU, where a chunk should stay in cache."""
 
 
 @torch.no_grad()
@@ -130,63 +175,241 @@ def build_plan(
     Returns:
         The :class:`RoutingPlan`, tables on ``q.device``.
     """
+    if q.device.type != "cpu":  # host work is numpy; the pool matters only to CPU tensors
+        return _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale)
     with _one_intra_op_thread():
         return _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale)
+
+
+def _send(parts: list, dev: torch.device) -> list:
+    """Host int64 arrays -> int64 tensors on ``dev``, with one host-to-device copy."""
+    sizes = [p.size for p in parts]
+    flat = torch.from_numpy(np.concatenate([np.asarray(p, np.int64).ravel() for p in parts]))
+    if dev.type == "cuda":  # pinned + non_blocking: no wait for the work queued on the stream
+        flat = flat.pin_memory().to(dev, non_blocking=True)
+    elif dev.type != "cpu":
+        flat = flat.to(dev)
+    return [f.view(np.shape(p)) for f, p in zip(flat.split(sizes), parts)]
+
+
+class _Sums:
+    """Which blocks :func:`_block_sums` sums (host side): ``starts`` ascending, ``lens`` for
+    partial blocks (each < B; None: all full). ``host``: the index arrays to send;
+    ``dev``: the same on the device, set before :func:`_block_sums` runs."""
+
+    def __init__(self, starts: np.ndarray, B: int, lens: Optional[np.ndarray] = None):
+        self.starts, self.lens = starts, lens
+        n = len(starts)
+        self.run = lens is None and n > 0 and int(starts[-1] - starts[0]) == (n - 1) * B
+        if lens is None:  # window ids (block starts)
+            self.host = [] if self.run else [starts]
+        else:  # token ids, each block padded by repeating its last token (zeroed), and the pad mask
+            off = np.arange(B)
+            self.host = [starts[:, None] + np.minimum(off, lens[:, None] - 1),
+                         (off >= lens[:, None]).astype(np.int64)]
+        self.dev: list = []
+
+
+def _block_sums(x: torch.Tensor, blocks: _Sums, B: int, out: torch.Tensor) -> torch.Tensor:
+    """fp32 sums over ``blocks`` of ``x [T, h, D]`` into ``out [n, h, D]``, summed as
+    :func:`doc_block_means` sums them (a partial block zero padded to B tokens has the
+    same sum as its own tokens)."""
+    n, (T, h, D), dev = len(blocks.starts), x.shape, out.device
+    if n == 0:
+        return out
+    # Blocks go in batches: on the GPU as many as the budget allows; on the CPU a few MB
+    # at a time into reused buffers, so copies stay in cache (a fresh 100 MB buffer
+    # costs more in page faults than the sum itself).
+    per = min(n, max(1, (_GATHER_BUDGET if dev.type != "cpu" else _CPU_CHUNK) // (B * h * D)))
+    # The GPU sums bf16 straight into fp32; the CPU converts first (as doc_block_means does)
+    convert = x.dtype != torch.float32 and dev.type == "cpu"
+    if blocks.run and not convert:  # plain views, nothing to copy
+        per = n
+    if blocks.lens is None:  # every window of B tokens, as a view: win[s] is the block starting at s
+        st = x.stride()
+        src = x.as_strided((T - B + 1, B, h, D), (st[0], st[0], st[1], st[2]))
+    else:
+        tok, pad = blocks.dev
+        pad = pad.view(n, B, 1, 1).bool()
+    buf = None if blocks.run else x.new_empty((per, B, h, D))
+    fbuf = torch.empty((per, B, h, D), device=dev) if convert else None
+    for c0 in range(0, n, per):  # chunks of blocks, not documents (one on the GPU, mostly)
+        m = min(per, n - c0)
+        if blocks.run:
+            s0 = int(blocks.starts[0]) + c0 * B
+            v = x[s0:s0 + m * B].view(m, B, h, D)
+        elif blocks.lens is None:
+            v = torch.index_select(src, 0, blocks.dev[0][c0:c0 + m], out=buf[:m])
+        else:
+            v = torch.index_select(x, 0, tok[c0:c0 + m].view(-1), out=buf[:m].view(m * B, h, D))
+            v = v.view(m, B, h, D).masked_fill_(pad[c0:c0 + m], 0)
+        if fbuf is not None:
+            v = fbuf[:m].copy_(v)
+        torch.sum(v, 1, dtype=torch.float32, out=out[c0:c0 + m])
+    return out
+
+
+def _chunks(rows: np.ndarray, cols: np.ndarray, H: int, gpu: bool) -> list:
+    """Routing batches: arrays of item ids, items of like width together, each under the budget."""
+    if gpu and len(rows) * H * int(rows.max()) * int(cols.max()) <= _GATE_BUDGET:
+        return [np.arange(len(rows))]  # one batch: launches cost more than the padding there
+    # Items are grouped by ceil(log2(cols)) (all narrow ones together) so padding at most
+    # doubles the work, then cut so each padded batch stays under _GATE_BUDGET.
+    bucket = np.maximum(np.ceil(np.log2(cols)), 6).astype(np.int64)
+    out = []
+    for b in np.unique(bucket)[::-1]:
+        ids = np.flatnonzero(bucket == b)
+        per = max(1, _GATE_BUDGET // (H * int(rows[ids].max()) * int(cols[ids].max())))
+        out += [ids[i:i + per] for i in range(0, len(ids), per)]
+    return out
 
 
 def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale) -> RoutingPlan:
     dev = q.device
     H = q.shape[1]
-    hkv = k.shape[1]
     B = int(block_size)
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    starts, lens = cu[:-1], cu[1:] - cu[:-1]
-    n_docs = lens.numel()
-    kd = _per_doc_topk(topk, n_docs)
+    # Per-block metadata is O(blocks): numpy on the host, from cu_seqlens.
+    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    starts, lens = cu[:-1], np.diff(cu)
+    n_docs = len(lens)
+    kd = _per_doc_topk(topk, n_docs).numpy()
     nb = (lens + B - 1) // B  # blocks per document
     NB = int(nb.sum())
-    doc_of = torch.repeat_interleave(torch.arange(n_docs), nb)
-    first_block = torch.cumsum(nb, 0) - nb  # global id of each document's block 0
-    i_in_doc = torch.arange(NB) - first_block[doc_of]
+    doc_of = np.repeat(np.arange(n_docs), nb)
+    first_block = np.cumsum(nb) - nb  # global id of each document's block 0
+    fb_of = first_block[doc_of]
+    i_in_doc = np.arange(NB) - fb_of
     qb_start = starts[doc_of] + i_in_doc * B
-    qb_len = torch.minimum(lens[doc_of] - i_in_doc * B, torch.tensor(B))
+    qb_len = np.minimum(lens[doc_of] - i_in_doc * B, B)
     # kept blocks per query block: diagonal, sink (if i > 0) and min(topk, i - 1).
-    kv_cnt = 1 + (i_in_doc > 0).long() + torch.minimum(kd[doc_of], (i_in_doc - 1).clamp(min=0))
+    kv_cnt = 1 + (i_in_doc > 0) + np.minimum(kd[doc_of], np.maximum(i_in_doc - 1, 0))
     W = int(kv_cnt.max()) if NB else 1
-    # Default rows (all of blocks 0..i kept) are exact wherever i <= topk + 1.
-    e = torch.arange(W)
-    dense = first_block[doc_of].view(-1, 1) + e.view(1, -1)
-    kv_idx = torch.where(e.view(1, -1) <= i_in_doc.view(-1, 1), dense, torch.tensor(-1))
-    kv_idx = kv_idx.unsqueeze(0).expand(H, NB, W).clone()
+    full = (kv_cnt - 1) * B * qb_len + qb_len * (qb_len + 1) // 2
+    sel = np.flatnonzero(nb > kd + 2)  # documents with a real choice
+    route = _RouteHost(sel, nb, kd, first_block, qb_start, qb_len, doc_of, i_in_doc, H, B,
+                       dev.type != "cpu") if len(sel) else None
 
-    sel_docs = torch.nonzero(nb > kd + 2).flatten().tolist()
-    rep = H // hkv
-    for d in sel_docs:
-        f, n, kk = int(first_block[d]), int(nb[d]), int(kd[d])
-        s0, L = int(starts[d]), int(lens[d])
-        r0 = kk + 2  # first query block with a real choice
-        qm = doc_block_means(q[s0:s0 + L], B)[r0:]  # [n - r0, H, D]
-        km = doc_block_means(k[s0:s0 + (n - 1) * B], B).repeat_interleave(rep, dim=1)
-        g = torch.einsum("ihd,jhd->hij", qm * softmax_scale, km)  # [H, n - r0, n - 1]
-        i = torch.arange(r0, n, device=dev).view(-1, 1)
-        j = torch.arange(n - 1, device=dev).view(1, -1)
-        cand = (j >= 1) & (j < i)
-        chosen = select_topk(g.masked_fill_(~cand, float("-inf")), kk)  # [H, n - r0, kk]
-        ids = torch.cat([torch.zeros_like(i).expand(H, n - r0, 1), chosen,
-                         i.expand(H, n - r0, 1)], -1)  # sink, chosen ascending, diagonal
-        kv_idx[:, f + r0:f + n, : kk + 2] = (ids + f).to("cpu")
-        kv_idx[:, f + r0:f + n, kk + 2:] = -1
-    bl = qb_len
-    full = (kv_cnt - 1) * B * bl + bl * (bl + 1) // 2
+    # Everything the device needs from the host, in one copy.
+    meta = np.stack([qb_start, qb_len, kv_cnt, fb_of, i_in_doc])
+    sent = _send([meta] + (route.host() if route else []), dev)
+    meta_d = sent[0].to(torch.int32)
+    # Default rows (all of blocks 0..i kept) are exact wherever i <= topk + 1.
+    e = torch.arange(W, device=dev, dtype=torch.int32)
+    fb_d, i_d = meta_d[3].view(-1, 1), meta_d[4].view(-1, 1)
+    kv_idx = torch.where(e <= i_d, fb_d + e, -1).unsqueeze(0).expand(H, NB, W).contiguous()
+    if route:
+        route.run(q, k, kv_idx, sent[1:], float(softmax_scale))
     return RoutingPlan(
         block_size=B,
-        qb_start=qb_start.to(torch.int32).to(dev),
-        qb_len=qb_len.to(torch.int32).to(dev),
-        kv_idx=kv_idx.to(torch.int32).to(dev),
-        kv_cnt=kv_cnt.to(torch.int32).to(dev),
+        qb_start=meta_d[0],
+        qb_len=meta_d[1],
+        kv_idx=kv_idx,
+        kv_cnt=meta_d[2],
         kept_pairs=int(full.sum()) * H,
         causal_pairs=int((lens * (lens + 1) // 2).sum()) * H,
+        kv_nnz=int(kv_cnt.sum()),
     )
+
+
+class _RouteHost:
+    """The top-k choice of the documents ``sel``: host-side index arrays, then the device work."""
+
+    def __init__(self, sel, nb, kd, first_block, qb_start, qb_len, doc_of, i_in_doc, H, B, gpu):
+        self.B = B
+        NB = len(doc_of)
+        # fp32 block means, taken as doc_block_means takes them (sum over the block's
+        # tokens, then / length) so the gates match it bit for bit: q of the routed rows
+        # (blocks kd + 2 .. n - 1, the last maybe partial), k of the candidates (blocks
+        # 1 .. n - 2, all full).
+        is_sel = np.zeros(len(nb), bool)
+        is_sel[sel] = True
+        is_sel = is_sel[doc_of]
+        qfull = np.flatnonzero(is_sel & (i_in_doc >= kd[doc_of] + 2) & (qb_len == B))
+        qpart = np.flatnonzero(is_sel & (qb_len < B))  # partial blocks are never candidates
+        kfull = np.flatnonzero(is_sel & (i_in_doc >= 1) & (i_in_doc <= nb[doc_of] - 2))
+        qslot = np.zeros(NB, np.int64)  # global block id -> row of the q means
+        qslot[qfull] = np.arange(len(qfull))
+        qslot[qpart] = len(qfull) + np.arange(len(qpart))
+        kslot = np.zeros(NB, np.int64)  # global block id -> row of the k means
+        kslot[kfull] = np.arange(len(kfull))
+        self.qsums = _Sums(qb_start[qfull], B)
+        self.psums = _Sums(qb_start[qpart], B, qb_len[qpart])
+        self.ksums = _Sums(qb_start[kfull], B)
+        self.plen = qb_len[qpart]
+
+        # Work items: row ranges [i0, i1) of one document (a huge document is cut in several
+        # so one item fits the budget); an item's gate columns are its blocks 0 .. i1 - 2
+        # (block 0 is never a candidate but keeps the GEMM shaped as it was per document).
+        n_s, k_s, fb_s = nb[sel], kd[sel], first_block[sel]
+        r0 = k_s + 2  # first query block with a real choice
+        per = np.maximum(_GATE_BUDGET // (H * (n_s - 1)), 1)
+        nseg = (n_s - r0 + per - 1) // per
+        it = np.repeat(np.arange(len(sel)), nseg)
+        seg = np.arange(len(it)) - (np.cumsum(nseg) - nseg)[it]
+        i0 = r0[it] + seg * per[it]
+        i1 = np.minimum(i0 + per[it], n_s[it])
+        rows, cols, kk, fb = i1 - i0, i1 - 1, k_s[it], fb_s[it]
+        self.batches = []
+        for ids in _chunks(rows, cols, H, gpu):
+            R, C = int(rows[ids].max()), int(cols[ids].max())
+            a = np.arange(R)
+            qrow = qslot[fb[ids, None] + np.minimum(i0[ids, None] + a, i1[ids, None] - 1)]
+            # column 0 (the sink, never a candidate) and padding read block 1's k mean
+            kcol = kslot[fb[ids, None] + np.maximum(np.minimum(np.arange(C), cols[ids, None] - 1), 1)]
+            src = np.flatnonzero(a < rows[ids, None])  # padded (item, row) -> written rows
+            dst = (fb[ids, None] + i0[ids, None] + a).ravel()[src]
+            info = np.stack([i0[ids], rows[ids], kk[ids], fb[ids]])
+            kmax = int(kk[ids].max())
+            self.batches.append((len(ids), R, C, kmax, int(kk[ids].min()) == kmax,
+                                 [qrow, kcol, src, dst, info]))
+
+    def host(self) -> list:
+        out = self.qsums.host + self.psums.host + self.ksums.host + [self.plen[:, None, None]]
+        for *_, arrays in self.batches:
+            out += arrays
+        return out
+
+    def run(self, q, k, kv_idx, sent: list, scale: float) -> None:
+        """Overwrite the routed rows of ``kv_idx`` (device ops only)."""
+        dev, B = q.device, self.B
+        H, hkv, D = q.shape[1], k.shape[1], q.shape[2]
+        W = kv_idx.shape[2]
+        for s in (self.qsums, self.psums, self.ksums):
+            s.dev, sent = sent[:len(s.host)], sent[len(s.host):]
+        plen, sent = sent[0], sent[1:]
+        nf, npart = len(self.qsums.starts), len(self.psums.starts)
+        qm = torch.empty((nf + npart, H, D), dtype=torch.float32, device=dev)
+        _block_sums(q, self.qsums, B, qm[:nf]).div_(B)
+        if npart:
+            _block_sums(q, self.psums, B, qm[nf:]).div_(plen)
+        qm.mul_(scale)
+        km = torch.empty((len(self.ksums.starts), hkv, D), dtype=torch.float32, device=dev)
+        _block_sums(k, self.ksums, B, km).div_(B)
+        rep = H // hkv
+        for c, R, C, kmax, uniform, _ in self.batches:
+            (qrow, kcol, src, dst, info), sent = sent[:5], sent[5:]
+            qg = qm.index_select(0, qrow.view(-1)).view(c, R, H, D)
+            kg = km.index_select(0, kcol.view(-1)).view(c, C, hkv, D)
+            if rep > 1:  # kv head of q head h: h // rep
+                kg = kg.unsqueeze(3).expand(c, C, hkv, rep, D).reshape(c, C, H, D)
+            g = torch.einsum("sihd,sjhd->hsij", qg, kg)  # [H, c, R, C]
+            del qg, kg
+            info = info.to(torch.int32)
+            i0, nrows, kk, fb = (t.view(1, c, 1, 1) for t in info)
+            i_abs = i0 + torch.arange(R, device=dev, dtype=torch.int32).view(1, 1, R, 1)  # [1, c, R, 1]
+            j = torch.arange(C, device=dev, dtype=torch.int32)
+            g.masked_fill_((j < 1) | (j >= i_abs) | (i_abs >= i0 + nrows), float("-inf"))
+            if kmax == 0:
+                ch = torch.empty((H, c, R, 0), dtype=torch.int32, device=dev)
+            else:
+                ch = _select_rows(g, kmax if uniform else kk.long(), kmax).to(torch.int32)
+            del g
+            # each row: sink, chosen ascending, diagonal, -1 padding
+            out = torch.full((H, c, R, W), -1, dtype=torch.int32, device=dev)
+            out[..., 0] = fb[..., 0]
+            out[..., 1:1 + kmax] = torch.where(ch >= 0, ch + fb, -1)
+            out.scatter_(-1, (kk + 1).long().expand(H, c, R, 1), (fb + i_abs).expand(H, c, R, 1))
+            kv_idx[:, dst] = out.view(H, c * R, W)[:, src]
 
 
 @torch.no_grad()
@@ -201,14 +424,15 @@ def reverse_index(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
         ids sorted by key block then query block; NNZ is the same for every head.
     """
     H, NB, W = plan.kv_idx.shape
-    kv = plan.kv_idx.long()
+    kt = torch.int32 if NB * NB + NB < 2 ** 31 else torch.int64  # int32 keys sort faster
+    kv = plan.kv_idx.to(kt)
     valid = kv >= 0
-    qb = torch.arange(NB, device=kv.device).view(1, NB, 1).expand(H, NB, W)
-    nnz = int(valid[0].sum())
-    keys = torch.where(valid, kv * NB + qb, torch.full_like(kv, NB * NB + NB))
+    qb = torch.arange(NB, device=kv.device, dtype=kt).view(1, NB, 1).expand(H, NB, W)
+    nnz = plan.kv_nnz if plan.kv_nnz is not None else int(valid[0].sum())
+    keys = torch.where(valid, kv * NB + qb, NB * NB + NB)
     keys = torch.sort(keys.reshape(H, -1), dim=-1).values[:, :nnz]
     rev_q = (keys % NB).to(torch.int32)
-    kb = keys // NB
+    kb = (keys // NB).long()
     counts = torch.zeros((H, NB), dtype=torch.int64, device=kv.device)
     counts.scatter_add_(1, kb, torch.ones_like(kb))
     rev_ptr = torch.zeros((H, NB + 1), dtype=torch.int64, device=kv.device)

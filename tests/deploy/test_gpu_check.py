@@ -1,5 +1,7 @@
 """`make gpu-check`'s logic that needs no GPU: the no-CUDA exit, part isolation and the
-time budget, the report files, the benchmark grid and FLOP accounting, the train verdict."""
+time budget, the report files, the benchmark grid and FLOP accounting, the per-backend
+bench worker (finished points kept when it dies, time shares), the tests part's
+no-autotune switch, --bench-reps, the train verdict."""
 
 import importlib.util
 import json
@@ -78,7 +80,8 @@ def test_report_files(tmp_path):
 def test_bench_grid_and_flops():
     pts = gc.bench_points([16384, 65536])
     assert len(pts) == 2 * 2 * 2 * 3
-    assert pts[0]["backend"] == "cuda" and pts[-1]["backend"] == "triton"
+    assert pts[0]["backend"] == "triton" and pts[-1]["backend"] == "cuda"
+    assert [p["backend"] for p in gc.bench_points([16384], ["cuda"])] == ["cuda"] * 6
     from sparsebalance.attention.routing import density
 
     for p in pts:  # the chosen top-k lands near the density asked for
@@ -99,10 +102,170 @@ def test_cuda_test_modules_are_found():
 
 
 def test_train_verdict():
-    base = {"tokens_per_s": 1e5, "step_ms_median": 900.0, "density_mean": 0.2, "plan_ms_median": 3.0}
+    base = {"tokens_per_s": 1e5, "step_ms_median": 900.0, "density_mean": 0.2, "plan_ms_median": 3.0,
+            "attention_backend": "triton"}
     good = gc.check_train_summary(dict(base, losses=[5.6 - 0.1 * i for i in range(20)]))
     assert good.passed and "loss 5.400 -> 3.900" in good.detail
     flat = gc.check_train_summary(dict(base, losses=[5.0] * 20))
     assert not flat.passed
     missing = gc.check_train_summary({"losses": [5.0] * 20})
     assert not missing.passed and "lacks" in missing.detail
+
+
+def _res(pt, dense_ms=40.0, sparse_ms=5.0):
+    """A bench_attention.py result for one point."""
+    return {"density": pt["density"], "seq_len": pt["seq_len"], "heads": 16, "head_dim": 128,
+            "dense_fwd_ms": dense_ms / 4, "sparse_fwd_ms": sparse_ms / 4, "dense_ms": dense_ms,
+            "sparse_ms": sparse_ms, "speedup": dense_ms / sparse_ms,
+            "efficiency": dense_ms / sparse_ms * pt["density"], "gate_share": 0.02}
+
+
+def test_bench_reps_argument():
+    assert gc.parse_args([]).bench_reps == 3
+    assert gc.parse_args(["--bench-reps", "7"]).bench_reps == 7
+    assert gc.parse_args([]).bench_worker is None
+    with pytest.raises(SystemExit) as e:
+        gc.parse_args(["--bench-reps", "0"])
+    assert e.value.code == 2
+    helptext = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--help"],
+                              capture_output=True, text=True, timeout=60).stdout
+    assert "--bench-reps" in helptext and "--bench-worker" not in helptext
+
+
+def test_bench_worker_keeps_going_after_a_failed_point(tmp_path, capsys):
+    pts = gc.bench_points([16384], ["cuda"])[:4]
+    (tmp_path / "pts.json").write_text(json.dumps(pts))
+    out = tmp_path / "out.jsonl"
+    calls = []
+
+    def fake_main(argv):
+        calls.append(argv)
+        i = len(calls) - 1
+        if i == 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 8 GiB\nmore")
+        if i == 2:
+            sys.stderr.write("bench_attention.py: error: backend 'cuda' needs the extension\n")
+            return 2
+        target = argv[argv.index("--out") + 1]
+        assert not os.path.exists(target)  # no stale result from the point before
+        with open(target, "w") as fh:
+            json.dump(_res(pts[i]), fh)
+        return 0
+
+    assert gc.bench_worker(str(tmp_path / "pts.json"), str(out), reps=5, bench_main=fake_main) == 0
+    assert len(calls) == 4
+    assert calls[0][:calls[0].index("--out")] == [
+        "--seq-len", "16384", "--heads", "16", "--kv-heads", "2", "--head-dim", "128",
+        "--block-size", "64", "--topk", str(pts[0]["topk"]), "--backend", "cuda", "--dtype", "bf16",
+        "--reps", "5", "--json"]
+    lines = gc.read_worker_lines(str(out))
+    assert [x["point"] for x in lines] == pts
+    assert lines[0]["result"] == _res(pts[0]) and lines[3]["result"] == _res(pts[3])
+    assert lines[1]["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 8 GiB"
+    assert lines[2]["error"] == ("bench_attention.py exit code 2: bench_attention.py: error: "
+                                 "backend 'cuda' needs the extension")
+    assert "needs the extension" in capsys.readouterr().err  # still shown in the worker's log
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "pts.json"]  # the per-point file is gone
+
+
+def test_bench_worker_runs_bench_attention_in_one_process(tmp_path):
+    """The real worker process on CPU: bench_attention.py's main per point, a bad point
+    recorded as an error and the next one still run."""
+    pts = [dict(backend="cpu", seq_len=1024, block=64, density=0.4, topk=2),
+           dict(backend="cpu", seq_len=1024, block=0, density=0.4, topk=2),
+           dict(backend="cpu", seq_len=1024, block=128, density=0.5, topk=1)]
+    (tmp_path / "pts.json").write_text(json.dumps(pts))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--bench-worker",
+                           str(tmp_path / "pts.json"), str(out), "--bench-reps", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert proc.returncode == 0, proc.stderr
+    lines = gc.read_worker_lines(str(out))
+    assert [x["point"] for x in lines] == pts
+    assert lines[0]["result"]["block_size"] == 64 and lines[0]["result"]["reps"] == 1
+    assert lines[0]["result"]["dtype"] == "bf16" and lines[0]["result"]["kv_heads"] == 2
+    assert "exit code 2" in lines[1]["error"] and "block-size" in lines[1]["error"]
+    assert lines[2]["result"]["block_size"] == 128
+    rows, failed = gc.collect_backend(pts, lines, subprocess.CompletedProcess([], 0, "", ""))
+    assert [r["block"] for r in rows] == [64, 128] and len(failed) == 1
+
+
+def test_bench_keeps_finished_points_when_a_worker_dies(monkeypatch):
+    """One worker per backend with a fair share of the time left: the first is killed at
+    its cap after two points (and a half-written line), the second crashes at once. The
+    finished points are rows; every other point is failed with the worker's reason."""
+    a = SimpleNamespace(seq_lens=[16384], backends=["triton", "cuda"], bench_reps=4)
+    seen = []
+
+    def fake_run(cmd, timeout, env=None):
+        i = cmd.index("--bench-worker")
+        pts_file, out_file = cmd[i + 1], cmd[i + 2]
+        assert cmd[cmd.index("--bench-reps") + 1] == "4"
+        with open(pts_file) as fh:
+            pts = json.load(fh)
+        seen.append((pts[0]["backend"], len(pts), timeout))
+        if pts[0]["backend"] == "triton":
+            with open(out_file, "w") as fh:
+                for pt in pts[:2]:
+                    fh.write(json.dumps({"point": pt, "result": _res(pt)}) + "\n")
+                fh.write(json.dumps({"point": pts[2], "error": "RuntimeError: x"}) + "\n")
+                fh.write('{"point": {"backend": "tri')  # killed mid-write
+            return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout:.0f} s")
+        return subprocess.CompletedProcess(cmd, -11, "", "warming up\nFatal Python error: Segmentation fault")
+
+    monkeypatch.setattr(gc, "_run", fake_run)
+    part = gc.part_bench(a, 300.0)
+    assert [(b, n) for b, n, _ in seen] == [("triton", 6), ("cuda", 6)]
+    assert seen[0][2] == pytest.approx(150.0, abs=1.0)  # half of what is left, two backends to go
+    assert seen[1][2] == pytest.approx(300.0, abs=1.0)  # the first gave its time back at once
+    assert not part.passed
+    assert [(r["backend"], r["block"], r["density"]) for r in part.data["rows"]] == [
+        ("triton", 64, 0.05), ("triton", 64, 0.12)]
+    assert part.data["rows"][0]["speedup"] == 8.0 and part.data["rows"][0]["fwd_bwd_tflops"] > 0
+    failed = part.data["failed"]
+    assert len(failed) == 10
+    assert failed[0] == "triton 16384/64/0.25: RuntimeError: x"
+    assert failed[1] == "triton 16384/128/0.05: not run: timed out after 150 s"
+    assert failed[4] == ("cuda 16384/64/0.05: not run: worker exit code -11: "
+                         "Fatal Python error: Segmentation fault")
+    assert part.data["best_efficiency_64k_b128"] == {}
+    assert part.detail.startswith("2 points, 10 failed")
+
+
+def test_bench_no_time_left_and_all_points_passing(monkeypatch):
+    a = SimpleNamespace(seq_lens=[65536], backends=["cuda", "triton"], bench_reps=3)
+
+    def fake_run(cmd, timeout, env=None):
+        i = cmd.index("--bench-worker")
+        with open(cmd[i + 1]) as fh:
+            pts = json.load(fh)
+        with open(cmd[i + 2], "w") as fh:
+            for pt in pts:
+                fh.write(json.dumps({"point": pt, "result": _res(pt, sparse_ms=20.0 * pt["density"])}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gc, "_run", fake_run)
+    part = gc.part_bench(a, 100.0)
+    assert part.passed and len(part.data["rows"]) == 12 and part.data["failed"] == []
+    assert part.data["best_efficiency_64k_b128"] == {"cuda": pytest.approx(2.0), "triton": pytest.approx(2.0)}
+    # 30 s left: a 15 s share is below the 20 s a worker needs, so cuda is skipped and
+    # triton, the last backend, gets all 30 s.
+    short = gc.part_bench(a, 30.0)
+    assert not short.passed and {r["backend"] for r in short.data["rows"]} == {"triton"}
+    assert short.data["failed"][0] == "cuda 65536/64/0.05: no time left" and len(short.data["failed"]) == 6
+    assert short.detail.startswith("6 points, 6 failed")
+
+
+def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):
+    got = {}
+
+    def fake_run(cmd, timeout, env=None):
+        got.update(cmd=cmd, env=env)
+        return subprocess.CompletedProcess(cmd, 0, "3 passed in 1.0s\n", "")
+
+    monkeypatch.setattr(gc, "_run", fake_run)
+    part = gc.part_tests(SimpleNamespace(out=str(tmp_path)), 100.0)
+    assert part.passed and part.detail == "3 passed in 1.0s"
+    assert got["env"] == {"SPARSEBALANCE_TRITON_AUTOTUNE": "0"}
+    assert "pytest" in got["cmd"] and os.path.join("tests", "ops", "test_gpu_backends.py") in got["cmd"]

@@ -12,6 +12,14 @@ from _cases import CASES, make_inputs, run
 
 BACKENDS = [b for b, ok in (("cuda", HAS_CUDA_EXT), ("triton", HAS_TRITON)) if ok]
 
+# bf16 shapes of training: the tensor-core CUDA kernels' tiles (64 rows, head dim padded
+# to 32/64/128), several row passes per routing block, partial last blocks, GQA.
+BF16_CASES = {
+    "d128-block128-gqa": ([700, 300, 1100], 8, 2, 128, 128, 2),
+    "d64-block48-mqa": ([500, 37, 1], 4, 1, 64, 48, 1),
+    "d80-block64-per-doc": ([900, 260], 4, 2, 80, 64, torch.tensor([3, 0])),
+}
+
 
 def _on(dev, *ts):
     return [t.to(dev) for t in ts]
@@ -29,10 +37,17 @@ def test_gpu_matches_reference_fp32(backend, name):
     assert got[4] == ref[4]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["ragged-gqa-single-tokens", "per-doc-topk"])
-def test_gpu_bf16_error_within_twice_reference(backend, name):
-    lens, H, Hkv, D, B, topk = CASES[name]
+BF16_BACKENDS = [*BACKENDS, *(["cuda-tensor-cores"] if HAS_CUDA_EXT else [])]
+
+
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+@pytest.mark.parametrize("name", ["ragged-gqa-single-tokens", "per-doc-topk", *BF16_CASES])
+def test_gpu_bf16_error_within_twice_reference(backend, name, monkeypatch):
+    """cuda-tensor-cores: the extension's WMMA kernels (opt-in by environment variable,
+    read at every launch); plain cuda: its SIMT kernels."""
+    monkeypatch.setenv("SPARSEBALANCE_CUDA_TENSOR_CORES", "1" if backend == "cuda-tensor-cores" else "0")
+    backend = backend.replace("-tensor-cores", "")
+    lens, H, Hkv, D, B, topk = {**CASES, **BF16_CASES}[name]
     q, k, v, cu, dout = make_inputs(lens, H, Hkv, D, dtype=torch.bfloat16)
     truth = run("reference", q.float(), k.float(), v.float(), cu, dout.float(), topk, B)
     ref = run("reference", q, k, v, cu, dout, topk, B)

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+import sparsebalance.ops.plan as plan_mod
 from sparsebalance.attention.routing import kept_pairs
-from sparsebalance.ops.plan import build_plan, reverse_index, select_topk
+from sparsebalance.ops.plan import (_per_doc_topk, _select_rows, build_plan, doc_block_means,
+                                    reverse_index, select_topk)
 from sparsebalance.ops.reference import _doc_mask
 
 from _cases import make_inputs
@@ -127,3 +129,207 @@ def test_reverse_index_inverts_the_plan():
                 inv[j].append(b)
         for j in range(NB):
             assert rq[h, ptr[h, j]: ptr[h, j + 1]].tolist() == inv[j]
+
+
+# --- the batched plan against the straightforward per-document plan it replaced ---------
+
+
+def _reference_topk(g, k):
+    """The per-document selection the plan used to run (topk, then fix ties at the k-th value)."""
+    if k == 0:
+        return torch.zeros(g.shape[:-1] + (0,), dtype=torch.int64)
+    vals, idx = torch.topk(g, k, dim=-1, sorted=False)
+    t = vals.amin(-1, keepdim=True)
+    eq = g == t
+    if bool((eq.sum(-1) == 1).all()):
+        return idx.sort(-1).values
+    gt = g > t
+    need = k - gt.sum(-1, keepdim=True)
+    chosen = gt | (eq & (eq.cumsum(-1) <= need))
+    n = g.shape[-1]
+    cols = torch.arange(n).expand_as(chosen)
+    return torch.where(chosen, cols, n).sort(-1).values[..., :k]
+
+
+def _reference_plan(q, k, cu_seqlens, topk, B, scale):
+    """One document at a time on the CPU: the previous implementation, kept as the oracle."""
+    H, hkv = q.shape[1], k.shape[1]
+    cu = cu_seqlens.to(torch.int64)
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    n_docs = lens.numel()
+    kd = _per_doc_topk(topk, n_docs)
+    nb = (lens + B - 1) // B
+    NB = int(nb.sum())
+    doc_of = torch.repeat_interleave(torch.arange(n_docs), nb)
+    first_block = torch.cumsum(nb, 0) - nb
+    i_in_doc = torch.arange(NB) - first_block[doc_of]
+    qb_start = starts[doc_of] + i_in_doc * B
+    qb_len = torch.minimum(lens[doc_of] - i_in_doc * B, torch.tensor(B))
+    kv_cnt = 1 + (i_in_doc > 0).long() + torch.minimum(kd[doc_of], (i_in_doc - 1).clamp(min=0))
+    W = int(kv_cnt.max()) if NB else 1
+    e = torch.arange(W)
+    dense = first_block[doc_of].view(-1, 1) + e.view(1, -1)
+    kv_idx = torch.where(e.view(1, -1) <= i_in_doc.view(-1, 1), dense, torch.tensor(-1))
+    kv_idx = kv_idx.unsqueeze(0).expand(H, NB, W).clone()
+    rep = H // hkv
+    for d in torch.nonzero(nb > kd + 2).flatten().tolist():
+        f, n, kk = int(first_block[d]), int(nb[d]), int(kd[d])
+        s0, L = int(starts[d]), int(lens[d])
+        r0 = kk + 2
+        qm = doc_block_means(q[s0:s0 + L], B)[r0:]
+        km = doc_block_means(k[s0:s0 + (n - 1) * B], B).repeat_interleave(rep, dim=1)
+        g = torch.einsum("ihd,jhd->hij", qm * scale, km)
+        i = torch.arange(r0, n).view(-1, 1)
+        j = torch.arange(n - 1).view(1, -1)
+        chosen = _reference_topk(g.masked_fill_(~((j >= 1) & (j < i)), float("-inf")), kk)
+        ids = torch.cat([torch.zeros_like(i).expand(H, n - r0, 1), chosen, i.expand(H, n - r0, 1)], -1)
+        kv_idx[:, f + r0:f + n, :kk + 2] = ids + f
+        kv_idx[:, f + r0:f + n, kk + 2:] = -1
+    full = (kv_cnt - 1) * B * qb_len + qb_len * (qb_len + 1) // 2
+    return dict(qb_start=qb_start.int(), qb_len=qb_len.int(), kv_idx=kv_idx.int(), kv_cnt=kv_cnt.int(),
+                kept_pairs=int(full.sum()) * H, causal_pairs=int((lens * (lens + 1) // 2).sum()) * H)
+
+
+def _random_case(seed):
+    """A ragged packing (docs shorter than a block, single tokens, long ones), GQA 4/2 heads,
+    int or mixed per-document topk, and q/k of one of four kinds:
+
+    - ``randn``: continuous values (ties improbable);
+    - ``zeros``: all-zero q, k half zero: every gate ties at 0;
+    - ``patterns``: integer q/k built from three 8-token patterns, B a power of two and the
+      partial blocks 1, 2, 4 or 8 tokens, so block means and gates are exact (fp32 rounding
+      cannot break a tie) while many blocks repeat: tie-heavy;
+    - ``constdoc``: every token of a document alike (block means exact for any B): all gates
+      of a row tie.
+    """
+    rng = np.random.default_rng(seed)
+    mode = ["randn", "zeros", "patterns", "constdoc"][seed % 4]
+    B = int(rng.choice([16, 64])) if mode == "patterns" else int(rng.choice([16, 48, 64]))
+    H, hkv, D = 4, 2, int(rng.choice([16, 32]))
+    nd = int(rng.integers(1, 9))
+    kinds = [1, 2, int(rng.integers(1, B)), int(rng.integers(B, 12 * B)), int(rng.integers(1, 30 * B))]
+    lens = [int(rng.choice(kinds)) for _ in range(nd)]
+    if mode == "patterns":
+        lens = [max(1, L // B * B + int(rng.choice([0, 0, 1, 2, 4, 8]))) for L in lens]
+    topk = (torch.tensor(rng.integers(0, 9, nd)) if rng.random() < 0.5 else int(rng.integers(0, 9)))
+    T = sum(lens)
+    g = torch.Generator().manual_seed(seed)
+    scale = 0.25
+    if mode == "randn":
+        q, k = torch.randn(T, H, D, generator=g), torch.randn(T, hkv, D, generator=g)
+        scale = D ** -0.5
+    elif mode == "zeros":
+        q, k = torch.zeros(T, H, D), torch.randn(T, hkv, D, generator=g)
+        k[::2] = 0
+    elif mode == "patterns":
+        pq = torch.randint(-1, 2, (3, H, D), generator=g).float()
+        pk = torch.randint(-1, 2, (3, hkv, D), generator=g).float()
+        which = torch.randint(0, 3, (T // 8 + 1,), generator=g).repeat_interleave(8)[:T]
+        q, k = pq[which], pk[which]
+    else:
+        d_of = torch.repeat_interleave(torch.arange(nd), torch.tensor(lens))
+        q = torch.randint(-1, 2, (nd, H, D), generator=g).float()[d_of]
+        k = torch.randint(-1, 2, (nd, hkv, D), generator=g).float()[d_of]
+    if rng.random() < 0.3:
+        q, k = q.bfloat16(), k.bfloat16()
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    return q, k, cu, topk, B, scale
+
+
+def _assert_plan_equals_reference(q, k, cu, topk, B, scale, msg=""):
+    plan = build_plan(q, k, cu, topk, B, scale)
+    ref = _reference_plan(q, k, cu, topk, B, scale)
+    for name in ("qb_start", "qb_len", "kv_idx", "kv_cnt"):
+        got = getattr(plan, name)
+        assert got.dtype == torch.int32 and got.is_contiguous(), (name, msg)
+        assert torch.equal(got, ref[name]), (name, msg)
+    assert (plan.kept_pairs, plan.causal_pairs) == (ref["kept_pairs"], ref["causal_pairs"]), msg
+    assert plan.kv_nnz == int(plan.kv_cnt.sum())
+    return plan
+
+
+@pytest.mark.parametrize("group", range(6))
+def test_batched_plan_matches_per_document_reference(group):
+    for seed in range(group * 40, group * 40 + 40):
+        _assert_plan_equals_reference(*_random_case(seed), msg=f"seed {seed}")
+
+
+def test_batched_plan_matches_reference_when_chunked(monkeypatch):
+    # Tiny budgets: documents split over several batches, long ones cut into row ranges,
+    # block means taken a few blocks at a time.
+    monkeypatch.setattr(plan_mod, "_GATE_BUDGET", 300)
+    monkeypatch.setattr(plan_mod, "_CPU_CHUNK", 3000)
+    for seed in range(60):
+        _assert_plan_equals_reference(*_random_case(seed), msg=f"seed {seed}")
+
+
+def test_batched_plan_matches_reference_in_one_gpu_style_batch(monkeypatch):
+    # On the GPU every document that fits the budget goes into one padded batch.
+    chunks = plan_mod._chunks
+    monkeypatch.setattr(plan_mod, "_chunks", lambda rows, cols, H, gpu: chunks(rows, cols, H, True))
+    for seed in range(0, 120, 3):
+        _assert_plan_equals_reference(*_random_case(seed), msg=f"seed {seed}")
+
+
+def test_chunks_partition_the_items_within_the_budget(monkeypatch):
+    monkeypatch.setattr(plan_mod, "_GATE_BUDGET", 5000)
+    rng = np.random.default_rng(0)
+    cols = rng.integers(1, 300, 50)
+    rows = np.minimum(rng.integers(1, 300, 50), cols)
+    for gpu in (False, True):
+        parts = plan_mod._chunks(rows, cols, 4, gpu)
+        assert sorted(np.concatenate(parts).tolist()) == list(range(50))
+        for ids in parts:
+            padded = len(ids) * 4 * rows[ids].max() * cols[ids].max()
+            assert len(ids) == 1 or padded <= 5000
+
+
+def test_batched_plan_one_long_document_and_non_contiguous_inputs():
+    q, k, _, _, _ = make_inputs([3000], 4, 2, 32, seed=3)
+    cu = torch.tensor([0, 3000], dtype=torch.int32)
+    for B, topk in ((16, 5), (48, 0), (64, 3), (64, torch.tensor([2]))):
+        _assert_plan_equals_reference(q, k, cu, topk, B, 0.125)
+    # q, k as views into a wider tensor (as from a fused projection)
+    qkv = torch.randn(1200, 4 + 2, 32)
+    qv, kv = qkv[:, :4], qkv[:, 4:]
+    cu = torch.tensor([0, 700, 701, 1200], dtype=torch.int32)
+    _assert_plan_equals_reference(qv, kv, cu, torch.tensor([3, 0, 1]), 32, 0.2)
+
+
+def test_plan_of_an_empty_batch_and_of_documents_without_choice():
+    q = torch.randn(0, 2, 8)
+    plan = build_plan(q, q, torch.tensor([0], dtype=torch.int32), 2, 16, 1.0)
+    assert plan.kv_idx.shape == (2, 0, 1) and plan.density == 1.0
+    q = torch.randn(40, 2, 8)
+    _assert_plan_equals_reference(q, q, torch.tensor([0, 1, 17, 40], dtype=torch.int32), 1, 16, 1.0)
+
+
+def test_select_rows_per_row_k_matches_stable_sort():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        vals = torch.randint(-2, 3, (3, 5, 17), generator=g).float()  # many ties
+        if trial % 2:
+            vals = torch.randn(3, 5, 17, generator=g)
+        vals[..., :2] = float("-inf")  # non-candidates
+        kmax = 1 + trial % 9
+        k = torch.randint(0, kmax + 1, (3, 1, 1), generator=g)
+        got = _select_rows(vals, k, kmax)
+        assert torch.equal(_select_rows(vals, k, kmax, host_check=False), got)  # the GPU's way
+        order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+        for idx in np.ndindex(3, 5):
+            kk = int(k[idx[0], 0, 0])
+            want = sorted(order[idx][:kk].tolist()) + [-1] * (kmax - kk)
+            assert got[idx].tolist() == want
+        if int(k.min()) == kmax:
+            assert torch.equal(_select_rows(vals, kmax, kmax), got)
+            assert torch.equal(_select_rows(vals, kmax, kmax, host_check=False), got)
+            assert torch.equal(select_topk(vals, kmax), got)
+
+
+def test_reverse_index_without_the_hosts_count():
+    plan, *_ = _plan(2)
+    assert plan.kv_nnz is not None and plan.to(torch.device("cpu")).kv_nnz == plan.kv_nnz
+    plan.kv_nnz = None
+    slow = reverse_index(plan)
+    plan.kv_nnz = int(plan.kv_cnt.sum())
+    assert all(torch.equal(a, b) for a, b in zip(slow, reverse_index(plan)))
