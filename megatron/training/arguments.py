@@ -73,6 +73,10 @@ BATCHING = ("megatron", "concat", "sorted", "tokens", "quadratic", "wlb", "sab")
 """``--sb-batching`` names (sparsebalance.batching strategies)."""
 DST_POLICIES = ("off", "anchor", "critical-path")
 """``--sb-dst`` names."""
+RECOMPUTE_GRANULARITY = ("full", "selective")
+"""``--recompute-granularity`` names (megatron-core ``TransformerConfig.recompute_granularity``)."""
+RECOMPUTE_METHODS = ("uniform", "block")
+"""``--recompute-method`` names (megatron-core ``TransformerConfig.recompute_method``)."""
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
@@ -150,6 +154,19 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="a collective waiting longer than this fails (dead rank) instead of hanging")
     g.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is available")
 
+    g = p.add_argument_group("activation recomputation (Megatron-LM's flags)")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITY, default=None,
+                   help="full: recompute whole transformer layers in backward (needs "
+                        "--recompute-method and --recompute-num-layers); selective: recompute "
+                        "only core attention (dense or sparse); default: store all activations")
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                   help="with full: uniform = checkpoint every group of --recompute-num-layers "
+                        "layers of a model chunk; block = recompute only the first "
+                        "--recompute-num-layers layers of each model chunk")
+    g.add_argument("--recompute-num-layers", type=pos(int), default=None,
+                   help="with full: layers per recompute group (uniform) or layers recomputed "
+                        "per model chunk (block)")
+
     g = p.add_argument_group("batching")
     g.add_argument("--micro-batch-size", type=pos(int), default=1,
                    help="packed sequences per micro-batch (THD packing requires 1)")
@@ -224,6 +241,12 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
+    g.add_argument("--keep-last", type=pos(int), default=None, metavar="N",
+                   help="after each save delete the checkpoints in --save older than the newest N "
+                        "intact ones (default: keep all)")
+    g.add_argument("--continue-on-save-failure", action="store_true",
+                   help="a save that fails (disk full, unwritable --save) warns and training goes on "
+                        "(default: error, exit 1); the run's last save must still succeed")
     g.add_argument("--load", default=None,
                    help="resume from this directory (if equal to --save, an empty one starts fresh)")
     g.add_argument("--finetune", action="store_true",
@@ -324,6 +347,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"--sb-dense-layers {bad[0]} is beyond --num-layers {args.num_layers}")
     args.split_fractions = _split(args.split)
     _validate_balance(args)
+    _validate_recompute(args)
     if args.data_path is None:
         raise UsageError("--data-path is required (make one with tools/make_corpus.py or tools/preprocess_data.py)")
     for ext in (".bin", ".idx"):
@@ -341,6 +365,10 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save")
+    if args.keep_last and not args.save:
+        raise UsageError("--keep-last needs --save")
+    if args.continue_on_save_failure and not args.save:
+        raise UsageError("--continue-on-save-failure needs --save")
     if args.exit_signal_handler and not args.save:
         raise UsageError("--exit-signal-handler needs --save (it saves a checkpoint before exiting)")
     if args.finetune and args.load is None:
@@ -397,6 +425,36 @@ def _validate_balance(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {path} is a directory")
         if path is not None and name == "sb_timeline" and os.path.isfile(path):
             raise UsageError(f"{flag} {path} is a file, expected a directory")
+
+
+def _validate_recompute(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules: full needs a method and a layer count, selective takes neither."""
+    gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if gran is None:
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --recompute-granularity full")
+        return
+    if gran == "selective":
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):
+            if value is not None:
+                raise UsageError(f"--recompute-granularity selective recomputes core attention only: "
+                                 f"it takes no {flag}")
+        return
+    if method is None:
+        raise UsageError("--recompute-granularity full needs --recompute-method uniform or block")
+    # megatron-core applies the method to each model chunk's layers (one chunk per virtual stage)
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    chunk = args.num_layers // args.pipeline_model_parallel_size // vpp
+    if n is None:
+        raise UsageError(f"--recompute-granularity full needs --recompute-num-layers (1 .. {chunk}, "
+                         "the layers of one model chunk)")
+    if n > chunk:
+        raise UsageError(f"--recompute-num-layers {n} is more than the {chunk} layers of a model chunk "
+                         "(num layers / PP / virtual stages)")
+    if method == "uniform" and chunk % n:
+        raise UsageError(f"--recompute-method uniform needs --recompute-num-layers {n} to divide the "
+                         f"{chunk} layers of a model chunk")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:

@@ -10,11 +10,18 @@
   megatron-core's ``DistributedDataParallel``.
 * :func:`build_optimizer` — ``get_megatron_optimizer`` (Adam) and
   ``OptimizerParamScheduler``.
+
+Activation recomputation (``--recompute-granularity``) is megatron-core's own
+(``TransformerBlock._checkpointed_forward`` for full, ``Attention``'s
+checkpointed core attention for selective). Its ``CheckpointFunction`` saves the
+RNG states before the checkpointed forward and restores them around the
+recomputation; on CPU :func:`install_cpu_recompute_rng` makes that work.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Dict, List
 
 import torch
@@ -40,10 +47,18 @@ def layer_spec(args):
 
 def transformer_config(args, use_cpu: bool):
     """megatron-core ``TransformerConfig`` for the parsed args."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     interleaved = args.virtual_pipeline_model_parallel_size is not None
+    with warnings.catch_warnings():
+        # Selective recompute warns that TE's fused core attention needs no recompute;
+        # our core_attention slot never holds TE's module (see layer_spec).
+        warnings.filterwarnings("ignore", message=r".*no need to set 'core_attn' to recompute.*")
+        return _transformer_config(args, use_cpu, dtype, interleaved)
+
+
+def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -83,14 +98,51 @@ def transformer_config(args, use_cpu: bool):
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
+        # Activation recomputation (Megatron-LM's flags; checked in arguments.py). Selective
+        # recomputes the module in the core_attention slot, i.e. ours (dense or sparse).
+        recompute_granularity=getattr(args, "recompute_granularity", None),
+        recompute_method=getattr(args, "recompute_method", None),
+        recompute_num_layers=getattr(args, "recompute_num_layers", None),
+        recompute_modules=["core_attn"],
     )
+
+
+_CPU_RECOMPUTE_RNG: List[str] = []
+
+
+def install_cpu_recompute_rng() -> bool:
+    """Let megatron-core's activation checkpointing run without CUDA; idempotent.
+
+    ``tensor_parallel.random.CheckpointFunction`` stores (CPU RNG state, CUDA default
+    generator state, RNG-tracker states) with ``_get_all_rng_states`` and puts them
+    back for the recomputed forward with ``_set_all_rng_states``. Only the CUDA
+    generator part needs CUDA (``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
+    initialise it and fail without a GPU). On CPU there is no CUDA generator to
+    preserve, so as ``tensor_parallel.random`` sees them those two become no-ops
+    (the state is ``None``); megatron still saves and restores the CPU RNG state and
+    the tracker's states (empty on CPU: the driver never seeds CUDA trackers and
+    runs without dropout). ``cpu_bridge.py`` bridges device placement; this is the
+    only RNG spot recomputation adds, so it stays next to the model that needs it.
+    Returns True when it patched (now or before).
+    """
+    if _CPU_RECOMPUTE_RNG:
+        return True
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    _CPU_RECOMPUTE_RNG.append(mrandom.__name__)
+    return True
 
 
 def build_gpt_chunks(args, config, vocab_size: int) -> List[torch.nn.Module]:
     """``GPTModel`` chunks of this pipeline rank (one per virtual stage), unwrapped."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+    from megatron.training.initialize import use_cpu
 
+    if config.recompute_granularity is not None and use_cpu(args):
+        install_cpu_recompute_rng()
     spec = layer_spec(args)
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
@@ -111,7 +163,7 @@ def build_gpt_chunks(args, config, vocab_size: int) -> List[torch.nn.Module]:
             rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=stage,
         )
-        if not torch.cuda.is_available() or args.cpu:
+        if use_cpu(args):
             chunk = chunk.cpu()
         else:
             chunk = chunk.cuda(torch.cuda.current_device())

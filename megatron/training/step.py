@@ -73,20 +73,25 @@ def _device_of(model) -> torch.device:
 
 def forward_step(data_iterator, model):
     """megatron ``forward_step_func``: next packed micro-batch -> (output, loss_func)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
     from sparsebalance import runtime
+    from sparsebalance.attention.packed import BudgetedPackedSeqParams
 
     batch = next(data_iterator)
     # DST seam: a micro-batch may carry its attention budget for this stage; the
     # sparse attention modules read it through sparsebalance.runtime. No budget
     # means the module default (--sb-topk).
-    runtime.set_budget(batch.get("budget"), microbatch=batch.get("microbatch"))
+    budget, microbatch = batch.get("budget"), batch.get("microbatch")
+    runtime.set_budget(budget, microbatch=microbatch)
     device = _device_of(model)
     get = lambda k: batch[k].to(device, non_blocking=True)
     cu = get("cu_seqlens")
     max_len = int((batch["cu_seqlens"][1:] - batch["cu_seqlens"][:-1]).max())
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    # The packed params carry the budget too: a layer recomputed in backward
+    # (--recompute-granularity) runs after later micro-batches' forwards have reset
+    # the runtime budget, and must route as its original forward did.
+    packed = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=max_len, max_seqlen_kv=max_len,
+                                     budget=budget, microbatch=microbatch)
     output = model(get("tokens"), get("position_ids"), None, labels=get("labels"),
                    packed_seq_params=packed)
     return output, partial(loss_func, get("loss_mask"))
@@ -111,6 +116,8 @@ class StepResult:
     """The step's DST budget table ``[dp][microbatch][virtual stage]`` (None: DST off)."""
     attention_records: list = field(default_factory=list)
     """``sparsebalance.runtime`` records of this step's attention calls on this rank."""
+    peak_memory_mb: float = 0.0
+    """This process's memory high-water mark after the step (:func:`peak_memory_mb`)."""
 
 
 def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool) -> StepResult:
@@ -135,6 +142,7 @@ def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool
 
 def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) -> StepResult:
     """Zero grads, run the schedule, finalize grads, Adam step, LR step."""
+    from megatron.training.initialize import use_cpu
     from sparsebalance import runtime
 
     runtime.pop_records()  # drop anything recorded outside this step
@@ -149,6 +157,7 @@ def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) 
     result.stage_times = timers.pop()
     result.attention_records = runtime.pop_records()
     runtime.clear_budget()
+    result.peak_memory_mb = peak_memory_mb(use_cpu(args))
     return result
 
 
@@ -168,3 +177,23 @@ def evaluate(args, model, loader, iters: int) -> StepResult:
 
     runtime.pop_records()  # evaluation is not part of any training step's metrics
     return total
+
+
+def peak_memory_mb(cpu: bool) -> float:
+    """Peak memory of this rank so far, MiB (high-water mark since the process started).
+
+    GPU: ``torch.cuda.max_memory_allocated`` (tensors through the caching allocator).
+    CPU (``cpu=True``): the process's peak resident set size (``getrusage`` ``ru_maxrss``,
+    KiB on Linux): everything the process ever held at once, interpreter, libraries
+    and model included; it never goes down.
+    """
+    if not cpu:
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_memory_source(cpu: bool) -> str:
+    """What :func:`peak_memory_mb` measures: ``cuda_max_allocated`` or ``ru_maxrss``."""
+    return "ru_maxrss" if cpu else "cuda_max_allocated"

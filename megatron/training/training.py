@@ -67,6 +67,10 @@ class StepLog:
     static_density: Optional[float] = None
     """Kept / causal pairs the step's documents would have at the static ``--sb-topk``
     (every layer), counted from the routing rule; None without sparse attention."""
+    peak_memory_mb: List[float] = field(default_factory=list)
+    """Per global rank: its memory high-water mark so far, MB (2**20 bytes)
+    (:func:`megatron.training.step.peak_memory_mb`: CUDA max allocated on GPU, peak
+    RSS of the process on CPU)."""
 
     @property
     def density(self) -> float:
@@ -109,7 +113,7 @@ def _gather_rows(row: List[float]) -> np.ndarray:
 
 
 _ROW = ("loss_sum", "loss_tokens", "fwd_s", "bwd_s", "pp_rank", "dp_rank", "step_s",
-        "kept_pairs", "causal_pairs")
+        "kept_pairs", "causal_pairs", "peak_mb")
 """Fixed head of the per-step row every rank contributes; then per-op ms
 ``fwd[vpp, M]`` and ``bwd[vpp, M]`` (see :func:`_step_row`)."""
 _COL = {name: i for i, name in enumerate(_ROW)}
@@ -133,7 +137,7 @@ def _step_row(args, result, step_s: float, pp_rank: int, dp_rank: int) -> List[f
     recs = result.attention_records
     head = [result.loss_sum, result.loss_tokens, fwd.sum() / 1e3, bwd.sum() / 1e3, float(pp_rank),
             float(dp_rank), step_s, float(sum(r.kept_pairs for r in recs)),
-            float(sum(r.causal_pairs for r in recs))]
+            float(sum(r.causal_pairs for r in recs)), float(result.peak_memory_mb)]
     return head + fwd.reshape(-1).tolist() + bwd.reshape(-1).tolist()
 
 
@@ -232,12 +236,14 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
     state = setup(args)
     model, optimizer, scheduler, loader = (state[k] for k in ("model", "optimizer", "scheduler", "loader"))
     rank = torch.distributed.get_rank()
+    warn = (lambda m: print(f"pretrain_gpt.py: warning: {m}", file=sys.stderr, flush=True)) \
+        if rank == 0 else (lambda m: None)
     iteration = 0
     if args.load is not None and ckpt.read_tracker(args.load) is not None:
         if args.finetune:
-            ckpt.load_weights(args.load, model)
+            ckpt.load_weights(args.load, model, warn=warn)
         else:
-            iteration = ckpt.load_checkpoint(args.load, model, optimizer, scheduler, loader)
+            iteration = ckpt.load_checkpoint(args.load, model, optimizer, scheduler, loader, warn=warn)
     start = iteration
     log = _Logger(args, rank, start=iteration)
     if args.sparse_attention:
@@ -286,6 +292,7 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             kept_pairs=float(table[:, _COL["kept_pairs"]].sum()),
             causal_pairs=float(table[:, _COL["causal_pairs"]].sum()),
             static_density=_static_density(args, batches),
+            peak_memory_mb=table[:, _COL["peak_mb"]].tolist(),
         )
         log.step(entry)
         if timeline is not None and iteration % args.log_interval == 0:
@@ -299,18 +306,44 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             log.eval(iteration, float(row[:, 0].sum() / max(row[:, 1].sum(), 1.0)))
         if args.save and args.save_interval and iteration % args.save_interval == 0 \
                 and iteration < args.train_iters:
-            ckpt.save_checkpoint(args.save, iteration, model, optimizer, scheduler, loader, state["cpu"])
-            log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
+            _save(args, iteration, state, log, warn, last=False)
         if args.exit_signal_handler and flag.any_rank():
             preempted = iteration < args.train_iters
             break
     if args.save and iteration > start:  # nothing new to save if no step ran
-        ckpt.save_checkpoint(args.save, iteration, model, optimizer, scheduler, loader, state["cpu"])
-        log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
+        _save(args, iteration, state, log, warn, last=True)
     if timeline is not None:
         timeline.finish()
     summary = log.summary(preempted)
     return summary
+
+
+def _save(args, iteration: int, state: dict, log: "_Logger", warn: Callable[[str], None], last: bool) -> None:
+    """Save a checkpoint (all ranks), then apply ``--keep-last`` (rank 0).
+
+    A failed save raises its one-line :class:`~megatron.training.checkpointing.SaveError`
+    (exit 1), or with ``--continue-on-save-failure`` warns and returns, except for the
+    ``last`` save of the run (end or preemption): nothing follows that could make up for it.
+    """
+    from megatron.training import checkpointing as ckpt
+
+    model, optimizer, scheduler, loader = (state[k] for k in ("model", "optimizer", "scheduler", "loader"))
+    try:
+        ckpt.save_checkpoint(args.save, iteration, model, optimizer, scheduler, loader, state["cpu"])
+    except ckpt.SaveError as e:
+        if last or not args.continue_on_save_failure:
+            raise
+        warn(f"{e}; training continues (--continue-on-save-failure)")
+        return
+    log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
+    if args.keep_last and torch.distributed.get_rank() == 0:
+        try:
+            removed = ckpt.remove_old_checkpoints(args.save, args.keep_last, newest=iteration)
+        except OSError as e:  # a checkpoint left behind costs disk, not correctness
+            warn(f"--keep-last: could not remove old checkpoints in {args.save}: {e}")
+            return
+        if removed:
+            log.info(f"removed {', '.join(removed)} (--keep-last {args.keep_last})")
 
 
 def _retained_vs_static(steps: List[StepLog], density: float) -> Optional[float]:
@@ -398,6 +431,19 @@ def _warmup_steps(n: int) -> int:
     return skip if n > skip else 0
 
 
+_PEAK_RANKS_SHOWN = 16
+"""Log lines list every rank's peak memory up to this many ranks, else the max and its rank."""
+
+
+def _peak_memory_text(peaks: List[float]) -> str:
+    """``peak mem MB [r0 r1 ...]`` for the log line (``peak mem MB max X (rank r)`` on
+    large worlds)."""
+    if len(peaks) <= _PEAK_RANKS_SHOWN:
+        return "peak mem MB [" + " ".join(f"{p:.0f}" for p in peaks) + "]"
+    r = int(np.argmax(peaks))
+    return f"peak mem MB max {peaks[r]:.0f} (rank {r})"
+
+
 class _Logger:
     """Rank-0 console (tqdm bar + log lines), tensorboard and the final summary."""
 
@@ -446,12 +492,14 @@ class _Logger:
             self.info(f"iter {s.iteration:6d}/{self.args.train_iters} | loss {s.loss:.4f} | lr {s.lr:.3e} | "
                       f"grad-norm {s.grad_norm:.3f} | step {s.step_s * 1e3:.0f} ms | "
                       f"tokens/s {tps:.0f} | fwd ms/stage [{fwd}] | bwd ms/stage [{bwd}] | "
-                      f"bubble [{bub}] | imbalance {s.imbalance:.2f} | pack {s.pack_ms:.1f} ms{extra}")
+                      f"bubble [{bub}] | imbalance {s.imbalance:.2f} | pack {s.pack_ms:.1f} ms | "
+                      f"{_peak_memory_text(s.peak_memory_mb)}{extra}")
         if self.tb is not None:
             for name, value in (("loss", s.loss), ("lr", s.lr), ("grad-norm", s.grad_norm),
                                 ("step-time-s", s.step_s), ("tokens-per-s", tps),
                                 ("imbalance", s.imbalance), ("density", s.density),
-                                ("pack-ms", s.pack_ms), ("plan-ms", s.plan_ms)):
+                                ("pack-ms", s.pack_ms), ("plan-ms", s.plan_ms),
+                                ("peak-memory-mb", max(s.peak_memory_mb, default=0.0))):
                 self.tb.add_scalar(name, value, s.iteration)
             for i, (f, b) in enumerate(zip(s.stage_fwd_s, s.stage_bwd_s)):
                 self.tb.add_scalar(f"stage{i}/fwd-s", f, s.iteration)
@@ -490,6 +538,9 @@ class _Logger:
                     ("tokens/s", f"{out['tokens_per_s']:.0f}"),
                     ("first loss", "-" if out["first_loss"] is None else f"{out['first_loss']:.4f}"),
                     ("last loss", "-" if out["last_loss"] is None else f"{out['last_loss']:.4f}")]
+            if out["peak_memory_mb_max"] is not None:
+                rows.append(("peak memory", f"{out['peak_memory_mb_max']:.0f} MB (max over ranks, "
+                                            f"{out['peak_memory_source']})"))
             if preempted:
                 rows.append(("stopped by", "signal (checkpoint saved)"))
             width = max(len(k) for k, _ in rows)
@@ -506,6 +557,8 @@ class _Logger:
         metrics skip the warm-up steps (:func:`_warmup_steps`); density and losses use
         every step of this run."""
         from megatron.training.balance import attention_backend
+        from megatron.training.initialize import use_cpu
+        from megatron.training.step import peak_memory_source
 
         steps = self.steps
         counted = steps[_warmup_steps(len(steps)):]
@@ -514,6 +567,8 @@ class _Logger:
         kept, causal = sum(s.kept_pairs for s in steps), sum(s.causal_pairs for s in steps)
         preds = [s.predicted_step_ms for s in counted if s.predicted_step_ms is not None]
         bubbles = np.array([s.bubble for s in counted]) if counted else np.zeros((0, 0))
+        # per rank, the largest high-water mark seen over the run (MB = 2**20 bytes)
+        peaks = np.max([s.peak_memory_mb for s in steps], axis=0) if steps else np.zeros(0)
         keys = ("sparse_attention", "sparse_balance", "sb_batching", "max_carry_steps", "sb_dst",
                 "sb_anchor", "sb_p", "sb_topk", "sb_topk_min", "sb_topk_max", "sb_attn_slack",
                 "sb_block_size", "sb_attention_backend", "sb_profile", "sb_cost_model",
@@ -521,7 +576,7 @@ class _Logger:
                 "seq_length", "global_batch_size", "num_microbatches", "data_parallel_size",
                 "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "tensor_model_parallel_size", "seed", "train_iters", "data_path", "mask_prompt_loss",
-                "finetune", "load")
+                "finetune", "load", "recompute_granularity", "recompute_method", "recompute_num_layers")
         return {
             "step_ms_median": med([s.step_s * 1e3 for s in counted]),
             "step_ms_all": [s.step_s * 1e3 for s in steps],
@@ -539,5 +594,8 @@ class _Logger:
             "plan_ms_median": med([s.plan_ms for s in counted]) if preds else None,
             "plan_wait_ms_median": med([s.plan_wait_ms for s in counted]) if preds else None,
             "attention_backend": attention_backend(self.args),
+            "peak_memory_mb": peaks.tolist(),
+            "peak_memory_mb_max": float(peaks.max()) if len(peaks) else None,
+            "peak_memory_source": peak_memory_source(use_cpu(self.args)),
             "args": {k: getattr(self.args, k, None) for k in keys},
         }

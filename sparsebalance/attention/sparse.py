@@ -11,20 +11,30 @@ records the kept/causal pair counts with ``record_attention``.
 Layouts as in :mod:`sparsebalance.attention.dense`: THD ``[T, H, D]`` with
 ``packed_seq_params.cu_seqlens_q`` (returns ``[T, H * D]``) or SBHD
 ``[S, B, H, D]`` (returns ``[S, B, H * D]``).
+
+Activation recomputation (megatron-core's full or selective recompute) re-runs
+this forward during backward. When ``packed_seq_params`` is a
+:class:`~sparsebalance.attention.packed.BudgetedPackedSeqParams` the module uses
+the budget it carries, so the recomputed forward routes exactly as the original
+one did even after other micro-batches changed the runtime's budget (pipeline
+parallelism); a recomputed call is not recorded again.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Optional
 
 import torch
 
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sparsebalance import runtime
 from sparsebalance.attention.dense import CausalVarlenAttention, causal_varlen_attention
+from sparsebalance.attention.packed import BudgetedPackedSeqParams
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention
 
@@ -69,6 +79,17 @@ class SparseAttention(CausalVarlenAttention):
         self.backend = backend
         self.dense_layers = frozenset(int(x) for x in dense_layers)
 
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None) -> torch.Tensor:
+        """As the dense module's, under the budget ``packed_seq_params`` carries (if a
+        :class:`BudgetedPackedSeqParams`), else under the runtime's current one."""
+        p = packed_seq_params
+        scope = (runtime.budget(p.budget, microbatch=p.microbatch)
+                 if isinstance(p, BudgetedPackedSeqParams) else contextlib.nullcontext())
+        with scope:
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params)
+
     def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
         """``[T, H, D]`` attention over documents of ``cu_seqlens``; records what it did."""
         topk = None if self.layer_number in self.dense_layers else runtime.get_budget(
@@ -82,10 +103,20 @@ class SparseAttention(CausalVarlenAttention):
                                          softmax_scale=self.softmax_scale, backend=self.backend,
                                          return_density=True)
             kept = round(dens * causal)
+        if _recomputing():  # the original forward of this call was recorded already
+            return out
         runtime.record_attention(runtime.AttentionRecord(
             layer_number=self.layer_number, microbatch=None, topk=topk, kept_pairs=kept,
             causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
         return out
+
+
+def _recomputing() -> bool:
+    """True inside megatron-core's recomputation of a checkpointed forward (backward pass).
+
+    ``CheckpointFunction`` flags both of its forwards as checkpointing; the original one
+    runs without autograd, the recomputation with it."""
+    return is_checkpointing() and torch.is_grad_enabled()
 
 
 def get_gpt_layer_sparse_spec(

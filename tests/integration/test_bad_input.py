@@ -12,6 +12,7 @@ input. ``test_every_tool_has_cases`` fails when a tool in tools/ has no row here
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -105,6 +106,30 @@ def make_bad_files(d: str) -> None:
     os.makedirs(f"{d}/a_dir_with_file", exist_ok=True)
     open(f"{d}/a_dir_with_file/x", "w").close()
     _make_hf_dirs(d)
+    _make_bad_checkpoints(d)
+
+
+def _make_bad_checkpoints(d: str) -> None:
+    """--load directories whose every checkpoint fails its manifest check (made-up files:
+    the check runs before anything is read as a checkpoint)."""
+    from megatron.training.checkpointing import TRACKER, iter_dir, write_manifest
+
+    def make(root, iteration, manifest=True):
+        path = iter_dir(root, iteration)
+        os.makedirs(path)
+        open(f"{path}/__0_0.distcp", "wb").write(bytes(range(200)))
+        if manifest:
+            write_manifest(path, iteration, {"__0_0.distcp": {"size": 200, "sha256": hashlib.sha256(
+                bytes(range(200))).hexdigest()}})
+        open(f"{root}/{TRACKER}", "w").write(f"{iteration}\n")
+        return f"{path}/__0_0.distcp"
+
+    os.truncate(make(f"{d}/ck_truncated", 1), 100)
+    flipped = make(f"{d}/ck_all_damaged", 1)
+    open(flipped, "r+b").write(b"\xff")  # same size, another checksum
+    make(f"{d}/ck_all_damaged", 2, manifest=False)  # an interrupted save
+    make(f"{d}/ck_bad_manifest", 1)
+    open(f"{iter_dir(f'{d}/ck_bad_manifest', 1)}/manifest.json", "w").write("{ not json")
 
 
 def _make_hf_dirs(d: str) -> None:
@@ -183,6 +208,18 @@ CASES = [
     Case("pretrain-load-is-file", "pretrain_gpt.py", _pretrain("--load", "{d}/good.idx"), r"--load"),
     Case("pretrain-load-empty-dir", "pretrain_gpt.py", _pretrain("--load", "{d}/empty_ckpt"),
          r"empty_ckpt|checkpoint"),
+    Case("pretrain-load-truncated-shard", "pretrain_gpt.py", _pretrain("--load", "{d}/ck_truncated"),
+         r"no intact checkpoint in .*ck_truncated: iter_0000001 is damaged \(__0_0\.distcp has 100 bytes"),
+    Case("pretrain-load-all-damaged", "pretrain_gpt.py", _pretrain("--load", "{d}/ck_all_damaged"),
+         r"iter_0000002 is damaged \(no manifest\.json\); iter_0000001 is damaged \(.*fails its sha256"),
+    Case("pretrain-load-garbage-manifest", "pretrain_gpt.py", _pretrain("--load", "{d}/ck_bad_manifest"),
+         r"ck_bad_manifest.*manifest\.json unreadable"),
+    Case("pretrain-save-unwritable", "pretrain_gpt.py", _pretrain("--save", "{d}/good.idx/ck"),
+         r"saving checkpoint iter_0000001 to .*good\.idx/ck failed: .*Not a directory"),
+    Case("pretrain-keep-last-zero", "pretrain_gpt.py", _pretrain("--save", "{d}/ck_keep", "--keep-last", "0"),
+         r"--keep-last", _p("{d}/ck_keep")),
+    Case("pretrain-keep-last-without-save", "pretrain_gpt.py", _pretrain("--keep-last", "2"),
+         r"--keep-last needs --save"),
     Case("pretrain-profile-of-another-model", "pretrain_gpt.py",
          _pretrain("--sparse-balance", "--sb-profile", "{d}/other_model_profile.json"),
          r"other_model_profile\.json.*(match|num_layers|block_size|hidden)"),
@@ -194,6 +231,24 @@ CASES = [
          r"wrong_schema\.json.*not a sparsebalance-latency-profile"),
     Case("pretrain-profile-missing", "pretrain_gpt.py", _pretrain_sb("{d}/no_profile.json"),
          r"no_profile\.json does not exist.*tools/profile_latency\.py", _p("{d}/no_profile.json")),
+    # pretrain_gpt.py: activation recomputation flags (Megatron-LM's rules)
+    Case("pretrain-recompute-full-no-method", "pretrain_gpt.py",
+         _pretrain("--recompute-granularity", "full", "--recompute-num-layers", "1"), r"--recompute-method"),
+    Case("pretrain-recompute-full-no-num-layers", "pretrain_gpt.py",
+         _pretrain("--recompute-granularity", "full", "--recompute-method", "uniform"), r"--recompute-num-layers"),
+    Case("pretrain-recompute-selective-with-method", "pretrain_gpt.py",
+         _pretrain("--recompute-granularity", "selective", "--recompute-method", "block"),
+         r"selective.*--recompute-method"),
+    Case("pretrain-recompute-method-without-granularity", "pretrain_gpt.py",
+         _pretrain("--recompute-method", "block", "--recompute-num-layers", "1"), r"--recompute-granularity full"),
+    Case("pretrain-recompute-too-many-layers", "pretrain_gpt.py",
+         _pretrain("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"),
+         r"--recompute-num-layers 3.*2 layers"),
+    Case("pretrain-recompute-uniform-not-dividing", "pretrain_gpt.py",
+         _pretrain("--num-layers", "3", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                   "--recompute-num-layers", "2"), r"uniform.*divide"),
+    Case("pretrain-recompute-unknown-granularity", "pretrain_gpt.py",
+         _pretrain("--recompute-granularity", "partial"), r"--recompute-granularity.*partial"),
     # preprocess_data.py: bad JSONL
     Case("preprocess-missing-input", "tools/preprocess_data.py",
          _p("--input", "{d}/none.jsonl", "--output-prefix", "{d}/pp0"), r"none\.jsonl",
