@@ -129,6 +129,12 @@ def write_manifest(path: str, iteration: int, files: Dict[str, dict]) -> None:
     os.replace(tmp, os.path.join(path, MANIFEST))
 
 
+def seal_checkpoint(path: str, iteration: int) -> None:
+    """Write the manifest of every file now in the single-writer checkpoint ``path``
+    (tools that write a checkpoint in one process, e.g. tools/checkpoint/convert.py)."""
+    write_manifest(path, iteration, _describe(path, _files(path)))
+
+
 def _read_manifest(path: str, iteration: int) -> dict:
     """The manifest's ``files`` table; ValueError (the reason) if it is missing or bad."""
     file = os.path.join(path, MANIFEST)

@@ -58,6 +58,9 @@ def converted(tmp_path_factory):
         p = run(CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt"),
                 "--no-progress-bar")
         assert p.returncode == 0, p.stderr[-3000:]
+        from megatron.training.checkpointing import check_checkpoint, iter_dir
+
+        assert check_checkpoint(iter_dir(str(d / "ckpt"), 0), 0) is None  # sealed with a manifest
         flags = open(d / "ckpt" / "model_flags.txt").read().split()
         assert ("--use-rope-scaling" in flags) == (arch == "llama")
         out[name] = (model, str(d / "hf"), str(d / "ckpt"))

@@ -140,7 +140,7 @@ def hf_to_megatron(a) -> None:
     import torch
     from megatron.core import dist_checkpointing
     from megatron.training import hf_checkpoint as H
-    from megatron.training.checkpointing import TRACKER, _sync_strategy, iter_dir
+    from megatron.training.checkpointing import TRACKER, _sync_strategy, iter_dir, seal_checkpoint
     from megatron.training.initialize import shutdown
 
     if not os.path.isdir(a.hf_dir):
@@ -180,6 +180,7 @@ def hf_to_megatron(a) -> None:
             os.makedirs(iter_dir(tmp, 0))
             dist_checkpointing.save({"model0": model.sharded_state_dict()}, iter_dir(tmp, 0),
                                     sharded_strategy=_sync_strategy())
+            seal_checkpoint(iter_dir(tmp, 0), 0)  # --load verifies it like a trained one
         finally:
             shutdown()
         with open(os.path.join(tmp, TRACKER), "w") as f:
