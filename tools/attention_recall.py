@@ -14,16 +14,28 @@ only in their budgets:
 
 * ``static``: ``--sb-topk`` (default: the checkpoint's) for every micro-batch;
 * ``dense``: recall 1.0;
-* ``--budgets NAME=FILE`` (repeatable): a DST budget table, JSON with key
+* ``--budgets NAME=FILES`` (repeatable): DST budget tables, JSON with key
   ``budget`` of shape ``[dp][microbatch][stage]`` (the driver's
-  ``--sb-timeline`` ``*.predicted.json`` files). Held-out micro-batch ``i``
-  takes row ``i mod (dp * microbatches)`` of the flattened table; layer ``l``
-  (1-based) belongs to stage ``(l - 1) // (num_layers / stages)`` as in the driver.
+  ``--sb-timeline`` ``*.predicted.json`` files). ``FILES`` is one path, a
+  comma list, or a quoted glob (each part may be either), e.g. every training
+  step of a run. With each table, held-out micro-batch ``i`` takes row
+  ``i mod (dp * microbatches)`` of the flattened table; layer ``l`` (1-based)
+  belongs to stage ``(l - 1) // (num_layers / stages)`` as in the driver. The
+  arm's recall is the mean over its tables (pooled: each table scores the same
+  queries). The budgets were planned for training micro-batches and are applied
+  to held-out ones, so a budget is not matched to the documents it was planned for.
 
 Layers the checkpoint kept dense (``--sb-dense-layers``) have recall 1.0 in
 every arm, as in training. Output: one JSON object
 ``{"arms": {arm: {"mean", "per_layer", "per_layer_head", "density", "queries"}}, "config": {...}}``
 with ``--json`` (a short table otherwise); ``--plot PNG`` draws recall per layer per arm.
+
+``--step-times REAL_JSON`` (``tools/compare.py --mode real``'s ``real.json``)
+adds ``"frontier"``: one ``{arm, compare_arm, step_ms, tokens_per_s,
+recall_mean, recall_per_layer, dominated_by}`` per arm that has a measured
+step time (``static`` is the ``megatron`` arm; ``sab`` trains with the static
+budget, so it is ``static``'s recall at ``sab``'s step time). With ``--plot``,
+``<stem>_frontier.png`` draws recall against step time, one labelled point per arm.
 
 Tiny CPU run::
 
@@ -36,11 +48,19 @@ GPU cluster run (one GPU; the model is built with PP=1)::
     python tools/attention_recall.py --load /lustre/ckpt/run1 --data-path /lustre/data/prolong \\
         --num-microbatches 16 --budgets sparsebalance=/lustre/run1/timeline/step_0001000.predicted.json \\
         --json --plot /lustre/ckpt/run1/recall.png > /lustre/ckpt/run1/recall.json
+
+The comparison's model (``docs/results.md``, "Attention recall at equal step time")::
+
+    OMP_NUM_THREADS=2 .venv/bin/python tools/attention_recall.py --load runs/recall/ckpt \
+        --data-path runs/compare/corpus --num-microbatches 16 \
+        --budgets 'sparsebalance=runs/compare/runs/sparsebalance-[0-9]/timeline/step_*.predicted.json' \
+        --step-times results/compare/real.json --json --plot results/attention_recall.png
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -70,44 +90,127 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-microbatches", type=int, default=4, help="held-out micro-batches to score")
     p.add_argument("--sb-topk", type=int, default=None, help="static arm's top-k (default: the checkpoint's)")
     p.add_argument("--sb-block-size", type=int, default=None, help="routing block (default: the checkpoint's)")
-    p.add_argument("--budgets", action="append", default=[], metavar="NAME=FILE",
-                   help="an arm with per-micro-batch, per-stage budgets (JSON key 'budget' [dp][mb][stage])")
+    p.add_argument("--budgets", action="append", default=[], metavar="NAME=FILES",
+                   help="an arm with per-micro-batch, per-stage budgets (JSON key 'budget' [dp][mb][stage]); "
+                        "FILES: a path, comma list or quoted glob, averaged over")
+    p.add_argument("--step-times", default=None, metavar="REAL_JSON",
+                   help="tools/compare.py real.json: add the recall vs step-time frontier")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
     p.add_argument("--plot", default=None, metavar="PNG", help="also draw recall per layer per arm")
     return p
 
 
-def read_budget_arms(specs: list[str]) -> dict:
-    """``NAME=FILE`` -> {name: (path, int64 array [rows, stages])}; bad input exits 2."""
+def budget_files(name: str, files: str) -> list:
+    """Paths of ``FILES`` (comma list of paths or globs), in order; no match exits 2."""
+    paths = []
+    for part in files.split(","):
+        if not part:
+            fail(f"--budgets {name}: empty path in {files!r}")
+        found = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
+        if not found:
+            fail(f"--budgets {name}: {part} matches no file")
+        paths += found
+    return paths
+
+
+def read_budget_table(name: str, path: str):
+    """int64 ``[rows, stages]`` budget table of one ``*.predicted.json``; bad input exits 2."""
     import numpy as np
 
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except OSError as e:
+        fail(f"--budgets {name}: cannot read {path} ({e.strerror})")
+    except ValueError as e:
+        fail(f"--budgets {name}: {path} is not JSON ({e})")
+    if not isinstance(doc, dict) or "budget" not in doc:
+        fail(f"--budgets {name}: {path} has no 'budget' table")
+    try:
+        b = np.asarray(doc["budget"], dtype=np.float64)
+    except (TypeError, ValueError):
+        fail(f"--budgets {name}: 'budget' in {path} is not a numeric [dp][microbatch][stage] table")
+    if b.ndim != 3 or b.size == 0:
+        fail(f"--budgets {name}: 'budget' in {path} must be [dp][microbatch][stage], got shape {b.shape}")
+    if (b < 0).any() or (b != np.round(b)).any():
+        fail(f"--budgets {name}: budgets in {path} must be integers >= 0")
+    return b.astype(np.int64).reshape(-1, b.shape[2])
+
+
+def read_budget_arms(specs: list[str]) -> dict:
+    """``NAME=FILES`` -> {name: [(path, int64 array [rows, stages]), ...]}; bad input exits 2."""
     arms = {}
     for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
+        name, sep, files = spec.partition("=")
+        if not sep or not name or not files:
             fail(f"--budgets: expected NAME=FILE, got {spec!r}")
         if name in ("static", "dense") or name in arms:
             fail(f"--budgets: arm name {name!r} is taken")
-        try:
-            with open(path) as fh:
-                doc = json.load(fh)
-        except OSError as e:
-            fail(f"--budgets {name}: cannot read {path} ({e.strerror})")
-        except ValueError as e:
-            fail(f"--budgets {name}: {path} is not JSON ({e})")
-        if not isinstance(doc, dict) or "budget" not in doc:
-            fail(f"--budgets {name}: {path} has no 'budget' table")
-        try:
-            b = np.asarray(doc["budget"], dtype=np.float64)
-        except (TypeError, ValueError):
-            fail(f"--budgets {name}: 'budget' in {path} is not a numeric [dp][microbatch][stage] table")
-        if b.ndim != 3 or b.size == 0:
-            fail(f"--budgets {name}: 'budget' in {path} must be [dp][microbatch][stage], got shape {b.shape}")
-        if (b < 0).any() or (b != np.round(b)).any():
-            fail(f"--budgets {name}: budgets in {path} must be integers >= 0")
-        arms[name] = (path, b.astype(np.int64).reshape(-1, b.shape[2]))
+        tables = [(path, read_budget_table(name, path)) for path in budget_files(name, files)]
+        stages = {t.shape[1] for _, t in tables}
+        if len(stages) > 1:
+            fail(f"--budgets {name}: its files disagree on the number of stages ({sorted(stages)})")
+        arms[name] = tables
     return arms
+
+
+# recall arm -> tools/compare.py arm whose measured step time it is plotted at; "sab"
+# trains with the static budget, so its recall is static's.
+STEP_ARMS = {"static": "megatron", "dense": "dense", "dst": "dst", "sparsebalance": "sparsebalance",
+             "sparsebalance-anchor": "sparsebalance-anchor"}
+SAME_RECALL = {"sab": "static"}
+
+
+def read_step_times(path: str) -> dict:
+    """{compare arm: {"step_ms", "tokens_per_s"}} from ``real.json``'s ``arms``; bad input exits 2."""
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except OSError as e:
+        fail(f"--step-times: cannot read {path} ({e.strerror})")
+    except ValueError as e:
+        fail(f"--step-times: {path} is not JSON ({e})")
+    arms = doc.get("arms") if isinstance(doc, dict) else None
+    if not isinstance(arms, dict):
+        fail(f"--step-times: {path} has no 'arms' object (expected tools/compare.py --mode real's real.json)")
+    out = {}
+    for name, a in arms.items():
+        if name not in set(STEP_ARMS.values()) | set(SAME_RECALL):
+            continue
+        ms = a.get("step_ms") if isinstance(a, dict) else None
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
+            fail(f"--step-times: arm {name!r} in {path} has no positive 'step_ms'")
+        tps = a.get("tokens_per_s")
+        out[name] = {"step_ms": float(ms), "tokens_per_s": float(tps) if isinstance(tps, (int, float)) else None}
+    if not out:
+        fail(f"--step-times: {path} has none of the arms {sorted(set(STEP_ARMS.values()) | set(SAME_RECALL))}")
+    return out
+
+
+def frontier(arms: dict, steps: dict) -> list:
+    """Recall against measured step time, one point per arm that has both.
+
+    ``arms``: :func:`report`'s {arm: {"mean", "per_layer", ...}}; ``steps``:
+    :func:`read_step_times`'s {compare arm: {"step_ms", "tokens_per_s"}}. Returns
+    ``[{arm, compare_arm, step_ms, tokens_per_s, recall_mean, recall_per_layer,
+    dominated_by}]`` sorted by step time; ``dominated_by`` lists the arms at most as
+    slow with at least the recall (one of the two strictly).
+    """
+    points = []
+    pairs = [(arm, STEP_ARMS[arm], arm) for arm in arms if arm in STEP_ARMS]
+    pairs += [(arm, arm, src) for arm, src in SAME_RECALL.items() if src in arms]
+    for arm, compare_arm, src in pairs:
+        if compare_arm not in steps:
+            continue
+        points.append({"arm": arm, "compare_arm": compare_arm, "step_ms": steps[compare_arm]["step_ms"],
+                       "tokens_per_s": steps[compare_arm]["tokens_per_s"], "recall_mean": arms[src]["mean"],
+                       "recall_per_layer": list(arms[src]["per_layer"])})
+    for p in points:
+        p["dominated_by"] = [o["arm"] for o in points if o is not p
+                             and o["step_ms"] <= p["step_ms"] and o["recall_mean"] >= p["recall_mean"]
+                             and (o["step_ms"], o["recall_mean"]) != (p["step_ms"], p["recall_mean"])]
+    return sorted(points, key=lambda p: (p["step_ms"], p["arm"]))
 
 
 def check_args(args) -> None:
@@ -153,13 +256,16 @@ def heldout_microbatches(args, model_args, vocab: int) -> list:
 def score(model, microbatches, arms: dict, block_size: int, dense_layers) -> dict:
     """Forward every micro-batch; per arm, per layer, the pooled :class:`Recall`.
 
-    ``arms``: {name: callable(microbatch index, layer number) -> top-k or None (dense)}.
+    ``arms``: {name: callable(microbatch index, layer number) -> list of top-k, or
+    None (dense)}; an arm's recall pools its list (one :class:`Recall` per entry, each
+    over the same queries). Each distinct top-k is scored once per layer and
+    micro-batch, whichever arms ask for it.
     """
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from sparsebalance.attention.dense import CausalVarlenAttention
-    from sparsebalance.eval.recall import block_topk_recall
+    from sparsebalance.eval.recall import block_topk_recall, pool
 
     cores = [m for m in model.gpt.modules() if isinstance(m, CausalVarlenAttention)]
     out = {name: {} for name in arms}
@@ -169,9 +275,13 @@ def score(model, microbatches, arms: dict, block_size: int, dense_layers) -> dic
         q, k = args[0], args[1]
         cu = kwargs["packed_seq_params"].cu_seqlens_q
         layer = int(module.layer_number)
+        cache = {}
         for name, budget_of in arms.items():
-            t = None if layer in dense_layers else budget_of(state["mb"], layer)
-            r = block_topk_recall(q.detach(), k.detach(), cu, t, block_size, module.softmax_scale)
+            ts = [None] if layer in dense_layers else budget_of(state["mb"], layer)
+            for t in ts:
+                if t not in cache:
+                    cache[t] = block_topk_recall(q.detach(), k.detach(), cu, t, block_size, module.softmax_scale)
+            r = pool(cache[t] for t in ts)
             prev = out[name].get(layer)
             out[name][layer] = r if prev is None else prev + r
 
@@ -192,8 +302,12 @@ def score(model, microbatches, arms: dict, block_size: int, dense_layers) -> dic
     return out
 
 
-def report(per_arm: dict) -> dict:
-    """{arm: {"mean", "per_layer", "per_layer_head", "density", "queries"}} from pooled recalls."""
+def report(per_arm: dict, sources: dict) -> dict:
+    """{arm: {"mean", "per_layer", "per_layer_head", "density", "queries"}} from pooled recalls.
+
+    ``sources``: {arm: budget tables pooled per query} (1 for ``static`` and ``dense``);
+    ``queries`` counts each held-out query once.
+    """
     arms = {}
     for name, layers in per_arm.items():
         ordered = [layers[n] for n in sorted(layers)]
@@ -202,7 +316,7 @@ def report(per_arm: dict) -> dict:
         kept, causal = sum(r.kept_pairs for r in ordered), sum(r.causal_pairs for r in ordered)
         arms[name] = {"mean": sum(per_layer) / len(per_layer), "per_layer": per_layer,
                       "per_layer_head": per_head, "density": kept / causal if causal else 1.0,
-                      "queries": ordered[0].queries}
+                      "queries": ordered[0].queries // sources.get(name, 1)}
     return arms
 
 
@@ -230,10 +344,58 @@ def plot(path: str, arms: dict, title: str) -> None:
     os.replace(tmp, path)
 
 
+def plot_frontier(path: str, points: list, title: str) -> None:
+    """Recall mean against measured step time, one labelled point per arm (PNG, atomic);
+    x marks a dominated arm, the grey step joins the others."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    best = [p for p in points if not p["dominated_by"]]
+    ax.step([p["step_ms"] for p in best], [p["recall_mean"] for p in best], where="post", color="0.7",
+            lw=1, zorder=1, label="not dominated")
+    for p in points:  # labels in the legend: neighbouring points would overprint in-plot text
+        ax.scatter(p["step_ms"], p["recall_mean"], zorder=2, marker="o" if not p["dominated_by"] else "x",
+                   label=f"{p['arm']}: {p['step_ms']:.0f} ms, recall {p['recall_mean']:.3f}"
+                         + (" (dominated)" if p["dominated_by"] else ""))
+    ax.set_xlabel("measured median step (ms)")
+    ax.set_ylabel("attention recall (mean over layers)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def frontier_path(plot_path: str) -> str:
+    """``<plot stem>_frontier.png`` next to ``--plot``."""
+    return os.path.splitext(plot_path)[0] + "_frontier.png"
+
+
+def budget_arms_of(budget_arms: dict, num_layers: int) -> dict:
+    """{name: callable(micro-batch, layer) -> [top-k per table]} for the ``--budgets`` arms."""
+    arms = {}
+    for name, tables in budget_arms.items():
+        stages = tables[0][1].shape[1]
+        if num_layers % stages:
+            fail(f"--budgets {name}: {stages} stages in {tables[0][0]} do not divide the model's "
+                 f"{num_layers} layers")
+        per = num_layers // stages
+        rows = [t for _, t in tables]
+        arms[name] = lambda m, layer, rows=rows, per=per: [int(r[m % len(r), (layer - 1) // per]) for r in rows]
+    return arms
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     budget_arms = read_budget_arms(args.budgets)
+    steps = read_step_times(args.step_times) if args.step_times else None
     from eval_longctx import open_eval_model
 
     model, args.threads = open_eval_model(args.load, args.train_args, args.threads, fail, sparse=False,
@@ -243,34 +405,39 @@ def main(argv=None) -> int:
         topk = args.sb_topk if args.sb_topk is not None else int(margs.sb_topk)
         block = args.sb_block_size or int(margs.sb_block_size)
         num_layers = int(margs.num_layers)
-        arms = {"static": lambda m, layer: topk, "dense": lambda m, layer: None}
-        for name, (path, rows) in budget_arms.items():
-            stages = rows.shape[1]
-            if num_layers % stages:
-                fail(f"--budgets {name}: {stages} stages in {path} do not divide the model's {num_layers} layers")
-            per = num_layers // stages
-            arms[name] = lambda m, layer, rows=rows, per=per: int(rows[m % len(rows), (layer - 1) // per])
+        arms = {"static": lambda m, layer: [topk], "dense": lambda m, layer: [None],
+                **budget_arms_of(budget_arms, num_layers)}
         mbs = heldout_microbatches(args, margs, int(model.gpt.vocab_size))
         dense_layers = frozenset(int(x) for x in (getattr(margs, "sb_dense_layers", None) or ()))
         per_arm = score(model, mbs, arms, block, dense_layers)
     finally:
         model.close()
-    arms_out = report(per_arm)
+    arms_out = report(per_arm, {n: len(t) for n, t in budget_arms.items()})
     config = {"load": args.load, "iteration": model.iteration, "data_path": args.data_path,
               "microbatches": len(mbs), "tokens": int(sum(mb["tokens"].shape[1] for mb in mbs)),
               "documents": int(sum(mb["cu_seqlens"].numel() - 1 for mb in mbs)),
               "sb_topk": topk, "sb_block_size": block, "num_layers": num_layers,
-              "dense_layers": sorted(dense_layers), "budgets": {n: p for n, (p, _) in budget_arms.items()},
+              "dense_layers": sorted(dense_layers),
+              "budgets": {n: [p for p, _ in t] for n, t in budget_arms.items()},
               "q_k_from": "dense forward (every arm scored on the same q, k)"}
     rep = {"arms": arms_out, "config": config}
+    title = f"{args.load} (iteration {model.iteration}), block {block}"
+    if steps is not None:
+        config["step_times"] = args.step_times
+        rep["frontier"] = frontier(arms_out, steps)
     if args.plot:
-        plot(args.plot, arms_out, f"{args.load} (iteration {model.iteration}), block {block}")
+        plot(args.plot, arms_out, title)
+        if steps is not None:
+            plot_frontier(frontier_path(args.plot), rep["frontier"], title)
     if args.json:
         print(json.dumps(rep))
     else:
         for name, a in arms_out.items():
             print(f"{name:<16} mean {a['mean']:.4f}  density {a['density']:.3f}  per layer "
                   + " ".join(f"{x:.3f}" for x in a["per_layer"]))
+        for p in rep.get("frontier", []):
+            print(f"frontier {p['arm']:<20} step {p['step_ms']:.0f} ms  recall {p['recall_mean']:.4f}"
+                  + (f"  dominated by {', '.join(p['dominated_by'])}" if p["dominated_by"] else ""))
     return 0
 
 

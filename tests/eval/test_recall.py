@@ -4,7 +4,13 @@ independent routing oracle (sparsebalance.ops.reference)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -105,43 +111,146 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", 
          "--seq-length", "256", "--seed", "7", "--split", "80,20,0"]
 
 
-def test_attention_recall_tool_end_to_end(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REAL = {"arms": {"megatron": {"step_ms": 1000.0, "tokens_per_s": 50.0}, "sab": {"step_ms": 1100.0},
+                 "dst": {"step_ms": 990.0}, "dense": {"step_ms": 2000.0}, "wlb": {"step_ms": 1200.0}}}
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(*args):
+    """``python args`` from the repository root, single-process (no torchrun variables)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    run = lambda *a: subprocess.run([sys.executable, *a], cwd=repo, env=env, capture_output=True, text=True,
-                                    timeout=120)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_attention_recall_tool_end_to_end(tmp_path):
     data, ckpt = str(tmp_path / "c"), str(tmp_path / "ckpt")
-    p = run("tools/make_corpus.py", "--output-prefix", data, "--num-docs", "80", "--max-length", "384",
-            "--quantile", "0.99")
+    p = _run("tools/make_corpus.py", "--output-prefix", data, "--num-docs", "80", "--max-length", "384",
+             "--quantile", "0.99")
     assert p.returncode == 0, p.stderr
-    p = run("pretrain_gpt.py", *MODEL, "--global-batch-size", "2", "--lr", "1e-3", "--no-progress-bar",
-            "--data-path", data, "--train-iters", "1", "--save", ckpt)
+    p = _run("pretrain_gpt.py", *MODEL, "--global-batch-size", "2", "--lr", "1e-3", "--no-progress-bar",
+             "--data-path", data, "--train-iters", "1", "--save", ckpt)
     assert p.returncode == 0, p.stderr[-2000:]
     # stage 0 (layer 1) at top-k 0, stage 1 (layer 2) at 3; "same" repeats the static budget
-    (tmp_path / "dst.json").write_text(json.dumps({"budget": [[[0, 3], [0, 3]]]}))
-    (tmp_path / "same.json").write_text(json.dumps({"budget": [[[1, 1]]]}))
+    dst, same = {"budget": [[[0, 3], [0, 3]]]}, {"budget": [[[1, 1]]]}
+    (tmp_path / "dst.json").write_text(json.dumps(dst))
+    (tmp_path / "same.json").write_text(json.dumps(same))
+    (tmp_path / "avg").mkdir()
+    (tmp_path / "avg" / "step_1.json").write_text(json.dumps(dst))
+    (tmp_path / "avg" / "step_2.json").write_text(json.dumps(same))
+    (tmp_path / "real.json").write_text(json.dumps(REAL))
     png = tmp_path / "recall.png"
-    p = run("tools/attention_recall.py", "--load", ckpt, "--data-path", data, "--train-args", " ".join(MODEL),
-            "--sb-block-size", "16", "--sb-topk", "1", "--num-microbatches", "2",
-            "--budgets", f"dst={tmp_path / 'dst.json'}", "--budgets", f"same={tmp_path / 'same.json'}",
-            "--json", "--plot", str(png))
+    p = _run("tools/attention_recall.py", "--load", ckpt, "--data-path", data, "--train-args", " ".join(MODEL),
+             "--sb-block-size", "16", "--sb-topk", "1", "--num-microbatches", "2",
+             "--budgets", f"dst={tmp_path / 'dst.json'}", "--budgets", f"same={tmp_path / 'same.json'}",
+             "--budgets", f"avg={tmp_path / 'avg' / 'step_*.json'}",
+             "--budgets", f"avg2={tmp_path / 'dst.json'},{tmp_path / 'same.json'}",
+             "--step-times", str(tmp_path / "real.json"), "--json", "--plot", str(png))
     assert p.returncode == 0, p.stderr[-2000:]
     rep = json.loads(p.stdout)
     arms = rep["arms"]
-    assert set(arms) == {"static", "dense", "dst", "same"}
+    assert set(arms) == {"static", "dense", "dst", "same", "avg", "avg2"}
     assert rep["config"]["documents"] > rep["config"]["microbatches"]  # packed: several documents each
     for a in arms.values():
         assert len(a["per_layer"]) == 2 and all(len(h) == 4 for h in a["per_layer_head"])
+        assert a["queries"] == arms["static"]["queries"]  # every held-out query once, however many tables
     assert arms["dense"]["per_layer_head"] == [[1.0] * 4] * 2 and arms["dense"]["density"] == 1.0
     assert 0 < arms["static"]["mean"] < 1 and arms["static"]["density"] < 1  # routing really drops keys
     assert arms["same"] == arms["static"]
     assert arms["dst"]["per_layer"][0] < arms["static"]["per_layer"][0]
     assert arms["dst"]["per_layer"][1] > arms["static"]["per_layer"][1]
-    assert png.stat().st_size > 0
+    # several tables: the mean over them (the glob and the comma list name the same two)
+    assert arms["avg"] == arms["avg2"]
+    assert rep["config"]["budgets"]["avg"] == [str(tmp_path / "avg" / f"step_{i}.json") for i in (1, 2)]
+    heads = lambda name: torch.tensor(arms[name]["per_layer_head"], dtype=torch.float64)
+    torch.testing.assert_close(heads("avg"), (heads("dst") + heads("same")) / 2, atol=1e-12, rtol=0)
+    # frontier: static at megatron's step time, sab at its own with static's recall
+    front = {f["arm"]: f for f in rep["frontier"]}
+    assert set(front) == {"static", "sab", "dst", "dense"}
+    assert front["static"]["step_ms"] == 1000.0 and front["static"]["compare_arm"] == "megatron"
+    assert front["sab"]["recall_per_layer"] == arms["static"]["per_layer"] and front["sab"]["step_ms"] == 1100.0
+    assert front["dst"]["recall_mean"] == arms["dst"]["mean"]
+    assert "static" in front["sab"]["dominated_by"]
+    assert png.stat().st_size > 0 and (tmp_path / "recall_frontier.png").stat().st_size > 0
+
+
+# --- the frontier on a tiny case (no model) --------------------------------------------
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("attention_recall", os.path.join(REPO, "tools",
+                                                                                   "attention_recall.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_frontier_tiny_case():
+    tool = _tool()
+
+    def arm(*per_layer):
+        return {"mean": sum(per_layer) / len(per_layer), "per_layer": list(per_layer)}
+
+    arms = {"static": arm(0.8, 1.0), "dense": arm(1.0, 1.0), "sparsebalance": arm(0.9, 0.96),
+            "sparsebalance-anchor": arm(0.78, 0.98), "dst": arm(0.95, 0.95), "mine": arm(0.5, 0.5)}
+    steps = {"megatron": {"step_ms": 1000.0, "tokens_per_s": 8.0}, "sab": {"step_ms": 1100.0, "tokens_per_s": 9.0},
+             "sparsebalance": {"step_ms": 1050.0, "tokens_per_s": 10.0},
+             "sparsebalance-anchor": {"step_ms": 1040.0, "tokens_per_s": None},
+             "dense": {"step_ms": 2000.0, "tokens_per_s": 4.0}}  # no "dst": it has no point
+    pts = tool.frontier(arms, steps)
+    assert [p["arm"] for p in pts] == ["static", "sparsebalance-anchor", "sparsebalance", "sab", "dense"]
+    by = {p["arm"]: p for p in pts}
+    assert by["static"]["compare_arm"] == "megatron" and by["sab"]["compare_arm"] == "sab"
+    assert by["sab"]["recall_mean"] == arms["static"]["mean"] and by["sab"]["recall_per_layer"] == [0.8, 1.0]
+    assert by["sparsebalance"]["recall_per_layer"] == [0.9, 0.96] and by["sparsebalance"]["tokens_per_s"] == 10.0
+    # anchor: slower than static with less recall; sab: slower with the same recall
+    assert by["sparsebalance-anchor"]["dominated_by"] == ["static"]
+    assert by["sab"]["dominated_by"] == ["static", "sparsebalance"]
+    assert all(not by[a]["dominated_by"] for a in ("static", "sparsebalance", "dense"))
+    # equal points do not dominate each other; arms without a step time or a mapping drop out
+    twins = tool.frontier({"static": arm(0.9, 0.9)}, {"megatron": {"step_ms": 5.0, "tokens_per_s": None},
+                                                      "sab": {"step_ms": 5.0, "tokens_per_s": None}})
+    assert [p["dominated_by"] for p in twins] == [[], []]
+    assert tool.frontier({"mine": arm(0.5, 0.5)}, steps) == []
+    assert tool.frontier_path("out/recall.png") == "out/recall_frontier.png"
+
+
+# --- bad input to the new options: one error line, exit 2, no plot ------------------------
+
+BAD = [
+    ("step-times-missing", ["--step-times", "{d}/nope.json"], r"nope\.json"),
+    ("step-times-not-json", ["--step-times", "{d}/garbage.json"], r"garbage\.json.*JSON"),
+    ("step-times-no-arms", ["--step-times", "{d}/budget.json"], r"'arms'"),
+    ("step-times-bad-ms", ["--step-times", "{d}/bad_ms.json"], r"'sab'.*step_ms"),
+    ("step-times-no-known-arm", ["--step-times", "{d}/other_arms.json"], r"none of the arms"),
+    ("budgets-glob-no-match", ["--budgets", "dst={d}/none_*.json"], r"none_\*\.json matches no file"),
+    ("budgets-empty-part", ["--budgets", "dst={d}/budget.json,"], r"empty path"),
+    ("budgets-one-bad-of-many", ["--budgets", "dst={d}/budget.json,{d}/garbage.json"], r"garbage\.json"),
+    ("budgets-stages-disagree", ["--budgets", "dst={d}/budget.json,{d}/three_stages.json"], r"disagree"),
+]
+
+
+@pytest.mark.parametrize("argv,mention", [(a, m) for _, a, m in BAD], ids=[i for i, _, _ in BAD])
+def test_attention_recall_bad_input(tmp_path, argv, mention):
+    sys.path.insert(0, REPO)
+    from megatron.training.indexed_io import write_documents
+
+    d = str(tmp_path)
+    write_documents(f"{d}/good", [torch.arange(1, 40).numpy(), torch.arange(1, 70).numpy()], 256)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "garbage.json").write_text("{not json")
+    (tmp_path / "budget.json").write_text(json.dumps({"budget": [[[1, 2]]]}))
+    (tmp_path / "three_stages.json").write_text(json.dumps({"budget": [[[1, 2, 3]]]}))
+    (tmp_path / "bad_ms.json").write_text(json.dumps({"arms": {"megatron": {"step_ms": 5}, "sab": {"step_ms": "x"}}}))
+    (tmp_path / "other_arms.json").write_text(json.dumps({"arms": {"wlb": {"step_ms": 5}}}))
+    png = tmp_path / "r.png"
+    p = _run("tools/attention_recall.py", "--load", f"{d}/ckpt", "--data-path", f"{d}/good", "--plot", str(png),
+             *[a.format(d=d) for a in argv])
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attention_recall.py: error: "), p.stderr[-2000:]
+    assert re.search(mention, lines[0]), lines[0]
+    assert "Traceback" not in p.stdout + p.stderr
+    assert not png.exists() and not (tmp_path / "r_frontier.png").exists()
