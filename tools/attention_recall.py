@@ -32,10 +32,12 @@ with ``--json`` (a short table otherwise); ``--plot PNG`` draws recall per layer
 
 ``--step-times REAL_JSON`` (``tools/compare.py --mode real``'s ``real.json``)
 adds ``"frontier"``: one ``{arm, compare_arm, step_ms, tokens_per_s,
-recall_mean, recall_per_layer, dominated_by}`` per arm that has a measured
-step time (``static`` is the ``megatron`` arm; ``sab`` trains with the static
-budget, so it is ``static``'s recall at ``sab``'s step time). With ``--plot``,
-``<stem>_frontier.png`` draws recall against step time, one labelled point per arm.
+ms_per_1k_tokens, recall_mean, recall_per_layer, dominated_by}`` per arm that has
+a measured speed (``static`` is the ``megatron`` arm; ``sab`` trains with the
+static budget, so it is ``static``'s recall at ``sab``'s speed). Speed is time per
+token (ms per 1,000 tokens = 1e6 / tokens/s): SAB carries documents over, so arms
+train different token counts per step and step time alone would mislead. With
+``--plot``, ``<stem>_frontier.png`` draws recall against it, one labelled point per arm.
 
 Tiny CPU run::
 
@@ -163,7 +165,9 @@ SAME_RECALL = {"sab": "static"}
 
 
 def read_step_times(path: str) -> dict:
-    """{compare arm: {"step_ms", "tokens_per_s"}} from ``real.json``'s ``arms``; bad input exits 2."""
+    """{compare arm: {"step_ms", "tokens_per_s", "ms_per_1k_tokens"}} from ``real.json``'s
+    ``arms``; bad input exits 2. The arms pack different token counts per step (SAB
+    carries documents over), so speed is compared per token: ms per 1,000 tokens."""
     try:
         with open(path) as fh:
             doc = json.load(fh)
@@ -182,20 +186,23 @@ def read_step_times(path: str) -> dict:
         if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
             fail(f"--step-times: arm {name!r} in {path} has no positive 'step_ms'")
         tps = a.get("tokens_per_s")
-        out[name] = {"step_ms": float(ms), "tokens_per_s": float(tps) if isinstance(tps, (int, float)) else None}
+        if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not tps > 0:
+            fail(f"--step-times: arm {name!r} in {path} has no positive 'tokens_per_s'")
+        out[name] = {"step_ms": float(ms), "tokens_per_s": float(tps), "ms_per_1k_tokens": 1e6 / float(tps)}
     if not out:
         fail(f"--step-times: {path} has none of the arms {sorted(set(STEP_ARMS.values()) | set(SAME_RECALL))}")
     return out
 
 
 def frontier(arms: dict, steps: dict) -> list:
-    """Recall against measured step time, one point per arm that has both.
+    """Recall against measured time per token, one point per arm that has both.
 
     ``arms``: :func:`report`'s {arm: {"mean", "per_layer", ...}}; ``steps``:
-    :func:`read_step_times`'s {compare arm: {"step_ms", "tokens_per_s"}}. Returns
-    ``[{arm, compare_arm, step_ms, tokens_per_s, recall_mean, recall_per_layer,
-    dominated_by}]`` sorted by step time; ``dominated_by`` lists the arms at most as
-    slow with at least the recall (one of the two strictly).
+    :func:`read_step_times`'s {compare arm: {"step_ms", "tokens_per_s", "ms_per_1k_tokens"}}.
+    Returns ``[{arm, compare_arm, step_ms, tokens_per_s, ms_per_1k_tokens, recall_mean,
+    recall_per_layer, dominated_by}]`` sorted by ms per 1,000 tokens; ``dominated_by``
+    lists the arms at most as slow per token with at least the recall (one of the two
+    strictly).
     """
     points = []
     pairs = [(arm, STEP_ARMS[arm], arm) for arm in arms if arm in STEP_ARMS]
@@ -203,14 +210,16 @@ def frontier(arms: dict, steps: dict) -> list:
     for arm, compare_arm, src in pairs:
         if compare_arm not in steps:
             continue
-        points.append({"arm": arm, "compare_arm": compare_arm, "step_ms": steps[compare_arm]["step_ms"],
-                       "tokens_per_s": steps[compare_arm]["tokens_per_s"], "recall_mean": arms[src]["mean"],
+        points.append({"arm": arm, "compare_arm": compare_arm, **steps[compare_arm],
+                       "recall_mean": arms[src]["mean"],
                        "recall_per_layer": list(arms[src]["per_layer"])})
     for p in points:
         p["dominated_by"] = [o["arm"] for o in points if o is not p
-                             and o["step_ms"] <= p["step_ms"] and o["recall_mean"] >= p["recall_mean"]
-                             and (o["step_ms"], o["recall_mean"]) != (p["step_ms"], p["recall_mean"])]
-    return sorted(points, key=lambda p: (p["step_ms"], p["arm"]))
+                             and o["ms_per_1k_tokens"] <= p["ms_per_1k_tokens"]
+                             and o["recall_mean"] >= p["recall_mean"]
+                             and (o["ms_per_1k_tokens"], o["recall_mean"])
+                             != (p["ms_per_1k_tokens"], p["recall_mean"])]
+    return sorted(points, key=lambda p: (p["ms_per_1k_tokens"], p["arm"]))
 
 
 def check_args(args) -> None:
@@ -345,7 +354,7 @@ def plot(path: str, arms: dict, title: str) -> None:
 
 
 def plot_frontier(path: str, points: list, title: str) -> None:
-    """Recall mean against measured step time, one labelled point per arm (PNG, atomic);
+    """Recall mean against measured ms per 1,000 tokens, one labelled point per arm (PNG, atomic);
     x marks a dominated arm, the grey step joins the others."""
     import matplotlib
 
@@ -354,13 +363,13 @@ def plot_frontier(path: str, points: list, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     best = [p for p in points if not p["dominated_by"]]
-    ax.step([p["step_ms"] for p in best], [p["recall_mean"] for p in best], where="post", color="0.7",
+    ax.step([p["ms_per_1k_tokens"] for p in best], [p["recall_mean"] for p in best], where="post", color="0.7",
             lw=1, zorder=1, label="not dominated")
     for p in points:  # labels in the legend: neighbouring points would overprint in-plot text
-        ax.scatter(p["step_ms"], p["recall_mean"], zorder=2, marker="o" if not p["dominated_by"] else "x",
-                   label=f"{p['arm']}: {p['step_ms']:.0f} ms, recall {p['recall_mean']:.3f}"
+        ax.scatter(p["ms_per_1k_tokens"], p["recall_mean"], zorder=2, marker="o" if not p["dominated_by"] else "x",
+                   label=f"{p['arm']}: {p['ms_per_1k_tokens']:.1f} ms/1K tokens, recall {p['recall_mean']:.3f}"
                          + (" (dominated)" if p["dominated_by"] else ""))
-    ax.set_xlabel("measured median step (ms)")
+    ax.set_xlabel("measured ms per 1,000 tokens (1e6 / tokens/s)")
     ax.set_ylabel("attention recall (mean over layers)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="best")
@@ -436,7 +445,7 @@ def main(argv=None) -> int:
             print(f"{name:<16} mean {a['mean']:.4f}  density {a['density']:.3f}  per layer "
                   + " ".join(f"{x:.3f}" for x in a["per_layer"]))
         for p in rep.get("frontier", []):
-            print(f"frontier {p['arm']:<20} step {p['step_ms']:.0f} ms  recall {p['recall_mean']:.4f}"
+            print(f"frontier {p['arm']:<20} {p['ms_per_1k_tokens']:.2f} ms/1K tokens  recall {p['recall_mean']:.4f}"
                   + (f"  dominated by {', '.join(p['dominated_by'])}" if p["dominated_by"] else ""))
     return 0
 

@@ -112,8 +112,9 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", 
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REAL = {"arms": {"megatron": {"step_ms": 1000.0, "tokens_per_s": 50.0}, "sab": {"step_ms": 1100.0},
-                 "dst": {"step_ms": 990.0}, "dense": {"step_ms": 2000.0}, "wlb": {"step_ms": 1200.0}}}
+REAL = {"arms": {"megatron": {"step_ms": 1000.0, "tokens_per_s": 50.0},
+                 "sab": {"step_ms": 1100.0, "tokens_per_s": 40.0}, "dst": {"step_ms": 990.0, "tokens_per_s": 52.0},
+                 "dense": {"step_ms": 2000.0, "tokens_per_s": 25.0}, "wlb": {"step_ms": 1200.0}}}
 
 
 
@@ -170,6 +171,7 @@ def test_attention_recall_tool_end_to_end(tmp_path):
     front = {f["arm"]: f for f in rep["frontier"]}
     assert set(front) == {"static", "sab", "dst", "dense"}
     assert front["static"]["step_ms"] == 1000.0 and front["static"]["compare_arm"] == "megatron"
+    assert front["static"]["ms_per_1k_tokens"] == 1e6 / 50.0
     assert front["sab"]["recall_per_layer"] == arms["static"]["per_layer"] and front["sab"]["step_ms"] == 1100.0
     assert front["dst"]["recall_mean"] == arms["dst"]["mean"]
     assert "static" in front["sab"]["dominated_by"]
@@ -195,23 +197,23 @@ def test_frontier_tiny_case():
 
     arms = {"static": arm(0.8, 1.0), "dense": arm(1.0, 1.0), "sparsebalance": arm(0.9, 0.96),
             "sparsebalance-anchor": arm(0.78, 0.98), "dst": arm(0.95, 0.95), "mine": arm(0.5, 0.5)}
-    steps = {"megatron": {"step_ms": 1000.0, "tokens_per_s": 8.0}, "sab": {"step_ms": 1100.0, "tokens_per_s": 9.0},
-             "sparsebalance": {"step_ms": 1050.0, "tokens_per_s": 10.0},
-             "sparsebalance-anchor": {"step_ms": 1040.0, "tokens_per_s": None},
-             "dense": {"step_ms": 2000.0, "tokens_per_s": 4.0}}  # no "dst": it has no point
+    # speed is per token: sparsebalance's step is longer than static's but it trains more tokens
+    sp = lambda ms, tps: {"step_ms": ms, "tokens_per_s": tps, "ms_per_1k_tokens": 1e6 / tps}
+    steps = {"megatron": sp(1000.0, 8.0), "sab": sp(1100.0, 7.9), "sparsebalance": sp(1050.0, 10.0),
+             "sparsebalance-anchor": sp(1040.0, 7.5), "dense": sp(2000.0, 4.0)}  # no "dst": no point
     pts = tool.frontier(arms, steps)
-    assert [p["arm"] for p in pts] == ["static", "sparsebalance-anchor", "sparsebalance", "sab", "dense"]
+    assert [p["arm"] for p in pts] == ["sparsebalance", "static", "sab", "sparsebalance-anchor", "dense"]
     by = {p["arm"]: p for p in pts}
     assert by["static"]["compare_arm"] == "megatron" and by["sab"]["compare_arm"] == "sab"
     assert by["sab"]["recall_mean"] == arms["static"]["mean"] and by["sab"]["recall_per_layer"] == [0.8, 1.0]
     assert by["sparsebalance"]["recall_per_layer"] == [0.9, 0.96] and by["sparsebalance"]["tokens_per_s"] == 10.0
-    # anchor: slower than static with less recall; sab: slower with the same recall
-    assert by["sparsebalance-anchor"]["dominated_by"] == ["static"]
+    # static: slower per token than sparsebalance with less recall; anchor and sab: slower still
+    assert by["static"]["dominated_by"] == ["sparsebalance"]
+    assert by["sparsebalance-anchor"]["dominated_by"] == ["static", "sparsebalance", "sab"]
     assert by["sab"]["dominated_by"] == ["static", "sparsebalance"]
-    assert all(not by[a]["dominated_by"] for a in ("static", "sparsebalance", "dense"))
+    assert all(not by[a]["dominated_by"] for a in ("sparsebalance", "dense"))
     # equal points do not dominate each other; arms without a step time or a mapping drop out
-    twins = tool.frontier({"static": arm(0.9, 0.9)}, {"megatron": {"step_ms": 5.0, "tokens_per_s": None},
-                                                      "sab": {"step_ms": 5.0, "tokens_per_s": None}})
+    twins = tool.frontier({"static": arm(0.9, 0.9)}, {"megatron": sp(5.0, 2.0), "sab": sp(6.0, 2.0)})
     assert [p["dominated_by"] for p in twins] == [[], []]
     assert tool.frontier({"mine": arm(0.5, 0.5)}, steps) == []
     assert tool.frontier_path("out/recall.png") == "out/recall_frontier.png"
@@ -224,6 +226,7 @@ BAD = [
     ("step-times-not-json", ["--step-times", "{d}/garbage.json"], r"garbage\.json.*JSON"),
     ("step-times-no-arms", ["--step-times", "{d}/budget.json"], r"'arms'"),
     ("step-times-bad-ms", ["--step-times", "{d}/bad_ms.json"], r"'sab'.*step_ms"),
+    ("step-times-no-tokens-per-s", ["--step-times", "{d}/no_tps.json"], r"'megatron'.*tokens_per_s"),
     ("step-times-no-known-arm", ["--step-times", "{d}/other_arms.json"], r"none of the arms"),
     ("budgets-glob-no-match", ["--budgets", "dst={d}/none_*.json"], r"none_\*\.json matches no file"),
     ("budgets-empty-part", ["--budgets", "dst={d}/budget.json,"], r"empty path"),
@@ -243,7 +246,9 @@ def test_attention_recall_bad_input(tmp_path, argv, mention):
     (tmp_path / "garbage.json").write_text("{not json")
     (tmp_path / "budget.json").write_text(json.dumps({"budget": [[[1, 2]]]}))
     (tmp_path / "three_stages.json").write_text(json.dumps({"budget": [[[1, 2, 3]]]}))
-    (tmp_path / "bad_ms.json").write_text(json.dumps({"arms": {"megatron": {"step_ms": 5}, "sab": {"step_ms": "x"}}}))
+    (tmp_path / "bad_ms.json").write_text(json.dumps({"arms": {"megatron": {"step_ms": 5, "tokens_per_s": 9},
+                                                                "sab": {"step_ms": "x"}}}))
+    (tmp_path / "no_tps.json").write_text(json.dumps({"arms": {"megatron": {"step_ms": 5, "tokens_per_s": 0}}}))
     (tmp_path / "other_arms.json").write_text(json.dumps({"arms": {"wlb": {"step_ms": 5}}}))
     png = tmp_path / "r.png"
     p = _run("tools/attention_recall.py", "--load", f"{d}/ckpt", "--data-path", f"{d}/good", "--plot", str(png),
