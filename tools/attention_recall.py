@@ -116,17 +116,22 @@ def budget_files(name: str, files: str) -> list:
     return paths
 
 
+def read_json(path: str, flag: str):
+    """The JSON document at ``path`` given to ``flag``; unreadable or not JSON exits 2."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except OSError as e:
+        fail(f"{flag}: cannot read {path} ({e.strerror})")
+    except ValueError as e:
+        fail(f"{flag}: {path} is not JSON ({e})")
+
+
 def read_budget_table(name: str, path: str):
     """int64 ``[rows, stages]`` budget table of one ``*.predicted.json``; bad input exits 2."""
     import numpy as np
 
-    try:
-        with open(path) as fh:
-            doc = json.load(fh)
-    except OSError as e:
-        fail(f"--budgets {name}: cannot read {path} ({e.strerror})")
-    except ValueError as e:
-        fail(f"--budgets {name}: {path} is not JSON ({e})")
+    doc = read_json(path, f"--budgets {name}")
     if not isinstance(doc, dict) or "budget" not in doc:
         fail(f"--budgets {name}: {path} has no 'budget' table")
     try:
@@ -168,13 +173,7 @@ def read_step_times(path: str) -> dict:
     """{compare arm: {"step_ms", "tokens_per_s", "ms_per_1k_tokens"}} from ``real.json``'s
     ``arms``; bad input exits 2. The arms pack different token counts per step (SAB
     carries documents over), so speed is compared per token: ms per 1,000 tokens."""
-    try:
-        with open(path) as fh:
-            doc = json.load(fh)
-    except OSError as e:
-        fail(f"--step-times: cannot read {path} ({e.strerror})")
-    except ValueError as e:
-        fail(f"--step-times: {path} is not JSON ({e})")
+    doc = read_json(path, "--step-times")
     arms = doc.get("arms") if isinstance(doc, dict) else None
     if not isinstance(arms, dict):
         fail(f"--step-times: {path} has no 'arms' object (expected tools/compare.py --mode real's real.json)")

@@ -165,6 +165,13 @@ def _bubbles(args, table: np.ndarray) -> List[float]:
     return [float(frac[stages == s].mean()) for s in range(args.pipeline_model_parallel_size)]
 
 
+def _rank0_warn() -> Callable[[str], None]:
+    """Prints ``pretrain_gpt.py: warning: ...`` on rank 0; a no-op elsewhere."""
+    if torch.distributed.get_rank() != 0:
+        return lambda m: None
+    return lambda m: print(f"pretrain_gpt.py: warning: {m}", file=sys.stderr, flush=True)
+
+
 def setup(args):
     """Initialise distributed state and build model, optimizer, scheduler, data loaders."""
     from megatron.core import parallel_state as ps
@@ -191,10 +198,7 @@ def setup(args):
     pad_to = args.seq_length if interleaved else None  # see megatron/training/data.py
     predictor = balancer = sampler_predictor = None
     if args.sb_has_predictor:
-        rank = torch.distributed.get_rank()
-        warn = (lambda m: print(f"pretrain_gpt.py: warning: {m}", file=sys.stderr, flush=True)) \
-            if rank == 0 else None
-        predictor = B.build_predictor(args, vocab, warn=warn)
+        predictor = B.build_predictor(args, vocab, warn=_rank0_warn())
         balancer = B.Balancer(args, predictor, pad_to)
         if args.sb_batching in ("sab", "wlb"):
             # Its own instance: the packer's costs never see the online correction, so
@@ -236,8 +240,7 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
     state = setup(args)
     model, optimizer, scheduler, loader = (state[k] for k in ("model", "optimizer", "scheduler", "loader"))
     rank = torch.distributed.get_rank()
-    warn = (lambda m: print(f"pretrain_gpt.py: warning: {m}", file=sys.stderr, flush=True)) \
-        if rank == 0 else (lambda m: None)
+    warn = _rank0_warn()
     iteration = 0
     if args.load is not None and ckpt.read_tracker(args.load) is not None:
         if args.finetune:

@@ -71,17 +71,6 @@ def _per_doc_topk(topk: TopK, n_docs: int) -> torch.Tensor:
     return torch.full((n_docs,), int(topk), dtype=torch.int64)
 
 
-def doc_block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """fp32 mean over each block of one document ``x [L, heads, D]`` -> ``[ceil(L/B), heads, D]``."""
-    L = x.shape[0]
-    nfull = L // block_size
-    x = x.float()
-    parts = [x[: nfull * block_size].view(nfull, block_size, *x.shape[1:]).mean(1)]
-    if L > nfull * block_size:
-        parts.append(x[nfull * block_size:].mean(0, keepdim=True))
-    return torch.cat(parts, 0)
-
-
 def _select_rows(g: torch.Tensor, k: Union[int, torch.Tensor], kmax: int,
                  host_check: Optional[bool] = None) -> torch.Tensor:
     """Column ids of the ``k`` largest entries per row of ``g``, ascending (ties: lower index).
@@ -211,9 +200,9 @@ class _Sums:
 
 
 def _block_sums(x: torch.Tensor, blocks: _Sums, B: int, out: torch.Tensor) -> torch.Tensor:
-    """fp32 sums over ``blocks`` of ``x [T, h, D]`` into ``out [n, h, D]``, summed as
-    :func:`doc_block_means` sums them (a partial block zero padded to B tokens has the
-    same sum as its own tokens)."""
+    """fp32 sums over ``blocks`` of ``x [T, h, D]`` into ``out [n, h, D]``: one sum over
+    the block's tokens (a partial block zero padded to B tokens has the same sum as its
+    own tokens), the order a per-document ``mean(1)`` sums in."""
     n, (T, h, D), dev = len(blocks.starts), x.shape, out.device
     if n == 0:
         return out
@@ -221,7 +210,7 @@ def _block_sums(x: torch.Tensor, blocks: _Sums, B: int, out: torch.Tensor) -> to
     # at a time into reused buffers, so copies stay in cache (a fresh 100 MB buffer
     # costs more in page faults than the sum itself).
     per = min(n, max(1, (_GATHER_BUDGET if dev.type != "cpu" else _CPU_CHUNK) // (B * h * D)))
-    # The GPU sums bf16 straight into fp32; the CPU converts first (as doc_block_means does)
+    # The GPU sums bf16 straight into fp32; the CPU converts to fp32 first, then sums
     convert = x.dtype != torch.float32 and dev.type == "cpu"
     if blocks.run and not convert:  # plain views, nothing to copy
         per = n
@@ -317,8 +306,9 @@ class _RouteHost:
     def __init__(self, sel, nb, kd, first_block, qb_start, qb_len, doc_of, i_in_doc, H, B, gpu):
         self.B = B
         NB = len(doc_of)
-        # fp32 block means, taken as doc_block_means takes them (sum over the block's
-        # tokens, then / length) so the gates match it bit for bit: q of the routed rows
+        # fp32 block means (sum over the block's tokens, then / length, as a per-document
+        # mean takes them, so gates are bit for bit those of the per-document reference in
+        # tests/ops/test_plan.py): q of the routed rows
         # (blocks kd + 2 .. n - 1, the last maybe partial), k of the candidates (blocks
         # 1 .. n - 2, all full).
         is_sel = np.zeros(len(nb), bool)

@@ -6,13 +6,24 @@ import torch
 
 import sparsebalance.ops.plan as plan_mod
 from sparsebalance.attention.routing import kept_pairs
-from sparsebalance.ops.plan import (_per_doc_topk, _select_rows, build_plan, doc_block_means,
-                                    reverse_index, select_topk)
+from sparsebalance.ops.plan import _per_doc_topk, _select_rows, build_plan, reverse_index, select_topk
 from sparsebalance.ops.reference import _doc_mask
 
 from _cases import make_inputs
 
 LENS = [1, 63, 64, 65, 300, 1000, 17]
+
+
+def doc_block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """fp32 mean over each block of one document ``x [L, heads, D]`` -> ``[ceil(L/B), heads, D]``
+    (the per-document reference's block means)."""
+    L = x.shape[0]
+    nfull = L // block_size
+    x = x.float()
+    parts = [x[: nfull * block_size].view(nfull, block_size, *x.shape[1:]).mean(1)]
+    if L > nfull * block_size:
+        parts.append(x[nfull * block_size:].mean(0, keepdim=True))
+    return torch.cat(parts, 0)
 
 
 def _plan(topk, B=32, H=3, Hkv=1, seed=0, lens=LENS):
