@@ -9,20 +9,22 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             initializer_range=0.1)  # logits of order 1-10, so a layout mix-up is far above 1e-4
 
 
-def make_hf(out_dir, arch="qwen2", tied=False, vocab=160, shard_kb=None, seed=0):
-    """Save a random ``arch`` model to ``out_dir`` (sharded when ``shard_kb``); returns the model."""
+def make_hf(out_dir, arch="qwen2", tied=False, vocab=160, shard_kb=None, seed=0, layers=2):
+    """Save a random ``arch`` model with ``layers`` layers to ``out_dir`` (sharded when
+    ``shard_kb``); returns the model."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
+    tiny = dict(TINY, num_hidden_layers=layers)
     if arch == "qwen2":
-        cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=tied, rope_theta=1000000.0, **TINY)
+        cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=tied, rope_theta=1000000.0, **tiny)
         model = Qwen2ForCausalLM(cfg)
     else:
         # Llama 3.1 RoPE scaling; at head_dim 16 and theta 5e5 it rescales 4 of 8 frequencies.
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         cfg = LlamaConfig(vocab_size=vocab, tie_word_embeddings=tied, rope_parameters=rope,
-                          **dict(TINY, max_position_embeddings=16384))
+                          **dict(tiny, max_position_embeddings=16384))
         model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # norms and biases away from their 1 / 0 init so a mix-up shows
         for name, p in model.named_parameters():

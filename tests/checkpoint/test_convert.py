@@ -4,7 +4,7 @@
   per-document logits within 1e-4 (fp32, CPU).
 * HF -> ours -> HF is bit-exact per tensor and loads with AutoModelForCausalLM.
 * ``pretrain_gpt.py --load CKPT --finetune`` starts from the converted checkpoint
-  (PP=1 and PP=2, embeddings tied or not), and its first-step loss equals
+  (PP=1, PP=2, PP=2 x VPP=2 interleaved, TP=2; embeddings tied or not), and its first-step loss equals
   transformers' loss on the same documents within 1e-4.
 """
 
@@ -24,10 +24,11 @@ from _hf_models import make_hf  # noqa: E402
 
 CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
 WORKER = os.path.join(HERE, "_logits_worker.py")
-CONFIGS = {  # name -> (arch, tied embeddings, shard size of the HF files in KB or None)
-    "qwen2-tied-sharded": ("qwen2", True, 60),
-    "qwen2-untied": ("qwen2", False, None),
-    "llama-untied-sharded": ("llama", False, 60),  # with Llama 3.1 RoPE scaling
+CONFIGS = {  # name -> (arch, tied embeddings, shard size of the HF files in KB or None, layers)
+    "qwen2-tied-sharded": ("qwen2", True, 60, 2),
+    "qwen2-untied": ("qwen2", False, None, 2),
+    "llama-untied-sharded": ("llama", False, 60, 2),  # with Llama 3.1 RoPE scaling
+    "llama-4-layers": ("llama", False, None, 4),  # for interleaved virtual stages
 }
 VOCAB = 160
 DOCS = [(0, 17), (17, 40), (40, 64)]
@@ -50,9 +51,9 @@ def run(*argv, nproc=1):
 def converted(tmp_path_factory):
     """name -> (HF model, HF dir, converted checkpoint dir)."""
     out = {}
-    for name, (arch, tied, shard_kb) in CONFIGS.items():
+    for name, (arch, tied, shard_kb, layers) in CONFIGS.items():
         d = tmp_path_factory.mktemp(name)
-        model = make_hf(str(d / "hf"), arch, tied=tied, vocab=VOCAB, shard_kb=shard_kb)
+        model = make_hf(str(d / "hf"), arch, tied=tied, vocab=VOCAB, shard_kb=shard_kb, layers=layers)
         if shard_kb:
             assert os.path.isfile(d / "hf" / "model.safetensors.index.json")
         p = run(CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt"),
@@ -121,10 +122,14 @@ def _hf_loss(model, docs):
     return total / count
 
 
-@pytest.mark.parametrize("name,pp,tie", [("qwen2-untied", 2, False), ("qwen2-tied-sharded", 1, True)])
-def test_finetune_starts_from_converted(converted, tmp_path, name, pp, tie):
+@pytest.mark.parametrize("name,pp,tie,vpp,tp", [
+    ("qwen2-untied", 2, False, None, 1), ("qwen2-tied-sharded", 1, True, None, 1),
+    ("llama-4-layers", 2, False, 2, 1), ("qwen2-untied", 1, False, None, 2)])
+def test_finetune_starts_from_converted(converted, tmp_path, name, pp, tie, vpp, tp):
     """The driver's first step (dense attention) reproduces transformers' loss; ``tie``:
-    trained with tied embeddings (a preset's tie, every shape flag overriding it)."""
+    trained with tied embeddings (a preset's tie, every shape flag overriding it);
+    ``vpp``: interleaved virtual stages (4 layers over PP=2 x VPP=2, one layer a chunk);
+    ``tp``: tensor parallel (megatron-core splits the converted tensors over the ranks)."""
     from megatron.training.indexed_io import write_documents
 
     model, _, ckpt = converted[name]
@@ -135,16 +140,20 @@ def test_finetune_starts_from_converted(converted, tmp_path, name, pp, tie):
     flags = open(os.path.join(ckpt, "model_flags.txt")).read().split()
     if tie:
         flags += ["--model-preset", "qwen2.5-0.5b"]
+    seq, gbs = "128", "1"
+    if vpp:  # the interleaved schedule needs micro-batches divisible by PP: two of 64 tokens
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(len(model.model.layers) // (pp * vpp))]
+        seq, gbs = "64", "2"
     p = run(os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--load", ckpt, "--finetune", "--data-path", prefix,
-            "--tokenizer-type", "NullTokenizer", "--split", "1,0,0", "--seq-length", "128",
-            "--global-batch-size", "1", "--train-iters", "1", "--lr", "0", "--no-progress-bar",
-            "--pipeline-model-parallel-size", str(pp), nproc=pp)
+            "--tokenizer-type", "NullTokenizer", "--split", "1,0,0", "--seq-length", seq,
+            "--global-batch-size", gbs, "--train-iters", "1", "--lr", "0", "--no-progress-bar",
+            "--pipeline-model-parallel-size", str(pp), "--tensor-model-parallel-size", str(tp), nproc=pp * tp)
     assert p.returncode == 0, p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if "SUMMARY_JSON " in l]
     assert len(line) == 1, p.stdout[-2000:]
     loss = json.loads(line[0].split("SUMMARY_JSON ", 1)[1])["losses"][0]
     ref = _hf_loss(model, docs)
-    print(f"{name} PP={pp} tied={tie}: first-step loss {loss:.7f}, transformers {ref:.7f}, diff {abs(loss - ref):.3g}")
+    print(f"{name} TP={tp} PP={pp} VPP={vpp} tied={tie}: first-step loss {loss:.7f}, transformers {ref:.7f}, diff {abs(loss - ref):.3g}")
     assert abs(loss - ref) <= 1e-4
 
 
@@ -174,3 +183,47 @@ def test_tied_pipeline_needs_cuda(tmp_path, capsys):
         parse_args(argv, world_size=2)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "--untie-embeddings-and-output-weights" in err[0], err
+
+
+def test_recipe_with_the_models_hf_tokenizer(converted, tmp_path):
+    """The README recipe end to end: the tokenizer.json that travels with the converted
+    checkpoint (``CKPT/hf/``) tokenizes JSONL with tools/preprocess_data.py, and the
+    driver trains from the checkpoint with ``--tokenizer-type HuggingFaceTokenizer``
+    on it; the first-step loss equals transformers' on the same token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from megatron.training.indexed_io import open_dataset
+
+    model, hf_dir, _ = converted["qwen2-untied"]
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in os.listdir(hf_dir):
+        os.symlink(os.path.join(hf_dir, f), hf / f)
+    words.save(str(hf / "tokenizer.json"))
+    ckpt = str(tmp_path / "ckpt")
+    p = run(CONVERT, "hf-to-megatron", "--hf-dir", str(hf), "--output", ckpt, "--no-progress-bar")
+    assert p.returncode == 0, p.stderr[-3000:]
+    tok = os.path.join(ckpt, "hf", "tokenizer.json")
+    assert os.path.isfile(tok)
+    toks = _tokens()
+    docs = [toks[a:b] for a, b in DOCS]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": " ".join(f"w{i}" for i in d)}) + "\n")
+    prefix = str(tmp_path / "data")
+    p = run(os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(tmp_path / "docs.jsonl"),
+            "--output-prefix", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ds = open_dataset(prefix)
+    assert [list(ds[i]) for i in range(len(ds))] == [list(d) for d in docs]
+    flags = open(os.path.join(ckpt, "model_flags.txt")).read().split()
+    p = run(os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--load", ckpt, "--finetune", "--data-path", prefix,
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok, "--split", "1,0,0",
+            "--seq-length", "128", "--global-batch-size", "1", "--train-iters", "1", "--lr", "0",
+            "--no-progress-bar")
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [l for l in p.stdout.splitlines() if "SUMMARY_JSON " in l]
+    loss = json.loads(line[0].split("SUMMARY_JSON ", 1)[1])["losses"][0]
+    assert abs(loss - _hf_loss(model, docs)) <= 1e-4

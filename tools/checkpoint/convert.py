@@ -70,21 +70,22 @@ class HFReader:
             self._single = os.path.join(hf_dir, WEIGHT_FILES[0])
         else:
             raise UsageError(f"{hf_dir} has neither {WEIGHT_FILES[0]} nor {WEIGHT_FILES[1]}")
-        self._open = {}
         if self.where is None:
             self.where = {k: self._single for k in self._handle(self._single).keys()}
 
-    def _handle(self, path: str):
+    @staticmethod
+    def _handle(path: str):
+        """A fresh ``safe_open`` handle. Not cached: a handle memory-maps its file, and the
+        pages a read touches stay resident while it lives, so caching them would hold
+        every shard (the whole model a second time) by the end of the conversion."""
         from safetensors import safe_open
 
-        if path not in self._open:
-            if not os.path.isfile(path):
-                raise UsageError(f"{path} (named in the index) does not exist")
-            try:
-                self._open[path] = safe_open(path, framework="pt")
-            except Exception as e:  # safetensors raises its own error types for a bad header
-                raise UsageError(f"{path}: not a safetensors file ({str(e).splitlines()[0][:200]})") from None
-        return self._open[path]
+        if not os.path.isfile(path):
+            raise UsageError(f"{path} (named in the index) does not exist")
+        try:
+            return safe_open(path, framework="pt")
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise UsageError(f"{path}: not a safetensors file ({str(e).splitlines()[0][:200]})") from None
 
     def check(self, shapes: dict) -> None:
         """Every expected tensor present with its shape; raises ConversionError."""
@@ -111,12 +112,16 @@ def _model_args(flags):
 
 
 def _build(args):
-    """A world of one and the whole GPTModel (unwrapped) for ``args``."""
+    """A world of one and the whole GPTModel (unwrapped) for ``args``, its weights left
+    uninitialized (every one is overwritten; megatron's CPU initialization would hold a
+    second full-size copy of the largest matrices while it runs)."""
     from megatron.training.initialize import initialize
     from megatron.training.model import build_gpt_chunks, transformer_config
 
     initialize(args)
-    return build_gpt_chunks(args, transformer_config(args, use_cpu=True), args.vocab_size)[0]
+    config = transformer_config(args, use_cpu=True)
+    config.perform_initialization = False
+    return build_gpt_chunks(args, config, args.vocab_size)[0]
 
 
 def _fresh_tmp(output: str) -> str:
