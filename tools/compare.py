@@ -16,6 +16,11 @@ micro-batch imbalance, bubble per stage and planning time; then the ratios that
 isolate one mechanism (DST on top of SAB, planning ahead vs in line) with a verdict
 (beyond or within noise). ``make demo`` is this table for megatron vs sparsebalance.
 
+``--sim-cp 1,2`` (the default) also simulates every cell with context parallelism 2
+(the paper's SP2: each micro-batch split over 2 ranks, K/V all-gathered per layer;
+the predictor charges the slowest CP rank, see sparsebalance/predictor/context_parallel.py);
+``--sim-cp 1`` is the simulation without it.
+
 Tiny CPU run (simulation, under a minute)::
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --quick --json
@@ -88,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sim-steps", type=int, default=None, help="steps per cell (default 6; quick 2)")
     g.add_argument("--sim-models", type=_names, default=["llama7b", "qwen05b"],
                    help="model shapes (first = the --json sim section)")
+    g.add_argument("--sim-cp", type=_ints, default=[1, 2], metavar="SIZES",
+                   help="context-parallel sizes to simulate (CP=1 always runs: it is the "
+                        "summary's sim section; each larger size adds models.<m>.cp.<size> to "
+                        "sim.json and a CP table to report.md; 2 = the paper's SP2)")
     g.add_argument("--cost-model", default="h100-analytic", help="predictor name or profile path")
     g.add_argument("--block-size", type=int, default=256)
     g.add_argument("--topk", type=int, default=32)
@@ -160,6 +169,7 @@ def _sim_configs(a) -> dict:
             out[model] = (cfg, cfg.predictor().shape.as_dict())
         except (ValueError, OSError) as e:
             raise UsageError(str(e).splitlines()[0])
+    a.sim_cp_sizes = sorted(set(a.sim_cp) - {1})
     return out
 
 
@@ -213,9 +223,33 @@ def run_sim(a, figs: dict, log) -> dict:
                 if gantt is None:
                     gantt = (fname, seq, res.gantt)
         out["models"][model] = {"shape": shape, "cells": cells}
+        if a.sim_cp_sizes:
+            out["models"][model]["cp"] = _sim_cp(a, model, cfg, files, log)
         if a.report:
             _sim_figures(a.report, model, cells, gantt, figs)
+    out["config"]["cp_sizes"] = [1] + a.sim_cp_sizes
     out["seconds"] = time.time() - t0
+    return out
+
+
+def _sim_cp(a, model: str, cfg, files: dict, log) -> dict:
+    """``{cp: {"cells": {file: {seq: cell table}}}}`` for every ``--sim-cp`` size > 1."""
+    from dataclasses import replace
+
+    from sparsebalance.compare.sim import simulate_cell
+
+    out = {}
+    for cp in a.sim_cp_sizes:
+        cells = {}
+        for fname, lengths in files.items():
+            cells[fname] = {}
+            for seq in a.seq_lengths:
+                log(f"[compare] sim {model} {fname} seq {seq} cp {cp}")
+                try:
+                    cells[fname][str(seq)] = simulate_cell(lengths, seq, replace(cfg, cp=cp)).table
+                except ValueError as e:
+                    raise UsageError(f"{fname} at seq-length {seq}, CP {cp}: {e}")
+        out[str(cp)] = {"cells": cells}
     return out
 
 
@@ -411,6 +445,11 @@ def main(argv=None) -> int:
             for seq, c in by.items():
                 print(f"sim {f} {seq}: " + ", ".join(
                     f"{n} {r['speedup_vs_megatron']:.3f}x" for n, r in c["arms"].items()))
+        for cp, by_cp in (sim["models"][sim["primary_model"]].get("cp", {}) if sim else {}).items():
+            for f, by in by_cp["cells"].items():
+                for seq, c in by.items():
+                    print(f"sim {f} {seq} cp{cp}: " + ", ".join(
+                        f"{n} {r['speedup_vs_megatron']:.3f}x" for n, r in c["arms"].items()))
     return 0
 
 

@@ -9,6 +9,13 @@ SB_ROOT=${SB_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 PYTHON=${PYTHON:-$SB_ROOT/.venv/bin/python}
 TORCHRUN=${TORCHRUN:-$SB_ROOT/.venv/bin/torchrun}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # per process: 2 PP ranks on 2 cores
+# Process layout and device of every training launch (train_arm.sh) and of the latency
+# profile: on the CPU, 2 processes = 2 pipeline stages over gloo; gpu.sh sets one
+# process on one GPU (NPROC=1 PP=1, DEVICE_FLAGS and PROFILE_DEVICE_FLAGS empty).
+NPROC=${NPROC:-2}
+PP=${PP:-2}
+DEVICE_FLAGS=${DEVICE_FLAGS---cpu --distributed-backend gloo}
+PROFILE_DEVICE_FLAGS=${PROFILE_DEVICE_FLAGS---cpu}
 
 DATA_DIR=${DATA_DIR:-$SB_ROOT/data/longctx}    # train.jsonl, eval.jsonl, train_text_document.{bin,idx}
 RUNS_DIR=${RUNS_DIR:-$SB_ROOT/runs/longctx}    # one directory per arm and seed

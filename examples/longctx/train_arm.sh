@@ -9,13 +9,14 @@
 # STAGE_DIR (its run), STAGE_DATA (data prefix), STAGE_INIT (the run it starts from;
 # empty: a fresh init), STAGE_BUDGET_S and STAGE_GLOBAL_BATCH, with LR and SEQ_LENGTH.
 #
-# PP=2 on CPU: torchrun starts one process per pipeline stage (gloo). The LR is
+# PP=2 on CPU: torchrun starts one process per pipeline stage (gloo; NPROC, PP and
+# DEVICE_FLAGS in config.sh, one process on one GPU with gpu.sh). The LR is
 # constant after warm-up, so cutting training at the budget does not interact
 # with a decay schedule, and faster arms simply take more steps.
 #
 # Wall-clock budget: pretrain_gpt.py has no time-limit flag, so the budget is
 # enforced with its --exit-signal-handler: BUDGET_S seconds after launch a
-# watchdog sends SIGUSR1 to the two workers; torchrun runs with USR1 ignored,
+# watchdog sends SIGUSR1 to the workers; torchrun runs with USR1 ignored,
 # the workers finish the current step, save a checkpoint and exit 0. If they
 # have not exited 10 minutes later they are killed (the run then has no final
 # checkpoint and the script fails). The budget includes start-up, equally for
@@ -77,7 +78,7 @@ echo "$MODEL_FLAGS" > "$RUN/model_flags.txt"
 if [[ $ARM == sparsebalance && ! -f $(arm_profile "$RUN") ]]; then
     # Same model, tokenizer (vocab) and threads per process as the training run below.
     # shellcheck disable=SC2086
-    if ! "$PYTHON" tools/profile_latency.py --cpu --output "$(arm_profile "$RUN")" $PROFILE_FLAGS \
+    if ! "$PYTHON" tools/profile_latency.py $PROFILE_DEVICE_FLAGS --output "$(arm_profile "$RUN")" $PROFILE_FLAGS \
             $SHAPE_FLAGS --sparse-attention --sb-block-size "$SB_BLOCK" --sb-topk "$SB_TOPK" \
             --tokenizer-type ByteTokenizer > "$RUN/profile.log" 2>&1; then
         echo "train_arm.sh: latency profiling for $ARM failed; see $RUN/profile.log" >&2
@@ -87,8 +88,8 @@ fi
 start=$(date +%s.%N)
 # shellcheck disable=SC2086
 bash -c 'trap "" USR1; exec "$@"' _ \
-    "$TORCHRUN" --standalone --nproc-per-node 2 pretrain_gpt.py --cpu --distributed-backend gloo \
-        --pipeline-model-parallel-size 2 $MODEL_FLAGS \
+    "$TORCHRUN" --standalone --nproc-per-node "$NPROC" pretrain_gpt.py $DEVICE_FLAGS \
+        --pipeline-model-parallel-size "$PP" $MODEL_FLAGS \
         --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH" \
         --lr "$LR" --lr-decay-style constant --lr-warmup-iters "$WARMUP" --train-iters "$MAX_ITERS" \
         --weight-decay 0.01 --clip-grad 1.0 --seed "$SEED" \

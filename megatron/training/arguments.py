@@ -148,11 +148,27 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=pos(int), default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=pos(int), default=None,
                    help="enables the interleaved 1F1B schedule")
+    g.add_argument("--context-parallel-size", type=pos(int), default=1,
+                   help="CP ranks per micro-batch: each holds a head and a tail chunk of every "
+                        "document; attention all-gathers keys/values per layer")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
                    help="default: nccl with CUDA, gloo otherwise")
     g.add_argument("--distributed-timeout-minutes", type=pos(float), default=10.0,
                    help="a collective waiting longer than this fails (dead rank) instead of hanging")
+    g.add_argument("--step-timeout-minutes", type=pos(float), default=None,
+                   help="hung-rank watchdog: a rank whose training step, evaluation or checkpoint "
+                        "save makes no progress for this long stops every rank (exit 1, one line "
+                        "naming it) instead of waiting for --distributed-timeout-minutes. "
+                        "Default: off")
     g.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is available")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state (fp32 main params, Adam moments) over "
+                        "data-parallel ranks (megatron-core's DistributedOptimizer)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each gradient bucket's all-reduce / reduce-scatter during backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: all-gather updated params during the "
+                        "next forward (needs --overlap-grad-reduce)")
 
     g = p.add_argument_group("activation recomputation (Megatron-LM's flags)")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITY, default=None,
@@ -282,12 +298,13 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     """Check cross-flag consistency and fill derived fields; raises :class:`UsageError`."""
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     if args.seq_length < 2:
         raise UsageError(f"--seq-length must be >= 2 (a token and its target), got {args.seq_length}")
-    if ws % (tp * pp):
-        raise UsageError(f"world size {ws} is not divisible by TP x PP = {tp * pp}")
+    if ws % (tp * pp * cp):
+        raise UsageError(f"world size {ws} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}")
     args.world_size = ws
-    args.data_parallel_size = dp = ws // (tp * pp)
+    args.data_parallel_size = dp = ws // (tp * pp * cp)
     if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not _has_cuda()):
         raise UsageError("tied embeddings (from --model-preset) with --pipeline-model-parallel-size > 1 "
                          "need CUDA (megatron-core syncs them across stages on the GPU); add "
@@ -305,6 +322,11 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
             raise UsageError(f"layers per stage ({args.num_layers // pp}) not divisible by "
                              f"--num-layers-per-virtual-pipeline-stage {vpl}")
         args.virtual_pipeline_model_parallel_size = args.num_layers // pp // vpl
+        if cp > 1:
+            # That schedule needs padded micro-batches of --seq-length (see data.py); the
+            # CP split pads documents itself, so the two paddings would have to agree.
+            raise UsageError("--context-parallel-size > 1 with the interleaved schedule "
+                             "(--num-layers-per-virtual-pipeline-stage) is not supported")
     if args.micro_batch_size != 1:
         raise UsageError("--micro-batch-size must be 1: a micro-batch is one packed THD sequence "
                          "of --seq-length tokens (raise --seq-length or --global-batch-size instead)")
@@ -348,6 +370,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     args.split_fractions = _split(args.split)
     _validate_balance(args)
     _validate_recompute(args)
+    _validate_distributed_optimizer(args)
     if args.data_path is None:
         raise UsageError("--data-path is required (make one with tools/make_corpus.py or tools/preprocess_data.py)")
     for ext in (".bin", ".idx"):
@@ -425,6 +448,14 @@ def _validate_balance(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {path} is a directory")
         if path is not None and name == "sb_timeline" and os.path.isfile(path):
             raise UsageError(f"{flag} {path} is a file, expected a directory")
+
+
+def _validate_distributed_optimizer(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for the overlap flags."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise UsageError("--overlap-param-gather is only supported with --use-distributed-optimizer")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise UsageError("--overlap-param-gather needs --overlap-grad-reduce")
 
 
 def _validate_recompute(args: argparse.Namespace) -> None:

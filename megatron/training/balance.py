@@ -23,6 +23,13 @@ the end of step N-1 (one step older), which is the same on every rank: the threa
 starts after one observation and :meth:`Balancer.observe` waits for it before the
 next, so budgets stay rank-identical.
 
+Checkpoints (:meth:`Balancer.state_dict`) hold the correction and, for planning
+ahead, the correction as it was before the last step's observation: the plan of the
+first step after a resume is built from that one, exactly as the uninterrupted run's
+background plan was, so budgets (and losses) continue bit for bit. A checkpoint
+without this state (written before it was saved) or saved with another number of
+(virtual) pipeline stages starts from the uncalibrated model, with one warning.
+
 Data order does not depend on measurements: SAB packs with its own predictor
 instance whose correction stays 1.0 (the plan is a function of (seed, step) only, as
 Megatron users expect and resumption needs); run-time budgets do adapt.
@@ -75,8 +82,11 @@ def build_predictor(args, vocab_size: int, warn=None):
     from sparsebalance.predictor import get_predictor
 
     cfg = model_config(args, vocab_size)
+    # Under --context-parallel-size the predictor answers per-rank times of a CP group,
+    # K/V exchange included (sparsebalance.predictor.context_parallel).
+    cp = {"context_parallel_size": getattr(args, "context_parallel_size", 1)}
     if args.sb_cost_model is not None:
-        return get_predictor(args.sb_cost_model, **cfg)
+        return get_predictor(args.sb_cost_model, **cfg, **cp)
     if args.sb_profile is None:
         return None
     # Every model-fingerprint entry the profiler records, so a mismatch is caught and
@@ -88,7 +98,7 @@ def build_predictor(args, vocab_size: int, warn=None):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pred = get_predictor(args.sb_profile, allow_stale=args.sb_allow_stale_profile,
-                             expect=expect, **cfg)
+                             expect=expect, **cfg, **cp)
     for w in caught:
         if warn is not None:
             warn(" ".join(str(w.message).split()))
@@ -161,6 +171,10 @@ class Balancer:
         self.schedule = "interleaved" if self.vpp > 1 else "1f1b"
         self.topk = args.sb_topk if args.sparse_attention else None
         self._pending: Optional[tuple] = None  # (batches, thread, result box) planned ahead
+        # Recalibrator state before the last observe(): what a plan made ahead during the
+        # last step read (saved so a resumed run plans its first step from it).
+        self._before_last: dict = predictor.recalibrator.state_dict()
+        self._resume_from: Optional[dict] = None  # set by load_state_dict, used once
 
     def lengths(self, plan) -> List[List[List[int]]]:
         """Segment lengths ``[dp][microbatch]`` of a sampler plan, as trained."""
@@ -207,6 +221,8 @@ class Balancer:
         pending, self._pending = self._pending, None
         if pending is None or pending[0] is not batches:
             self._join(pending)
+            if self._resume_from is not None:  # first step after a resume (see docstring)
+                return self._plan_with(self._resume_from, batches)
             return self.plan(batches)
         t0 = time.perf_counter()
         out = self._join(pending)
@@ -246,12 +262,57 @@ class Balancer:
         per-(stage, phase) correction (identical on every rank: same inputs). A plan
         being made ahead reads the correction, so it is finished first."""
         self._join(self._pending)  # keeps it pending: forecast() collects the result
+        self._resume_from = None
+        self._before_last = self.predictor.recalibrator.state_dict()
         for phase, model, meas in (("fwd", forecast.model[0], measured_fwd_ms),
                                    ("bwd", forecast.model[1], measured_bwd_ms)):
             for s in range(self.stages):
                 m, t = float(model[:, :, s].sum()), float(np.asarray(meas)[:, :, s].sum())
                 if m > 0 and t > 0:
                     self.predictor.observe(s, phase, m, t)
+
+    def _plan_with(self, recal_state: dict, batches) -> StepForecast:
+        """:meth:`plan` under another recalibrator state, then back to the current one
+        (nothing else reads the predictor meanwhile: no plan is pending)."""
+        current = self.predictor.recalibrator.state_dict()
+        self.predictor.recalibrator.load_state_dict(recal_state)
+        try:
+            return self.plan(batches)
+        finally:
+            self.predictor.recalibrator.load_state_dict(current)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to plan the same budgets (identical on every rank):
+        the predictor's correction now and before the last step's observation."""
+        self._join(self._pending)  # the background plan reads the predictor: let it finish
+        return {"stages": self.stages, "predictor": self.predictor.state_dict(),
+                "before_last": self._before_last}
+
+    def load_state_dict(self, state: Optional[dict], warn=None) -> None:
+        """Restore :meth:`state_dict`'s output. ``state`` None (a checkpoint written before
+        this state was saved) or saved with another number of virtual stages: keep the
+        uncalibrated predictor and tell ``warn`` (one line). ValueError if malformed."""
+        from sparsebalance.predictor.recalibration import Recalibrator
+
+        why = None
+        if state is None:
+            why = "the checkpoint has no SparseBalance predictor state (saved by an older version)"
+        elif state.get("stages") != self.stages:
+            why = (f"the checkpoint's predictor state is for {state.get('stages')} pipeline "
+                   f"stages, this run has {self.stages}")
+        if why is not None:
+            if warn is not None:
+                warn(f"{why}; DST budgets restart from the uncalibrated predictor")
+            return
+        try:
+            self.predictor.load_state_dict(state["predictor"])
+            before = dict(state["before_last"])
+            recal = self.predictor.recalibrator
+            Recalibrator(alpha=recal.alpha, clip=recal.clip).load_state_dict(before)  # validates
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"--load: SparseBalance predictor state is malformed: {e}") from None
+        self._before_last = before
+        self._resume_from = before if self.ahead else None
 
 
 def op_times(calls: Sequence[float], phase: str, pp: int, pp_rank: int, microbatches: int,

@@ -26,9 +26,18 @@ manifest, a missing manifest means damaged (an interrupted save).
 Saved: every model chunk (``model0``, ``model1``, ... as sharded tensors with
 global layer keys, so a checkpoint loads under another PP / VPP / DP layout),
 megatron's optimizer state (``optimizer.sharded_state_dict``), the LR scheduler,
-the iteration, and the sampler state (resume continues the same data order).
+the iteration, the sampler state (resume continues the same data order) and, with a
+SparseBalance predictor, its online recalibration state (``sparsebalance``: DST
+budgets continue as in an uninterrupted run; see ``megatron/training/balance.py``).
 No RNG state: training draws no random numbers (no dropout; the sampler is
 seeded by (seed, epoch)).
+
+With ``--use-distributed-optimizer`` each DP rank writes its shard of the optimizer
+state in megatron's ``dp_reshardable`` format (Megatron-LM's default; see
+:func:`_sharded_state`): such a checkpoint resumes with the same flag and model-parallel
+layout (plain Adam's state is laid out per parameter instead, so switching the flag on
+resume is a one-line "does not match" error; ``--finetune`` takes the weights of
+either into any layout).
 
 Why a custom save strategy: megatron's default torch_dist save hands the
 writing to worker processes (``FileSystemWriterAsync.write_preloaded_data_multiproc``)
@@ -336,10 +345,77 @@ def _sync_strategy():
     return SyncTorchDistSaveStrategy("torch_dist", 1)
 
 
+DISTRIB_OPTIM_SHARDING = "dp_reshardable"
+"""``--use-distributed-optimizer`` state format (megatron-core's
+``metadata["distrib_optim_sharding_type"]``; see :func:`_sharded_state`)."""
+
+
 def _sharded_state(model: List[torch.nn.Module], optimizer, is_loading: bool) -> dict:
+    """Model chunks and optimizer as megatron sharded state dicts.
+
+    With the distributed optimizer each DP rank holds a shard of the optimizer state;
+    ``DISTRIB_OPTIM_SHARDING`` picks how megatron writes it. Its default format in
+    0.16.1 (``fully_sharded_model_space``) is deprecated there and fails its own
+    validation (``ShardedTensor.flattened_range is not supported``). With
+    ``--overlap-param-gather`` the last step's updated parameters are still being
+    gathered (the next forward would wait for them): gather them now, or ranks would
+    save stale weights for the shards they do not own.
+    """
+    if not is_loading:
+        for chunk in model:
+            if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
+    else:
+        _allocate_distributed_optimizer_state(optimizer)
     state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING})
     return state
+
+
+def _allocate_distributed_optimizer_state(optimizer) -> None:
+    """Give a distributed optimizer that has not stepped yet the state torch's Adam holds
+    before its first step (zero moments, ``step`` 0), so megatron can describe the state
+    it is about to load. Without Apex / Transformer Engine (CPU, or a GPU install without
+    them) ``DistributedOptimizer.state_dict`` reads ``step`` from every parameter's state
+    and asserts on an empty one (megatron-core 0.16.1); the loaded checkpoint then
+    overwrites all of it. A no-op with Apex / TE and for the other optimizers."""
+    from megatron.core.optimizer import distrib_optimizer as D
+
+    if D.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, D.DistributedOptimizer) or len(opt.optimizer.state):
+            continue
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                opt.optimizer.state[param]["step"] = torch.tensor(0.0)
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """After loading a distributed optimizer without Apex / TE, put the checkpoint's Adam
+    step back into every parameter's torch-Adam state, one tensor each.
+
+    megatron-core 0.16.1 (``DistributedOptimizer.load_state_dict``) restores the step
+    into the param groups, writes it into the parameters' states as ONE shared tensor
+    (which torch's Adam would then increment once per parameter each step), and then,
+    copying the per-parameter state of the ``dp_reshardable`` format, overwrites it with
+    the value the state had before the load (the step travels there as a
+    ``LocalNonpersistentObject``): a resumed run restarts Adam's bias correction at 0.
+    """
+    from megatron.core.optimizer import distrib_optimizer as D
+
+    if D.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, D.DistributedOptimizer):
+            continue
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                state = opt.optimizer.state.get(param)
+                if state is not None and "step" in group:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
 def _write_state(state: dict, path: str, cpu: bool) -> Optional[str]:
@@ -369,8 +445,12 @@ def _write_state(state: dict, path: str, cpu: bool) -> Optional[str]:
     return _step(write_common) or _step(write_shards) or _step(write_config)
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, loader, cpu: bool) -> str:
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, loader, cpu: bool,
+                    balancer=None) -> str:
     """Write iteration ``iteration`` under ``root`` (all ranks call this); returns its path.
+
+    ``balancer``: the run's :class:`megatron.training.balance.Balancer` (None: no
+    predictor); its online state goes into the common state as ``sparsebalance``.
 
     Raises :class:`SaveError` on every rank if any rank failed to write; the partial
     directory is removed and the tracker still names the previous checkpoint.
@@ -394,6 +474,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
         raise fail(error)
     state = _sharded_state(model, optimizer, is_loading=False)
     state.update(iteration=iteration, scheduler=scheduler.state_dict(), sampler=loader.state_dict())
+    if balancer is not None:  # identical on every rank: rank 0's common.pt holds it
+        state["sparsebalance"] = balancer.state_dict()
     error = _write_state(state, tmp, cpu)
     if error:
         raise fail(error)
@@ -446,9 +528,11 @@ def _load(state: dict, path: str, what: str) -> dict:
         raise ValueError(f"--load: checkpoint {path} does not match this {what}: {_cause(e)}") from None
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn = None) -> int:
+def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn = None,
+                    balancer=None) -> int:
     """Load the newest intact checkpoint under ``root`` (:func:`choose_checkpoint`) into
-    everything; returns its iteration.
+    everything (``balancer``: the SparseBalance predictor state, when the run has one);
+    returns its iteration.
 
     Raises ValueError (one line) when ``root`` holds no intact checkpoint or it does not
     match the model.
@@ -459,13 +543,17 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
     loaded = _load(state, path, "model/layout")
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # fp32 distributed-optimizer main params are views of the weights
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
     try:
         loader.load_state_dict(loaded["sampler"])
     except ValueError as e:  # e.g. resumed with another DP size or --seq-length
         raise ValueError(f"--load: the data order saved in {path} was planned for another setup "
                          f"({e}); use --finetune to take only the weights") from None
+    if balancer is not None:  # absent in older checkpoints: Balancer warns and starts fresh
+        balancer.load_state_dict(loaded.get("sparsebalance"), warn=warn)
     return int(loaded["iteration"])
 
 

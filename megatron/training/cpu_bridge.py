@@ -21,7 +21,26 @@ module                                      why
 ``models.common.embeddings.``               RoPE moves ``inv_freq`` to the current device
 ``rotary_pos_embedding``                    at the first forward
 ``optimizer.optimizer``                     FP32 optimizer scalars on ``"cuda"``
+``optimizer.distrib_optimizer``             distributed optimizer: the per-bucket
+                                            scratch of its checkpoint code on the
+                                            current device
 ==========================================  ====================================
+
+The distributed optimizer (``--use-distributed-optimizer``) needs one more bridge.
+Its constructor (and ``MixedPrecisionOptimizer``'s) sorts parameters by
+``param.type()`` and accepts only ``'torch.cuda.FloatTensor'`` /
+``'torch.cuda.HalfTensor'`` / ``'torch.cuda.BFloat16Tensor'``; a CPU parameter
+reports ``'torch.FloatTensor'`` and is rejected. ``megatron.core.optimizer`` builds
+it by the name ``DistributedOptimizer``; as that module sees it, the name is
+:func:`_distributed_optimizer_on_cpu`, which constructs the real class while each
+parameter answers ``type()`` with the CUDA name of its dtype (an attribute on the
+parameter object, removed again when the constructor returns; nothing else sees
+it). The rest of the path runs as is on gloo (measured on torch 2.13 / megatron-core
+0.16.1): the grad buffers' ``reduce_scatter_tensor`` and the params'
+``all_gather_into_tensor``, inside ``_coalescing_manager``, both synchronous and
+with ``async_op=True`` (``--overlap-grad-reduce`` / ``--overlap-param-gather``:
+gloo returns real work handles, and megatron's CUDA communication stream is
+created only with ``num_distributed_optimizer_instances > 1``, which we never set).
 
 Gradient clipping is the one place a device view is not enough:
 ``clip_grad_by_total_norm_fp32`` asserts ``param.grad.type() ==
@@ -153,6 +172,41 @@ def cpu_clip_grad_by_total_norm_fp32(
         torch._foreach_mul_(_local_grads(grads), clip_coeff)
 
 
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                    torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
+class _CudaTypeNames:
+    """While active, each CPU parameter's ``type()`` (no arguments) answers the CUDA
+    type name of its dtype; ``type(dtype)`` conversions are untouched. Implemented as
+    an attribute on each parameter object (instance attributes shadow the method), so
+    no other tensor, and nothing after ``__exit__``, sees it."""
+
+    def __init__(self, params) -> None:
+        self.params = [p for p in params if p.device.type == "cpu" and p.dtype in _CUDA_TYPE_NAMES]
+
+    def __enter__(self) -> "_CudaTypeNames":
+        for p in self.params:
+            real = p.type
+            name = _CUDA_TYPE_NAMES[p.dtype]
+            p.type = lambda *args, _real=real, _name=name, **kwargs: (
+                _real(*args, **kwargs) if args or kwargs else _name)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.params:
+            del p.type
+
+
+def _distributed_optimizer_on_cpu(optimizer, *args, **kwargs):
+    """``DistributedOptimizer(optimizer, ...)`` for CPU parameters (module docstring)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    with _CudaTypeNames(params):
+        return DistributedOptimizer(optimizer, *args, **kwargs)
+
+
 def cuda_bridge_needed(force_cpu: bool = False) -> bool:
     """True when megatron must run on CPU: ``--cpu`` or no usable CUDA device."""
     return force_cpu or not torch.cuda.is_available()
@@ -175,6 +229,7 @@ def install_cpu_bridge(force_cpu: bool = False) -> bool:
         "megatron.core.distributed.param_and_grad_buffer",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
         "megatron.core.optimizer.optimizer",
+        "megatron.core.optimizer.distrib_optimizer",
     ):
         module = importlib.import_module(name)
         module.torch = view
@@ -182,6 +237,7 @@ def install_cpu_bridge(force_cpu: bool = False) -> bool:
     opt = importlib.import_module("megatron.core.optimizer.optimizer")
     opt.get_grad_norm_fp32 = cpu_get_grad_norm_fp32
     opt.clip_grad_by_total_norm_fp32 = cpu_clip_grad_by_total_norm_fp32
+    importlib.import_module("megatron.core.optimizer").DistributedOptimizer = _distributed_optimizer_on_cpu
     return True
 
 

@@ -25,6 +25,14 @@ costing at most that segment's attention), loss mask 0, never seen by real token
     budget        (optional) per-stage top-k for DST; :func:`forward_step` hands it to
                   ``sparsebalance.runtime.set_budget`` when the micro-batch is pulled
 
+With context parallelism (``--context-parallel-size N``) each rank gets its share
+of every micro-batch from :func:`context_parallel_split`: every segment is padded at
+its end to a multiple of ``2N`` tokens (at most ``2N - 1`` masked padding tokens per
+segment) and cut into ``2N`` chunks; CP rank ``r`` keeps chunks ``r`` and
+``2N - 1 - r`` of each (Megatron's head/tail layout, which megatron-core's THD RoPE
+assumes). Its dict holds the local ``tokens/labels/loss_mask/position_ids`` and the
+whole micro-batch's ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded``.
+
 A segment is a whole document or a ``--seq-length`` chunk of a longer one (the
 chunk attends only within itself, as in Megatron); the chunk's last position is
 still trained on the next token of the document when there is one.
@@ -104,6 +112,33 @@ def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
     }
 
 
+def context_parallel_split(mb: Dict[str, torch.Tensor], cp: int, rank: int) -> Dict[str, torch.Tensor]:
+    """CP rank ``rank``'s share of a :func:`build_microbatch` dict (see module docstring).
+
+    Padding tokens (id 0, label 0, loss mask 0, position 0) end each padded segment;
+    real tokens keep their positions, labels and loss mask.
+    """
+    from sparsebalance.attention.context_parallel import local_token_index, padded_lengths
+
+    cu = mb["cu_seqlens"].long().numpy()
+    lens = np.diff(cu)
+    P = padded_lengths(lens, cp)
+    pstart = np.cumsum(P) - P
+    doc = np.repeat(np.arange(len(lens)), P)
+    pos = np.arange(int(P.sum())) - pstart[doc]
+    real = pos < lens[doc]
+    src = np.where(real, cu[:-1][doc] + pos, 0)  # row of the unpadded micro-batch
+    take = local_token_index(P, cp, rank)
+    src, real = torch.from_numpy(src[take]), torch.from_numpy(real[take])
+    out = {}
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        x = mb[key][0, src]
+        out[key] = torch.where(real, x, torch.zeros((), dtype=x.dtype)).unsqueeze(0)
+    out["cu_seqlens"] = mb["cu_seqlens"]
+    out["cu_seqlens_padded"] = torch.from_numpy(np.concatenate([[0], np.cumsum(P)]).astype(np.int32))
+    return out
+
+
 def microbatch_lengths(segments: Sequence[Segment], pad_to: Optional[int] = None) -> List[int]:
     """Attention segment lengths of the micro-batch :func:`build_microbatch` makes from
     ``segments`` (padding segment included: it is computed like a document)."""
@@ -167,13 +202,14 @@ class PackedDataLoader:
         predictor: LatencyPredictor for the cost-based strategies (sab, wlb).
         pp, pp_rank: pipeline ranks and this rank's index (plans per-rank pipeline times).
         loss_starts: per dataset document, the first target token (``--mask-prompt-loss``).
+        cp, cp_rank: context-parallel size and this rank's index (:func:`context_parallel_split`).
     """
 
     def __init__(self, dataset, doc_ids: np.ndarray, *, dp: int, dp_rank: int, micro_batches: int,
                  seq_length: int, strategy: str, seed: int, shuffle: bool = True,
                  vocab_size: Optional[int] = None, pad_to: Optional[int] = None,
                  max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0,
-                 loss_starts: Optional[np.ndarray] = None) -> None:
+                 loss_starts: Optional[np.ndarray] = None, cp: int = 1, cp_rank: int = 0) -> None:
         from sparsebalance.batching.sampler import PackingSampler
 
         if len(doc_ids) == 0:
@@ -185,6 +221,7 @@ class PackedDataLoader:
         self.pad_to = pad_to
         self.loss_starts = loss_starts
         self.pp, self.pp_rank = pp, pp_rank
+        self.cp, self.cp_rank = cp, cp_rank
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
         self.sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
                                       strategy=strategy, seed=seed, shuffle=shuffle,
@@ -213,6 +250,8 @@ class PackedDataLoader:
         all_segments = [seg for rank in plan.ranks for mb in rank for seg in mb]
         microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to, self.loss_starts)
                         for mb in mine]
+        if self.cp > 1:
+            microbatches = [context_parallel_split(mb, self.cp, self.cp_rank) for mb in microbatches]
         if self.vocab_size is not None:
             top = max(int(mb["tokens"].max()) for mb in microbatches)
             if top >= self.vocab_size:

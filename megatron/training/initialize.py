@@ -49,6 +49,7 @@ def initialize(args) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
         distributed_timeout_minutes=max(1, int(round(args.distributed_timeout_minutes))),
     )
     set_seeds(args.seed, cpu)

@@ -9,7 +9,11 @@
 * :func:`build_model` — one ``GPTModel`` per virtual pipeline chunk, wrapped in
   megatron-core's ``DistributedDataParallel``.
 * :func:`build_optimizer` — ``get_megatron_optimizer`` (Adam) and
-  ``OptimizerParamScheduler``.
+  ``OptimizerParamScheduler``. ``--use-distributed-optimizer`` selects megatron's
+  ``DistributedOptimizer`` (Adam state sharded over DP ranks; gradients
+  reduce-scattered, updated weights all-gathered by the DDP buffers), with
+  ``--overlap-grad-reduce`` / ``--overlap-param-gather`` as Megatron-LM's flags; on
+  CPU it runs through ``cpu_bridge.py``.
 
 Activation recomputation (``--recompute-granularity``) is megatron-core's own
 (``TransformerBlock._checkpointed_forward`` for full, ``Attention``'s
@@ -75,6 +79,10 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Context parallelism: our core_attention modules all-gather K/V over the CP group
+        # (sparsebalance.attention.context_parallel); the split is done by data.py.
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
+        cp_comm_type="all_gather" if getattr(args, "context_parallel_size", 1) > 1 else None,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
@@ -176,7 +184,12 @@ def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     chunks = build_gpt_chunks(args, config, vocab_size)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+    )
     return [
         DistributedDataParallel(
             config=config,
@@ -205,7 +218,15 @@ def build_optimizer(args, model: List[torch.nn.Module]):
         adam_beta1=0.9,
         adam_beta2=0.95,
         adam_eps=1e-8,
+        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
     )
+    if opt_config.use_distributed_optimizer:
+        # Harmless and once per rank: megatron zeroes the .grad of its fp32 main-param
+        # shards (views of the weights, so non-leaf tensors) and its grad buffers call
+        # torch's deprecated collective names.
+        warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
+        warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(reduce_scatter_tensor|"
+                                                  r"all_gather_into_tensor)` is deprecated")
     optimizer = get_megatron_optimizer(opt_config, model)
     decay_iters = max(args.train_iters - args.lr_warmup_iters, 1)
     scheduler = OptimizerParamScheduler(

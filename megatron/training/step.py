@@ -86,15 +86,34 @@ def forward_step(data_iterator, model):
     get = lambda k: batch[k].to(device, non_blocking=True)
     cu = get("cu_seqlens")
     max_len = int((batch["cu_seqlens"][1:] - batch["cu_seqlens"][:-1]).max())
+    cp_extra = {}
+    if "cu_seqlens_padded" in batch:  # context parallelism (data.context_parallel_split)
+        cp_extra = _context_parallel_params(batch, device)
+        max_len = cp_extra.pop("max_len")
     # The packed params carry the budget too: a layer recomputed in backward
     # (--recompute-granularity) runs after later micro-batches' forwards have reset
     # the runtime budget, and must route as its original forward did.
     packed = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=max_len, max_seqlen_kv=max_len,
-                                     budget=budget, microbatch=microbatch)
+                                     budget=budget, microbatch=microbatch, **cp_extra)
     output = model(get("tokens"), get("position_ids"), None, labels=get("labels"),
                    packed_seq_params=packed)
     return output, partial(loss_func, get("loss_mask"))
+
+
+def _context_parallel_params(batch, device) -> dict:
+    """Packed-params fields of a CP micro-batch, Megatron's convention: ``cu_seqlens_q``
+    holds the real document lengths, ``cu_seqlens_q_padded`` the padded ones (what
+    megatron-core's THD RoPE splits per rank); plus this rank's layout for attention."""
+    from megatron.core import parallel_state as ps
+    from sparsebalance.attention.context_parallel import layout_from_cu
+
+    padded = batch["cu_seqlens_padded"]
+    layout = layout_from_cu(batch["cu_seqlens"], padded, ps.get_context_parallel_world_size(),
+                            ps.get_context_parallel_rank())
+    cu_pad = padded.to(device, non_blocking=True)
+    return {"cu_seqlens_q_padded": cu_pad, "cu_seqlens_kv_padded": cu_pad,
+            "cp_layout": layout.to(device), "max_len": int((padded[1:] - padded[:-1]).max())}
 
 
 @dataclass

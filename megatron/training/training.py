@@ -196,6 +196,7 @@ def setup(args):
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     pad_to = args.seq_length if interleaved else None  # see megatron/training/data.py
+    cp = dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
     predictor = balancer = sampler_predictor = None
     if args.sb_has_predictor:
         predictor = B.build_predictor(args, vocab, warn=_rank0_warn())
@@ -208,13 +209,13 @@ def setup(args):
                                 micro_batches=args.num_microbatches, seq_length=args.seq_length,
                                 strategy=args.sb_batching, seed=args.seed, vocab_size=vocab, pad_to=pad_to,
                                 max_carry_steps=args.max_carry_steps, predictor=sampler_predictor,
-                                pp=pp, pp_rank=pp_rank, loss_starts=loss_starts)
+                                pp=pp, pp_rank=pp_rank, loss_starts=loss_starts, **cp)
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
         valid = D.PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank,
                                    micro_batches=args.num_microbatches, seq_length=args.seq_length,
                                    strategy="megatron", seed=args.seed, shuffle=False, vocab_size=vocab,
-                                   pad_to=pad_to, loss_starts=loss_starts)
+                                   pad_to=pad_to, loss_starts=loss_starts, **cp)
     config = M.transformer_config(args, use_cpu=cpu)
     timers = StageTimers()
     config.timers = timers
@@ -233,9 +234,8 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             every rank (``state`` is :func:`setup`'s dict, ``result`` the
             :class:`~megatron.training.step.StepResult`); for tests and tools.
     """
-    from megatron.core import parallel_state as ps
     from megatron.training import checkpointing as ckpt
-    from megatron.training.step import evaluate, train_step
+    from megatron.training.watchdog import start_watchdog
 
     state = setup(args)
     model, optimizer, scheduler, loader = (state[k] for k in ("model", "optimizer", "scheduler", "loader"))
@@ -246,8 +246,8 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
         if args.finetune:
             ckpt.load_weights(args.load, model, warn=warn)
         else:
-            iteration = ckpt.load_checkpoint(args.load, model, optimizer, scheduler, loader, warn=warn)
-    start = iteration
+            iteration = ckpt.load_checkpoint(args.load, model, optimizer, scheduler, loader, warn=warn,
+                                             balancer=state["balancer"])
     log = _Logger(args, rank, start=iteration)
     if args.sparse_attention:
         from megatron.training.balance import attention_backend
@@ -255,12 +255,32 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
         log.info(f"sparse attention backend: {attention_backend(args)} "
                  f"(--sb-attention-backend {args.sb_attention_backend})")
     flag = SignalFlag(args.exit_signal_handler)
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    dp_rank = ps.get_data_parallel_rank()
-    balancer = state["balancer"]
     timeline = _Timeline(args, rank) if args.sb_timeline else None
-    preempted = False
+    # --step-timeout-minutes: from the first step on (setup and loading are not watched)
+    state["watchdog"] = watchdog = start_watchdog(args.step_timeout_minutes)
+    try:
+        summary = _train_loop(args, state, iteration, on_step, log, warn, flag, timeline)
+    except BaseException:
+        if watchdog is not None:  # quietly: the store may have died with a peer
+            watchdog.stop(done=False)
+        raise
+    if watchdog is not None:
+        watchdog.stop()
+    return summary
+
+
+def _train_loop(args, state, iteration, on_step, log, warn, flag, timeline) -> dict:
+    """The steps of :func:`pretrain` from ``iteration`` on, its saves and its summary."""
+    from megatron.core import parallel_state as ps
+    from megatron.training.step import evaluate, train_step
+
+    model, optimizer, scheduler, loader = (state[k] for k in ("model", "optimizer", "scheduler", "loader"))
+    pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    balancer, watchdog = state["balancer"], state["watchdog"]
+    start, preempted = iteration, False
     while iteration < args.train_iters:
+        if watchdog is not None:
+            watchdog.mark(f"step {iteration + 1}")
         t0 = time.perf_counter()
         batches = loader.next_step()
         forecast = balancer.forecast(batches) if balancer is not None else None
@@ -303,6 +323,8 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
         if on_step is not None:
             on_step(iteration, state, result)
         if state["valid"] is not None and iteration % args.eval_interval == 0:
+            if watchdog is not None:
+                watchdog.mark(f"evaluation at iteration {iteration}")
             r = evaluate(args, model, state["valid"], args.eval_iters)
             state["timers"].pop()  # evaluation forwards are not training ops
             row = _gather_rows([r.loss_sum, r.loss_tokens])
@@ -331,8 +353,11 @@ def _save(args, iteration: int, state: dict, log: "_Logger", warn: Callable[[str
     from megatron.training import checkpointing as ckpt
 
     model, optimizer, scheduler, loader = (state[k] for k in ("model", "optimizer", "scheduler", "loader"))
+    if state.get("watchdog") is not None:
+        state["watchdog"].mark(f"checkpoint save at iteration {iteration}")
     try:
-        ckpt.save_checkpoint(args.save, iteration, model, optimizer, scheduler, loader, state["cpu"])
+        ckpt.save_checkpoint(args.save, iteration, model, optimizer, scheduler, loader, state["cpu"],
+                             balancer=state["balancer"])
     except ckpt.SaveError as e:
         if last or not args.continue_on_save_failure:
             raise

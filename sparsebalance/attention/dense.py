@@ -11,6 +11,13 @@ both layouts megatron hands to ``core_attention``:
 * SBHD: ``query [S, B, H, D]``, ``key/value [S, B, Hkv, D]``; causal over S.
   Returns ``[S, B, H * D]``.
 
+With context parallelism (``config.context_parallel_size > 1``, THD only) the
+``packed_seq_params`` must carry a ``cp_layout``
+(:class:`~sparsebalance.attention.context_parallel.CPLayout`): the module gathers
+K and V of whole documents over the CP group and attends with this rank's queries
+only, causal by their position in the document (see
+:mod:`sparsebalance.attention.context_parallel`).
+
 Attention runs per document through ``torch.nn.functional.scaled_dot_product_attention``
 (whose CPU kernel is torch's optimised flash path), so its speed is the honest
 "dense" baseline for the sparse kernels.
@@ -67,6 +74,37 @@ def causal_varlen_attention(
     return out
 
 
+def causal_local_attention(q, k_full, v_full, layout, softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Dense causal attention of some queries of each document against the whole document.
+
+    Args:
+        q: ``[n, H, D]`` queries at compact positions ``layout.local_pos`` (grouped by
+            document as ``layout.local_docs`` says).
+        k_full, v_full: ``[sum(lengths), Hkv, D]`` keys/values of every document.
+        layout: :class:`~sparsebalance.attention.context_parallel.CPLayout`.
+
+    Returns:
+        ``[n, H, D]``: query at document position ``p`` attends to keys ``0 .. p``.
+    """
+    H, D = q.shape[1], q.shape[2]
+    hkv = k_full.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    cu = layout.cu_real.tolist()
+    outs = []
+    for doc, a, b in layout.local_docs:
+        s = cu[doc]
+        qpos = layout.local_pos[a:b] - s  # positions of these queries in their document
+        n_keys = int(qpos.max()) + 1  # no query here looks further
+        mask = torch.arange(n_keys, device=q.device).view(1, -1) <= qpos.view(-1, 1)
+        qd = q[a:b].transpose(0, 1).unsqueeze(0)
+        kd = k_full[s:s + n_keys].transpose(0, 1).unsqueeze(0)
+        vd = v_full[s:s + n_keys].transpose(0, 1).unsqueeze(0)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
+                                            enable_gqa=hkv != H)
+        outs.append(od.squeeze(0).transpose(0, 1))
+    return torch.cat(outs, 0) if outs else q * 0
+
+
 class CausalVarlenAttention(MegatronModule):
     """Dense causal attention with megatron-core's ``DotProductAttention`` signature."""
 
@@ -83,8 +121,8 @@ class CausalVarlenAttention(MegatronModule):
     ):
         super().__init__(config=config)
         name = type(self).__name__
-        if config.context_parallel_size > 1:
-            raise ValueError(f"context parallelism is not supported by {name}")
+        self.cp_size = config.context_parallel_size
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"attn_mask_type must be causal for {name}, got {attn_mask_type}")
         self.layer_number = layer_number
@@ -93,6 +131,32 @@ class CausalVarlenAttention(MegatronModule):
     def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
         """``[T, H, D]`` attention over the documents of ``cu_seqlens`` (subclasses swap it)."""
         return causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale)
+
+    def _attend_cp(self, q, query, k_full, v_full, layout, group) -> torch.Tensor:
+        """``[n, H, D]`` attention of this CP rank's real queries ``q`` (subclasses swap it)."""
+        return causal_local_attention(q, k_full, v_full, layout, self.softmax_scale)
+
+    def _forward_cp(self, query, key, value, packed_seq_params) -> torch.Tensor:
+        from sparsebalance.attention.context_parallel import gather_kv
+
+        layout = getattr(packed_seq_params, "cp_layout", None)
+        if layout is None:
+            raise ValueError(f"{type(self).__name__} with context parallelism needs packed_seq_params "
+                             "with a cp_layout (sparsebalance.attention.packed.BudgetedPackedSeqParams)")
+        if layout.t_local != query.shape[0]:
+            raise ValueError(f"cp_layout holds {layout.t_local} local tokens, query has {query.shape[0]}")
+        group = self.cp_group
+        if group is None:
+            from megatron.core import parallel_state as ps
+
+            group = ps.get_context_parallel_group()
+        layout = layout.to(query.device)
+        k_full, v_full = gather_kv(key, value, layout, group)
+        q = query.index_select(0, layout.local_rows)
+        o = self._attend_cp(q, query, k_full, v_full, layout, group)
+        # padding rows attend to nothing: zero output, no gradient
+        out = torch.zeros_like(query).index_copy(0, layout.local_rows, o.to(query.dtype))
+        return out.reshape(out.shape[0], -1)
 
     def forward(
         self,
@@ -107,9 +171,13 @@ class CausalVarlenAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError(f"attention_bias is not supported by {type(self).__name__}")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if self.cp_size > 1:
+                return self._forward_cp(query, key, value, packed_seq_params)
             cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
             out = self._attend(query, key, value, cu)
             return out.reshape(out.shape[0], -1)
+        if self.cp_size > 1:
+            raise ValueError(f"{type(self).__name__}: context parallelism needs packed THD input")
         # SBHD: every sequence of the batch is one document of length S.
         S, B, H, D = query.shape
         to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)

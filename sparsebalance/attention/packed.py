@@ -31,3 +31,7 @@ class BudgetedPackedSeqParams(PackedSeqParams):
     topk}``); None: each module's static default, as with ``runtime.set_budget(None)``."""
     microbatch: Optional[int] = None
     """Micro-batch id (within the step) the budget belongs to; used in attention records."""
+    cp_layout: Optional[object] = None
+    """Context parallelism: this rank's
+    :class:`~sparsebalance.attention.context_parallel.CPLayout` of the micro-batch
+    (None without CP)."""

@@ -33,10 +33,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sparsebalance import runtime
-from sparsebalance.attention.dense import CausalVarlenAttention, causal_varlen_attention
+from sparsebalance.attention.dense import (CausalVarlenAttention, causal_local_attention,
+                                           causal_varlen_attention)
 from sparsebalance.attention.packed import BudgetedPackedSeqParams
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention
+from sparsebalance.ops.plan import default_scale
 
 
 class SparseAttention(CausalVarlenAttention):
@@ -108,6 +110,30 @@ class SparseAttention(CausalVarlenAttention):
         runtime.record_attention(runtime.AttentionRecord(
             layer_number=self.layer_number, microbatch=None, topk=topk, kept_pairs=kept,
             causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
+        return out
+
+    def _attend_cp(self, q, query, k_full, v_full, layout, group) -> torch.Tensor:
+        """Context parallelism: this rank's real queries ``q [n, H, D]`` against the gathered
+        whole documents, routed as a CP=1 run routes them; records this rank's pairs
+        (kept and causal of its own queries: the CP ranks' records add up to the
+        micro-batch's) with the documents' real lengths."""
+        from sparsebalance.attention.context_parallel import sparse_attention_local
+
+        topk = None if self.layer_number in self.dense_layers else runtime.get_budget(
+            self.topk, layer_number=self.layer_number)
+        causal = layout.causal_pairs * q.shape[1]
+        if topk is None:
+            out, kept = causal_local_attention(q, k_full, v_full, layout, self.softmax_scale), causal
+        else:
+            scale = default_scale(q.shape[2], self.softmax_scale)
+            out, kept = sparse_attention_local(q, query, k_full, v_full, layout, group, topk=topk,
+                                               block_size=self.block_size, scale=scale,
+                                               backend=self.backend)
+        if not _recomputing():
+            lens = (layout.cu_real[1:] - layout.cu_real[:-1]).long()
+            runtime.record_attention(runtime.AttentionRecord(
+                layer_number=self.layer_number, microbatch=None, topk=topk, kept_pairs=kept,
+                causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
         return out
 
 

@@ -151,6 +151,32 @@ def _frontier_table(cell: dict) -> List[str]:
     return rows
 
 
+def _cp_section(m: dict) -> List[str]:
+    """Speedups vs megatron at every simulated context-parallel size (CP=1 = the cells
+    above), and the full table of each larger size."""
+    sizes = {"1": m["cells"], **{cp: c["cells"] for cp, c in m["cp"].items()}}
+    arms = list(next(iter(next(iter(m["cells"].values())).values()))["arms"])
+    out = ["#### Context parallelism (CP = the paper's SP)", "",
+           "Same DP / PP / M and seq-length; every micro-batch split over CP ranks (head/tail "
+           "chunks of each document, K/V all-gathered per layer). The predictor charges each "
+           "op the slowest CP rank's time plus the exchange, so SAB packs and DST budgets "
+           "by per-rank cost. GPUs = DP x PP x CP.", "",
+           "| file | seq | CP | megatron step ms | " + " | ".join(arms) + " |",
+           "|---|---|---|---|" + "---|" * len(arms)]
+    for f in m["cells"]:
+        for seq in m["cells"][f]:
+            for cp, cells in sizes.items():
+                a = cells[f][seq]["arms"]
+                out.append(f"| {f} | {int(seq) // 1024}K | {cp} | {a['megatron']['step_ms']:.0f} | "
+                           + " | ".join(f"{a[n]['speedup_vs_megatron']:.3f}x" for n in arms) + " |")
+    out.append("")
+    for cp, c in m["cp"].items():
+        for f, by in c["cells"].items():
+            for seq, cell in by.items():
+                out += [f"#### {f}, seq-length {seq}, CP {cp}", ""] + _sim_table(cell) + [""]
+    return out
+
+
 def sim_section(sim: dict, figs: dict) -> List[str]:
     cfg = sim["config"]
     out = ["## Simulated cluster (predicted)", "",
@@ -172,6 +198,8 @@ def sim_section(sim: dict, figs: dict) -> List[str]:
                 out += [f"#### {f}, seq-length {seq}", ""] + _sim_table(cell) + [""]
                 if "frontier" in cell:
                     out += ["Frontier (SAB packing):", ""] + _frontier_table(cell) + [""]
+        if m.get("cp"):
+            out += _cp_section(m)
         for key in ("speedup", "frontier", "gantt"):
             if figs.get(f"sim_{key}_{model}"):
                 out.append(f"![{key} {model}]({figs[f'sim_{key}_{model}']})")

@@ -11,6 +11,11 @@ wires ``sparsebalance.batching``, ``sparsebalance.tuning`` and
 
 Arms fit different numbers of tokens into a step, so they are compared by
 throughput (real tokens per predicted ms), not step time.
+
+Context parallelism (``SimConfig.cp``, the paper's SP2 at ``cp=2``): the same packing
+and planning code runs on the CP-aware predictor, so SAB packs and DST budgets by the
+slowest CP rank's time (its share of every document's attention plus the K/V
+exchange) instead of a whole micro-batch's.
 """
 
 from __future__ import annotations
@@ -74,9 +79,14 @@ class SimConfig:
     """Predictor ModelShape overrides as (field, value) pairs (default: its defaults)."""
     threads: Optional[int] = None
     """Threads per rank of the runs a profile cost model predicts (None: this process's)."""
+    cp: int = 1
+    """Context-parallel size: every micro-batch is split over ``cp`` ranks (head/tail
+    chunks of each document) and its op times are those of the slowest rank of the CP
+    group, K/V exchange included (``sparsebalance.predictor.context_parallel``); the
+    cluster has ``dp x pp x cp`` GPUs."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "micro_batches", "steps", "block_size", "topk"):
+        for name in ("pp", "dp", "micro_batches", "steps", "block_size", "topk", "cp"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.micro_batches < self.pp:
@@ -86,7 +96,7 @@ class SimConfig:
         """The cost model of the simulation."""
         extra = {"threads": self.threads} if self.threads is not None else {}
         return get_predictor(self.cost_model, block_size=self.block_size, topk=self.topk,
-                             **dict(self.model), **extra)
+                             context_parallel_size=self.cp, **dict(self.model), **extra)
 
 
 @dataclass

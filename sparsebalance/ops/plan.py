@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -59,6 +59,40 @@ class RoutingPlan:
         mv = lambda t: t.to(device, non_blocking=True)
         return RoutingPlan(self.block_size, mv(self.qb_start), mv(self.qb_len), mv(self.kv_idx),
                            mv(self.kv_cnt), self.kept_pairs, self.causal_pairs, self.kv_nnz)
+
+
+@torch.no_grad()
+def restrict_plan(plan: RoutingPlan, tokens: torch.Tensor, causal_pairs: int) -> RoutingPlan:
+    """``plan`` for the query tokens ``tokens`` only (one context-parallel rank's).
+
+    Blocks that hold none of ``tokens`` keep just their diagonal block: the kernels'
+    tables stay as they are (every block is a query row, the diagonal last), the
+    wasted work is one block each, and the caller discards those rows. A block with
+    some of ``tokens`` runs in full. ``kept_pairs`` counts the pairs of ``tokens``.
+
+    Args:
+        tokens: int64 global token ids (any order).
+        causal_pairs: causal pairs of ``tokens``, summed over heads (the plan has no
+            per-token document positions to count them).
+    """
+    H, NB, W = plan.kv_idx.shape
+    qs = plan.qb_start.to("cpu", torch.int64)
+    tok = tokens.to("cpu", torch.int64)
+    blk = torch.searchsorted(qs, tok, right=True) - 1
+    cnt = plan.kv_cnt.to("cpu", torch.int64)
+    kept = int(((cnt[blk] - 1) * plan.block_size + (tok - qs[blk]) + 1).sum()) * H
+    active = torch.zeros(NB, dtype=torch.bool)
+    active[blk] = True
+    idle = (~active).nonzero().flatten()
+    dev = plan.kv_idx.device
+    kv_idx, kv_cnt = plan.kv_idx.clone(), plan.kv_cnt.clone()
+    if idle.numel():
+        i = idle.to(dev)
+        kv_idx[:, i] = -1
+        kv_idx[:, i, 0] = i.to(kv_idx.dtype)
+        kv_cnt[i] = 1
+    return RoutingPlan(plan.block_size, plan.qb_start, plan.qb_len, kv_idx, kv_cnt, kept,
+                       int(causal_pairs), int(kv_cnt.sum()))
 
 
 def _per_doc_topk(topk: TopK, n_docs: int) -> torch.Tensor:
@@ -151,6 +185,7 @@ def build_plan(
     topk: TopK,
     block_size: int,
     softmax_scale: float,
+    reduce_q_sums: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> RoutingPlan:
     """Route every query block of every head (inputs assumed validated).
 
@@ -160,14 +195,18 @@ def build_plan(
         topk: int, or int tensor ``[n_docs]`` (one budget per document).
         block_size: B, tokens per block.
         softmax_scale: scale of the gate (same as the attention's).
+        reduce_q_sums: called in place on the fp32 query-block sums ``[n, H, D]`` before
+            they become means (context parallelism: each rank holds some rows of ``q``,
+            zeros elsewhere, and all-reduces the sums so every block's gate sees all of
+            its queries). Called once when any document has a choice to make.
 
     Returns:
         The :class:`RoutingPlan`, tables on ``q.device``.
     """
     if q.device.type != "cpu":  # host work is numpy; the pool matters only to CPU tensors
-        return _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale)
+        return _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums)
     with _one_intra_op_thread():
-        return _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale)
+        return _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums)
 
 
 def _send(parts: list, dev: torch.device) -> list:
@@ -253,7 +292,7 @@ def _chunks(rows: np.ndarray, cols: np.ndarray, H: int, gpu: bool) -> list:
     return out
 
 
-def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale) -> RoutingPlan:
+def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None) -> RoutingPlan:
     dev = q.device
     H = q.shape[1]
     B = int(block_size)
@@ -287,7 +326,7 @@ def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale) -> RoutingPla
     fb_d, i_d = meta_d[3].view(-1, 1), meta_d[4].view(-1, 1)
     kv_idx = torch.where(e <= i_d, fb_d + e, -1).unsqueeze(0).expand(H, NB, W).contiguous()
     if route:
-        route.run(q, k, kv_idx, sent[1:], float(softmax_scale))
+        route.run(q, k, kv_idx, sent[1:], float(softmax_scale), reduce_q_sums)
     return RoutingPlan(
         block_size=B,
         qb_start=meta_d[0],
@@ -359,7 +398,7 @@ class _RouteHost:
             out += arrays
         return out
 
-    def run(self, q, k, kv_idx, sent: list, scale: float) -> None:
+    def run(self, q, k, kv_idx, sent: list, scale: float, reduce_q_sums=None) -> None:
         """Overwrite the routed rows of ``kv_idx`` (device ops only)."""
         dev, B = q.device, self.B
         H, hkv, D = q.shape[1], k.shape[1], q.shape[2]
@@ -369,9 +408,14 @@ class _RouteHost:
         plen, sent = sent[0], sent[1:]
         nf, npart = len(self.qsums.starts), len(self.psums.starts)
         qm = torch.empty((nf + npart, H, D), dtype=torch.float32, device=dev)
-        _block_sums(q, self.qsums, B, qm[:nf]).div_(B)
+        _block_sums(q, self.qsums, B, qm[:nf])
         if npart:
-            _block_sums(q, self.psums, B, qm[nf:]).div_(plen)
+            _block_sums(q, self.psums, B, qm[nf:])
+        if reduce_q_sums is not None:
+            reduce_q_sums(qm)
+        qm[:nf].div_(B)
+        if npart:
+            qm[nf:].div_(plen)
         qm.mul_(scale)
         km = torch.empty((len(self.ksums.starts), hkv, D), dtype=torch.float32, device=dev)
         _block_sums(k, self.ksums, B, km).div_(B)

@@ -61,6 +61,7 @@ def reference_sparse_attention(
     *,
     query_block_size: Optional[int] = None,
     return_kept_pairs: bool = False,
+    route_q: Optional[torch.Tensor] = None,
 ):
     """Sparse attention by explicit masking (inputs assumed validated).
 
@@ -73,6 +74,9 @@ def reference_sparse_attention(
         query_block_size: tokens per query routing group; default ``block_size``;
             1 is per-token (MoBA) routing.
         return_kept_pairs: also return the number of kept (query, key) pairs.
+        route_q: queries the gates are computed from (default ``q``); context
+            parallelism passes the whole micro-batch's queries while ``q`` holds only
+            this rank's rows (zeros elsewhere).
 
     Returns:
         ``[T, H, D]`` in q's dtype (computed in q's dtype, softmax in fp32 only when
@@ -90,7 +94,8 @@ def reference_sparse_attention(
         qd = q[s:e]
         kx = k[s:e].repeat_interleave(rep, dim=1)
         vx = v[s:e].repeat_interleave(rep, dim=1)
-        mask = _doc_mask(qd.detach(), kx.detach(), int(kd[d]), block_size, Bq, softmax_scale)
+        rq = qd if route_q is None else route_q[s:e]
+        mask = _doc_mask(rq.detach(), kx.detach(), int(kd[d]), block_size, Bq, softmax_scale)
         kept += int(mask.sum())
         logits = torch.einsum("qhd,khd->hqk", qd, kx) * softmax_scale
         logits = logits.masked_fill(~mask, float("-inf"))

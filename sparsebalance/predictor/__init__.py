@@ -16,13 +16,14 @@ from typing import Any
 from sparsebalance.predictor.analytic import AnalyticPredictor
 from sparsebalance.predictor.base import LatencyPredictor
 from sparsebalance.predictor.config import ModelShape
+from sparsebalance.predictor.context_parallel import LINKS, ContextParallel, Link
 from sparsebalance.predictor.recalibration import Recalibrator
 
 ANALYTIC_MODELS = {"h100-analytic": AnalyticPredictor}
 """Named cost models that need no profile."""
 
 __all__ = ["LatencyPredictor", "ModelShape", "Recalibrator", "AnalyticPredictor",
-           "ANALYTIC_MODELS", "get_predictor"]
+           "ANALYTIC_MODELS", "ContextParallel", "Link", "LINKS", "get_predictor"]
 
 
 def get_predictor(name_or_profile_path: str, **model_cfg: Any) -> LatencyPredictor:
@@ -39,7 +40,12 @@ def get_predictor(name_or_profile_path: str, **model_cfg: Any) -> LatencyPredict
             accepted: ``allow_stale`` (bool, default False: a fingerprint mismatch
             raises ValueError after a warning) and ``expect`` (dict of extra
             model-fingerprint entries to check, e.g. ``{"attention_backend": "cpu"}``).
-            Optional for both: ``recalibration_alpha`` (EMA weight, default 0.2).
+            Optional for both: ``recalibration_alpha`` (EMA weight, default 0.2);
+            ``context_parallel_size`` (default 1: per-rank times of a CP group of that
+            size, :mod:`sparsebalance.predictor.context_parallel`) and
+            ``context_parallel_link`` (a :data:`LINKS` name or a :class:`Link`; default
+            the cost model's hardware: NVLink for h100-analytic and GPU profiles, gloo
+            for CPU profiles).
             Profiles only: ``threads`` (the thread count of the run predicted for;
             default this process's), checked against the profile's.
 
@@ -50,6 +56,18 @@ def get_predictor(name_or_profile_path: str, **model_cfg: Any) -> LatencyPredict
     """
     cfg = dict(model_cfg)
     recal = Recalibrator(alpha=float(cfg.pop("recalibration_alpha", 0.2)))
+    cp_size = int(cfg.pop("context_parallel_size", 1))
+    cp_link = cfg.pop("context_parallel_link", None)
+    pred = _build(name_or_profile_path, recal, cfg)
+    if cp_size != 1 or cp_link is not None:
+        link = LINKS.get(cp_link or pred.default_link) if not isinstance(cp_link, Link) else cp_link
+        if link is None:
+            raise ValueError(f"unknown context_parallel_link {cp_link!r}; known: {sorted(LINKS)}")
+        pred.set_context_parallel(ContextParallel(cp_size, link, dtype_bytes=pred.kv_dtype_bytes))
+    return pred
+
+
+def _build(name_or_profile_path: str, recal: Recalibrator, cfg: dict) -> LatencyPredictor:
     if name_or_profile_path in ANALYTIC_MODELS:
         for key in ("allow_stale", "expect", "threads"):
             if key in cfg:

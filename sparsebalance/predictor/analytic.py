@@ -128,13 +128,16 @@ class AnalyticPredictor(LatencyPredictor):
             return self.fwd_pair_ms * pairs + self.fwd_token_ms * lengths
         return BWD_ATTN * self.fwd_pair_ms * pairs + BWD_LINEAR * self.fwd_token_ms * lengths
 
-    def layer_const_ms(self, phase: str) -> float:
+    def _layer_const_ms(self, phase: str) -> float:
         return self.fwd_const_ms * (1.0 if phase == "fwd" else BWD_CONST)
+
+    def _linear_ms(self, topk: Optional[int], phase: str) -> tuple:
+        return self.fwd_token_ms * (1.0 if phase == "fwd" else BWD_LINEAR), 0.0
 
     def _pair_ms(self, topk: Optional[int], phase: str) -> float:
         return self.fwd_pair_ms * (1.0 if phase == "fwd" else BWD_ATTN)
 
-    def _extras_ms(self, tokens: int, stage: int, pp: int, phase: str) -> float:
+    def _extras_ms(self, tokens: float, stage: int, pp: int, phase: str) -> float:
         s = self.shape
         ms = 0.0
         if stage == 0:

@@ -18,6 +18,12 @@ its extras (embedding on the first stage; output layer + loss on the last)::
 
 where ``correction`` is the online recalibration factor (1.0 until measurements
 are fed back with :meth:`LatencyPredictor.observe`).
+
+Context parallelism (:meth:`LatencyPredictor.set_context_parallel`): all of the
+above become the times of the slowest rank of a CP group, K/V exchange included
+(:mod:`sparsebalance.predictor.context_parallel`); the subclasses' per-document
+model ``pair_ms * kept_pairs + token_ms * L + doc_ms`` (:meth:`_linear_ms`) is what
+gets split. At CP size 1 nothing changes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from sparsebalance.predictor.config import ModelShape
+from sparsebalance.predictor.context_parallel import ContextParallel, rank_kept_pairs
 from sparsebalance.predictor.recalibration import Recalibrator
 
 PHASES = ("fwd", "bwd")
@@ -51,13 +58,33 @@ def as_lengths(lengths) -> np.ndarray:
 class LatencyPredictor(abc.ABC):
     """Time of one micro-batch per (stage, phase), with online recalibration.
 
-    Subclasses implement :meth:`_layer_doc_ms`, :meth:`layer_const_ms` and
-    :meth:`_extras_ms`; everything else is composed here.
+    Subclasses implement :meth:`_layer_doc_ms`, :meth:`_pair_ms`, :meth:`_linear_ms`,
+    :meth:`_layer_const_ms` and :meth:`_extras_ms`; everything else (CP included) is
+    composed here.
     """
 
     def __init__(self, shape: ModelShape, recalibrator: Optional[Recalibrator] = None):
         self.shape = shape
         self.recalibrator = recalibrator or Recalibrator()
+        self.context_parallel = ContextParallel()
+
+    default_link = "nvlink"
+    """Name of the CP link (``context_parallel.LINKS``) this cost model's hardware has."""
+    kv_dtype_bytes = 2
+    """Bytes per K/V element of the modelled runs (2: bf16), for the CP exchange."""
+
+    def _routed_topk(self, topk: Optional[int]) -> Optional[int]:
+        """The budget the modelled attention really routes with (a dense-only model
+        ignores budgets)."""
+        return topk
+
+    def set_context_parallel(self, cp: ContextParallel) -> "LatencyPredictor":
+        """Predict per-rank times under context parallelism ``cp`` (module docstring);
+        returns ``self``."""
+        if not isinstance(cp, ContextParallel):
+            raise TypeError(f"expected a ContextParallel, got {type(cp).__name__}")
+        self.context_parallel = cp
+        return self
 
     # -- attributes the packers/planners read -------------------------------------
     @property
@@ -81,8 +108,20 @@ class LatencyPredictor(abc.ABC):
         """Per-document part of one layer's time (validated int64 lengths)."""
 
     @abc.abstractmethod
+    def _layer_const_ms(self, phase: str) -> float:
+        """Per-micro-batch constant of one transformer layer (ms), without CP."""
+
+    @abc.abstractmethod
+    def _linear_ms(self, topk: Optional[int], phase: str) -> tuple:
+        """``(token_ms, doc_ms)``: the rest of :meth:`_layer_doc_ms` besides the pairs,
+        ``_layer_doc_ms(L) == _pair_ms * kept_pairs(L) + token_ms * L + doc_ms``."""
+
     def layer_const_ms(self, phase: str) -> float:
-        """Per-micro-batch constant of one transformer layer (ms)."""
+        """Per-micro-batch constant of one transformer layer (ms); under CP plus the
+        latency of the layer's K/V collective."""
+        cp = self.context_parallel
+        latency = cp.link.latency_ms if cp.size > 1 else 0.0
+        return float(self._layer_const_ms(check_phase(phase))) + latency
 
     @abc.abstractmethod
     def _pair_ms(self, topk: Optional[int], phase: str) -> float:
@@ -94,11 +133,13 @@ class LatencyPredictor(abc.ABC):
         through the kernel: a None budget may run a dense kernel with another rate."""
         if topk is not None and topk < 0:
             raise ValueError(f"topk must be >= 0 or None, got {topk}")
-        return float(self._pair_ms(topk, check_phase(phase)))
+        # Under CP each rank computes about 1/size of every document's pairs.
+        return float(self._pair_ms(topk, check_phase(phase))) / self.context_parallel.size
 
     @abc.abstractmethod
-    def _extras_ms(self, tokens: int, stage: int, pp: int, phase: str) -> float:
-        """Embedding (stage 0) plus output layer and loss (stage pp-1), ms."""
+    def _extras_ms(self, tokens: float, stage: int, pp: int, phase: str) -> float:
+        """Embedding (stage 0) plus output layer and loss (stage pp-1), ms, for
+        ``tokens`` tokens (a fraction under CP)."""
 
     def layer_doc_ms(self, lengths, topk: Optional[int], phase: str) -> np.ndarray:
         """Per-document additive time of one layer.
@@ -112,7 +153,23 @@ class LatencyPredictor(abc.ABC):
             [n] float64 array, ms; 0 for zero-length documents.
         """
         L = as_lengths(lengths)
-        return np.where(L > 0, self._layer_doc_ms(L, topk, check_phase(phase)), 0.0)
+        check_phase(phase)
+        ms = self._layer_doc_ms(L, topk, phase) if self.context_parallel.size == 1 \
+            else self._cp_layer_doc_ms(L, topk, phase)
+        return np.where(L > 0, ms, 0.0)
+
+    def _cp_layer_doc_ms(self, L: np.ndarray, topk: Optional[int], phase: str) -> np.ndarray:
+        """Per-document layer time of the slowest CP rank plus the exchange (see
+        ``context_parallel``'s docstring)."""
+        cp, s = self.context_parallel, self.shape
+        pairs = rank_kept_pairs(L, self._routed_topk(topk), s.block_size, cp.size,
+                                cp.pad_multiple).max(axis=1)
+        padded = cp.padded(L).astype(np.float64)
+        token_ms, doc_ms = self._linear_ms(topk, phase)
+        exchange = (cp.exchange_bytes_per_token(s.num_query_groups, s.head_dim) / cp.link.bytes_per_ms
+                    * (1.0 if phase == "fwd" else cp.link.bwd_factor))
+        return (self._pair_ms(topk, phase) * pairs.astype(np.float64) + token_ms * padded / cp.size
+                + doc_ms + exchange * padded)
 
     def layer_ms(self, lengths, topk: Optional[int], phase: str) -> float:
         """One transformer layer for a micro-batch: sum(layer_doc_ms) + layer_const_ms."""
@@ -122,7 +179,10 @@ class LatencyPredictor(abc.ABC):
         """Per-stage extras of a micro-batch (ms): embedding on stage 0, output layer and
         loss on stage pp-1, nothing in between."""
         self.shape.layers_of(stage, pp)  # validates stage/pp
-        return self._extras_ms(int(as_lengths(lengths).sum()), stage, pp, check_phase(phase))
+        # Under CP a rank embeds / scores its 1/size of the tokens (padding left out).
+        tokens = int(as_lengths(lengths).sum())
+        cp = self.context_parallel.size
+        return self._extras_ms(tokens if cp == 1 else tokens / cp, stage, pp, check_phase(phase))
 
     def stage_ms(self, lengths, topk: Optional[int], stage: int, pp: int, phase: str,
                  calibrated: bool = True) -> float:
@@ -149,6 +209,17 @@ class LatencyPredictor(abc.ABC):
         micro-batches planned with an older factor converge instead of overshooting.
         """
         return self.recalibrator.observe(stage, check_phase(phase), predicted_ms, measured_ms)
+
+    def state_dict(self) -> dict:
+        """The online recalibration state (the model itself is rebuilt from its
+        profile / name): :meth:`Recalibrator.state_dict`."""
+        return {"recalibrator": self.recalibrator.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (ValueError if malformed)."""
+        if not isinstance(state, dict) or "recalibrator" not in state:
+            raise ValueError("predictor state has no 'recalibrator' entry")
+        self.recalibrator.load_state_dict(state["recalibrator"])
 
     def observe_microbatch(self, lengths, topk: Optional[int], stage: int, pp: int,
                            phase: str, measured_ms: float) -> float:

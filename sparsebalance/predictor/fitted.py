@@ -116,14 +116,21 @@ class FittedPredictor(LatencyPredictor):
         return (self._pair_ms(topk, phase) * pairs + b * lengths
                 + (d_dense if topk is None else d_sparse))
 
-    def layer_const_ms(self, phase: str) -> float:
+    def _routed_topk(self, topk: Optional[int]) -> Optional[int]:
+        return None if self.dense_only else topk
+
+    def _layer_const_ms(self, phase: str) -> float:
         return float(self._layer[phase][5])
+
+    def _linear_ms(self, topk: Optional[int], phase: str) -> tuple:
+        _, _, b, d_sparse, d_dense, _ = self._layer[phase]
+        return float(b), float(d_dense if topk is None or self.dense_only else d_sparse)
 
     def _pair_ms(self, topk: Optional[int], phase: str) -> float:
         a_sparse, a_dense = self._layer[phase][:2]
         return a_dense if topk is None or self.dense_only else a_sparse
 
-    def _extras_ms(self, tokens: int, stage: int, pp: int, phase: str) -> float:
+    def _extras_ms(self, tokens: float, stage: int, pp: int, phase: str) -> float:
         ms = 0.0
         for kind, on in (("embedding", stage == 0), ("output", stage == pp - 1)):
             if on and tokens > 0:

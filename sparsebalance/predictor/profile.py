@@ -217,5 +217,9 @@ def load_predictor(path: str, recalibrator: Optional[Recalibrator] = None,
     model, coef = _CACHE[digest]
     shape_kw = {k: model[k] for k in _SHAPE_FIELDS if k in model}
     shape_kw.update(model_cfg)
-    return FittedPredictor(ModelShape(**shape_kw), coef, recalibrator,
+    pred = FittedPredictor(ModelShape(**shape_kw), coef, recalibrator,
                            dense_only=model.get("attention") == "dense")
+    # The CP exchange of the profiled machine: gloo between CPU processes, else NVLink.
+    pred.default_link = "nvlink" if prof["hardware"].get("gpu") else "gloo-cpu"
+    pred.kv_dtype_bytes = 2 if model.get("params_dtype") == "bf16" else 4
+    return pred

@@ -72,3 +72,37 @@ class Recalibrator:
         """Forget all observations."""
         self._log.clear()
         self._count.clear()
+
+    def state_dict(self) -> dict:
+        """The online state as plain data (checkpoints): ``alpha``, ``clip`` and one
+        ``[stage, phase, mean log-ratio, count]`` row per observed (stage, phase).
+        Floats round-trip exactly, so a restored factor is bit-identical."""
+        rows = [[s, ph, self._log[(s, ph)], self._count.get((s, ph), 0)] for s, ph in sorted(self._log)]
+        return {"alpha": self.alpha, "clip": self.clip, "entries": rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the online state with :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: malformed state, or saved with another ``alpha`` / ``clip``
+                (the EMA would continue with other dynamics than it was built with).
+        """
+        try:
+            alpha, clip, rows = float(state["alpha"]), float(state["clip"]), list(state["entries"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"recalibration state is malformed: {e!r}") from None
+        if (alpha, clip) != (self.alpha, self.clip):
+            raise ValueError(f"recalibration state was saved with alpha={alpha}, clip={clip}; "
+                             f"this predictor has alpha={self.alpha}, clip={self.clip}")
+        log, count = {}, {}
+        for row in rows:
+            try:
+                stage, phase, value, n = row
+                key, value, n = (int(stage), phase), float(value), int(n)
+                ok = phase in ("fwd", "bwd") and math.isfinite(value) and n >= 0
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"recalibration state has a malformed entry {row!r}")
+            log[key], count[key] = value, n
+        self._log, self._count = log, count

@@ -6,7 +6,9 @@ extras_ms``, times the predictor's online correction for that stage and phase,
 i.e. exactly ``stage_ms``), and retained attention = layers of the stage x kept
 (query, key) pairs of block top-k routing (``sparsebalance.attention.routing``).
 For the interleaved schedule the model is split into ``pp * vpp`` chunks and
-stage ``j = v * pp + rank`` is chunk ``j``.
+stage ``j = v * pp + rank`` is chunk ``j``. Under context parallelism
+(``predictor.set_context_parallel``) the op times are those of the slowest rank of
+a CP group, K/V exchange included; retained attention stays the whole model's.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ def lengths(tmp_path_factory):
     ["--sim-models", "gpt5"],
     ["--pp", "0"],
     ["--seq-lengths", "abc"],
+    ["--sim-cp", "0"],
     ["--mode", "real", "--iters", "5"],
     ["--mode", "real", "--arms", "megatron,nope"],
     ["--unknown-flag"],
@@ -66,3 +67,23 @@ def test_tiny_sim_json(lengths, tmp_path):
     assert (rep / "report.md").is_file() and (rep / "sim.json").is_file()
     assert (rep / "sim_frontier_qwen05b.png").stat().st_size > 0
     assert json.loads((rep / "summary.json").read_text()) == s
+    # --sim-cp defaults to 1,2: CP=1 stays where it was, CP=2 is added beside it
+    sim = json.loads((rep / "sim.json").read_text())
+    m = sim["models"]["qwen05b"]
+    assert sim["config"]["cp_sizes"] == [1, 2] and list(m["cp"]) == ["2"]
+    cp2 = m["cp"]["2"]["cells"]["synthetic"]["4096"]["arms"]
+    assert set(cp2) == set(cell) and cp2["megatron"]["step_ms"] < m["cells"]["synthetic"]["4096"][
+        "arms"]["megatron"]["step_ms"]
+    report = (rep / "report.md").read_text()
+    assert "#### Context parallelism" in report and "| synthetic | 4K | 2 |" in report
+
+
+def test_sim_cp_1_is_todays_simulation(lengths, tmp_path):
+    rep = tmp_path / "rep"
+    p = _run("--mode", "sim", "--lengths", lengths, "--seq-lengths", "4096", "--pp", "2",
+             "--dp", "2", "--micro-batches", "4", "--sim-steps", "1", "--block-size", "64",
+             "--topk", "8", "--sim-models", "qwen05b", "--sim-cp", "1", "--report", str(rep))
+    assert p.returncode == 0, p.stderr
+    sim = json.loads((rep / "sim.json").read_text())
+    assert "cp" not in sim["models"]["qwen05b"] and sim["config"]["cp_sizes"] == [1]
+    assert "cp2" not in p.stdout and "Context parallelism" not in (rep / "report.md").read_text()

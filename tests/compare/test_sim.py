@@ -88,6 +88,37 @@ def test_dominance():
     assert dominance(pts) == {"a1": "c2", "a2": None}
 
 
+def test_context_parallel_cell():
+    """CP=2 (the paper's SP2): the same packers and planners on the CP-aware predictor.
+    Packer and planner still agree, every op is cheaper than at CP=1 but more than half
+    (exchange, per-layer constants), and the planners' guarantees hold."""
+    from dataclasses import replace
+
+    # the predictor's default layer (Qwen2.5-0.5B-like), 4 layers, documents up to 30K
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(7.5, 1.0, size=3000), 16, 30000).astype(np.int64)
+    base = SimConfig(pp=2, dp=2, micro_batches=4, steps=2, block_size=256, topk=8,
+                     model=(("num_layers", 4),))
+    one = simulate_cell(lengths, 16384, base).table
+    two = simulate_cell(lengths, 16384, replace(base, cp=2)).table
+    assert two["packer_vs_instance_max_rel_err"] < 1e-9
+    assert list(two["arms"]) == list(SIM_ARMS)
+    m1, m2 = one["arms"]["megatron"], two["arms"]["megatron"]
+    assert m1["tokens"] == m2["tokens"]  # megatron's packing does not depend on costs
+    assert 0.5 < m2["step_ms"] / m1["step_ms"] < 0.6
+    # a tiny layer at 4K tokens: the per-layer overheads dominate, CP=2 does not pay
+    tiny = SimConfig(pp=2, dp=2, micro_batches=4, steps=1, block_size=64, topk=8, model=SMALL)
+    assert (simulate_cell(_lengths(0), 4096, replace(tiny, cp=2)).table["arms"]["megatron"]["step_ms"]
+            > simulate_cell(_lengths(0), 4096, tiny).table["arms"]["megatron"]["step_ms"])
+    a = two["arms"]
+    assert a["sparsebalance"]["retained_vs_static"] >= 1.0 - 1e-9
+    assert a["sparsebalance"]["step_ms"] <= a["sab"]["step_ms"] * (1 + 1e-9)
+    # attention retained is the whole model's, not one rank's
+    assert a["megatron"]["density"] == pytest.approx(m1["density"])
+    with pytest.raises(ValueError, match="cp"):
+        SimConfig(cp=0)
+
+
 @pytest.mark.parametrize("kw", [dict(pp=0), dict(steps=0), dict(micro_batches=2, pp=4)])
 def test_bad_config(kw):
     with pytest.raises(ValueError):

@@ -3,7 +3,12 @@
 Launched by the tests (python or torchrun) with pretrain_gpt.py's flags; the dump
 directory comes from ``SB_TEST_DUMP`` (not a flag: the driver has no test flags).
 Each rank writes ``rank<r>.npz`` with per-step global loss and grad norm and the
-last step's gradients (main_grad) keyed by PP-independent parameter names.
+last step's gradients (main_grad) keyed by PP-independent parameter names; its
+``rank<r>.json`` is the run summary plus ``budgets`` (each step's DST table or None).
+
+``SB_TEST_PREDICT_AS_CP1=1`` builds SAB's and DST's predictor as for
+``--context-parallel-size 1`` (the CP-aware one plans other budgets), so a CP run
+packs and budgets exactly as its CP=1 reference (tests/training/test_cp_training.py).
 """
 
 import json
@@ -27,10 +32,13 @@ def main() -> None:
     from megatron.training.training import pretrain
 
     dump = os.environ["SB_TEST_DUMP"]
+    if os.environ.get("SB_TEST_PREDICT_AS_CP1") == "1":
+        _predict_as_cp1()
     args = parse_args()
-    grads = {}
+    grads, budgets = {}, []
 
     def on_step(iteration, state, result):
+        budgets.append(None if result.budget is None else np.asarray(result.budget).tolist())
         grads.clear()
         for chunk in state["model"]:
             for name, p in global_param_names(chunk).items():
@@ -41,8 +49,23 @@ def main() -> None:
     os.makedirs(dump, exist_ok=True)
     np.savez(os.path.join(dump, f"rank{rank}.npz"), **{"grad/" + k: v for k, v in grads.items()})
     with open(os.path.join(dump, f"rank{rank}.json"), "w") as f:
-        json.dump(summary, f)
+        json.dump(dict(summary, budgets=budgets), f)
     shutdown()
+
+
+def _predict_as_cp1() -> None:
+    import copy
+
+    from megatron.training import balance
+
+    build = balance.build_predictor
+
+    def as_cp1(args, *a, **k):
+        args = copy.copy(args)
+        args.context_parallel_size = 1
+        return build(args, *a, **k)
+
+    balance.build_predictor = as_cp1
 
 
 if __name__ == "__main__":

@@ -25,12 +25,16 @@ def test_install_patches_exactly_the_documented_modules():
         "megatron.core.distributed.param_and_grad_buffer",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
         "megatron.core.optimizer.optimizer",
+        "megatron.core.optimizer.distrib_optimizer",
     }
     for name in names:
         assert name.split("megatron.core.")[1].split(".")[-1] in cpu_bridge.__doc__
     import megatron.core.optimizer.optimizer as opt
 
     assert opt.clip_grad_by_total_norm_fp32 is cpu_bridge.cpu_clip_grad_by_total_norm_fp32
+    import megatron.core.optimizer as optim
+
+    assert optim.DistributedOptimizer is cpu_bridge._distributed_optimizer_on_cpu
     assert cpu_bridge.install_cpu_bridge() is True and cpu_bridge.bridged_modules() == names  # idempotent
 
 
@@ -49,3 +53,15 @@ def test_clip_matches_torch(max_norm):
     cpu_bridge.cpu_clip_grad_by_total_norm_fp32(ps, max_norm, total)
     for p, r in zip(ps, ref_params):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_cuda_type_names_only_while_active():
+    """The distributed optimizer's constructor sees CUDA type names; nothing else does."""
+    p32 = torch.nn.Parameter(torch.zeros(2))
+    p16 = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    other = torch.zeros(2)
+    with cpu_bridge._CudaTypeNames([p32, p16]):
+        assert p32.type() == "torch.cuda.FloatTensor" and p16.type() == "torch.cuda.BFloat16Tensor"
+        assert p32.type(torch.float64).dtype == torch.float64  # conversions untouched
+        assert other.type() == "torch.FloatTensor"
+    assert p32.type() == "torch.FloatTensor" and "type" not in p32.__dict__

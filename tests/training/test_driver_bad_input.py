@@ -61,6 +61,12 @@ CASES = {
     "load without checkpoint": (lambda c, k: ["--data-path", c, "--load", k["no_ckpt"]], None, "no checkpoint"),
     "prompt mask without loss starts": (lambda c, k: ["--data-path", c, "--mask-prompt-loss"], None,
                                         "_loss_start.npy"),
+    "cp not dividing world": (lambda c, k: ["--data-path", c, "--context-parallel-size", "2"], 3,
+                              "not divisible by TP x PP x CP"),
+    "cp with interleaved schedule": (lambda c, k: ["--data-path", c, "--context-parallel-size", "2",
+                                                   "--pipeline-model-parallel-size", "2",
+                                                   "--num-layers-per-virtual-pipeline-stage", "1"], 4,
+                                     "--context-parallel-size > 1 with the interleaved schedule"),
 }
 
 

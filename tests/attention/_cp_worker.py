@@ -1,0 +1,94 @@
+"""torchrun worker for tests/attention/test_cp_attention.py.
+
+Every rank builds the same random ``q, k, v`` of a packed micro-batch, keeps its CP
+share (sparsebalance.attention.context_parallel), runs dense and sparse attention of
+its queries against the gathered keys, back-propagates a fixed weighted sum, and
+writes ``$SB_TEST_DUMP/rank<r>.npz``: outputs and dq/dk/dv scattered to compact
+(real-token) positions, plus the kept pairs it counted. Rank 0 also writes the CP=1
+results of the same inputs (``ref.npz``). A test-only env var, not a flag.
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+LENGTHS = [100, 37, 250, 6, 1]
+H, HKV, D, B, TOPK = 4, 2, 16, 16, 2
+
+
+def main() -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from sparsebalance.attention import context_parallel as C
+    from sparsebalance.attention.dense import causal_local_attention, causal_varlen_attention
+    from sparsebalance.ops import sparse_attention
+
+    dist.init_process_group("gloo")
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(cp)))
+    g = torch.Generator().manual_seed(3)
+    T = sum(LENGTHS)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, HKV, HKV))
+    w = torch.randn(T, H, D, generator=g)  # loss weights
+    P = C.padded_lengths(LENGTHS, cp)
+    lay = C.build_layout(LENGTHS, P, cp, rank)
+    # local tensors: real rows from the full ones, padding rows random (must not matter)
+    def local(x):
+        out = torch.randn((lay.t_local,) + tuple(x.shape[1:]), generator=g)
+        out[lay.local_rows] = x[lay.local_pos]
+        return out.requires_grad_()
+
+    dump = os.environ["SB_TEST_DUMP"]
+    res = {}
+    scale = 1.0 / D ** 0.5
+    for name in ("dense", "cpu", "reference"):
+        ql, kl, vl = local(q), local(k), local(v)
+        kf, vf = C.gather_kv(kl, vl, lay, group)
+        qr = ql.index_select(0, lay.local_rows)
+        if name == "dense":
+            o, kept = causal_local_attention(qr, kf, vf, lay), lay.causal_pairs * H
+        else:
+            o, kept = C.sparse_attention_local(qr, ql, kf, vf, lay, group, topk=TOPK, block_size=B,
+                                               scale=scale, backend=name)
+        (o * w[lay.local_pos]).sum().backward()
+        pos = lay.local_pos.numpy()
+        rows = lay.local_rows
+        res[f"{name}/pos"] = pos
+        res[f"{name}/out"] = o.detach().numpy()
+        for gname, t in (("dq", ql), ("dk", kl), ("dv", vl)):
+            res[f"{name}/{gname}"] = t.grad[rows].numpy()
+        res[f"{name}/kept"] = np.array(kept)
+        # padding rows get no gradient
+        pad = torch.ones(lay.t_local, dtype=torch.bool)
+        pad[rows] = False
+        res[f"{name}/pad_grad"] = np.array(float(sum(t.grad[pad].abs().sum() for t in (ql, kl, vl))))
+    os.makedirs(dump, exist_ok=True)
+    np.savez(os.path.join(dump, f"rank{rank}.npz"), **res)
+    if rank == 0:
+        ref = {}
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(LENGTHS)]), dtype=torch.int32)
+        for name in ("dense", "cpu", "reference"):
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            if name == "dense":
+                o, kept = causal_varlen_attention(qq, kk, vv, cu), None
+            else:
+                o, dens = sparse_attention(qq, kk, vv, cu, topk=TOPK, block_size=B, backend=name,
+                                           return_density=True)
+                lens = np.asarray(LENGTHS)
+                kept = round(dens * int((lens * (lens + 1) // 2).sum()) * H)
+            (o * w).sum().backward()
+            ref[f"{name}/out"] = o.detach().numpy()
+            for gname, t in (("dq", qq), ("dk", kk), ("dv", vv)):
+                ref[f"{name}/{gname}"] = t.grad.numpy()
+            ref[f"{name}/kept"] = np.array(-1 if kept is None else kept)
+        np.savez(os.path.join(dump, "ref.npz"), **ref)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
