@@ -438,8 +438,8 @@ def run(a) -> dict:
         "installed its SIGUSR1 handler (after setup, right before the first step; start_s = start-up) to "
         "SIGUSR1 (--exit-signal-handler); the step in flight then finishes and a checkpoint is saved "
         "(train_s = start to exit). Steps/tokens count every step the run took.",
-        "The 2-core machine was shared with other jobs while this ran, so absolute speeds are contended; "
-        "runs are interleaved seed-major with the arm order rotated per seed so drift hits all arms alike.",
+        "Runs are interleaved seed-major with the arm order rotated per seed, so drift in the machine's "
+        "load hits all arms alike; on a shared machine absolute speeds are contended.",
         "Corpus text is a first-order word Markov chain (tools/make_corpus.py): predicting it needs no "
         "long-range context, so the held-out loss measures how far each arm trained in the budget and "
         "whether sparse-attention training hurts the weights under dense attention, not retrieval.",

@@ -29,6 +29,10 @@ flags):
     ITER). PHASE is one of ``forward`` (a micro-batch's forward step), ``p2p`` (a
     pipeline send/receive), ``optimizer`` (the optimizer step) or ``checkpoint``
     (inside the save, after this rank's shards are written, before the manifest).
+``SB_TEST_TERM=RANK:ITER``
+    global rank RANK sends itself SIGTERM as step ITER (1-based) starts, as a
+    scheduler preempting the job would (with ``--exit-signal-handler`` the run
+    finishes that step, saves and exits 0).
 """
 
 import json
@@ -134,6 +138,22 @@ def _install_hang(spec: str) -> None:
     step.train_step = hanging  # pretrain() imports it from step at call time
 
 
+def _install_term(spec: str) -> None:
+    rank, iteration = (int(x) for x in spec.split(":"))
+    if rank != _rank():
+        return
+    from megatron.training import step
+
+    train_step = step.train_step
+
+    def preempted(*a, **k):
+        if _current[0] == iteration:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(*a, **k)
+
+    step.train_step = preempted  # pretrain() imports it from step at call time
+
+
 _loaded_iteration = [0]
 _current = [0]
 
@@ -201,6 +221,8 @@ def main() -> int:
         _install_hang(os.environ["SB_TEST_HANG"])
     if os.environ.get("SB_TEST_KILL"):
         _install_kill(os.environ["SB_TEST_KILL"])
+    if os.environ.get("SB_TEST_TERM"):
+        _install_term(os.environ["SB_TEST_TERM"])
     _install_step_counter()  # outermost: the hooks above see the step number already moved
 
     from megatron.training import data, training

@@ -1,5 +1,6 @@
 """A resumed ``--sparse-balance`` run continues exactly: same losses, packing and DST
-budgets as the uninterrupted run (PP=2 over gloo, planning ahead, analytic cost model).
+budgets as the uninterrupted run (PP=2 over gloo, planning ahead, analytic cost model),
+whether it resumes a periodic checkpoint or the one a SIGTERM preemption wrote.
 
 Measured op times are noisy, so the worker (``_fault_worker.py``, ``SB_TEST_DET_TIMES``)
 replaces them with a deterministic function of (iteration, stage, micro-batch): the
@@ -77,3 +78,20 @@ def test_resume_reproduces_losses_packing_and_budgets(corpus, tmp_path):
     # a checkpoint without the state (older format) still loads, with one warning
     warned = [l for l in proc_ctl.stderr.splitlines() if "no SparseBalance predictor state" in l]
     assert len(warned) == 1 and warned[0].startswith("pretrain_gpt.py: warning:"), proc_ctl.stderr[-2000:]
+
+
+def test_sigterm_preemption_resumes_exactly(corpus, tmp_path):
+    """SIGTERM on rank 0 as step 3 starts (``--exit-signal-handler``): the run finishes
+    step 3, saves, exits 0; the resumed steps 4-5 equal the uninterrupted run's."""
+    (full, _), _ = run(corpus, tmp_path, "full", [], {})
+    save = str(tmp_path / "pre")
+    (pre, _), proc_pre = run(corpus, tmp_path, "pre", ["--save", save, "--exit-signal-handler"],
+                             {"SB_TEST_TERM": "0:3"})
+    assert [s["iteration"] for s in pre[0]] == [1, 2, 3], proc_pre.stdout[-2000:]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+    (res, loaded), _ = run(corpus, tmp_path, "res", ["--load", save], {})
+    assert loaded == {0: 3, 1: 3}
+    for rank in (0, 1):
+        assert [s["iteration"] for s in res[rank]] == [4, 5]
+        for key in ("packing", "sampler", "budget", "records", "loss_sum", "loss_tokens"):
+            assert [s[key] for s in res[rank]] == [s[key] for s in full[rank][3:]], (rank, key)
