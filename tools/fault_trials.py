@@ -56,7 +56,7 @@ from typing import Dict, List, NoReturn, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
+from megatron.training.arguments import OneLineParser, _non_negative, _positive, usage_error  # noqa: E402
 
 PROG = "fault_trials.py"
 WORKER = os.path.join(REPO, "tests", "training", "_fault_worker.py")
@@ -75,30 +75,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
     usage_error(message, prog=PROG, code=code)
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def _nonneg(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--trials", type=_positive, required=True, help="number of seeded trials")
-    p.add_argument("--seed", type=_nonneg, default=0, help="seed of the fault points")
+    p.add_argument("--trials", type=_positive(int), required=True, help="number of seeded trials")
+    p.add_argument("--seed", type=_non_negative(int), default=0, help="seed of the fault points")
     p.add_argument("--json", action="store_true", help="print the JSON summary instead of a table")
     p.add_argument("--output", default=None, metavar="PATH", help="also write the JSON summary here")
     p.add_argument("--data-path", default=None,
@@ -107,11 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default=None,
                    help="where runs write checkpoints and logs (default: a temporary directory, "
                         "removed at the end)")
-    p.add_argument("--train-iters", type=_positive, default=6, help="steps of every run")
-    p.add_argument("--save-interval", type=_positive, default=2, help="steps between checkpoints")
+    p.add_argument("--train-iters", type=_positive(int), default=6, help="steps of every run")
+    p.add_argument("--save-interval", type=_positive(int), default=2, help="steps between checkpoints")
     p.add_argument("--step-timeout-minutes", type=float, default=0.25,
                    help="watchdog timeout of the runs (pretrain_gpt.py flag)")
-    p.add_argument("--jobs", type=_positive, default=1,
+    p.add_argument("--jobs", type=_positive(int), default=1,
                    help="trials run at the same time (each is two processes)")
     return p
 

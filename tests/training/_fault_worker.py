@@ -121,7 +121,8 @@ def _install_step_counter() -> None:
     step.train_step = counted  # pretrain() imports it from step at call time
 
 
-def _install_hang(spec: str) -> None:
+def _install_at_step(spec: str, action) -> None:
+    """``RANK:ITER``: global rank RANK runs ``action()`` as step ITER starts."""
     rank, iteration = (int(x) for x in spec.split(":"))
     if rank != _rank():
         return
@@ -129,29 +130,17 @@ def _install_hang(spec: str) -> None:
 
     train_step = step.train_step
 
-    def hanging(*a, **k):
+    def hooked(*a, **k):
         if _current[0] == iteration:
-            while True:
-                time.sleep(3600)
+            action()
         return train_step(*a, **k)
 
-    step.train_step = hanging  # pretrain() imports it from step at call time
+    step.train_step = hooked  # pretrain() imports it from step at call time
 
 
-def _install_term(spec: str) -> None:
-    rank, iteration = (int(x) for x in spec.split(":"))
-    if rank != _rank():
-        return
-    from megatron.training import step
-
-    train_step = step.train_step
-
-    def preempted(*a, **k):
-        if _current[0] == iteration:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return train_step(*a, **k)
-
-    step.train_step = preempted  # pretrain() imports it from step at call time
+def _hang_forever() -> None:
+    while True:
+        time.sleep(3600)
 
 
 _loaded_iteration = [0]
@@ -218,11 +207,11 @@ def main() -> int:
     if os.environ.get("SB_TEST_DET_TIMES") == "1":
         _install_det_times()
     if os.environ.get("SB_TEST_HANG"):
-        _install_hang(os.environ["SB_TEST_HANG"])
+        _install_at_step(os.environ["SB_TEST_HANG"], _hang_forever)
     if os.environ.get("SB_TEST_KILL"):
         _install_kill(os.environ["SB_TEST_KILL"])
     if os.environ.get("SB_TEST_TERM"):
-        _install_term(os.environ["SB_TEST_TERM"])
+        _install_at_step(os.environ["SB_TEST_TERM"], lambda: os.kill(os.getpid(), signal.SIGTERM))
     _install_step_counter()  # outermost: the hooks above see the step number already moved
 
     from megatron.training import data, training
