@@ -27,14 +27,19 @@ only in their budgets:
 
 Layers the checkpoint kept dense (``--sb-dense-layers``) have recall 1.0 in
 every arm, as in training. Output: one JSON object
-``{"arms": {arm: {"mean", "per_layer", "per_layer_head", "density", "queries"}}, "config": {...}}``
-with ``--json`` (a short table otherwise); ``--plot PNG`` draws recall per layer per arm.
+``{"arms": {arm: {"mean", "per_layer", "per_layer_head", "density", "queries", "vs_static"}},
+"config": {...}}`` with ``--json`` (a short table otherwise); ``--plot PNG`` draws recall
+per layer per arm. ``vs_static`` (every arm but ``static``): the arm's recall minus
+static's per layer and on the mean, each ``{"diff", "ci95"}`` with a paired 95% bootstrap
+interval over the held-out micro-batches (all arms are scored on the same queries).
 
 ``--step-times REAL_JSON`` (``tools/compare.py --mode real``'s ``real.json``)
 adds ``"frontier"``: one ``{arm, compare_arm, step_ms, tokens_per_s,
 ms_per_1k_tokens, recall_mean, recall_per_layer, dominated_by}`` per arm that has
-a measured speed (``static`` is the ``megatron`` arm; ``sab`` trains with the
-static budget, so it is ``static``'s recall at ``sab``'s speed). Speed is time per
+a measured speed: a ``--budgets`` arm takes the compare arm of its own name (name it
+``sparsebalance``, ``critical-path-eps0.05``, ...), ``static`` is the ``megatron`` arm,
+and ``sab`` trains with the static budget, so it is ``static``'s recall at ``sab``'s
+speed. Speed is time per
 token (ms per 1,000 tokens = 1e6 / tokens/s): SAB carries documents over, so arms
 train different token counts per step and step time alone would mislead. With
 ``--plot``, ``<stem>_frontier.png`` draws recall against it, one labelled point per arm.
@@ -164,22 +169,25 @@ def read_budget_arms(specs: list[str]) -> dict:
 
 # recall arm -> tools/compare.py arm whose measured step time it is plotted at; "sab"
 # trains with the static budget, so its recall is static's.
-STEP_ARMS = {"static": "megatron", "dense": "dense", "dst": "dst", "sparsebalance": "sparsebalance",
-             "sparsebalance-anchor": "sparsebalance-anchor"}
+# A --budgets arm named like a tools/compare.py arm (e.g. "critical-path-eps0.05") is
+# plotted at that arm's step time.
+STEP_ARMS = {"static": "megatron", "dense": "dense"}
 SAME_RECALL = {"sab": "static"}
 
 
-def read_step_times(path: str) -> dict:
+def read_step_times(path: str, budget_arms=()) -> dict:
     """{compare arm: {"step_ms", "tokens_per_s", "ms_per_1k_tokens"}} from ``real.json``'s
-    ``arms``; bad input exits 2. The arms pack different token counts per step (SAB
-    carries documents over), so speed is compared per token: ms per 1,000 tokens."""
+    ``arms``: those the recall arms map to (``static``, ``dense``, ``sab`` and the
+    ``--budgets`` names); bad input exits 2. The arms pack different token counts per
+    step (SAB carries documents over), so speed is compared per token: ms per 1,000 tokens."""
     doc = read_json(path, "--step-times")
     arms = doc.get("arms") if isinstance(doc, dict) else None
     if not isinstance(arms, dict):
         fail(f"--step-times: {path} has no 'arms' object (expected tools/compare.py --mode real's real.json)")
+    wanted = set(STEP_ARMS.values()) | set(SAME_RECALL) | set(budget_arms)
     out = {}
     for name, a in arms.items():
-        if name not in set(STEP_ARMS.values()) | set(SAME_RECALL):
+        if name not in wanted:
             continue
         ms = a.get("step_ms") if isinstance(a, dict) else None
         if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
@@ -189,7 +197,7 @@ def read_step_times(path: str) -> dict:
             fail(f"--step-times: arm {name!r} in {path} has no positive 'tokens_per_s'")
         out[name] = {"step_ms": float(ms), "tokens_per_s": float(tps), "ms_per_1k_tokens": 1e6 / float(tps)}
     if not out:
-        fail(f"--step-times: {path} has none of the arms {sorted(set(STEP_ARMS.values()) | set(SAME_RECALL))}")
+        fail(f"--step-times: {path} has none of the arms {sorted(wanted)}")
     return out
 
 
@@ -204,7 +212,7 @@ def frontier(arms: dict, steps: dict) -> list:
     strictly).
     """
     points = []
-    pairs = [(arm, STEP_ARMS[arm], arm) for arm in arms if arm in STEP_ARMS]
+    pairs = [(arm, STEP_ARMS.get(arm, arm), arm) for arm in arms]
     pairs += [(arm, arm, src) for arm, src in SAME_RECALL.items() if src in arms]
     for arm, compare_arm, src in pairs:
         if compare_arm not in steps:
@@ -262,7 +270,7 @@ def heldout_microbatches(args, model_args, vocab: int) -> list:
 
 
 def score(model, microbatches, arms: dict, block_size: int, dense_layers) -> dict:
-    """Forward every micro-batch; per arm, per layer, the pooled :class:`Recall`.
+    """Forward every micro-batch; per arm, per layer, one :class:`Recall` per micro-batch.
 
     ``arms``: {name: callable(microbatch index, layer number) -> list of top-k, or
     None (dense)}; an arm's recall pools its list (one :class:`Recall` per entry, each
@@ -289,9 +297,7 @@ def score(model, microbatches, arms: dict, block_size: int, dense_layers) -> dic
             for t in ts:
                 if t not in cache:
                     cache[t] = block_topk_recall(q.detach(), k.detach(), cu, t, block_size, module.softmax_scale)
-            r = pool(cache[t] for t in ts)
-            prev = out[name].get(layer)
-            out[name][layer] = r if prev is None else prev + r
+            out[name].setdefault(layer, []).append(pool(cache[t] for t in ts))
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in cores]
     try:
@@ -310,15 +316,62 @@ def score(model, microbatches, arms: dict, block_size: int, dense_layers) -> dic
     return out
 
 
+BOOTSTRAP_RESAMPLES = 2000
+"""Resamples of the held-out micro-batches in :func:`paired_vs_static`."""
+
+
+def paired_vs_static(per_arm: dict, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict:
+    """Each arm's recall minus ``static``'s, per layer and on the mean, with a paired 95%
+    bootstrap interval over held-out micro-batches.
+
+    ``per_arm``: :func:`score`'s {arm: {layer: [Recall per micro-batch]}}. Every arm is
+    scored on the same queries, so one resample of micro-batch indices serves all arms
+    and the interval covers which documents were held out (not which budget tables were
+    drawn: an arm's tables are pooled inside each micro-batch). Returns {arm: {"per_layer":
+    [{"diff", "ci95"}], "mean": {"diff", "ci95"}, "microbatches", "resamples"}}.
+    """
+    import numpy as np
+
+    def arrays(layers: dict):
+        ordered = [layers[n] for n in sorted(layers)]
+        mass = np.array([[r.mass.numpy() for r in mbs] for mbs in ordered])  # [L, M, H]
+        queries = np.array([[r.queries for r in mbs] for mbs in ordered], dtype=np.float64)  # [L, M]
+        return mass, queries
+
+    def recall(mass, queries, counts):  # counts [R, M] -> per layer [R, L]
+        m = np.einsum("rm,lmh->rlh", counts, mass)
+        q = np.einsum("rm,lm->rl", counts, queries)
+        return (m / np.maximum(q, 1.0)[:, :, None]).mean(axis=2)
+
+    base = arrays(per_arm["static"])
+    M = base[1].shape[1]
+    rng = np.random.default_rng(seed)
+    counts = np.vstack([np.ones((1, M)), rng.multinomial(M, np.full(M, 1.0 / M), size=resamples)])
+    b = recall(*base, counts)
+    out = {}
+    for name, layers in per_arm.items():
+        if name == "static":
+            continue
+        d = recall(*arrays(layers), counts) - b  # row 0: the full sample
+        d = np.hstack([d, d.mean(axis=1, keepdims=True)])
+        lo, hi = np.percentile(d[1:], [2.5, 97.5], axis=0)
+        cells = [{"diff": float(d[0, j]), "ci95": [float(lo[j]), float(hi[j])]} for j in range(d.shape[1])]
+        out[name] = {"per_layer": cells[:-1], "mean": cells[-1], "microbatches": M, "resamples": resamples}
+    return out
+
+
 def report(per_arm: dict, sources: dict) -> dict:
-    """{arm: {"mean", "per_layer", "per_layer_head", "density", "queries"}} from pooled recalls.
+    """{arm: {"mean", "per_layer", "per_layer_head", "density", "queries"}} from
+    :func:`score`'s per-micro-batch recalls, pooled over micro-batches.
 
     ``sources``: {arm: budget tables pooled per query} (1 for ``static`` and ``dense``);
     ``queries`` counts each held-out query once.
     """
+    from sparsebalance.eval.recall import pool
+
     arms = {}
     for name, layers in per_arm.items():
-        ordered = [layers[n] for n in sorted(layers)]
+        ordered = [pool(layers[n]) for n in sorted(layers)]
         per_head = [r.per_head.tolist() for r in ordered]
         per_layer = [sum(h) / len(h) for h in per_head]
         kept, causal = sum(r.kept_pairs for r in ordered), sum(r.causal_pairs for r in ordered)
@@ -360,7 +413,7 @@ def plot_frontier(path: str, points: list, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4 + 0.18 * len(points)))
     best = [p for p in points if not p["dominated_by"]]
     ax.step([p["ms_per_1k_tokens"] for p in best], [p["recall_mean"] for p in best], where="post", color="0.7",
             lw=1, zorder=1, label="not dominated")
@@ -371,11 +424,11 @@ def plot_frontier(path: str, points: list, title: str) -> None:
     ax.set_xlabel("measured ms per 1,000 tokens (1e6 / tokens/s)")
     ax.set_ylabel("attention recall (mean over layers)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)  # below: no overprint
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
     plt.close(fig)
     os.replace(tmp, path)
 
@@ -403,7 +456,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     budget_arms = read_budget_arms(args.budgets)
-    steps = read_step_times(args.step_times) if args.step_times else None
+    steps = read_step_times(args.step_times, budget_arms) if args.step_times else None
     from eval_longctx import open_eval_model
 
     model, args.threads = open_eval_model(args.load, args.train_args, args.threads, fail, sparse=False,
@@ -421,6 +474,8 @@ def main(argv=None) -> int:
     finally:
         model.close()
     arms_out = report(per_arm, {n: len(t) for n, t in budget_arms.items()})
+    for name, d in paired_vs_static(per_arm).items():
+        arms_out[name]["vs_static"] = d
     config = {"load": args.load, "iteration": model.iteration, "data_path": args.data_path,
               "microbatches": len(mbs), "tokens": int(sum(mb["tokens"].shape[1] for mb in mbs)),
               "documents": int(sum(mb["cu_seqlens"].numel() - 1 for mb in mbs)),
@@ -443,6 +498,10 @@ def main(argv=None) -> int:
         for name, a in arms_out.items():
             print(f"{name:<16} mean {a['mean']:.4f}  density {a['density']:.3f}  per layer "
                   + " ".join(f"{x:.3f}" for x in a["per_layer"]))
+            if "vs_static" in a:
+                print(f"{'':<16} vs static per layer " + "  ".join(
+                    f"{c['diff']:+.4f} [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]"
+                    for c in a["vs_static"]["per_layer"]))
         for p in rep.get("frontier", []):
             print(f"frontier {p['arm']:<20} {p['ms_per_1k_tokens']:.2f} ms/1K tokens  recall {p['recall_mean']:.4f}"
                   + (f"  dominated by {', '.join(p['dominated_by'])}" if p["dominated_by"] else ""))

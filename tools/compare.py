@@ -404,7 +404,13 @@ def main(argv=None) -> int:
 
     if a.report:  # the other mode's earlier results in DIR join the report
         sim = sim if sim is not None else _load(a.report, "sim.json")
-        real = real if real is not None else _load(a.report, "real.json")
+        if real is None:
+            real = _load(a.report, "real.json")
+            if real is not None and real.get("runs"):  # pairs added since the runs
+                from sparsebalance.compare.campaign import pairs_of_real
+
+                real["pairs"] = pairs_of_real(real)
+                _dump(a.report, "real.json", real)
         for f in glob.glob(os.path.join(a.report, "sim_gantt_*.png")):  # needs the run
             figs.setdefault(os.path.splitext(os.path.basename(f))[0], os.path.basename(f))
         if sim is not None:

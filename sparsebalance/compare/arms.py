@@ -8,7 +8,7 @@ configuration), so both modes compare exactly the same things.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,18 @@ class Arm:
     """Block top-k sparse attention (False: full attention)."""
     plan_ahead: bool = True
     """DST plans the next step in the background (False: in line, before each step)."""
+    no_cut: bool = False
+    """DST only raises: no budget below k0 (``--sb-topk-min`` = ``--sb-topk``)."""
     description: str = ""
     """One line for the report."""
 
-    def driver_flags(self) -> List[str]:
-        """``pretrain_gpt.py`` flags selecting this arm (model/corpus flags excluded)."""
+    def driver_flags(self, topk: Optional[int] = None) -> List[str]:
+        """``pretrain_gpt.py`` flags selecting this arm (model/corpus flags excluded).
+
+        ``topk``: the run's ``--sb-topk`` (k0), needed by ``no_cut`` arms.
+        """
+        if self.no_cut and topk is None:
+            raise ValueError(f"arm {self.name}: no_cut needs the run's top-k")
         if not self.sparse:
             return ["--sb-batching", self.batching]
         flags = ["--sparse-attention", "--sb-batching", self.batching, "--sb-dst", self.dst]
@@ -41,6 +48,8 @@ class Arm:
             flags += ["--sb-attn-slack", f"{self.param:g}"]
         if self.dst != "off" and not self.plan_ahead:
             flags.append("--no-sb-plan-ahead")
+        if self.no_cut:
+            flags += ["--sb-topk-min", str(topk)]
         return flags
 
 
@@ -84,6 +93,9 @@ FRONTIER: Dict[str, Arm] = frontier_arms()
 ABLATIONS: Dict[str, Arm] = {a.name: a for a in (
     Arm("sparsebalance-inline", "sab", "critical-path", 0.0, plan_ahead=False,
         description="sparsebalance with each step's plan made in line (on the critical path)"),
+    Arm("sparsebalance-nocut", "sab", "critical-path", 0.0, no_cut=True,
+        description="sparsebalance whose DST only raises (--sb-topk-min = --sb-topk): no op "
+                    "keeps less attention than static"),
 )}
 """Arms that isolate one mechanism, run by name (``--arms``)."""
 

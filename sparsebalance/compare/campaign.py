@@ -161,22 +161,45 @@ def run_arms(repo: str, cfg: RealConfig, arms: Sequence[str], work: str, prep: d
 
 PAIRS = (("sparsebalance", "sab", "DST (critical-path) on top of SAB"),
          ("sparsebalance", "sparsebalance-inline", "DST planned ahead vs in line"),
-         ("dst", "megatron", "DST alone on Megatron packing"))
+         ("dst", "megatron", "DST alone on Megatron packing"),
+         ("sparsebalance", "sparsebalance-anchor", "critical-path DST vs the paper's anchor rule, both on SAB"),
+         ("sparsebalance-nocut", "sparsebalance", "DST that only raises vs DST that also cuts"),
+         ("critical-path-eps0.05", "sparsebalance-anchor",
+          "critical-path DST at slack 0.05 vs the anchor rule (both cut about 4% of the attention)"))
 """(arm, reference, what it isolates): throughput ratios reported when both arms ran."""
 
 
 def _ratios(runs: Dict[str, List[RunResult]], cfg: RealConfig):
     """Per-round throughput ratios vs megatron and for :data:`PAIRS`, median + 95% CI
     (:mod:`sparsebalance.compare.stats`); one round pools both megatron runs."""
-    from .stats import ratio_estimate, run_steps
+    from .stats import run_steps
 
     steps = {a: [run_steps(r.summary, r.repeat if cfg.rounds > 1 else 0)
                  for r in rs if r.summary is not None] for a, rs in runs.items()}
+    return _ratios_of(steps)
+
+
+def _ratios_of(steps: Dict[str, list]):
+    from .stats import ratio_estimate
+
     ratios = {a: ratio_estimate(s, steps["megatron"]).as_dict()
               for a, s in steps.items() if a != "megatron" and s and steps.get("megatron")}
     pairs = {f"{a}/{b}": {**ratio_estimate(steps[a], steps[b]).as_dict(), "isolates": what}
              for a, b, what in PAIRS if steps.get(a) and steps.get(b)}
     return ratios, pairs
+
+
+def pairs_of_real(real: dict) -> dict:
+    """:data:`PAIRS` ratios recomputed from a saved ``real.json``'s run summaries (the same
+    bootstrap, so pairs it already holds come out unchanged)."""
+    from .stats import run_steps
+
+    rounds = int(real.get("config", {}).get("rounds", 1))
+    steps: Dict[str, list] = {}
+    for r in real.get("runs", []):
+        if r.get("summary") is not None:
+            steps.setdefault(r["arm"], []).append(run_steps(r["summary"], r["repeat"] if rounds > 1 else 0))
+    return _ratios_of(steps)[1]
 
 
 def _dst_ops(runs: Dict[str, List[RunResult]], cfg: RealConfig, work: str) -> Dict[str, dict]:

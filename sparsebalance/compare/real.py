@@ -145,7 +145,7 @@ def driver_command(python: str, repo: str, cfg: RealConfig, arm: Arm, data_prefi
            "--lr", f"{cfg.lr:g}", "--min-lr", f"{cfg.lr / 10:g}", "--lr-warmup-iters", "2",
            "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--seed", str(cfg.seed),
            "--train-iters", str(cfg.iters), "--log-interval", "1", "--eval-interval", "0",
-           "--no-progress-bar", "--summary-json", summary_path, *arm.driver_flags()]
+           "--no-progress-bar", "--summary-json", summary_path, *arm.driver_flags(cfg.recipe.topk)]
     if profile:
         cmd += ["--sb-profile", profile]
     if timeline:

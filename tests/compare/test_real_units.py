@@ -14,7 +14,7 @@ def test_driver_flags_select_the_arm(name):
     from megatron.training.arguments import build_parser
 
     arm = get_arm(name)
-    a = build_parser().parse_args(arm.driver_flags())
+    a = build_parser().parse_args(["--sb-topk", "12", *arm.driver_flags(12)])
     assert a.sparse_attention == arm.sparse
     assert a.sb_batching == arm.batching
     if arm.sparse:
@@ -24,6 +24,12 @@ def test_driver_flags_select_the_arm(name):
     if arm.dst == "critical-path":
         assert a.sb_attn_slack == pytest.approx(arm.param)
     assert a.sb_plan_ahead == arm.plan_ahead
+    assert a.sb_topk_min == (12 if arm.no_cut else None)
+
+
+def test_no_cut_arm_needs_the_run_s_topk():
+    with pytest.raises(ValueError, match="sparsebalance-nocut"):
+        get_arm("sparsebalance-nocut").driver_flags()
 
 
 def test_main_arms_are_the_issue_s():
@@ -89,3 +95,24 @@ def test_real_config_checks():
     with pytest.raises(ValueError):
         RealConfig(ranks=4, micro_batches=2)
     assert "--sb-topk" in RealConfig().model_flags()
+
+
+def test_pairs_recomputed_from_saved_runs():
+    """``--mode report`` recomputes the PAIRS ratios from real.json's run summaries."""
+    from sparsebalance.compare.campaign import pairs_of_real
+
+    def run(arm, repeat, ms, tokens):
+        return {"arm": arm, "repeat": repeat, "summary": {
+            "warmup_steps_skipped": 1, "step_ms_all": [999.0] + [ms] * 4,
+            "step_tokens_all": [1] + [tokens] * 4}}
+
+    # per round: sparsebalance trains 1.2x anchor's tokens per ms, then 1.1x, then 1.0x
+    runs = [run("sparsebalance-anchor", k, 100.0, 1000) for k in range(3)]
+    runs += [run("sparsebalance", k, 100.0, t) for k, t in enumerate((1200, 1100, 1000))]
+    runs.append({"arm": "sab", "repeat": 0, "summary": None})  # a failed run is skipped
+    pairs = pairs_of_real({"config": {"rounds": 3}, "runs": runs})
+    assert set(pairs) == {"sparsebalance/sparsebalance-anchor"}
+    p = pairs["sparsebalance/sparsebalance-anchor"]
+    assert p["median"] == pytest.approx(1.1) and p["per_round"] == pytest.approx([1.2, 1.1, 1.0])
+    assert p["ci95"][0] >= 1.0 - 1e-12 and p["ci95"][1] <= 1.2 + 1e-12
+    assert "anchor" in p["isolates"]

@@ -159,7 +159,7 @@ def test_attention_recall_tool_end_to_end(tmp_path):
         assert a["queries"] == arms["static"]["queries"]  # every held-out query once, however many tables
     assert arms["dense"]["per_layer_head"] == [[1.0] * 4] * 2 and arms["dense"]["density"] == 1.0
     assert 0 < arms["static"]["mean"] < 1 and arms["static"]["density"] < 1  # routing really drops keys
-    assert arms["same"] == arms["static"]
+    assert {k: v for k, v in arms["same"].items() if k != "vs_static"} == arms["static"]
     assert arms["dst"]["per_layer"][0] < arms["static"]["per_layer"][0]
     assert arms["dst"]["per_layer"][1] > arms["static"]["per_layer"][1]
     # several tables: the mean over them (the glob and the comma list name the same two)
@@ -176,6 +176,17 @@ def test_attention_recall_tool_end_to_end(tmp_path):
     assert front["dst"]["recall_mean"] == arms["dst"]["mean"]
     assert "static" in front["sab"]["dominated_by"]
     assert png.stat().st_size > 0 and (tmp_path / "recall_frontier.png").stat().st_size > 0
+    # paired differences to static: none for static itself, exactly 0 for its twin
+    assert "vs_static" not in arms["static"]
+    for name in ("dense", "dst", "same", "avg", "avg2"):
+        vs = arms[name]["vs_static"]
+        for layer, cell in enumerate(vs["per_layer"]):
+            assert cell["diff"] == pytest.approx(arms[name]["per_layer"][layer] - arms["static"]["per_layer"][layer])
+            assert cell["ci95"][0] <= cell["diff"] + 1e-12 and cell["diff"] - 1e-12 <= cell["ci95"][1]
+        assert vs["mean"]["diff"] == pytest.approx(arms[name]["mean"] - arms["static"]["mean"])
+        assert vs["microbatches"] == 2
+    assert arms["same"]["vs_static"]["mean"] == {"diff": 0.0, "ci95": [0.0, 0.0]}
+    assert arms["dst"]["vs_static"]["per_layer"][0]["ci95"][1] < 0  # top-k 0 loses on both micro-batches
 
 
 # --- the frontier on a tiny case (no model) --------------------------------------------
@@ -216,7 +227,39 @@ def test_frontier_tiny_case():
     twins = tool.frontier({"static": arm(0.9, 0.9)}, {"megatron": sp(5.0, 2.0), "sab": sp(6.0, 2.0)})
     assert [p["dominated_by"] for p in twins] == [[], []]
     assert tool.frontier({"mine": arm(0.5, 0.5)}, steps) == []
+    # a budget arm named like a compare arm is placed at that arm's speed
+    eps = tool.frontier({"critical-path-eps0.05": arm(0.85, 0.96)}, {"critical-path-eps0.05": sp(990.0, 9.0)})
+    assert [(p["arm"], p["compare_arm"], p["tokens_per_s"]) for p in eps] == [
+        ("critical-path-eps0.05", "critical-path-eps0.05", 9.0)]
     assert tool.frontier_path("out/recall.png") == "out/recall_frontier.png"
+
+
+def test_paired_vs_static_tiny_case():
+    """Differences pool micro-batches by queries; the interval is paired over micro-batches."""
+    from sparsebalance.eval.recall import Recall
+
+    tool = _tool()
+
+    def mbs(*per_mb):  # one layer, 2 heads: (recall, queries) per micro-batch
+        return {1: [Recall(torch.tensor([r * q, r * q], dtype=torch.float64), q) for r, q in per_mb]}
+
+    static = mbs((0.5, 10), (0.9, 30), (0.7, 20), (0.6, 40))
+    per_arm = {"static": static,
+               "up": mbs((0.6, 10), (0.95, 30), (0.75, 20), (0.7, 40)),  # higher on every micro-batch
+               "mixed": mbs((0.8, 10), (0.8, 30), (0.7, 20), (0.6, 40)),  # +0.3 on one, -0.1 on another
+               "twin": mbs((0.5, 10), (0.9, 30), (0.7, 20), (0.6, 40))}
+    out = tool.paired_vs_static(per_arm, resamples=500, seed=1)
+    assert set(out) == {"up", "mixed", "twin"}
+    pooled = lambda rs: sum(r * q for r, q in rs) / sum(q for _, q in rs)
+    base = pooled([(0.5, 10), (0.9, 30), (0.7, 20), (0.6, 40)])
+    assert out["up"]["per_layer"][0]["diff"] == pytest.approx(
+        pooled([(0.6, 10), (0.95, 30), (0.75, 20), (0.7, 40)]) - base)
+    assert out["up"]["mean"] == out["up"]["per_layer"][0]  # one layer: the mean is that layer
+    assert out["up"]["per_layer"][0]["ci95"][0] > 0  # every resample favours it
+    lo, hi = out["mixed"]["per_layer"][0]["ci95"]
+    assert lo < 0 < hi  # resamples without the +0.3 micro-batch go negative
+    assert out["twin"]["per_layer"][0] == {"diff": 0.0, "ci95": [0.0, 0.0]}
+    assert out["up"]["microbatches"] == 4 and out["up"]["resamples"] == 500
 
 
 # --- bad input to the new options: one error line, exit 2, no plot ------------------------
