@@ -9,7 +9,9 @@ DENSE attention on held-out long documents. Arms (``pretrain_gpt.py`` flags):
 
 * ``dense``: full causal attention, Megatron packing (compare arm ``dense``);
 * ``static``: ``--sparse-attention``, Megatron packing, static top-k (compare arm ``megatron``);
-* ``sparsebalance``: ``--sparse-balance --sb-profile PROFILE`` (SAB + critical-path DST, slack 0).
+* ``sparsebalance``: ``--sparse-balance --sb-profile PROFILE`` (SAB + critical-path DST, slack 0);
+* ``sab`` (only with ``--arms``): SAB packing with the static top-k (compare arm ``sab``),
+  which splits SparseBalance's difference to ``static`` into packing and budgets.
 
 Budget: ``--budget-s`` seconds of training per arm. The clock starts when every
 training worker has installed its SIGUSR1 handler (the driver does so after setup,
@@ -29,7 +31,8 @@ attends only within itself).
 
 Output: per arm the mean held-out loss over seeds with a 95% t-interval, steps and
 tokens trained within the budget; the paired (same seed) differences
-sparsebalance - static and sparsebalance - dense with a 95% t-interval and a verdict
+sparsebalance - static, sparsebalance - dense, static - dense and, with ``sab``,
+sab - static and sparsebalance - sab, with a 95% t-interval and a verdict
 ("beyond noise" when the interval excludes 0). JSON on stdout with ``--json``, to
 ``--out`` (atomically), a bar plot with ``--plot``; progress on stderr.
 
@@ -37,10 +40,15 @@ Tiny CPU run (about 1.5 minutes on a quiet 2-core machine; numbers mean nothing)
 
     .venv/bin/python tools/heldout_loss.py --smoke --json
 
-The committed comparison (2-core CPU, ~45 min; ``docs/results.md``)::
+The committed comparison (2-core CPU, ~35 min on a quiet machine; ``docs/results.md``)::
 
     .venv/bin/python tools/heldout_loss.py --budget-s 200 --seeds 1,2,3 \\
         --out results/heldout_loss.json --plot results/heldout_loss.png
+
+Where SparseBalance's difference to static comes from (packing or budgets)::
+
+    .venv/bin/python tools/heldout_loss.py --arms static,sab,sparsebalance --budget-s 200 \\
+        --seeds 1,2,3 --workdir runs/heldout-sab --out results/heldout_loss_sab.json
 
 GPU: the runs are CPU runs (torchrun, ``--cpu``, gloo, PP=2), sized for 2 cores; on one
 GPU the arms' comparison is ``examples/longctx/gpu.sh`` (retrieval accuracy).
@@ -70,7 +78,10 @@ from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
 quiet_optional_extras()
 
 PROG = "heldout_loss.py"
-ARM_NAMES = ("dense", "static", "sparsebalance")
+ARM_NAMES = ("dense", "static", "sab", "sparsebalance")
+"""Every arm the tool can run, in report order."""
+DEFAULT_ARMS = ("dense", "static", "sparsebalance")
+ARM_COLORS = {"dense": "0.6", "static": "tab:orange", "sab": "tab:green", "sparsebalance": "tab:blue"}
 SPLIT = "90,10,0"
 KILL_AFTER_S = 300.0  # a run still alive this long after its stop signal is killed (it then fails)
 
@@ -93,6 +104,14 @@ def _seeds(text: str) -> list:
     return vals
 
 
+def _arms(text: str) -> list:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in ARM_NAMES]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct arms from {','.join(ARM_NAMES)}, got {text!r}")
+    return [x for x in ARM_NAMES if x in names]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--budget-s", type=float, default=None,
@@ -102,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out documents scored (default 24; smoke 4)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny corpus and model, short budget: checks the pipeline, numbers mean nothing")
+    p.add_argument("--arms", type=_arms, default=None,
+                   help=f"comma list from {','.join(ARM_NAMES)} (default {','.join(DEFAULT_ARMS)})")
     p.add_argument("--workdir", default=None,
                    help="corpus, profile, checkpoints and logs (default runs/heldout; smoke runs/heldout-smoke)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
@@ -113,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(a) -> None:
     a.budget_s = a.budget_s if a.budget_s is not None else (10.0 if a.smoke else 200.0)
     a.seeds = a.seeds or ([1, 2] if a.smoke else [1, 2, 3])
+    a.arms = a.arms or list(DEFAULT_ARMS)
     a.heldout_docs = a.heldout_docs if a.heldout_docs is not None else (4 if a.smoke else 24)
     a.workdir = a.workdir or os.path.join(REPO, "runs", "heldout-smoke" if a.smoke else "heldout")
     if not 0 < a.budget_s < float("inf"):
@@ -150,6 +172,8 @@ def arm_flags(name: str, profile: str) -> list:
         return ARMS["dense"].driver_flags()
     if name == "static":
         return ARMS["megatron"].driver_flags()
+    if name == "sab":
+        return [*ARMS["sab"].driver_flags(), "--sb-profile", profile]
     return ["--sparse-balance", "--sb-profile", profile]
 
 
@@ -321,7 +345,8 @@ def summarize(runs: list) -> dict:
                       "tokens_mean": sum(r["tokens"] for r in rs) / len(rs),
                       "wall_s": [r["wall_s"] for r in rs]}
     diffs = {}
-    for a, b in (("sparsebalance", "static"), ("sparsebalance", "dense"), ("static", "dense")):
+    for a, b in (("sparsebalance", "static"), ("sparsebalance", "dense"), ("static", "dense"),
+                 ("sab", "static"), ("sparsebalance", "sab")):
         if a in by_seed and b in by_seed:
             d = paired_difference(by_seed[a], by_seed[b])
             if d is not None:
@@ -342,7 +367,7 @@ def plot(path: str, result: dict) -> None:
     for i, n in enumerate(names):
         a = arms[n]
         lo, hi = a["ci95"] if a["ci95"] else (a["mean"], a["mean"])
-        ax.bar(i, a["mean"], color=("0.6", "tab:orange", "tab:blue")[ARM_NAMES.index(n)], alpha=0.8)
+        ax.bar(i, a["mean"], color=ARM_COLORS[n], alpha=0.8)
         ax.errorbar(i, a["mean"], yerr=[[a["mean"] - lo], [hi - a["mean"]]], color="k", capsize=6)
         ax.scatter([i] * len(a["per_seed"]), list(a["per_seed"].values()), color="k", s=10, zorder=3)
         ax.text(i, hi, f"{a['mean']:.3f}\n{a['steps_mean']:.0f} steps", ha="center", va="bottom", fontsize=7)
@@ -388,7 +413,7 @@ def run(a) -> dict:
     min_len = 2 * cfg.recipe.cap
     docs = heldout_documents(lengths, train_ids, valid_ids, min_len, a.heldout_docs)
     py = python_exe(REPO)
-    order = interleaved_order(ARM_NAMES, a.seeds)
+    order = interleaved_order(a.arms, a.seeds)
     log(f"[heldout] {len(order)} runs of {a.budget_s:g} s, order: " + ", ".join(f"{x}#{s}" for x, s in order))
     runs = []
     for i, (arm, seed) in enumerate(order):
@@ -430,7 +455,7 @@ def run(a) -> dict:
                       "attention": "dense"}
     out["runs"] = runs
     out["config"] = {**cfg.as_dict(), "budget_s": a.budget_s, "seeds": a.seeds, "smoke": a.smoke,
-                     "arm_flags": {n: arm_flags(n, profile) for n in ARM_NAMES},
+                     "arms": a.arms, "arm_flags": {n: arm_flags(n, profile) for n in a.arms},
                      "order": [f"{x}#{s}" for x, s in order], "prep_commands": prep["commands"],
                      "corpus": prep["stats"]}
     out["notes"] = [

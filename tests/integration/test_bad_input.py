@@ -488,6 +488,8 @@ CASES = [
          _p("--out", "{d}/no_dir/hl.json", "--workdir", "{d}/hl5"), r"no_dir", _p("{d}/hl5")),
     Case("heldout-workdir-is-file", "tools/heldout_loss.py",
          _p("--workdir", "{d}/lengths.json", "--plot", "{d}/hl6.png"), r"lengths\.json", _p("{d}/hl6.png")),
+    Case("heldout-unknown-arm", "tools/heldout_loss.py",
+         _p("--arms", "static,nope", "--workdir", "{d}/hl7"), r"arms.*nope", _p("{d}/hl7")),
 ]
 
 

@@ -90,6 +90,30 @@ def test_budget_stop_signals_each_worker_once(tmp_path):
     assert r["wall_s"] >= r["signal_at_s"] + 3.0
 
 
+def test_arms_option_flags_and_differences():
+    """--arms picks arms (report order); the sab arm is SAB with the static top-k; its
+    differences split sparsebalance - static into packing and budgets."""
+    import heldout_loss as H
+    from megatron.training.arguments import build_parser
+
+    p = H.build_parser()
+    assert p.parse_args(["--arms", "sparsebalance,sab,static"]).arms == ["static", "sab", "sparsebalance"]
+    a = p.parse_args([])
+    H.check_args(a)
+    assert a.arms == ["dense", "static", "sparsebalance"]
+    sab = build_parser().parse_args(H.arm_flags("sab", "prof.json"))
+    assert (sab.sparse_attention, sab.sb_batching, sab.sb_dst, sab.sb_profile) == (True, "sab", "off", "prof.json")
+    assert not sab.sparse_balance
+    runs = [{"arm": arm, "seed": seed, "heldout_loss": loss, "steps": 10, "tokens": 100, "wall_s": 1.0}
+            for arm, base in (("static", 1.0), ("sab", 1.2), ("sparsebalance", 1.3))
+            for seed, loss in ((1, base), (2, base + 0.1), (3, base - 0.05))]
+    out = H.summarize(runs)
+    assert list(out["arms"]) == ["static", "sab", "sparsebalance"]
+    d = out["differences"]
+    assert set(d) == {"sparsebalance - static", "sab - static", "sparsebalance - sab"}
+    assert d["sab - static"]["mean"] == pytest.approx(0.2) and d["sparsebalance - sab"]["mean"] == pytest.approx(0.1)
+
+
 def test_smoke_comparison_end_to_end(tmp_path):
     out, png, work = tmp_path / "hl.json", tmp_path / "hl.png", tmp_path / "work"
     env = dict(os.environ, OMP_NUM_THREADS="1")
