@@ -78,7 +78,8 @@ def _names(text: str) -> list:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tools/compare.py", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--mode", choices=("sim", "real", "all", "report"), default="sim",
-                   help="report: only re-render DIR/report.md from the results saved in DIR")
+                   help="report: only re-render DIR/report.md from the results saved in DIR "
+                        "(the arm-pair ratios are recomputed from the saved runs)")
     p.add_argument("--report", metavar="DIR", help="write raw results, report.md and PNGs here")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--quick", action="store_true",
@@ -409,8 +410,13 @@ def main(argv=None) -> int:
             if real is not None and real.get("runs"):  # pairs added since the runs
                 from sparsebalance.compare.campaign import pairs_of_real
 
-                real["pairs"] = pairs_of_real(real)
-                _dump(a.report, "real.json", real)
+                try:
+                    pairs = pairs_of_real(real)
+                except (KeyError, TypeError, ValueError):  # summaries too old: keep the saved pairs
+                    pairs = real.get("pairs", {})
+                if pairs != real.get("pairs"):
+                    real["pairs"] = pairs
+                    _dump(a.report, "real.json", real)
         for f in glob.glob(os.path.join(a.report, "sim_gantt_*.png")):  # needs the run
             figs.setdefault(os.path.splitext(os.path.basename(f))[0], os.path.basename(f))
         if sim is not None:
