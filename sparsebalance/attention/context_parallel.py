@@ -1,13 +1,15 @@
 """Context parallelism (CP) for packed documents: the token split and the K/V exchange.
 
 Split (Megatron's THD layout, the one megatron-core's RoPE assumes): every document
-is padded to a multiple of ``2 * cp * multiple`` tokens and cut into ``2 * cp``
-equal chunks; CP rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` of every
-document (head/tail pairing: an early chunk, cheap in causal attention, with a late,
-expensive one), documents in order. ``multiple`` is the sparse routing block, so a
-routing block never straddles two ranks and block routing stays exact. Padding
-tokens sit at the end of their document: real tokens never attend to them and they
-attend to nothing (their output is zero and they carry no loss).
+is padded to a multiple of ``2 * cp`` tokens and cut into ``2 * cp`` equal chunks;
+CP rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` of every document (head/tail
+pairing: an early chunk, cheap in causal attention, with a late, expensive one),
+documents in order. A routing block may straddle two ranks' chunks: routing sums
+its queries over the CP group (:func:`sparse_attention_local`), so it stays exact.
+(Padding to whole routing blocks instead would put all of a document's padding in
+rank 0's tail chunk and unbalance the ranks.) Padding tokens sit at the end of their
+document: real tokens never attend to them and they attend to nothing (their output
+is zero and they carry no loss).
 
 Attention under CP (:func:`gather_kv`, then the module's local-query attention):
 each rank all-gathers K and V over the CP group once per layer, reorders them into
@@ -26,9 +28,9 @@ import numpy as np
 import torch
 
 
-def padded_lengths(lengths: Sequence[int], cp: int, multiple: int = 1) -> np.ndarray:
-    """Document lengths rounded up to a multiple of ``2 * cp * multiple`` tokens."""
-    unit = 2 * int(cp) * int(multiple)
+def padded_lengths(lengths: Sequence[int], cp: int) -> np.ndarray:
+    """Document lengths rounded up to a multiple of ``2 * cp`` tokens (int64)."""
+    unit = 2 * int(cp)
     L = np.asarray(lengths, dtype=np.int64)
     return (L + unit - 1) // unit * unit
 
@@ -184,28 +186,15 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, layout: CPLayout, group):
     return kv[..., :D], kv[..., D:]
 
 
-def local_causal_work(lengths: Sequence[int], cp: int, multiple: int = 1) -> np.ndarray:
+def local_causal_work(lengths: Sequence[int], cp: int) -> np.ndarray:
     """Per CP rank: sum over its real query tokens of the keys they attend to (causal,
     dense), and its real token count. Returns int64 ``[cp, 2]`` (work, tokens)."""
-    P = padded_lengths(lengths, cp, multiple)
+    P = padded_lengths(lengths, cp)
     out = np.zeros((cp, 2), dtype=np.int64)
     for r in range(cp):
         lay = build_layout(lengths, P, cp, r)
         out[r] = (lay.causal_pairs, len(lay.local_rows))
     return out
-
-
-def _plan_apply(name: str):
-    """The kernel of backend ``name`` that runs a given :class:`RoutingPlan`."""
-    if name == "cpu":
-        from sparsebalance.ops.cpu import cpu_sparse_attention as f
-    elif name == "triton":
-        from sparsebalance.ops.triton_backend import triton_sparse_attention as f
-    elif name == "cuda":
-        from sparsebalance.ops.cuda import cuda_sparse_attention as f
-    else:
-        raise ValueError(f"no plan kernel for backend {name!r}")
-    return f
 
 
 def sparse_attention_local(q_local, query, k_full, v_full, layout: CPLayout, group, *, topk,
@@ -227,7 +216,7 @@ def sparse_attention_local(q_local, query, k_full, v_full, layout: CPLayout, gro
     Returns:
         ``(out [n, H, D], kept_pairs)`` with kept pairs of this rank's queries (all heads).
     """
-    from sparsebalance.ops.backends import resolve_backend
+    from sparsebalance.ops.backends import plan_kernel, resolve_backend
     from sparsebalance.ops.plan import build_plan, restrict_plan
     from sparsebalance.ops.reference import reference_sparse_attention
 
@@ -245,5 +234,5 @@ def sparse_attention_local(q_local, query, k_full, v_full, layout: CPLayout, gro
         out = reference_sparse_attention(q_full, k_full, v_full, layout.cu_real.to(q_full.device),
                                          topk, block_size, scale, route_q=route_q)
     else:
-        out = _plan_apply(name)(q_full, k_full, v_full, plan, scale)
+        out = plan_kernel(name)(q_full, k_full, v_full, plan, scale)
     return out.index_select(0, layout.local_pos), plan.kept_pairs

@@ -1,7 +1,7 @@
 """Held-out loss at equal wall-clock: run order, held-out documents and the seed statistics.
 
 Pure pieces of ``tools/heldout_loss.py`` (no torch, no processes): which arm runs
-when, which documents are held out, and the interval math over seeds.
+when, which documents are held out, and the interval math over seeds (scipy's t).
 """
 
 from __future__ import annotations
@@ -40,31 +40,13 @@ def heldout_documents(lengths: np.ndarray, train_ids: np.ndarray, valid_ids: np.
     return long_[:max_docs]
 
 
-def _t_pdf(x: np.ndarray, df: int) -> np.ndarray:
-    c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    return np.exp(c - (df + 1) / 2 * np.log1p(x * x / df))
-
-
-def _t_cdf_half(t: float, df: int) -> float:
-    """P(0 <= T <= t) for Student's t with ``df`` degrees of freedom (Simpson's rule)."""
-    n = 4000  # even; error < 1e-7 for t <= 100
-    x = np.linspace(0.0, t, n + 1)
-    y = _t_pdf(x, df)
-    return float((t / n) / 3 * (y[0] + y[-1] + 4 * y[1:-1:2].sum() + 2 * y[2:-1:2].sum()))
-
-
 def t_quantile(q: float, df: int) -> float:
-    """Two-sided quantile: ``t`` with P(T <= t) = ``q`` (0.5 < q < 1), by bisection."""
+    """Student's t quantile: ``t`` with P(T <= t) = ``q`` (0.5 < q < 1), ``df`` degrees of freedom."""
+    from scipy.stats import t
+
     if not 0.5 < q < 1 or df < 1:
         raise ValueError(f"need 0.5 < q < 1 and df >= 1, got q={q}, df={df}")
-    lo, hi = 0.0, 100.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if 0.5 + _t_cdf_half(mid, df) < q:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    return float(t.ppf(q, df))
 
 
 def mean_interval(values: Sequence[float], level: float = 0.95) -> dict:

@@ -31,32 +31,35 @@ def _reference(q, k, v, cu_seqlens, topk, block_size, scale):
                                       return_kept_pairs=True)
 
 
-def _cpu(q, k, v, cu_seqlens, topk, block_size, scale):
-    from sparsebalance.ops.cpu import cpu_sparse_attention
+def plan_kernel(name: str) -> Callable:
+    """The kernel of backend ``name`` (``cpu``, ``triton`` or ``cuda``) that runs a built
+    :class:`~sparsebalance.ops.plan.RoutingPlan`: ``kernel(q, k, v, plan, scale) -> out``."""
+    if name == "cpu":
+        from sparsebalance.ops.cpu import cpu_sparse_attention as kernel
+    elif name == "triton":
+        from sparsebalance.ops.triton_backend import triton_sparse_attention as kernel
+    elif name == "cuda":
+        from sparsebalance.ops.cuda import cuda_sparse_attention as kernel
+    else:
+        raise ValueError(f"no plan kernel for backend {name!r}")
+    return kernel
 
-    plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)
-    return cpu_sparse_attention(q, k, v, plan, scale), plan.kept_pairs
 
+def _planned(name: str) -> Callable:
+    """Backend ``name``: route (:func:`build_plan`), then run :func:`plan_kernel`."""
 
-def _triton(q, k, v, cu_seqlens, topk, block_size, scale):
-    from sparsebalance.ops.triton_backend import triton_sparse_attention
+    def impl(q, k, v, cu_seqlens, topk, block_size, scale):
+        plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)
+        return plan_kernel(name)(q, k, v, plan, scale), plan.kept_pairs
 
-    plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)
-    return triton_sparse_attention(q, k, v, plan, scale), plan.kept_pairs
-
-
-def _cuda(q, k, v, cu_seqlens, topk, block_size, scale):
-    from sparsebalance.ops.cuda import cuda_sparse_attention
-
-    plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)
-    return cuda_sparse_attention(q, k, v, plan, scale), plan.kept_pairs
+    return impl
 
 
 BACKENDS: dict[str, Callable] = {
     "reference": _reference,
-    "cpu": _cpu,
-    "triton": _triton,
-    "cuda": _cuda,
+    "cpu": _planned("cpu"),
+    "triton": _planned("triton"),
+    "cuda": _planned("cuda"),
 }
 
 _override: Optional[str] = None

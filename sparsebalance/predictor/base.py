@@ -162,8 +162,7 @@ class LatencyPredictor(abc.ABC):
         """Per-document layer time of the slowest CP rank plus the exchange (see
         ``context_parallel``'s docstring)."""
         cp, s = self.context_parallel, self.shape
-        pairs = rank_kept_pairs(L, self._routed_topk(topk), s.block_size, cp.size,
-                                cp.pad_multiple).max(axis=1)
+        pairs = rank_kept_pairs(L, self._routed_topk(topk), s.block_size, cp.size).max(axis=1)
         padded = cp.padded(L).astype(np.float64)
         token_ms, doc_ms = self._linear_ms(topk, phase)
         exchange = (cp.exchange_bytes_per_token(s.num_query_groups, s.head_dim) / cp.link.bytes_per_ms

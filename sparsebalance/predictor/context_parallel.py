@@ -2,8 +2,8 @@
 
 Under CP = c every micro-batch is split over c ranks (``megatron/training/data.py``,
 ``sparsebalance/attention/context_parallel.py``): each document is padded at its end
-to a multiple of ``2 c`` tokens (``pad_multiple`` x 2c in general) and cut into 2c
-equal chunks; CP rank r holds chunks r and 2c-1-r (head/tail pairing). Every layer,
+to a multiple of ``2 c`` tokens and cut into 2c equal chunks; CP rank r holds
+chunks r and 2c-1-r (head/tail pairing). Every layer,
 the ranks all-gather K and V of the whole micro-batch, and each computes the
 attention of its own queries against whole documents (routing sees the whole
 document); the backward returns dK/dV to their owners. The ranks of a CP group meet
@@ -102,21 +102,20 @@ class ContextParallel:
     """Interconnect of the CP group."""
     dtype_bytes: int = 2
     """Bytes per K/V element exchanged (2: bf16; 4: fp32 on CPU)."""
-    pad_multiple: int = 1
-    """Documents are padded to a multiple of ``2 * size * pad_multiple`` tokens."""
 
     def __post_init__(self) -> None:
         if int(self.size) < 1:
             raise ValueError(f"context parallel size must be >= 1, got {self.size}")
-        if int(self.dtype_bytes) < 1 or int(self.pad_multiple) < 1:
-            raise ValueError("dtype_bytes and pad_multiple must be >= 1")
+        if int(self.dtype_bytes) < 1:
+            raise ValueError("dtype_bytes must be >= 1")
 
     def padded(self, lengths: np.ndarray) -> np.ndarray:
-        """Document lengths as stored under CP (rounded up to the split unit)."""
+        """Document lengths as the training split stores them under CP."""
         if self.size == 1:
             return np.asarray(lengths, dtype=np.int64)
-        unit = 2 * self.size * self.pad_multiple
-        return (np.asarray(lengths, dtype=np.int64) + unit - 1) // unit * unit
+        from sparsebalance.attention.context_parallel import padded_lengths  # torch: only under CP
+
+        return padded_lengths(lengths, self.size)
 
     def exchange_bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
         """Bytes each rank receives per (padded) token per layer in the forward."""
@@ -139,8 +138,7 @@ def _prefix_kept(x: np.ndarray, K: Optional[int], B: int) -> np.ndarray:
     return diag + B * earlier_blocks
 
 
-def rank_kept_pairs(lengths, topk: Optional[int], block_size: int, cp: int,
-                    pad_multiple: int = 1) -> np.ndarray:
+def rank_kept_pairs(lengths, topk: Optional[int], block_size: int, cp: int) -> np.ndarray:
     """Kept (query, key) pairs per head of the queries each CP rank holds.
 
     Args:
@@ -148,7 +146,6 @@ def rank_kept_pairs(lengths, topk: Optional[int], block_size: int, cp: int,
         topk: routing budget (key blocks besides sink and diagonal); None = dense.
         block_size: routing block, tokens.
         cp: CP size; rank r holds chunks r and 2cp-1-r of each padded document.
-        pad_multiple: documents are padded to a multiple of ``2 cp pad_multiple``.
 
     Returns:
         int64 [n, cp]; rows sum to ``routing.kept_pairs(lengths, topk, block_size)``.
@@ -161,7 +158,7 @@ def rank_kept_pairs(lengths, topk: Optional[int], block_size: int, cp: int,
     K = None if topk is None else int(topk) + 1
     if cp == 1:
         return _prefix_kept(L, K, block_size)[:, None]
-    P = ContextParallel(cp, pad_multiple=pad_multiple).padded(L)
+    P = ContextParallel(cp).padded(L)
     Lc, S = L[:, None], (P // (2 * cp))[:, None]  # chunk size per document
     out = np.zeros((L.size, cp), dtype=np.int64)
     for j in (np.arange(cp)[None, :], 2 * cp - 1 - np.arange(cp)[None, :]):  # head, tail chunk
