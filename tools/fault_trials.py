@@ -314,19 +314,6 @@ def summarize(args, trials: List[dict], ref_s: float, wall_s: float) -> dict:
     }
 
 
-def _atomic_json(path: str, obj) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
@@ -370,7 +357,9 @@ def main(argv=None) -> int:
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
     if args.output:
-        _atomic_json(args.output, summary)
+        from sparsebalance.predictor.profile import atomic_write_text
+
+        atomic_write_text(args.output, json.dumps(summary, indent=1) + "\n")
     if args.json:
         print(json.dumps(summary, indent=1))
     else:

@@ -386,13 +386,6 @@ def plot(path: str, result: dict) -> None:
     os.replace(tmp, path)
 
 
-def write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-    os.replace(tmp, path)
-
-
 def run(a) -> dict:
     import numpy as np
 
@@ -486,7 +479,9 @@ def main(argv=None) -> int:
     result["command"] = "tools/heldout_loss.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result["seconds"] = time.time() - t0
     if a.out:
-        write_json(a.out, result)
+        from sparsebalance.predictor.profile import atomic_write_text
+
+        atomic_write_text(a.out, json.dumps(result, indent=1) + "\n")
     if a.plot:
         plot(a.plot, result)
     if a.json:
