@@ -357,7 +357,7 @@ def main(argv=None) -> int:
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
     if args.output:
-        from sparsebalance.predictor.profile import atomic_write_text
+        from sparsebalance.io import atomic_write_text
 
         atomic_write_text(args.output, json.dumps(summary, indent=1) + "\n")
     if args.json:

@@ -479,7 +479,7 @@ def main(argv=None) -> int:
     result["command"] = "tools/heldout_loss.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result["seconds"] = time.time() - t0
     if a.out:
-        from sparsebalance.predictor.profile import atomic_write_text
+        from sparsebalance.io import atomic_write_text
 
         atomic_write_text(a.out, json.dumps(result, indent=1) + "\n")
     if a.plot:

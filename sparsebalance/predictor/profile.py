@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import shlex
-import tempfile
 import time
 import warnings
 from dataclasses import fields
@@ -32,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from sparsebalance.io import atomic_write_text
 from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.fitted import FittedPredictor, fit_coefficients
 from sparsebalance.predictor.recalibration import Recalibrator
@@ -75,23 +75,6 @@ def make_profile(hardware: dict, model: dict, samples: list[dict], command: str,
             "command": command, "hardware": hardware, "model": model,
             "timing": dict(timing or {}), "samples": samples,
             "coefficients": fit_coefficients(samples, int(model["block_size"]))}
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same directory + os.replace."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the profile from others
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def save_profile(path: str, profile: dict) -> None:
