@@ -1,6 +1,6 @@
 """Attention recall of a pretrain_gpt.py checkpoint under each arm's top-k budgets.
 
-Recall (:mod:`sparsebalance.eval.recall`): per query, the fraction of its dense
+Recall (:mod:`tools.harness.longctx.recall`): per query, the fraction of its dense
 causal softmax mass (inside its own document) on the key blocks block top-k
 routing keeps; reported per layer and head as the mean over queries.
 
@@ -77,6 +77,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 
 from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
+from sparsebalance.io import atomic_path  # noqa: E402
 
 PROG = "attention_recall.py"
 
@@ -281,7 +282,7 @@ def score(model, microbatches, arms: dict, block_size: int, dense_layers) -> dic
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from sparsebalance.attention.dense import CausalVarlenAttention
-    from sparsebalance.eval.recall import block_topk_recall, pool
+    from tools.harness.longctx.recall import block_topk_recall, pool
 
     cores = [m for m in model.gpt.modules() if isinstance(m, CausalVarlenAttention)]
     out = {name: {} for name in arms}
@@ -367,7 +368,7 @@ def report(per_arm: dict, sources: dict) -> dict:
     ``sources``: {arm: budget tables pooled per query} (1 for ``static`` and ``dense``);
     ``queries`` counts each held-out query once.
     """
-    from sparsebalance.eval.recall import pool
+    from tools.harness.longctx.recall import pool
 
     arms = {}
     for name, layers in per_arm.items():
@@ -399,10 +400,9 @@ def plot(path: str, arms: dict, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def plot_frontier(path: str, points: list, title: str) -> None:
@@ -427,10 +427,9 @@ def plot_frontier(path: str, points: list, title: str) -> None:
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)  # below: no overprint
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def frontier_path(plot_path: str) -> str:

@@ -131,13 +131,13 @@ def _check(a) -> None:
     for f in a.lengths:
         if not os.path.isfile(f):
             raise UsageError(f"--lengths: {f} does not exist")
-    from sparsebalance.compare.sim import MODELS
+    from tools.harness.compare.cluster_sim import MODELS
 
     bad = [m for m in a.sim_models if m not in MODELS]
     if bad or not a.sim_models:
         raise UsageError(f"--sim-models must be from {sorted(MODELS)}, got {bad or a.sim_models}")
     if a.arms is not None:
-        from sparsebalance.compare import get_arm
+        from tools.harness.compare import get_arm
 
         try:
             for n in a.arms:
@@ -158,7 +158,7 @@ def _check(a) -> None:
 def _sim_configs(a) -> dict:
     """SimConfig per simulated model, with its predictor (shape) loaded: a bad cost model
     is a usage error before any work."""
-    from sparsebalance.compare.sim import MODELS, SimConfig
+    from tools.harness.compare.cluster_sim import MODELS, SimConfig
 
     out = {}
     for model in a.sim_models:
@@ -175,7 +175,7 @@ def _sim_configs(a) -> dict:
 
 
 def _real_config(a):
-    from sparsebalance.compare.real import RealConfig, measured_steps
+    from tools.harness.compare.real import RealConfig, measured_steps
 
     try:
         cfg = RealConfig(ranks=a.ranks, iters=a.iters or (23 if a.quick else 33),
@@ -204,7 +204,7 @@ def _read_lengths(path: str):
 
 
 def run_sim(a, figs: dict, log) -> dict:
-    from sparsebalance.compare.sim import simulate_cell
+    from tools.harness.compare.cluster_sim import simulate_cell
 
     t0 = time.time()
     files = a.length_arrays
@@ -237,7 +237,7 @@ def _sim_cp(a, model: str, cfg, files: dict, log) -> dict:
     """``{cp: {"cells": {file: {seq: cell table}}}}`` for every ``--sim-cp`` size > 1."""
     from dataclasses import replace
 
-    from sparsebalance.compare.sim import simulate_cell
+    from tools.harness.compare.cluster_sim import simulate_cell
 
     out = {}
     for cp in a.sim_cp_sizes:
@@ -256,7 +256,7 @@ def _sim_cp(a, model: str, cfg, files: dict, log) -> dict:
 
 def _sim_charts(d: str, sim: dict, figs: dict) -> None:
     """Speedup bars and frontier of every simulated model (from the saved results)."""
-    from sparsebalance.compare.figures import frontier, speedup_bars
+    from tools.harness.compare.figures import frontier, speedup_bars
 
     for model, m in sim["models"].items():
         speedup_bars(os.path.join(d, f"sim_speedup_{model}.png"), None, m["cells"])
@@ -282,8 +282,8 @@ def _sim_figures(d: str, model: str, cells: dict, gantt, figs: dict) -> None:
 
 
 def run_real(a, figs: dict, log) -> dict:
-    from sparsebalance.compare.arms import ARMS, FRONTIER, get_arm
-    from sparsebalance.compare.campaign import cpu_prediction, prepare, run_arms
+    from tools.harness.compare.arms import ARMS, FRONTIER, get_arm
+    from tools.harness.compare.campaign import cpu_prediction, prepare, run_arms
 
     arms = a.arms or list(ARMS)
     if a.frontier and not a.quick:
@@ -303,7 +303,7 @@ def run_real(a, figs: dict, log) -> dict:
 
 
 def _real_frontier(arms: dict) -> dict:
-    from sparsebalance.compare.arms import FRONTIER, get_arm
+    from tools.harness.compare.arms import FRONTIER, get_arm
 
     base, sab = arms.get("megatron"), arms.get("sab")
     if not base or not sab:
@@ -320,7 +320,7 @@ def _real_frontier(arms: dict) -> dict:
 
 
 def _real_figures(d: str, res: dict, figs: dict) -> None:
-    from sparsebalance.compare.figures import (frontier, last_timeline, speedup_bars,
+    from tools.harness.compare.figures import (frontier, last_timeline, speedup_bars,
                                                validation_scatter)
     from sparsebalance.pipeline import simulate
     from sparsebalance.pipeline.trace import write_chrome_trace, write_gantt
@@ -360,12 +360,9 @@ def _load(d: str, name: str):
 
 
 def _dump(d: str, name: str, obj) -> None:
-    import tempfile
+    from sparsebalance.io import atomic_write_text
 
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=1)
-    os.replace(tmp, os.path.join(d, name))
+    atomic_write_text(os.path.join(d, name), json.dumps(obj, indent=1))
 
 
 def main(argv=None) -> int:
@@ -400,15 +397,16 @@ def main(argv=None) -> int:
     except (RuntimeError, OSError, ValueError) as e:
         print(f"tools/compare.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
-    from sparsebalance.compare.report import build_report, write_text
-    from sparsebalance.compare.summary import build_summary, check_summary
+    from sparsebalance.io import atomic_write_text
+    from tools.harness.compare.report_md import build_report
+    from tools.harness.compare.summary import build_summary, check_summary
 
     if a.report:  # the other mode's earlier results in DIR join the report
         sim = sim if sim is not None else _load(a.report, "sim.json")
         if real is None:
             real = _load(a.report, "real.json")
             if real is not None and real.get("runs"):  # pairs added since the runs
-                from sparsebalance.compare.campaign import pairs_of_real
+                from tools.harness.compare.campaign import pairs_of_real
 
                 try:
                     pairs = pairs_of_real(real)
@@ -438,15 +436,15 @@ def main(argv=None) -> int:
             "on (no FLOP rescaling); `qwen05b` is also shown: at PP=8 its last stage carries "
             "a 151,936-token output layer, a per-token straggler that neither packing nor "
             "attention budgets can touch, which caps every arm's gain. The real-run corpus "
-            "recipe (`sparsebalance/compare/corpus.py`) was fixed before any arm ran and "
+            "recipe (`tools/harness/compare/corpus.py`) was fixed before any arm ran and "
             "was not changed after."]
-        write_text(os.path.join(a.report, "report.md"), build_report(real, sim, figs, header, notes))
+        atomic_write_text(os.path.join(a.report, "report.md"), build_report(real, sim, figs, header, notes))
         _dump(a.report, "summary.json", summary)
     if a.json:
         print(json.dumps(summary))
     else:
         if real is not None and real.get("arms"):
-            from sparsebalance.compare.report import real_table
+            from tools.harness.compare.report_md import real_table
 
             print("\n".join(real_table(real)))
         if a.report and real is not None:

@@ -100,7 +100,7 @@ def eval_args(train_args, *, sparse: bool, sb_topk, sb_block_size, backend):
 
 
 class EvalModel:
-    """A single-process GPTModel seen as ``logits(seqs)`` (see sparsebalance.eval.runner)."""
+    """A single-process GPTModel seen as ``logits(seqs)`` (see tools.harness.longctx.runner)."""
 
     def __init__(self, gpt, args):
         self.gpt = gpt.eval()
@@ -254,7 +254,7 @@ def open_eval_model(root: str, train_flags, threads, fail_fn, **attention):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sparsebalance.eval.scoring import MODES
+    from tools.harness.longctx.scoring import MODES
 
     p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint directory written by pretrain_gpt.py --save")
@@ -289,8 +289,8 @@ def load_samples(args) -> list:
     """Samples from ``--data`` or generated; usage errors exit 2."""
     from collections import Counter
 
-    from sparsebalance.eval.mix import read_eval_set
-    from sparsebalance.eval.tasks import TASKS, generate_set
+    from tools.harness.longctx.mix import read_eval_set
+    from tools.harness.longctx.tasks import TASKS, generate_set
 
     if args.limit is not None and args.limit < 1:
         fail("--limit must be >= 1")
@@ -321,7 +321,7 @@ def load_samples(args) -> list:
 
 def report(args, results, model_args, iteration: int, chance: float, seconds: float) -> dict:
     """JSON-serialisable report: accuracy table plus what produced it."""
-    from sparsebalance.eval.scoring import accuracy_table, mean_accuracy, mean_token_accuracy
+    from tools.harness.longctx.scoring import accuracy_table, mean_accuracy, mean_token_accuracy
 
     table = accuracy_table(results)
     return {
@@ -364,9 +364,9 @@ def main(argv=None) -> int:
     model, args.threads = open_eval_model(args.load, args.train_args, args.threads, fail,
                                           sparse=args.sparse_attention, sb_topk=args.sb_topk,
                                           sb_block_size=args.sb_block_size, backend=args.sb_attention_backend)
-    from sparsebalance.eval.runner import evaluate
-    from sparsebalance.eval.scoring import chance_level, format_table
-    from sparsebalance.eval.tokenizer import get_tokenizer
+    from tools.harness.longctx.runner import evaluate
+    from tools.harness.longctx.scoring import chance_level, format_table
+    from tools.harness.longctx.tokenizer import get_tokenizer
 
     too_long = [s.length for s in samples if s.length > model.max_positions]
     if too_long:
@@ -388,13 +388,13 @@ def main(argv=None) -> int:
     chance = chance_level(args.mode, 1 + min(len(s.distractors) for s in samples))
     rep = report(args, results, model.args, model.iteration, chance, time.perf_counter() - t0)
     if args.output:
-        from sparsebalance.eval.mix import atomic_write_lines
+        from sparsebalance.io import atomic_write_text
 
-        atomic_write_lines(args.output, [json.dumps(rep, indent=1)])
+        atomic_write_text(args.output, json.dumps(rep, indent=1) + "\n")
     if args.json:
         print(json.dumps(rep, indent=1))
     else:
-        from sparsebalance.eval.scoring import accuracy_table
+        from tools.harness.longctx.scoring import accuracy_table
 
         print(format_table(accuracy_table(results)))
         print(f"mode {rep['mode']} (chance {rep['chance']:.3f}), attention {rep['attention']}, "

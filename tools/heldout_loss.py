@@ -2,8 +2,8 @@
 """Held-out loss at equal wall-clock: dense, static sparse and SparseBalance.
 
 Every arm trains the same model from the same init (``--seed``) on the same corpus
-(:class:`sparsebalance.compare.corpus.CorpusRecipe`, made by ``tools/make_corpus.py``
-through :func:`sparsebalance.compare.campaign.prepare`, which also profiles the layer
+(:class:`tools.harness.compare.corpus.CorpusRecipe`, made by ``tools/make_corpus.py``
+through :func:`tools.harness.compare.campaign.prepare`, which also profiles the layer
 for SparseBalance's predictor) for the same wall-clock budget, then is scored with
 DENSE attention on held-out long documents. Arms (``pretrain_gpt.py`` flags):
 
@@ -156,8 +156,8 @@ def real_config(smoke: bool):
     """Model, corpus and routing. Full: the compare tool's real-run configuration
     (8K-token micro-batches, block 64, top-30: cap 2048 keys, a quarter of the
     context); smoke: the same shape, 1K tokens, a few hundred documents."""
-    from sparsebalance.compare.corpus import CorpusRecipe
-    from sparsebalance.compare.real import RealConfig
+    from tools.harness.compare.corpus import CorpusRecipe
+    from tools.harness.compare.real import RealConfig
 
     if smoke:
         return RealConfig(recipe=CorpusRecipe(num_docs=200, seq_length=1024, topk=2, scale=0.125),
@@ -166,7 +166,7 @@ def real_config(smoke: bool):
 
 
 def arm_flags(name: str, profile: str) -> list:
-    from sparsebalance.compare.arms import ARMS
+    from tools.harness.compare.arms import ARMS
 
     if name == "dense":
         return ARMS["dense"].driver_flags()
@@ -330,7 +330,7 @@ def bar(done: int, total: int, width: int = 24) -> str:
 
 def summarize(runs: list) -> dict:
     """Per arm mean loss with interval, steps, tokens; paired differences."""
-    from sparsebalance.compare.heldout import mean_interval, paired_difference
+    from tools.harness.compare.heldout import mean_interval, paired_difference
 
     arms, by_seed = {}, {}
     for name in ARM_NAMES:
@@ -361,6 +361,8 @@ def plot(path: str, result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from sparsebalance.io import atomic_path
+
     arms = result["arms"]
     names = [n for n in ARM_NAMES if n in arms]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
@@ -380,10 +382,9 @@ def plot(path: str, result: dict) -> None:
     ax.set_title(f"equal wall-clock {cfg['budget_s']:g} s per arm, {len(cfg['seeds'])} seeds "
                  f"(mean, 95% t-interval, seeds as dots)", fontsize=8)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def run(a) -> dict:
@@ -392,9 +393,9 @@ def run(a) -> dict:
     from megatron.training import data as D
     from megatron.training.arguments import _split
     from megatron.training.indexed_io import open_dataset
-    from sparsebalance.compare.campaign import prepare
-    from sparsebalance.compare.heldout import heldout_documents, interleaved_order
-    from sparsebalance.compare.real import python_exe
+    from tools.harness.compare.campaign import prepare
+    from tools.harness.compare.heldout import heldout_documents, interleaved_order
+    from tools.harness.compare.real import python_exe
 
     cfg = real_config(a.smoke)
     os.makedirs(a.workdir, exist_ok=True)

@@ -35,8 +35,9 @@ from typing import NoReturn
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from sparsebalance.eval.mix import MixConfig, atomic_write_lines, write_eval_set, write_training_mix  # noqa: E402
-from sparsebalance.eval.tasks import ALL_TASKS, TASKS, TaskConfig, generate_set  # noqa: E402
+from sparsebalance.io import atomic_write_text  # noqa: E402
+from tools.harness.longctx.mix import MixConfig, write_eval_set, write_training_mix  # noqa: E402
+from tools.harness.longctx.tasks import ALL_TASKS, TASKS, TaskConfig, generate_set  # noqa: E402
 
 PROG = "make_longctx_data.py"
 SHARED_LENGTHS = os.path.join(os.path.dirname(REPO), "shared", "data", "lengths")
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
                              "samples_per_cell": args.eval_samples, "seed": args.seed}}
         if not args.num_train_docs:
             manifest.pop("mix")
-        atomic_write_lines(os.path.join(out, "manifest.json"), [json.dumps(manifest, indent=1)])
+        atomic_write_text(os.path.join(out, "manifest.json"), json.dumps(manifest, indent=1) + "\n")
     except (OSError, ValueError) as e:
         fail(str(e), code=1)
     print(json.dumps({"output_dir": out, "train_docs": sum(counts.values()), "eval_samples": n_eval,

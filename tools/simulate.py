@@ -39,7 +39,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 
@@ -47,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from sparsebalance.io import atomic_write_text  # noqa: E402
 from sparsebalance.pipeline.trace import write_chrome_trace, write_gantt  # noqa: E402
 from sparsebalance.tuning import (anchor_indices, critical_path_indices,  # noqa: E402
                                   instance_from_json, instance_to_json)
@@ -169,12 +169,7 @@ def _from_lengths(a) -> dict:
 
 
 def _write_json(path: str, obj) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj))
 
 
 def _bench(a) -> dict:

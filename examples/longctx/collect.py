@@ -20,6 +20,10 @@ import os
 import sys
 from typing import NoReturn
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+from sparsebalance.io import atomic_write_text  # noqa: E402
+
 PROG = "collect.py"
 NEEDLE = "niah_single"
 
@@ -170,11 +174,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     result = collect(args.runs_dir, args.arms, args.seeds, args.needle_length, tuple(args.mean_lengths),
                      args.base_dir)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    tmp = args.output + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, args.output)
+    atomic_write_text(args.output, json.dumps(result, indent=1))
     print(json.dumps({arm: {k: v[k] for k in ("needle_4k", "mean", "wall_clock_s")}
                       for arm, v in result["arms"].items()}))
     return 0

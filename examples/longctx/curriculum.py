@@ -108,7 +108,7 @@ def _tasks(where: str, d: dict) -> str:
 def _check_samples(where: str, tasks: str, lengths: list[int], knobs: dict | None = None) -> None:
     """Every (task, length) of a mix or probe can be generated: a typo or a length too
     short for a task fails here, not hours later when the stage's turn comes."""
-    from sparsebalance.eval.tasks import TaskConfig, generate
+    from tools.harness.longctx.tasks import TaskConfig, generate
 
     cfg = TaskConfig(**(knobs or {}))
     for task in tasks.split(","):

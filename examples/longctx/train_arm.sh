@@ -144,8 +144,7 @@ if summary:
     segments[-1]["iterations"] = s.get("iterations")
     # the run's own iteration counter (--finetune starts it at 0): steps of all launches
     meta["iterations"] = s.get("last_iteration")
-with open(path + ".tmp", "w") as f:
-    json.dump(meta, f, indent=1)
-os.replace(path + ".tmp", path)
+from sparsebalance.io import atomic_write_text  # the working directory is $SB_ROOT
+atomic_write_text(path, json.dumps(meta, indent=1))
 PY
 echo "trained $ARM seed $SEED in $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.0f", b - a}') s -> $RUN"

@@ -17,7 +17,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 
-from sparsebalance.compare.heldout import (heldout_documents, interleaved_order,  # noqa: E402
+from tools.harness.compare.heldout import (heldout_documents, interleaved_order,  # noqa: E402
                                            mean_interval, paired_difference, t_quantile)
 
 

@@ -1,0 +1,13 @@
+"""The experiment harness, outside the library package ``sparsebalance``.
+
+``compare``  end-to-end comparison of SparseBalance against the Megatron baseline and
+             the peers: arms, cluster-scale simulation, real CPU runs, statistics,
+             reports and figures (command line: ``tools/compare.py``)
+``longctx``  RULER-style long-context tasks, the training-mix writer, scoring, the
+             model runner and attention recall (``tools/eval_longctx.py``,
+             ``tools/make_longctx_data.py``, ``tools/attention_recall.py``)
+
+The dependency is one way: the harness imports ``sparsebalance`` (and may import the
+driver, ``megatron.training``); nothing under ``sparsebalance/`` imports the harness.
+Import it with the repository root on ``sys.path``, as ``tools.harness.compare``.
+"""

@@ -1,0 +1,281 @@
+"""Cluster-scale simulation of the arms: packers + DST planners + the pipeline model.
+
+For one document-length file and one sequence length: each packing strategy packs
+the same seeded document stream into ``steps`` global steps of ``dp x M``
+micro-batches; every step becomes a planning instance (predicted op times and
+retained attention as functions of the budget, ``tuning.from_predictor``); each
+arm's budget policy is planned on it and the step simulated with megatron's 1F1B
+schedule model. Nothing here re-implements packing, planning or scheduling: it
+wires ``sparsebalance.batching``, ``sparsebalance.tuning`` and
+``sparsebalance.pipeline`` together and accounts.
+
+Arms fit different numbers of tokens into a step, so they are compared by
+throughput (real tokens per predicted ms), not step time.
+
+Context parallelism (``SimConfig.cp``, the paper's SP2 at ``cp=2``): the same packing
+and planning code runs on the CP-aware predictor, so SAB packs and DST budgets by the
+slowest CP rank's time (its share of every document's attention plus the K/V
+exchange) instead of a whole micro-batch's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from sparsebalance.attention.routing import causal_pairs
+from sparsebalance.batching import PackingSampler
+from sparsebalance.pipeline import StepResult, simulate
+from sparsebalance.predictor import get_predictor
+from sparsebalance.tuning import anchor_indices, critical_path_indices
+from sparsebalance.tuning.from_predictor import build_instance
+from sparsebalance.tuning.instance import Instance
+from sparsebalance.tuning.plan import simulate_indices
+from .arms import ARMS, FRONTIER, Arm
+
+MODELS: Dict[str, Dict[str, object]] = {
+    "llama7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
+                    ffn_hidden_size=11008, vocab_size=32000),
+    "qwen05b": {},
+    "profile": {},
+}
+"""Simulated model shapes. ``llama7b`` is the layer h100-analytic was fitted on (no FLOP
+rescaling; 4 layers per stage at PP=8); ``qwen05b`` is the predictor's default
+(Qwen2.5-0.5B-like: 3 layers per stage at PP=8 plus a 151,936-token output layer on
+the last stage); ``profile`` adds no overrides (with a profile JSON as cost model: the
+profiled model itself)."""
+
+SIM_ARMS: Tuple[str, ...] = ("megatron", "sab", "dst", "sparsebalance", "sparsebalance-anchor",
+                             "wlb")
+"""Main arms of the simulation (no dense arm: no loss, and dense is not the question)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Cluster shape, routing and cost model of the simulation."""
+
+    pp: int = 8
+    """Pipeline stages."""
+    dp: int = 8
+    """Data-parallel replicas."""
+    micro_batches: int = 32
+    """Micro-batches per replica per step (M)."""
+    steps: int = 6
+    """Global steps simulated per (length file, seq-length, packing)."""
+    seed: int = 0
+    """Seed of the document order (same stream for every packing)."""
+    cost_model: str = "h100-analytic"
+    """Predictor name or profile path."""
+    block_size: int = 256
+    """Routing block, tokens (paper: 256)."""
+    topk: int = 32
+    """Static budget k0 (paper: 32)."""
+    max_carry_steps: int = 2
+    """Longest wait of a deferred document, steps."""
+    model: Tuple[Tuple[str, object], ...] = ()
+    """Predictor ModelShape overrides as (field, value) pairs (default: its defaults)."""
+    threads: Optional[int] = None
+    """Threads per rank of the runs a profile cost model predicts (None: this process's)."""
+    cp: int = 1
+    """Context-parallel size: every micro-batch is split over ``cp`` ranks (head/tail
+    chunks of each document) and its op times are those of the slowest rank of the CP
+    group, K/V exchange included (``sparsebalance.predictor.context_parallel``); the
+    cluster has ``dp x pp x cp`` GPUs."""
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "micro_batches", "steps", "block_size", "topk", "cp"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batches < self.pp:
+            raise ValueError(f"micro_batches ({self.micro_batches}) must be >= pp ({self.pp})")
+
+    def predictor(self):
+        """The cost model of the simulation."""
+        extra = {"threads": self.threads} if self.threads is not None else {}
+        return get_predictor(self.cost_model, block_size=self.block_size, topk=self.topk,
+                             context_parallel_size=self.cp, **dict(self.model), **extra)
+
+
+@dataclass
+class _Acc:
+    """Per-arm sums over steps."""
+
+    step_ms: List[float] = field(default_factory=list)
+    tokens: int = 0
+    attn: float = 0.0
+    static_attn: float = 0.0
+    causal: float = 0.0
+    lb_ms: float = 0.0
+    imb_mb: List[float] = field(default_factory=list)
+    imb_rank: List[float] = field(default_factory=list)
+    bubble: List[np.ndarray] = field(default_factory=list)
+    plan_ms: List[float] = field(default_factory=list)
+
+
+def _ratio(x: np.ndarray) -> float:
+    m = float(np.mean(x))
+    return float(np.max(x)) / m if m > 0 else 1.0
+
+
+def _nested(packed) -> List[List[List[int]]]:
+    """Document lengths ``[dp][microbatch][doc]`` of one packed step."""
+    return [[[int(s[2]) for s in mb] for mb in rank] for rank in packed.ranks]
+
+
+def _packed_steps(lengths: np.ndarray, strategy: str, seq_length: int, cfg: SimConfig, predictor):
+    """``cfg.steps`` packed steps (the sampler's ``StepPlan``) of one strategy; all must be
+    full steps of epoch 0."""
+    sampler = PackingSampler(lengths, dp=cfg.dp, micro_batches=cfg.micro_batches,
+                             seq_length=seq_length, strategy=strategy, seed=cfg.seed,
+                             max_carry_steps=cfg.max_carry_steps, predictor=predictor,
+                             pp=cfg.pp)
+    steps = []
+    for _ in range(cfg.steps):
+        packed = sampler.next_step()
+        if packed.epoch != 0 or any(len(mb) == 0 for r in packed.ranks for mb in r):
+            raise ValueError(f"steps: the length file holds fewer than {cfg.steps} full steps of "
+                             f"{cfg.dp}x{cfg.micro_batches}x{seq_length} tokens ({strategy})")
+        steps.append(packed)
+    return steps
+
+
+def _indices(inst: Instance, arm: Arm) -> np.ndarray:
+    if arm.dst == "off":
+        return np.full((inst.dp, inst.microbatches, inst.stages), inst.k0_index)
+    if arm.dst == "anchor":
+        return anchor_indices(inst, "mean", arm.param)
+    if arm.dst == "critical-path":
+        return critical_path_indices(inst, arm.param)
+    raise ValueError(f"unknown dst policy {arm.dst!r}")
+
+
+def lower_bound_ms(inst: Instance) -> float:
+    """Step time if every micro-batch took the step's mean per-stage time at k0 and
+    every replica were equal: the floor for any packing of these documents into
+    equal micro-batches (DST's budget cuts can go below it, packing cannot)."""
+    k0 = np.full((inst.dp, inst.microbatches, inst.stages), inst.k0_index)
+    f, b, _ = inst.at(k0)
+    shape = (1, inst.microbatches, inst.stages)
+    fm = np.broadcast_to(f.reshape(-1, inst.stages).mean(axis=0), shape)
+    bm = np.broadcast_to(b.reshape(-1, inst.stages).mean(axis=0), shape)
+    return float(simulate(fm, bm, schedule=inst.schedule, p2p_ms=inst.p2p_ms).step_ms)
+
+
+@dataclass
+class SimResult:
+    """One (length file, seq-length) cell."""
+
+    table: dict
+    """JSON-able results: arms, frontier, dominance, consistency."""
+    gantt: Dict[str, StepResult]
+    """Step 0 of the megatron arm and of sparsebalance (for the Gantt figure)."""
+
+
+def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
+                  arms: Sequence[str] = SIM_ARMS, frontier: bool = True) -> SimResult:
+    """Simulate every arm (and the frontier points) on one length file at one seq-length."""
+    if "megatron" not in arms:
+        raise ValueError("arms must include 'megatron' (the reference of every ratio)")
+    todo: Dict[str, Arm] = {n: ARMS[n] for n in arms}
+    if frontier:
+        todo.update(FRONTIER)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    predictor = cfg.predictor()
+    strategies = sorted({a.batching for a in todo.values()})
+    packed_steps = {s: _packed_steps(lengths, s, seq_length, cfg, predictor) for s in strategies}
+    acc = {n: _Acc() for n in todo}
+    gantt: Dict[str, StepResult] = {}
+    consistency = 0.0
+    layers = predictor.shape.num_layers
+    for step in range(cfg.steps):
+        for s in strategies:
+            packed = packed_steps[s][step]
+            nested = _nested(packed)
+            inst = build_instance(predictor, nested, pp=cfg.pp, k0=cfg.topk)
+            k0 = np.full((inst.dp, inst.microbatches, inst.stages), inst.k0_index)
+            static = simulate_indices(inst, k0)
+            # The packer's own prediction and the planner's instance must agree.
+            consistency = max(consistency, abs(static.step_ms - packed.step_ms) / packed.step_ms)
+            static_attn = float(inst.at(k0)[2].sum())
+            causal = float(causal_pairs(np.concatenate([np.asarray(m) for r in nested
+                                                        for m in r])).sum()) * layers
+            lb = lower_bound_ms(inst)
+            cache: Dict[Tuple[str, float], Tuple[np.ndarray, float]] = {}
+            for name, arm in todo.items():
+                if arm.batching != s:
+                    continue
+                key = (arm.dst, arm.param)
+                if key not in cache:
+                    t0 = time.process_time()
+                    idx = _indices(inst, arm)
+                    cache[key] = (idx, 1e3 * (time.process_time() - t0))
+                idx, plan_ms = cache[key]
+                res = simulate_indices(inst, idx) if arm.dst != "off" else static
+                f, b, a = inst.at(idx)
+                r = acc[name]
+                r.step_ms.append(res.step_ms)
+                r.tokens += packed.tokens
+                r.attn += float(a.sum())
+                r.static_attn += static_attn
+                r.causal += causal
+                r.lb_ms += lb
+                r.imb_mb.append(_ratio((f + b).sum(axis=2).ravel()))
+                r.imb_rank.append(_ratio(res.replica_step_ms))
+                r.bubble.append(res.bubble_ms / res.step_ms)
+                r.plan_ms.append(plan_ms)
+                if step == 0 and name in ("megatron", "sparsebalance"):
+                    gantt[name] = res
+    table = {"seq_length": int(seq_length), "steps": cfg.steps,
+             "packer_vs_instance_max_rel_err": consistency,
+             "arms": {n: _summarise(acc[n]) for n in arms}}
+    base = table["arms"]["megatron"]
+    for row in table["arms"].values():
+        _relative(row, base)
+    if frontier:
+        pts = {n: _summarise(acc[n]) for n in FRONTIER}
+        for n, row in pts.items():
+            _relative(row, base)
+            row.update(family=FRONTIER[n].dst, param=FRONTIER[n].param)
+        table["frontier"] = pts
+        table["anchor_dominated_by"] = dominance(pts)
+    return SimResult(table=table, gantt=gantt)
+
+
+def _summarise(r: _Acc) -> dict:
+    total_ms = float(np.sum(r.step_ms))
+    return {
+        "step_ms": float(np.mean(r.step_ms)),
+        "tokens": int(r.tokens),
+        "tokens_per_ms": r.tokens / total_ms,
+        "ms_per_ktok": 1e3 * total_ms / r.tokens,
+        "lower_bound_ms_per_ktok": 1e3 * r.lb_ms / r.tokens,
+        "vs_lower_bound": total_ms / r.lb_ms,
+        "density": r.attn / r.causal,
+        "retained_vs_static": r.attn / r.static_attn,
+        "imbalance_microbatch": float(np.mean(r.imb_mb)),
+        "imbalance_rank": float(np.mean(r.imb_rank)),
+        "bubble_fraction": [float(x) for x in np.mean(r.bubble, axis=0)],
+        "plan_ms": float(np.median(r.plan_ms)),
+    }
+
+
+def _relative(row: dict, base: dict) -> None:
+    row["speedup_vs_megatron"] = row["tokens_per_ms"] / base["tokens_per_ms"]
+    row["density_vs_megatron"] = row["density"] / base["density"]
+
+
+def dominance(points: Dict[str, dict]) -> Dict[str, Optional[str]]:
+    """For every anchor point, a critical-path point at least as fast (throughput) with
+    at least as much retained attention, or None if no point dominates it."""
+    cps = [(n, p) for n, p in points.items() if p["family"] == "critical-path"]
+    out: Dict[str, Optional[str]] = {}
+    for n, p in points.items():
+        if p["family"] != "anchor":
+            continue
+        dom = [c for c, q in cps if q["tokens_per_ms"] >= p["tokens_per_ms"] * (1 - 1e-12)
+               and q["retained_vs_static"] >= p["retained_vs_static"] * (1 - 1e-12)]
+        out[n] = max(dom, key=lambda c: points[c]["tokens_per_ms"]) if dom else None
+    return out

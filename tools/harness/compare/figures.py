@@ -1,0 +1,135 @@
+"""PNG figures of the report (matplotlib, Agg; every file written atomically)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Dict, Optional
+
+import numpy as np
+
+from sparsebalance.io import atomic_path
+
+from .report_md import STRETCH_SPEEDUP, TARGET_REAL_SPEEDUP
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: str) -> None:
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    _plt().close(fig)
+
+
+def speedup_bars(path: str, real: Optional[Dict[str, float]], sim: Optional[dict]) -> None:
+    """Throughput speedup over megatron per arm: real runs and every simulated cell."""
+    plt = _plt()
+    panels = ([("real CPU runs (measured)", {"": real})] if real else [])
+    if sim:
+        cells = {f"{f} {int(s) // 1024}K": {a: r["speedup_vs_megatron"]
+                                             for a, r in c["arms"].items()}
+                 for f, by in sim.items() for s, c in by.items()}
+        panels.append(("simulated cluster (predicted)", cells))
+    if not panels:
+        raise ValueError("nothing to plot")
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+    for ax, (title, groups) in zip(axes[0], panels):
+        arms = list(next(iter(groups.values())))
+        w = 0.8 / len(groups)
+        for g, (label, vals) in enumerate(groups.items()):
+            x = np.arange(len(arms)) + g * w
+            ax.bar(x, [vals.get(a, np.nan) for a in arms], w, label=label or None)
+        ax.axhline(1.0, color="black", lw=0.8)
+        target = TARGET_REAL_SPEEDUP if title.startswith("real") else STRETCH_SPEEDUP
+        ax.axhline(target, color="red", lw=0.8, ls="--", label=f"target {target}x")
+        ax.set_xticks(np.arange(len(arms)) + 0.4 - w / 2, arms, rotation=30, ha="right")
+        ax.set_ylabel("throughput / megatron's")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def frontier(path: str, sim: dict, real_points: Optional[Dict[str, dict]] = None) -> None:
+    """Throughput (vs megatron) against retained attention (vs static k0 on the same
+    packing), anchor rule and critical-path planner, one panel per simulated cell."""
+    plt = _plt()
+    cells = [(f"{f} {int(s) // 1024}K", c) for f, by in sim.items() for s, c in by.items()
+             if "frontier" in c]
+    n = len(cells) + (1 if real_points else 0)
+    if n == 0:
+        raise ValueError("no frontier to plot")
+    fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 4), squeeze=False)
+    for ax, (title, c) in zip(axes[0], cells):
+        _frontier_panel(ax, c["frontier"], {a: c["arms"][a] for a in ("megatron", "sab")
+                                            if a in c["arms"]})
+        ax.set_title(title, fontsize=9)
+    if real_points:
+        _frontier_panel(axes[0][-1], real_points, {})
+        axes[0][-1].set_title("real CPU runs", fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _frontier_panel(ax, pts: Dict[str, dict], refs: Dict[str, dict]) -> None:
+    for fam, color, marker in (("anchor", "tab:orange", "s"), ("critical-path", "tab:blue", "o")):
+        rows = sorted((p for p in pts.values() if p["family"] == fam), key=lambda p: p["param"])
+        if not rows:
+            continue
+        x = [p["retained_vs_static"] for p in rows]
+        y = [p["speedup_vs_megatron"] for p in rows]
+        ax.plot(x, y, marker=marker, color=color,
+                label="anchor (p)" if fam == "anchor" else "critical-path (eps)")
+        for p, xi, yi in zip(rows, x, y):
+            ax.annotate(f"{p['param']:g}", (xi, yi), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+    for name, r in refs.items():
+        ax.scatter([r["retained_vs_static"]], [r["speedup_vs_megatron"]], color="gray",
+                   marker="x")
+        ax.annotate(name, (r["retained_vs_static"], r["speedup_vs_megatron"]), fontsize=6)
+    ax.set_xlabel("retained attention / static k0")
+    ax.set_ylabel("throughput / megatron's")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def validation_scatter(path: str, arms: Dict[str, dict]) -> None:
+    """Predicted vs measured median step time per real arm, with the +-10% band."""
+    plt = _plt()
+    pts = {a: r for a, r in arms.items() if r.get("predicted_step_ms") is not None}
+    if not pts:
+        raise ValueError("no predicted step times")
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    m = np.array([r["step_ms"] for r in pts.values()])
+    p = np.array([r["predicted_step_ms"] for r in pts.values()])
+    lo, hi = 0.8 * min(m.min(), p.min()), 1.2 * max(m.max(), p.max())
+    xs = np.array([lo, hi])
+    ax.plot(xs, xs, color="black", lw=0.8)
+    ax.fill_between(xs, 0.9 * xs, 1.1 * xs, color="gray", alpha=0.2, label="+-10%")
+    ax.scatter(m, p)
+    for a, mi, pi in zip(pts, m, p):
+        ax.annotate(a, (mi, pi), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured median step, ms")
+    ax.set_ylabel("predicted median step, ms")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def last_timeline(directory: str, kind: str = "measured") -> Optional[dict]:
+    """The last ``step_*.<kind>.json`` the driver wrote in ``directory`` (or None)."""
+    files = sorted(glob.glob(os.path.join(directory, f"step_*.{kind}.json")))
+    if not files:
+        return None
+    with open(files[-1]) as fh:
+        doc = json.load(fh)
+    doc["file"] = files[-1]
+    return doc
