@@ -98,13 +98,19 @@ bash -c 'trap "" USR1; exec "$@"' _ \
         --log-interval 10 --no-progress-bar --eval-interval 0 > "$RUN/train.log" 2>&1 &
 TR=$!
 # Watchdog: at the budget, USR1 to the workers (torchrun's children, each in its own
-# session, so a process-group signal would not reach them), every 5 s until they exit:
-# they start with USR1 ignored, so one that lands before a worker has installed its
-# handler is lost (a short budget on a loaded machine); SIGKILL if still alive 10 min on.
+# session, so a process-group signal would not reach them), every 5 s until the driver
+# prints its summary: they start with USR1 ignored, so one that lands before a worker
+# has installed its handler is lost (a short budget on a loaded machine); SIGKILL if
+# still alive 10 min on.
 (
     sleep "$BUDGET_S"
     for _ in $(seq 120); do
-        kill -USR1 $(pgrep -P "$TR") 2>/dev/null || true
+        # Once the driver has printed its summary every rank has stopped and saved; a
+        # USR1 now would land during interpreter teardown, where Python has put the
+        # default action (terminate) back, and fail a finished run.
+        if ! grep -q '^SUMMARY_JSON ' "$RUN/train.log" 2>/dev/null; then
+            kill -USR1 $(pgrep -P "$TR") 2>/dev/null || true
+        fi
         sleep 5
     done
     kill -KILL $(pgrep -P "$TR") "$TR" 2>/dev/null || true
