@@ -34,10 +34,11 @@ forward only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -190,6 +191,26 @@ def _compiled_flex(block_size: int, device: torch.device) -> Callable:
     return _compiled[mode]
 
 
+_RECOMPILE_LIMIT = 64
+"""Compiled shapes allowed per process (one per bucket, dtype and head count)."""
+
+
+@contextlib.contextmanager
+def _no_silent_eager(compiled: bool) -> Iterator[None]:
+    """Past dynamo's recompile limit a compiled function silently runs eagerly, and eager
+    flex_attention ignores the block lists the compiled path relies on (its mask_mod is
+    only causal): that would be dense attention. Raise the limit to one bucket per shape
+    seen, and make hitting it an error instead of a wrong answer."""
+    if not compiled:
+        yield
+        return
+    import torch._dynamo.config as dc
+
+    limit = max(dc.recompile_limit, _RECOMPILE_LIMIT)
+    with dc.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        yield
+
+
 def _kernel_options(block_size: int, compiled: bool) -> Optional[dict]:
     # The forward's tiles must divide the block too (Inductor raises otherwise, and its
     # default on Hopper is 128 query rows): pin them for short blocks.
@@ -222,7 +243,8 @@ def flex_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayo
 
     fn = _compiled_flex(layout.block_size, q.device) if compiled else flex_attention
     before = _graphs() if compiled else 0
-    with warnings.catch_warnings():  # eager is deliberate here (CPU), not a missed compile
+    with warnings.catch_warnings(), _no_silent_eager(compiled):
+        # eager is deliberate on the CPU path, not a missed compile
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         out = fn(to_buffer(q), to_buffer(k), to_buffer(v), block_mask=mask, scale=scale,
                  enable_gqa=q.shape[1] != k.shape[1],
