@@ -1,7 +1,9 @@
-"""`make gpu-check`'s logic that needs no GPU: the no-CUDA exit, part isolation and the
-time budget, the report files, the benchmark grid and FLOP accounting, the per-backend
-bench worker (finished points kept when it dies, time shares), the tests part's
-no-autotune switch, --bench-reps, the train verdict."""
+"""`make gpu-check`'s logic that needs no GPU: the no-CUDA exit, part order, isolation and
+time budgets, pass/fail/skip aggregation, the report files and their merging, the targets,
+the benchmark grid (target point first) and FLOP accounting, the per-backend bench worker
+(finished points kept when it dies, time shares), the tests part's no-autotune switch and
+junit summary, --bench-reps, the train / profile / accuracy parts with a fake runner, and
+a dry run of the chain on the CPU."""
 
 import importlib.util
 import json
@@ -64,7 +66,7 @@ def test_report_files(tmp_path):
     row = dict(backend="cuda", seq_len=65536, block=128, density=0.05, topk=49, density_measured=0.052,
                dense_fwd_ms=10.0, sparse_fwd_ms=1.0, dense_ms=40.0, sparse_ms=5.0, speedup_fwd=10.0,
                speedup=8.0, efficiency_fwd=0.52, efficiency=0.416, gate_share=0.02,
-               fwd_tflops=300.0, fwd_bwd_tflops=250.0)
+               fwd_tflops=300.0, fwd_bwd_tflops=250.0, dense_backend="flash")
     parts = [gc.Part("tests", True, 12.0, "10 passed"),
              gc.Part("bench", False, 30.0, "1 points, 1 failed", {"rows": [row], "failed": ["x"]})]
     gc.write_report(str(tmp_path), parts, "NVIDIA H100")
@@ -73,14 +75,22 @@ def test_report_files(tmp_path):
     assert [p["name"] for p in doc["parts"]] == ["tests", "bench"]
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| bench | **FAIL** | 30 | 1 points, 1 failed |" in md
-    assert "| cuda | 65536 | 128 | 0.052 | 1.00 (10.00) | 5.00 (40.00) | 250 | 0.52 | 0.42 | 2.0% |" in md
+    assert "| cuda | 65536 | 128 | 0.052 | 1.00 (10.00) | 5.00 (40.00) | flash | 250 | 0.52 | 0.42 | 2.0% |" in md
+    assert "- x" in md  # the failed point is listed
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
 
 
 def test_bench_grid_and_flops():
     pts = gc.bench_points([16384, 65536])
-    assert len(pts) == 2 * 2 * 2 * 3
-    assert pts[0]["backend"] == "triton" and pts[-1]["backend"] == "cuda"
+    assert len(pts) == 3 * 2 * 2 * 3
+    assert pts[0]["backend"] == "flex" and pts[-1]["backend"] == "cuda"
+    # inside a backend: the target point first, then its length at block 128, its length
+    # at block 64, then the other lengths
+    key = lambda p: (p["seq_len"], p["block"], p["density"])
+    assert [key(p) for p in pts[:7]] == [(65536, 128, 0.12), (65536, 128, 0.05), (65536, 128, 0.25),
+                                         (65536, 64, 0.12), (65536, 64, 0.05), (65536, 64, 0.25),
+                                         (16384, 128, 0.12)]
+    assert sorted(map(key, pts[:12])) == sorted(map(key, pts[12:24]))  # same grid per backend
     assert [p["backend"] for p in gc.bench_points([16384], ["cuda"])] == ["cuda"] * 6
     from sparsebalance.attention.routing import density
 
@@ -98,18 +108,31 @@ def test_bench_grid_and_flops():
 def test_cuda_test_modules_are_found():
     mods = gc.cuda_test_modules()
     assert os.path.join("tests", "ops", "test_gpu_backends.py") in mods
+    assert os.path.join("tests", "ops", "test_flex_gpu.py") in mods
+    assert os.path.join("tests", "ops", "test_flex_backend.py") not in mods  # CPU tests
     assert os.path.join("tests", "deploy", "test_gpu_check.py") not in mods
 
 
 def test_train_verdict():
-    base = {"tokens_per_s": 1e5, "step_ms_median": 900.0, "density_mean": 0.2, "plan_ms_median": 3.0,
-            "attention_backend": "triton"}
-    good = gc.check_train_summary(dict(base, losses=[5.6 - 0.1 * i for i in range(20)]))
-    assert good.passed and "loss 5.400 -> 3.900" in good.detail
-    flat = gc.check_train_summary(dict(base, losses=[5.0] * 20))
-    assert not flat.passed
-    missing = gc.check_train_summary({"losses": [5.0] * 20})
-    assert not missing.passed and "lacks" in missing.detail
+    import gpu_stages as st
+
+    def summ(losses, tps, dens=None):
+        return {"losses": losses, "tokens_per_s": tps, "peak_memory_mb_max": 9000.0, "step_ms_median": 900.0,
+                "density_mean": dens, "plan_ms_median": 3.0, "attention_backend": "flex" if dens else None}
+
+    down = [5.6 - 0.1 * i for i in range(8)]
+    runs = [st.train_run_record("dense 65536", summ(down, 1e4)),
+            st.train_run_record("sparse 65536", summ(down, 2.5e4, 0.08))]
+    assert runs[0]["loss_first"] == pytest.approx(5.55) and runs[0]["loss_last"] == pytest.approx(4.95)
+    ok, detail, data = st.train_verdict(runs, [65536])
+    assert ok and data["speedup_64k"] == pytest.approx(2.5) and data["density_64k"] == 0.08
+    assert detail.startswith("2/2 runs ok; sparse/dense tokens/s: speedup_64k 2.50x")
+    flat = [runs[0], st.train_run_record("sparse 65536", summ([5.0] * 8, 2e4, 0.1))]
+    ok, detail, _ = st.train_verdict(flat, [65536])
+    assert not ok and "sparse 65536: loss did not decrease" in detail
+    ok, detail, data = st.train_verdict([runs[0], {"name": "sparse 65536", "error": "CUDA out of memory"}], [65536])
+    assert not ok and "speedup_64k" not in data and "sparse 65536: CUDA out of memory" in detail
+    assert not st.train_verdict([], [65536])[0]
 
 
 def _res(pt, dense_ms=40.0, sparse_ms=5.0):
@@ -156,7 +179,7 @@ def test_bench_worker_keeps_going_after_a_failed_point(tmp_path, capsys):
     assert len(calls) == 4
     assert calls[0][:calls[0].index("--out")] == [
         "--seq-len", "16384", "--heads", "16", "--kv-heads", "2", "--head-dim", "128",
-        "--block-size", "64", "--topk", str(pts[0]["topk"]), "--backend", "cuda", "--dtype", "bf16",
+        "--block-size", "128", "--topk", str(pts[0]["topk"]), "--backend", "cuda", "--dtype", "bf16",
         "--reps", "5", "--json"]
     lines = gc.read_worker_lines(str(out))
     assert [x["point"] for x in lines] == pts
@@ -221,13 +244,13 @@ def test_bench_keeps_finished_points_when_a_worker_dies(monkeypatch):
     assert seen[1][2] == pytest.approx(300.0, abs=1.0)  # the first gave its time back at once
     assert not part.passed
     assert [(r["backend"], r["block"], r["density"]) for r in part.data["rows"]] == [
-        ("triton", 64, 0.05), ("triton", 64, 0.12)]
+        ("triton", 128, 0.12), ("triton", 128, 0.05)]
     assert part.data["rows"][0]["speedup"] == 8.0 and part.data["rows"][0]["fwd_bwd_tflops"] > 0
     failed = part.data["failed"]
     assert len(failed) == 10
-    assert failed[0] == "triton 16384/64/0.25: RuntimeError: x"
-    assert failed[1] == "triton 16384/128/0.05: not run: timed out after 150 s"
-    assert failed[4] == ("cuda 16384/64/0.05: not run: worker exit code -11: "
+    assert failed[0] == "triton 16384/128/0.25: RuntimeError: x"
+    assert failed[1] == "triton 16384/64/0.12: not run: timed out after 150 s"
+    assert failed[4] == ("cuda 16384/128/0.12: not run: worker exit code -11: "
                          "Fatal Python error: Segmentation fault")
     assert part.data["best_efficiency_64k_b128"] == {}
     assert part.detail.startswith("2 points, 10 failed")
@@ -253,7 +276,7 @@ def test_bench_no_time_left_and_all_points_passing(monkeypatch):
     # triton, the last backend, gets all 30 s.
     short = gc.part_bench(a, 30.0)
     assert not short.passed and {r["backend"] for r in short.data["rows"]} == {"triton"}
-    assert short.data["failed"][0] == "cuda 65536/64/0.05: no time left" and len(short.data["failed"]) == 6
+    assert short.data["failed"][0] == "cuda 65536/128/0.12: no time left" and len(short.data["failed"]) == 6
     assert short.detail.startswith("6 points, 6 failed")
 
 
