@@ -238,7 +238,7 @@ def junit_summary(path: str) -> dict:
         return {}
     mods, failed = {}, []
     for case in root.iter("testcase"):
-        mod = case.get("classname", "").rsplit(".", 1)[0] or case.get("file", "?")
+        mod = case.get("classname") or case.get("file", "?")  # module (or module.Class)
         m = mods.setdefault(mod, {"passed": 0, "failed": 0, "skipped": 0})
         if case.find("failure") is not None or case.find("error") is not None:
             m["failed"] += 1
@@ -261,7 +261,10 @@ def part_tests(a, left: float) -> Part:
                  f"--junitxml={junit}", *mods], left, env={"SPARSEBALANCE_TRITON_AUTOTUNE": "0"})
     tail = (proc.stdout or "").strip().splitlines()
     summary = tail[-1] if tail else _last_line(proc)
-    return Part("tests", proc.returncode == 0, detail=summary,
+    ok = proc.returncode == 0
+    if getattr(a, "dry_run", False):  # on the CPU every module skips itself (pytest exit 5)
+        ok, summary = proc.returncode in (0, 5), f"dry run (CUDA modules skip on the CPU): {summary}"
+    return Part("tests", ok, detail=summary,
                 data={"modules": mods, **junit_summary(junit)})
 
 

@@ -25,14 +25,19 @@ def last_line(proc) -> str:
 
 
 def last_json(text: str) -> Optional[dict]:
-    """The last line of ``text`` that is a JSON object."""
-    for line in reversed((text or "").strip().splitlines()):
-        try:
-            obj = json.loads(line)
-        except ValueError:
+    """The last JSON object printed in ``text``: one line, or an indented block that
+    starts with ``{`` at the start of a line and runs to the end."""
+    lines = (text or "").strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if not lines[i].startswith("{"):
             continue
-        if isinstance(obj, dict):
-            return obj
+        for chunk in (lines[i], "\n".join(lines[i:])):
+            try:
+                obj = json.loads(chunk)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                return obj
     return None
 
 

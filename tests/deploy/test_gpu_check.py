@@ -292,3 +292,206 @@ def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):
     assert part.passed and part.detail == "3 passed in 1.0s"
     assert got["env"] == {"SPARSEBALANCE_TRITON_AUTOTUNE": "0"}
     assert "pytest" in got["cmd"] and os.path.join("tests", "ops", "test_gpu_backends.py") in got["cmd"]
+
+
+def test_parts_run_in_chain_order_with_their_own_budgets():
+    seen = []
+
+    def runner(name):
+        def fn(a, left):
+            seen.append((name, left))
+            return gc.Part(name, True, detail="ok")
+        return fn
+
+    a = SimpleNamespace(parts=["profile", "tests", "deps"], budget_s=100.0,
+                        part_budgets={"deps": 3.0, "tests": 40.0, "profile": 500.0})
+    parts = gc.run_parts(a, {n: runner(n) for n in gc.PARTS})
+    assert [p.name for p in parts] == ["deps", "tests", "profile"]  # the chain's order
+    assert seen[0] == ("deps", 3.0) and seen[1] == ("tests", 40.0)
+    assert 99.0 < seen[2][1] <= 100.0  # capped by what is left of the whole budget
+    assert gc.PARTS == ("deps", "build", "tests", "bench", "train", "profile", "accuracy")
+
+
+def test_optional_part_is_skipped_not_failed(tmp_path):
+    def ok(a, left):
+        return gc.Part("tests", True, detail="5 passed")
+
+    a = SimpleNamespace(parts=["tests", "accuracy"], budget_s=5.5)
+
+    def slow(a, left):
+        import time
+        time.sleep(0.6)
+        return gc.Part("tests", True, detail="5 passed")
+
+    parts = gc.run_parts(a, {"tests": slow, "accuracy": ok})
+    assert [p.status for p in parts] == ["pass", "skip"]
+    assert parts[1].detail.startswith("not started")
+    doc = gc.write_report(str(tmp_path), parts, "NVIDIA H200")
+    assert doc["passed"] is True  # a skipped optional part does not fail the check
+    assert "| accuracy | skipped |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def _row(backend, eff, share, density=0.12, seq=65536, block=128):
+    return dict(backend=backend, seq_len=seq, block=block, density=density, topk=40,
+                density_measured=density, dense_fwd_ms=10.0, sparse_fwd_ms=2.0, dense_ms=40.0,
+                sparse_ms=10.0, speedup_fwd=5.0, speedup=4.0, efficiency_fwd=0.6, efficiency=eff,
+                gate_share=share, fwd_tflops=300.0, fwd_bwd_tflops=250.0, dense_backend="cudnn")
+
+
+def test_targets_met_not_met_and_not_measured():
+    import gpu_report as gr
+
+    def p(name, status="pass", detail="", data=None):
+        return {"name": name, "status": status, "seconds": 1.0, "detail": detail, "data": data or {}}
+
+    rows = [_row("flex", 0.50, 0.03), _row("triton", 0.40, 0.02), _row("cuda", 0.30, 0.02),
+            _row("cuda", 0.99, 0.0, density=0.05)]  # not the target point: ignored
+    parts = [p("tests", "fail", "1 failed, 30 passed"), p("bench", data={"rows": rows}),
+             p("train", data={"speedup_64k": 2.4, "density_64k": 0.09}), p("profile", data={"mape": 0.07})]
+    t = {x["target"]: x for x in gr.evaluate_targets(parts)}
+    assert t["every GPU test passes"]["met"] is False
+    assert t["best backend efficiency"]["value"] == 0.5 and t["best backend efficiency"]["met"] is True
+    assert t["best backend efficiency"]["note"].startswith("flex at 64K") and "cudnn" in t["best backend efficiency"]["note"]
+    assert t["own kernel efficiency"]["value"] == 0.4 and t["own kernel efficiency"]["met"] is False
+    assert t["routing + plan share"]["value"] == 0.03 and t["routing + plan share"]["met"] is True
+    assert t["training 64K sparse / dense tokens/s"]["met"] is True
+    assert t["latency predictor held-out MAPE"]["met"] is False
+    dense_too = [p("train", data={"speedup_64k": 2.4, "density_64k": 0.2})]
+    t2 = {x["target"]: x for x in gr.evaluate_targets(dense_too)}
+    assert t2["training 64K sparse / dense tokens/s"]["met"] is False  # density above 12%
+    assert all(t2[n]["met"] is None for n in ("every GPU test passes", "best backend efficiency",
+                                              "latency predictor held-out MAPE"))
+
+
+def test_report_merges_parts_of_earlier_runs_on_the_same_device(tmp_path):
+    first = [gc.Part("deps", True, 1.0, "ok"), gc.Part("tests", False, 9.0, "2 failed")]
+    gc.write_report(str(tmp_path), first, "NVIDIA H200")
+    second = [gc.Part("tests", True, 8.0, "40 passed"), gc.Part("bench", True, 300.0, "72 points",
+                                                                 {"rows": [_row("flex", 0.5, 0.03)]})]
+    doc = gc.write_report(str(tmp_path), second, "NVIDIA H200")
+    assert [(p["name"], p["status"]) for p in doc["parts"]] == [("deps", "pass"), ("tests", "pass"),
+                                                                 ("bench", "pass")]
+    assert doc["passed"] is True and json.loads((tmp_path / "gpu_check.json").read_text()) == doc
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| best backend efficiency | 0.5 | >= 0.45 | met |" in md
+    other = gc.write_report(str(tmp_path), [gc.Part("deps", True, 1.0, "ok")], "NVIDIA H100")
+    assert [p["name"] for p in other["parts"]] == ["deps"]  # another device: a new report
+    (tmp_path / "gpu_check.json").write_text("{broken")
+    assert [p["name"] for p in gc.write_report(str(tmp_path), second, "NVIDIA H100")["parts"]] == [
+        "tests", "bench"]
+
+
+def test_junit_summary(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite>'
+                   '<testcase classname="tests.ops.test_flex_gpu" name="test_a"/>'
+                   '<testcase classname="tests.ops.test_flex_gpu" name="test_b"><failure message="x"/></testcase>'
+                   '<testcase classname="tests.ops.test_gpu_backends" name="test_c"><skipped/></testcase>'
+                   '</testsuite></testsuites>')
+    got = gc.junit_summary(str(xml))
+    assert got["by_module"] == {"tests.ops.test_flex_gpu": {"passed": 1, "failed": 1, "skipped": 0},
+                                "tests.ops.test_gpu_backends": {"passed": 0, "failed": 0, "skipped": 1}}
+    assert got["failed_tests"] == ["tests.ops.test_flex_gpu::test_b"]
+    assert gc.junit_summary(str(tmp_path / "none.xml")) == {}
+
+
+def _fake_driver(calls, tps, mape=0.03):
+    """A runner standing in for make_corpus.py / pretrain_gpt.py / profile_latency.py /
+    compare.py: records the command, writes what the real tool would."""
+
+    def run(cmd, timeout, env=None):
+        calls.append(cmd)
+        tool = os.path.basename(cmd[1])
+        if tool == "make_corpus.py":
+            open(cmd[cmd.index("--output-prefix") + 1] + ".idx", "w").close()
+        elif tool == "pretrain_gpt.py":
+            sparse = "--sparse-balance" in cmd
+            n = int(cmd[cmd.index("--seq-length") + 1])
+            s = {"losses": [6.0 - 0.2 * i for i in range(8)], "tokens_per_s": tps(sparse, n),
+                 "peak_memory_mb_max": 50000.0, "step_ms_median": 1000.0,
+                 "density_mean": 0.07 if sparse else None, "plan_ms_median": 2.0 if sparse else None,
+                 "attention_backend": cmd[cmd.index("--sb-attention-backend") + 1] if sparse else None}
+            with open(cmd[cmd.index("--summary-json") + 1], "w") as fh:
+                json.dump(s, fh)
+        elif tool == "profile_latency.py":
+            with open(cmd[cmd.index("--output") + 1], "w") as fh:
+                fh.write("{}")
+            return subprocess.CompletedProcess(cmd, 0, "log line\n" + json.dumps({"mape": mape, "n_heldout": 12}), "")
+        elif tool == "compare.py":
+            return subprocess.CompletedProcess(cmd, 0, json.dumps({"sab_speedup": 1.3}), "")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+def test_train_and_profile_use_the_bench_best_backend(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(gc, "_run", _fake_driver(calls, lambda sparse, n: (3e4 if sparse else 1e4) * 32768 / n))
+    a = SimpleNamespace(out=str(tmp_path), repo=REPO, dry_run=False, lengths="gpudata/prolong.json",
+                        train_seq_lens=[32768, 65536], parts=["train", "profile"], budget_s=900.0,
+                        done=[gc.Part("bench", True, data={"rows": [_row("triton", 0.3, 0.02),
+                                                                     _row("flex", 0.5, 0.03)]})])
+    train = gc.RUNNERS["train"](a, 600.0)
+    assert train.passed and train.data["speedup_64k"] == pytest.approx(3.0)
+    runs = [c for c in calls if c[1] == "pretrain_gpt.py"]
+    assert [("--sparse-balance" in c, c[c.index("--seq-length") + 1]) for c in runs] == [
+        (False, "32768"), (True, "32768"), (False, "65536"), (True, "65536")]
+    for c in runs:
+        assert c[c.index("--model-preset") + 1] == "qwen2.5-0.5b" and "--bf16" in c and "--cpu" not in c
+    assert runs[1][runs[1].index("--sb-attention-backend") + 1] == "flex"  # the bench's best
+    profile = gc.RUNNERS["profile"](a, 200.0)
+    assert profile.passed and profile.data["mape"] == 0.03 and profile.data["compare_sim"] == {"sab_speedup": 1.3}
+    prof_cmd = next(c for c in calls if c[1] == "tools/profile_latency.py")
+    assert "--validate" in prof_cmd and prof_cmd[prof_cmd.index("--sb-attention-backend") + 1] == "flex"
+    sim = next(c for c in calls if c[1] == "tools/compare.py")
+    assert sim[sim.index("--mode") + 1] == "sim"
+    assert sim[sim.index("--cost-model") + 1] == prof_cmd[prof_cmd.index("--output") + 1]
+
+
+def test_train_fails_when_a_run_breaks_and_accuracy_needs_time(monkeypatch, tmp_path):
+    calls = []
+    good = _fake_driver(calls, lambda sparse, n: 1e4)
+
+    def run(cmd, timeout, env=None):
+        if "--sparse-balance" in cmd and "65536" in cmd:
+            calls.append(cmd)
+            return subprocess.CompletedProcess(cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory")
+        return good(cmd, timeout, env)
+
+    monkeypatch.setattr(gc, "_run", run)
+    a = SimpleNamespace(out=str(tmp_path), repo=REPO, dry_run=False, lengths="prolong",
+                        train_seq_lens=[65536], done=[])
+    part = gc.RUNNERS["train"](a, 600.0)
+    assert not part.passed and "sparse 65536: pretrain_gpt.py: torch.OutOfMemoryError" in part.detail
+    assert calls[-1][calls[-1].index("--sb-attention-backend") + 1] == "auto"  # no bench: auto
+    acc = gc.RUNNERS["accuracy"](a, 300.0)
+    assert acc.status == "skip" and "300 s left" in acc.detail
+
+
+def test_dry_run_on_the_cpu_writes_the_report(tmp_path):
+    """The real chain's code paths with tiny sizes on the CPU: deps, build probe, bench with
+    the cpu kernel at 1K tokens, accuracy skipped."""
+    out = tmp_path / "dry"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--dry-run",
+                           "--parts", "deps,build,bench,accuracy", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert doc["dry_run"] is True and doc["device"] == "cpu (dry run)"
+    assert [(p["name"], p["status"]) for p in doc["parts"]] == [
+        ("deps", "pass"), ("build", "pass"), ("bench", "pass"), ("accuracy", "skip")]
+    rows = doc["parts"][2]["data"]["rows"]
+    assert len(rows) == 6 and {r["backend"] for r in rows} == {"cpu"} and all(r["seq_len"] == 1024 for r in rows)
+    assert [t["target"] for t in doc["targets"]][:2] == ["every GPU test passes", "best backend efficiency"]
+    md = (out / "gpu_check.md").read_text()
+    assert "**Dry run**" in md and "## Targets" in md and "| cpu | 1024 |" in md
+    assert "gpu-check: target best backend efficiency" in proc.stdout
+
+
+def test_last_json_reads_one_line_and_indented_objects():
+    import gpu_stages as st
+
+    assert st.last_json('noise\n{"a": 1}\n') == {"a": 1}
+    assert st.last_json('warn\n{\n "mape": 0.03,\n "b": [\n  1\n ]\n}\n') == {"mape": 0.03, "b": [1]}
+    assert st.last_json('{"a": 1}\nnot json') == {"a": 1}
+    assert st.last_json("nothing here") is None
