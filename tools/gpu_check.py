@@ -68,8 +68,8 @@ import gpu_report  # noqa: E402
 import gpu_stages  # noqa: E402
 from gpu_report import OPTIONAL_PARTS, PARTS  # noqa: E402
 
-PART_BUDGET_S = {"deps": 60, "build": 300, "tests": 300, "bench": 480, "train": 420,
-                 "profile": 240, "accuracy": 1800}
+PART_BUDGET_S = {"deps": 60, "build": 240, "tests": 360, "bench": 480, "train": 330,
+                 "profile": 150, "accuracy": 1800}
 """Most seconds each part may take (also capped by what is left of --budget-s)."""
 BENCH_BACKENDS = ("flex", "triton", "cuda")
 SKIP_WHEELS = ("torch-", "triton-", "nvidia_", "nvidia-")
@@ -477,10 +477,13 @@ RUNNERS: Dict[str, Callable] = {
 }
 
 
-def run_parts(a, runners: Dict[str, Callable] = RUNNERS) -> List[Part]:
+def run_parts(a, runners: Dict[str, Callable] = RUNNERS,
+              on_part: Optional[Callable[[List[Part]], None]] = None) -> List[Part]:
     """Every requested part in the chain's order, each isolated: an exception or a spent
     budget fails that part only (an optional part is skipped). A part gets at most its
-    :data:`PART_BUDGET_S` (``a.part_budgets`` overrides) and what is left of the budget."""
+    :data:`PART_BUDGET_S` (``a.part_budgets`` overrides) and what is left of the budget.
+    ``on_part(parts so far)`` runs after each part (main writes the report there, so a
+    run killed from outside keeps its finished parts)."""
     budgets = getattr(a, "part_budgets", PART_BUDGET_S)
     t_start, out = time.time(), []
     for name in [n for n in PARTS if n in a.parts]:
@@ -499,6 +502,8 @@ def run_parts(a, runners: Dict[str, Callable] = RUNNERS) -> List[Part]:
         print(f"gpu-check: {name}: {part.status.upper() if part.status == 'fail' else part.status} "
               f"({part.seconds:.0f} s) {part.detail}", flush=True)
         out.append(part)
+        if on_part is not None:
+            on_part(out)
     return out
 
 
@@ -522,7 +527,7 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(a.out, exist_ok=True)
     device = "cpu (dry run)" if a.dry_run else torch.cuda.get_device_name(0)
-    parts = run_parts(a)
+    parts = run_parts(a, on_part=lambda done: write_report(a.out, done, device, a.dry_run))
     doc = write_report(a.out, parts, device, a.dry_run)
     for t in doc["targets"]:
         met = {True: "met", False: "NOT MET", None: "not measured"}[t["met"]]

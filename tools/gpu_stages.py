@@ -136,8 +136,9 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     profile written under --out, then tools/compare.py --mode sim with it."""
     t0 = time.time()
     prof = os.path.join(a.out, "latency_profile.json")
+    block = "64" if a.dry_run else "128"
     cmd = [sys.executable, "tools/profile_latency.py", "--output", prof, *model_flags(a), "--sparse-attention",
-           "--seq-length", "2048" if a.dry_run else "32768", "--sb-block-size", "64" if a.dry_run else "128",
+           "--seq-length", "2048" if a.dry_run else "32768", "--sb-block-size", block,
            "--sb-topk", str(TRAIN_TOPK), "--validate", "--json", "--quick"]
     cmd = [c for c in cmd if c != "--cpu"]  # the profiler picks its device itself
     if not a.dry_run:
@@ -149,7 +150,9 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     data = {"profile": os.path.relpath(prof, a.repo), "mape": res.get("mape"),
             "mape_fwd": res.get("mape_fwd"), "mape_bwd": res.get("mape_bwd"),
             "stage_mape": res.get("stage_mape"), "n_heldout": res.get("n_heldout")}
-    sim = run([sys.executable, "tools/compare.py", "--mode", "sim", "--quick", "--cost-model", prof, "--json",
+    # "profile": the simulated model is the profiled one (same block and top-k)
+    sim = run([sys.executable, "tools/compare.py", "--mode", "sim", "--quick", "--cost-model", prof,
+               "--sim-models", "profile", "--block-size", block, "--topk", str(TRAIN_TOPK), "--json",
                "--report", os.path.join(a.out, "compare_sim")], left - (time.time() - t0))
     data["compare_sim"] = last_json(sim.stdout) if sim.returncode == 0 else None
     ok = sim.returncode == 0 and data["mape"] is not None

@@ -495,3 +495,22 @@ def test_last_json_reads_one_line_and_indented_objects():
     assert st.last_json('warn\n{\n "mape": 0.03,\n "b": [\n  1\n ]\n}\n') == {"mape": 0.03, "b": [1]}
     assert st.last_json('{"a": 1}\nnot json') == {"a": 1}
     assert st.last_json("nothing here") is None
+
+
+def test_report_is_written_after_every_part(tmp_path):
+    """A chain killed from outside (a 10-minute command limit) keeps its finished parts."""
+    seen = []
+
+    def ok(name):
+        return lambda a, left: gc.Part(name, True, detail="ok")
+
+    def killed(a, left):
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text()))
+        raise KeyboardInterrupt  # the kill: nothing after this line runs
+
+    a = SimpleNamespace(parts=["deps", "build", "tests"], budget_s=100.0)
+    with pytest.raises(KeyboardInterrupt):
+        gc.run_parts(a, {"deps": ok("deps"), "build": ok("build"), "tests": killed},
+                     on_part=lambda done: gc.write_report(str(tmp_path), done, "NVIDIA H200"))
+    assert [p["name"] for p in seen[0]["parts"]] == ["deps", "build"]
+    assert [p["name"] for p in json.loads((tmp_path / "gpu_check.json").read_text())["parts"]] == ["deps", "build"]
