@@ -68,8 +68,8 @@ import gpu_report  # noqa: E402
 import gpu_stages  # noqa: E402
 from gpu_report import OPTIONAL_PARTS, PARTS  # noqa: E402
 
-PART_BUDGET_S = {"deps": 60, "build": 240, "tests": 360, "bench": 480, "train": 330,
-                 "profile": 150, "accuracy": 1800}
+PART_BUDGET_S = {"deps": 60, "build": 240, "tests": 360, "bench": 480, "train": 300,
+                 "profile": 180, "accuracy": 1800}
 """Most seconds each part may take (also capped by what is left of --budget-s)."""
 BENCH_BACKENDS = ("flex", "triton", "cuda")
 SKIP_WHEELS = ("torch-", "triton-", "nvidia_", "nvidia-")
@@ -153,8 +153,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.lengths is None:
         local = os.path.join(REPO, "gpudata", "prolong.json")
         a.lengths = local if os.path.isfile(local) else "prolong"
-    if a.dry_run:  # tiny sizes: the CPU kernel, 1K tokens
+    a.part_budgets = dict(PART_BUDGET_S)
+    if a.dry_run:  # tiny sizes: the CPU kernel, 1K tokens; a shared CPU is slow to profile
         a.seq_lens, a.backends, a.bench_reps = [1024], ["cpu"], 1
+        a.part_budgets.update(train=400, profile=400)
     return a
 
 

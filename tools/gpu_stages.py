@@ -143,7 +143,7 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     cmd = [c for c in cmd if c != "--cpu"]  # the profiler picks its device itself
     if not a.dry_run:
         cmd += ["--sb-attention-backend", best_backend, "--clock", "wall"]
-    proc = run(cmd, left * 0.7)
+    proc = run(cmd, left * 0.8)  # the rest for compare.py
     res = last_json(proc.stdout)
     if proc.returncode != 0 or res is None or not os.path.isfile(prof):
         return False, "profile_latency.py: " + last_line(proc), {}

@@ -1,7 +1,7 @@
 """SparseBalance kernels: block top-k sparse attention behind one interface.
 
 ``sparse_attention(q, k, v, cu_seqlens, *, topk, ...)`` dispatches to one of the
-backends in :data:`BACKENDS` (reference, cpu, triton, cuda). Importing this
+backends in :data:`BACKENDS` (reference, cpu, triton, cuda, flex). Importing this
 package never needs the compiled extensions or Triton.
 """
 

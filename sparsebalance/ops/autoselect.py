@@ -191,3 +191,19 @@ def auto_choice(device: torch.device, head_dim: int, block_size: int, dtype: tor
             _write_cache(path, key, entry)
     _memo[key] = dict(entry, key=key)
     return dict(_memo[key], source=source)
+
+
+def backend_choice(name: str, device: torch.device, head_dim: int, block_size: int,
+                   dtype: torch.dtype) -> dict:
+    """What the driver logs and records for ``--sb-attention-backend name``: the backend
+    that will run and why (``auto``: :func:`auto_choice`, or the test override; a name:
+    itself, checked usable). Raises ValueError for an unknown or unusable name."""
+    from sparsebalance.ops import backends
+
+    device = torch.device(device)
+    if name != "auto" or backends._override is not None:
+        got = backends.resolve_backend(name, device)
+        why = f"--sb-attention-backend {name}" if name != "auto" else "override_backend (tests)"
+        return {"backend": got, "reason": why, "timings_ms": {}, "failed": {}, "key": None,
+                "source": "flag"}
+    return auto_choice(device, head_dim, block_size, dtype)

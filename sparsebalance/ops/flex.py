@@ -206,8 +206,10 @@ def _no_silent_eager(compiled: bool) -> Iterator[None]:
         return
     import torch._dynamo.config as dc
 
-    limit = max(dc.recompile_limit, _RECOMPILE_LIMIT)
-    with dc.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+    # names of torch >= 2.7; an older dynamo keeps its defaults (cache_size_limit: 8)
+    opts = {k: v for k, v in (("recompile_limit", max(getattr(dc, "recompile_limit", 0), _RECOMPILE_LIMIT)),
+                              ("fail_on_recompile_limit_hit", True)) if hasattr(dc, k)}
+    with dc.patch(**opts):
         yield
 
 

@@ -114,3 +114,17 @@ def test_cache_path_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("SPARSEBALANCE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert autoselect.cache_path() == str(tmp_path / "xdg" / "sparsebalance" / "auto_backend.json")
+
+
+def test_backend_choice_for_the_driver(tmp_path, monkeypatch):
+    cpu = torch.device("cpu")
+    named = autoselect.backend_choice("reference", cpu, 64, 64, torch.float32)
+    assert named["backend"] == "reference" and named["reason"] == "--sb-attention-backend reference"
+    auto_cpu = autoselect.backend_choice("auto", cpu, 64, 64, torch.float32)
+    assert auto_cpu["backend"] == resolve_backend("auto", cpu) and auto_cpu["source"] == "rule"
+    with pytest.raises(ValueError, match="nope"):
+        autoselect.backend_choice("nope", cpu, 64, 64, torch.float32)
+    monkeypatch.setattr(autoselect, "auto_choice", lambda *a, **k: {"backend": "flex", "reason": "fastest"})
+    assert autoselect.backend_choice("auto", CUDA, 128, 128, torch.bfloat16)["backend"] == "flex"
+    with override_backend("reference"):
+        assert autoselect.backend_choice("auto", CUDA, 128, 128, torch.bfloat16)["backend"] == "reference"
