@@ -514,3 +514,26 @@ def test_report_is_written_after_every_part(tmp_path):
                      on_part=lambda done: gc.write_report(str(tmp_path), done, "NVIDIA H200"))
     assert [p["name"] for p in seen[0]["parts"]] == ["deps", "build"]
     assert [p["name"] for p in json.loads((tmp_path / "gpu_check.json").read_text())["parts"]] == ["deps", "build"]
+
+
+def test_bench_attention_picks_the_fastest_dense_kernel_that_runs(tmp_path):
+    """--dense-backends: each SDPA kernel is timed, one that cannot run here (cuDNN on the
+    CPU) is named with its error, the fastest is the baseline. flex cannot be benched on the CPU (no
+    backward) and says so in one line."""
+    bench = gc._bench_main()
+    out = tmp_path / "b.json"
+    rc = bench(["--seq-len", "512", "--heads", "2", "--head-dim", "32", "--block-size", "64",
+                "--topk", "2", "--backend", "cpu", "--reps", "1", "--json", "--out", str(out),
+                "--dense-backends", "math,cudnn"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["dense_backend"] == "math" and list(res["dense_ms_by_backend"]) == ["math"]
+    assert "cudnn" in res["dense_failed"] and res["padding_ratio"] == 1.0
+    assert res["dense_ms"] == res["dense_ms_by_backend"]["math"][1]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_attention.py"), "--seq-len", "512",
+                           "--dense-backends", "flash,nope"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--dense-backends" in proc.stderr and "Traceback" not in proc.stderr
+    if not __import__("torch").cuda.is_available():
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_attention.py"), "--seq-len",
+                               "512", "--backend", "flex"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "flex has no CPU backward" in proc.stderr
