@@ -5,6 +5,7 @@ and accuracy. Each takes the parsed arguments, the seconds it may use and ``run`
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -131,6 +132,16 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
     return train_verdict(runs, seq_lens)
 
 
+def sim_lengths(a) -> List[str]:
+    """compare.py's --lengths: the GPU machine has no ../shared, so the copies gpu-prep put
+    in gpudata/ (a dry run: the prolong file only, the one with enough short documents)."""
+    files = sorted(glob.glob(os.path.join(a.repo, "gpudata", "*.json")))
+    if a.dry_run:
+        files = [f for f in files if f.endswith("prolong.json")] or [
+            os.path.join(os.path.dirname(a.repo), "shared", "data", "lengths", "prolong.json")]
+    return ["--lengths", *files] if files else []
+
+
 def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     """tools/profile_latency.py on this device for the train model (held-out MAPE), the
     profile written under --out, then tools/compare.py --mode sim with it."""
@@ -153,7 +164,11 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     # "profile": the simulated model is the profiled one (same block and top-k)
     sim = run([sys.executable, "tools/compare.py", "--mode", "sim", "--quick", "--cost-model", prof,
                "--sim-models", "profile", "--block-size", block, "--topk", str(TRAIN_TOPK), "--json",
-               "--report", os.path.join(a.out, "compare_sim")], left - (time.time() - t0))
+               "--report", os.path.join(a.out, "compare_sim"),
+               *sim_lengths(a),
+               *(["--pp", "2", "--dp", "1", "--micro-batches", "8", "--seq-lengths", "16384"]
+                 if a.dry_run else [])],
+              left - (time.time() - t0))
     data["compare_sim"] = last_json(sim.stdout) if sim.returncode == 0 else None
     ok = sim.returncode == 0 and data["mape"] is not None
     detail = (f"held-out MAPE {data['mape']:.3f}" if data["mape"] is not None else "no MAPE") + \

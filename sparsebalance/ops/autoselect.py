@@ -181,8 +181,9 @@ def auto_choice(device: torch.device, head_dim: int, block_size: int, dtype: tor
     source = "cache"
     if not (isinstance(entry, dict) and entry.get("backend") in CANDIDATES):
         cands = [n for n in CANDIDATES if is_available(n, device)]
-        entry = choose(cands, verify or _verify_on(device, head_dim, block_size, dtype),
-                       measure or _measure_on(device, head_dim, block_size, dtype))
+        with torch.enable_grad():  # the first call may come from a no_grad forward (eval)
+            entry = choose(cands, verify or _verify_on(device, head_dim, block_size, dtype),
+                           measure or _measure_on(device, head_dim, block_size, dtype))
         source = "measured"
         if entry["backend"] is None:  # nothing verified: fall back to the rule, say so
             entry["backend"] = resolve_backend("auto", device)

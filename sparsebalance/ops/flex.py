@@ -172,19 +172,19 @@ def compile_count() -> int:
     return _compiles
 
 
-def _compiled_flex(block_size: int, device: torch.device) -> Callable:
-    """The compiled ``flex_attention`` for ``block_size``.
+def _compiled_flex(block_size: int, device: torch.device, dtype: torch.dtype) -> Callable:
+    """The compiled ``flex_attention`` for this block size and dtype.
 
     Inductor compiles one default tile config per kernel unless autotuning. On Hopper its
-    bf16 backward default uses 128-wide tiles, which must divide the block, so a block
-    under 128 tokens on CUDA compiles with autotuning (whose config list has 64- and
-    32-wide tiles; slower to compile, once per shape bucket).
-    ``SPARSEBALANCE_FLEX_MAX_AUTOTUNE=1`` forces it for every block size.
+    16-bit backward default uses 128-wide tiles, which must divide the block (fp32's
+    default is 16-wide), so a 16-bit block under 128 tokens on CUDA compiles with
+    autotuning (whose config list has 32- and 64-wide tiles; slower to compile, once per
+    shape bucket). ``SPARSEBALANCE_FLEX_MAX_AUTOTUNE=1`` forces it everywhere.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    tune = (device.type == "cuda" and block_size < 128) or \
-        os.environ.get("SPARSEBALANCE_FLEX_MAX_AUTOTUNE") == "1"
+    tune = (device.type == "cuda" and block_size < 128 and dtype in (torch.bfloat16, torch.float16)) \
+        or os.environ.get("SPARSEBALANCE_FLEX_MAX_AUTOTUNE") == "1"
     mode = "max-autotune-no-cudagraphs" if tune else None
     if mode not in _compiled:
         _compiled[mode] = torch.compile(flex_attention, dynamic=False, mode=mode)
@@ -243,7 +243,7 @@ def flex_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayo
         x = torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
         return x.index_select(0, idx).view(Tp, x.shape[1], x.shape[2]).permute(1, 0, 2).unsqueeze(0)
 
-    fn = _compiled_flex(layout.block_size, q.device) if compiled else flex_attention
+    fn = _compiled_flex(layout.block_size, q.device, q.dtype) if compiled else flex_attention
     before = _graphs() if compiled else 0
     with warnings.catch_warnings(), _no_silent_eager(compiled):
         # eager is deliberate on the CPU path, not a missed compile
