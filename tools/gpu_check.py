@@ -150,6 +150,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             os.path.join(REPO, "results", "gpu_check")
     if os.path.isfile(a.out):
         p.error(f"--out {a.out} is a file, expected a folder")
+    # Bulky work files (corpora, junit, run logs) stay out of the report folder, which is
+    # committed: under runs/ (git-ignored).
+    a.work = os.path.join(a.out, "work") if a.dry_run else os.path.join(REPO, "runs", "gpu_check_work")
     if a.lengths is None:
         local = os.path.join(REPO, "gpudata", "prolong.json")
         a.lengths = local if os.path.isfile(local) else "prolong"
@@ -256,8 +259,8 @@ def part_tests(a, left: float) -> Part:
     mods = cuda_test_modules()
     if not mods:
         return Part("tests", False, detail="no CUDA test module found under tests/")
-    os.makedirs(a.out, exist_ok=True)
-    junit = os.path.join(a.out, "gpu_tests.xml")
+    os.makedirs(a.work, exist_ok=True)
+    junit = os.path.join(a.work, "gpu_tests.xml")
     # Correctness, not speed: one Triton launch config, no autotuning over every test shape.
     proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                  f"--junitxml={junit}", *mods], left, env={"SPARSEBALANCE_TRITON_AUTOTUNE": "0"})

@@ -29,5 +29,6 @@ if [[ ${#wheels[@]} -gt 0 ]] && "$PY" -c "import sys, torch; sys.exit(0 if torch
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 args=(--wheels "$WHEELS")
-[[ -n ${OUT:-} ]] && args+=(--out "$OUT")
+# GPU_CHECK_OUT, not OUT: the device tool sets OUT to a folder it empties before each command.
+[[ -n ${GPU_CHECK_OUT:-} ]] && args+=(--out "$GPU_CHECK_OUT")
 exec "$PY" tools/gpu_check.py "${args[@]}" "$@"

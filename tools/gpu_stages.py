@@ -94,7 +94,7 @@ def train_verdict(runs: List[dict], seq_lens: List[int]) -> Result:
 def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
     """Dense (SDPA) and sparse (--sparse-balance, ``best_backend``) runs of the same model
     over the same corpus and steps, per micro-batch length."""
-    work = os.path.join(a.out, "train")
+    work = os.path.join(a.work, "train")
     os.makedirs(work, exist_ok=True)
     t0, runs = time.time(), []
     seq_lens = train_seq_lens(a)
@@ -164,7 +164,7 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     # "profile": the simulated model is the profiled one (same block and top-k)
     sim = run([sys.executable, "tools/compare.py", "--mode", "sim", "--quick", "--cost-model", prof,
                "--sim-models", "profile", "--block-size", block, "--topk", str(TRAIN_TOPK), "--json",
-               "--report", os.path.join(a.out, "compare_sim"),
+               "--report", os.path.join(a.work, "compare_sim"),
                *sim_lengths(a),
                *(["--pp", "2", "--dp", "1", "--micro-batches", "8", "--seq-lengths", "16384"]
                  if a.dry_run else [])],
@@ -188,7 +188,7 @@ def part_accuracy(a, left: float, run: Callable, best_backend: str) -> Result:
         return None, "skipped in a dry run (examples/longctx/gpu.sh --tiny takes minutes)", {}
     if left < ACCURACY_MIN_S:
         return None, f"skipped: {left:.0f} s left, gpu.sh needs ~{ACCURACY_MIN_S} s", {}
-    result = os.path.join(a.out, "longctx_accuracy.json")
+    result = os.path.join(a.out, "longctx_accuracy.json")  # small: kept with the report
     proc = run(["bash", "examples/longctx/gpu.sh"], left, env={"RESULT_FILE": result})
     if proc.returncode != 0 or not os.path.isfile(result):
         return False, "gpu.sh: " + last_line(proc), {}

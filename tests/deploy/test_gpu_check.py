@@ -33,7 +33,7 @@ def test_without_cuda_one_line_exit_0_nothing_written(tmp_path):
     out = tmp_path / "gc"
     proc = subprocess.run(["bash", os.path.join(REPO, "tools", "gpu_check.sh")], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PY=sys.executable, OUT=str(out)))
+                          env=dict(os.environ, PY=sys.executable, GPU_CHECK_OUT=str(out)))
     assert proc.returncode == 0, proc.stderr
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-check: skipped: no CUDA device")
@@ -288,7 +288,7 @@ def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):
         return subprocess.CompletedProcess(cmd, 0, "3 passed in 1.0s\n", "")
 
     monkeypatch.setattr(gc, "_run", fake_run)
-    part = gc.part_tests(SimpleNamespace(out=str(tmp_path)), 100.0)
+    part = gc.part_tests(SimpleNamespace(out=str(tmp_path), work=str(tmp_path)), 100.0)
     assert part.passed and part.detail == "3 passed in 1.0s"
     assert got["env"] == {"SPARSEBALANCE_TRITON_AUTOTUNE": "0"}
     assert "pytest" in got["cmd"] and os.path.join("tests", "ops", "test_gpu_backends.py") in got["cmd"]
@@ -356,6 +356,11 @@ def test_targets_met_not_met_and_not_measured():
     assert t["routing + plan share"]["value"] == 0.03 and t["routing + plan share"]["met"] is True
     assert t["training 64K sparse / dense tokens/s"]["met"] is True
     assert t["latency predictor held-out MAPE"]["met"] is False
+    skipped = [p("tests", data={"by_module": {"tests.ops.test_flex_gpu": {"passed": 0, "failed": 0, "skipped": 9}}})]
+    t1 = {x["target"]: x for x in gr.evaluate_targets(skipped)}
+    assert t1["every GPU test passes"]["met"] is None and t1["every GPU test passes"]["note"] == "no test ran"
+    ran = [p("tests", data={"by_module": {"tests.ops.test_flex_gpu": {"passed": 9, "failed": 0, "skipped": 0}}})]
+    assert gr.evaluate_targets(ran)[0]["met"] is True
     dense_too = [p("train", data={"speedup_64k": 2.4, "density_64k": 0.2})]
     t2 = {x["target"]: x for x in gr.evaluate_targets(dense_too)}
     assert t2["training 64K sparse / dense tokens/s"]["met"] is False  # density above 12%
@@ -427,7 +432,8 @@ def _fake_driver(calls, tps, mape=0.03):
 def test_train_and_profile_use_the_bench_best_backend(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(gc, "_run", _fake_driver(calls, lambda sparse, n: (3e4 if sparse else 1e4) * 32768 / n))
-    a = SimpleNamespace(out=str(tmp_path), repo=REPO, dry_run=False, lengths="gpudata/prolong.json",
+    a = SimpleNamespace(out=str(tmp_path), work=str(tmp_path / "work"), repo=REPO, dry_run=False,
+                        lengths="gpudata/prolong.json",
                         train_seq_lens=[32768, 65536], parts=["train", "profile"], budget_s=900.0,
                         done=[gc.Part("bench", True, data={"rows": [_row("triton", 0.3, 0.02),
                                                                      _row("flex", 0.5, 0.03)]})])
@@ -459,7 +465,7 @@ def test_train_fails_when_a_run_breaks_and_accuracy_needs_time(monkeypatch, tmp_
         return good(cmd, timeout, env)
 
     monkeypatch.setattr(gc, "_run", run)
-    a = SimpleNamespace(out=str(tmp_path), repo=REPO, dry_run=False, lengths="prolong",
+    a = SimpleNamespace(out=str(tmp_path), work=str(tmp_path / "work"), repo=REPO, dry_run=False, lengths="prolong",
                         train_seq_lens=[65536], done=[])
     part = gc.RUNNERS["train"](a, 600.0)
     assert not part.passed and "sparse 65536: pretrain_gpt.py: torch.OutOfMemoryError" in part.detail
