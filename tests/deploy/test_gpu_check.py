@@ -281,17 +281,32 @@ def test_bench_no_time_left_and_all_points_passing(monkeypatch):
 
 
 def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):
-    got = {}
+    """One pytest per CUDA module, autotuning off, a slow module cut at its share while
+    the next still runs, counts summed from each module's junit file."""
+    calls = []
 
     def fake_run(cmd, timeout, env=None):
-        got.update(cmd=cmd, env=env)
-        return subprocess.CompletedProcess(cmd, 0, "3 passed in 1.0s\n", "")
+        calls.append((cmd, timeout, env))
+        junit = next(c for c in cmd if c.startswith("--junitxml="))[len("--junitxml="):]
+        mod = cmd[-1]
+        if len(calls) == 1:  # the first module hangs: killed, no junit file
+            return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout:.0f} s")
+        with open(junit, "w") as fh:
+            fh.write(f'<testsuite><testcase classname="{mod}" name="t1"/>'
+                     f'<testcase classname="{mod}" name="t2"/></testsuite>')
+        return subprocess.CompletedProcess(cmd, 0, "2 passed in 1.0s\n", "")
 
     monkeypatch.setattr(gc, "_run", fake_run)
-    part = gc.part_tests(SimpleNamespace(out=str(tmp_path), work=str(tmp_path)), 100.0)
-    assert part.passed and part.detail == "3 passed in 1.0s"
-    assert got["env"] == {"SPARSEBALANCE_TRITON_AUTOTUNE": "0"}
-    assert "pytest" in got["cmd"] and os.path.join("tests", "ops", "test_gpu_backends.py") in got["cmd"]
+    mods = gc.cuda_test_modules()
+    part = gc.part_tests(SimpleNamespace(work=str(tmp_path)), 300.0)
+    assert [c[0][-1] for c in calls] == mods and len(mods) >= 3
+    assert all(c[2] == {"SPARSEBALANCE_TRITON_AUTOTUNE": "0"} and "pytest" in c[0] for c in calls)
+    assert calls[0][1] == pytest.approx(300.0 - 45.0 * (len(mods) - 1), abs=1.0)
+    assert calls[-1][1] == pytest.approx(300.0, abs=2.0)  # the last may use all that is left
+    assert not part.passed  # the hung module fails the part
+    assert part.detail == f"{2 * (len(mods) - 1)} passed, 0 failed, 0 skipped"
+    assert part.data["per_module"][0].endswith("timed out after " + f"{calls[0][1]:.0f} s")
+
 
 
 def test_parts_run_in_chain_order_with_their_own_budgets():
