@@ -29,7 +29,8 @@ CANDIDATES = ("flex", "triton", "cuda")
 """Backends ``auto`` may pick on CUDA."""
 MEASURE_SHAPE = {"tokens": 16384, "heads": 16, "kv_heads": 2, "density": 0.12, "reps": 3}
 """The timed case: one document of 16K tokens, GQA 16:2, top-k for ~12% density."""
-_memo: Dict[str, dict] = {}
+_memo: Dict[object, dict] = {}
+"""Choices of this process, by cache key and by (device, head dim, block, dtype, name)."""
 
 
 def cache_path() -> str:
@@ -139,14 +140,16 @@ def _measure_on(device, head_dim, block_size, dtype) -> Callable[[str], float]:
     q, k, v = mk(s["heads"]), mk(s["kv_heads"]), mk(s["kv_heads"])
     cu = torch.tensor([0, T], dtype=torch.int32)
 
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
     def measure(name):
         times = []
         for i in range(s["reps"] + 1):  # the first run compiles / autotunes
-            torch.cuda.synchronize(device)
+            sync()
             t0 = time.perf_counter()
             out = sparse_attention(q, k, v, cu, topk=topk, block_size=block_size, backend=name)
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-            torch.cuda.synchronize(device)
+            sync()
             if i:
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
@@ -172,9 +175,13 @@ def auto_choice(device: torch.device, head_dim: int, block_size: int, dtype: tor
                "SPARSEBALANCE_AUTO_MEASURE=0: first available of triton, cuda")
         return {"backend": resolve_backend("auto", device), "reason": why, "timings_ms": {},
                 "failed": {}, "key": None, "source": "rule"}
+    fast = (str(device), int(head_dim), int(block_size), dtype, device_name)
+    if fast in _memo:  # every attention call of a training step lands here
+        return dict(_memo[fast], source="memo")
     name = device_name or torch.cuda.get_device_name(device)
     key = cache_key(name, head_dim, block_size, dtype)
     if key in _memo:
+        _memo[fast] = _memo[key]
         return dict(_memo[key], source="memo")
     path = path or cache_path()
     entry = _read_cache(path).get(key)
@@ -190,7 +197,7 @@ def auto_choice(device: torch.device, head_dim: int, block_size: int, dtype: tor
             entry["reason"] = f"rule fallback ({entry['reason']})"
         else:
             _write_cache(path, key, entry)
-    _memo[key] = dict(entry, key=key)
+    _memo[key] = _memo[fast] = dict(entry, key=key)
     return dict(_memo[key], source=source)
 
 

@@ -214,12 +214,15 @@ def _no_silent_eager(compiled: bool) -> Iterator[None]:
 
 
 def _kernel_options(block_size: int, compiled: bool) -> Optional[dict]:
-    # The forward's tiles must divide the block too (Inductor raises otherwise, and its
-    # default on Hopper is 128 query rows): pin them for short blocks.
-    if not compiled or block_size >= 128:
+    """Forward tiles for short blocks: they must divide the block (Inductor raises
+    otherwise; its Hopper default is 128 query rows) and be powers of two >= 16 (Triton's
+    dot). Raises ValueError for a block size no such tile divides."""
+    if not compiled:
         return None
-    t = min(block_size, 64)
-    return {"fwd_BLOCK_M": t, "fwd_BLOCK_N": t}
+    t = block_size & -block_size  # the largest power of two dividing the block
+    if t < 16:
+        raise ValueError(f"backend 'flex' (compiled) needs a block size divisible by 16, got {block_size}")
+    return None if block_size % 128 == 0 else {"fwd_BLOCK_M": min(t, 64), "fwd_BLOCK_N": min(t, 64)}
 
 
 def flex_prepare(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, topk: TopK,
@@ -266,5 +269,6 @@ def flex_sparse_attention(q, k, v, cu_seqlens, topk, block_size, scale):
     if q.shape[0] == 0:
         return q.clone(), 0
     compiled = use_compiled(q.device)
+    _kernel_options(block_size, compiled)  # an unsupported block size fails before routing
     plan, layout, mask = flex_prepare(q, k, cu_seqlens, topk, block_size, scale, compiled)
     return flex_run(q, k, v, layout, mask, scale, compiled), plan.kept_pairs

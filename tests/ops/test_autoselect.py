@@ -128,3 +128,26 @@ def test_backend_choice_for_the_driver(tmp_path, monkeypatch):
     assert autoselect.backend_choice("auto", CUDA, 128, 128, torch.bfloat16)["backend"] == "flex"
     with override_backend("reference"):
         assert autoselect.backend_choice("auto", CUDA, 128, 128, torch.bfloat16)["backend"] == "reference"
+
+
+def test_real_verify_and_measure_run_on_the_cpu(monkeypatch):
+    """The verification and the timing auto uses on CUDA, run on CPU tensors: the
+    reference verifies against itself, a backend 1% off fails, timing gives milliseconds."""
+    from sparsebalance.ops import backends
+
+    cpu = torch.device("cpu")
+    verify = autoselect._verify_on(cpu, 32, 32, torch.float32)
+    assert verify("reference") == (True, "ok")
+    ref = backends.BACKENDS["reference"]
+
+    def off_by_one_percent(*args):
+        out, kept = ref(*args)
+        return out * 1.01, kept
+
+    monkeypatch.setitem(backends.BACKENDS, "cpu", off_by_one_percent)
+    ok, why = verify("cpu")
+    assert not ok and why.startswith("out error")
+    monkeypatch.setattr(autoselect, "MEASURE_SHAPE",
+                        {"tokens": 512, "heads": 2, "kv_heads": 1, "density": 0.3, "reps": 1})
+    ms = autoselect._measure_on(cpu, 32, 32, torch.float32)("reference")
+    assert 0.0 < ms < 60_000.0

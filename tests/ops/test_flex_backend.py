@@ -147,3 +147,14 @@ def test_compiled_forward_and_no_recompile_on_new_budgets_and_lengths(monkeypatc
         assert dens == dens_ref < 1.0
         counts.append(flex.compile_count())
     assert counts[0] >= 1 and counts[1] == counts[0], counts
+
+
+def test_compiled_flex_rejects_block_sizes_without_a_16_tile(monkeypatch):
+    assert flex._kernel_options(48, True) == {"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 16}
+    assert flex._kernel_options(64, True) == {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
+    assert flex._kernel_options(128, True) is None and flex._kernel_options(256, True) is None
+    assert flex._kernel_options(20, False) is None  # eager: any block size
+    monkeypatch.setenv("SPARSEBALANCE_FLEX_COMPILE", "1")
+    q, k, v, cu, _ = make_inputs([100], 2, 2, 16)
+    with pytest.raises(ValueError, match="divisible by 16, got 20"):
+        sparse_attention(q, k, v, cu, topk=1, block_size=20, backend="flex")
