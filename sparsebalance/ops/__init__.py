@@ -9,6 +9,7 @@ from sparsebalance.ops.backends import (
     BACKENDS,
     HAS_CPU_EXT,
     HAS_CUDA_EXT,
+    HAS_FLEX,
     HAS_TRITON,
     is_available,
     override_backend,
@@ -18,6 +19,6 @@ from sparsebalance.ops.interface import sparse_attention
 from sparsebalance.ops.plan import RoutingPlan, build_plan
 
 __all__ = [
-    "BACKENDS", "HAS_CPU_EXT", "HAS_CUDA_EXT", "HAS_TRITON", "RoutingPlan", "build_plan",
+    "BACKENDS", "HAS_CPU_EXT", "HAS_CUDA_EXT", "HAS_FLEX", "HAS_TRITON", "RoutingPlan", "build_plan",
     "is_available", "override_backend", "resolve_backend", "sparse_attention",
 ]

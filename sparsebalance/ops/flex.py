@@ -268,6 +268,10 @@ def flex_sparse_attention(q, k, v, cu_seqlens, topk, block_size, scale):
     """Backend ``flex`` (the registry's signature): ``(out [T, H, D], kept_pairs)``."""
     if q.shape[0] == 0:
         return q.clone(), 0
+    if q.device.type != "cuda" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                               or v.requires_grad):
+        raise ValueError("backend 'flex' has no backward off CUDA (FlexAttention's CPU path is "
+                         "forward only): use 'cpu' or 'reference', or no_grad")
     compiled = use_compiled(q.device)
     _kernel_options(block_size, compiled)  # an unsupported block size fails before routing
     plan, layout, mask = flex_prepare(q, k, cu_seqlens, topk, block_size, scale, compiled)

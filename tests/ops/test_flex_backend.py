@@ -158,3 +158,11 @@ def test_compiled_flex_rejects_block_sizes_without_a_16_tile(monkeypatch):
     q, k, v, cu, _ = make_inputs([100], 2, 2, 16)
     with pytest.raises(ValueError, match="divisible by 16, got 20"):
         sparse_attention(q, k, v, cu, topk=1, block_size=20, backend="flex")
+
+
+def test_backward_off_cuda_is_a_clear_error():
+    q, k, v, cu, _ = make_inputs([100], 2, 2, 16)
+    with pytest.raises(ValueError, match="no backward off CUDA"):
+        sparse_attention(q.requires_grad_(), k, v, cu, topk=1, block_size=16, backend="flex")
+    with torch.no_grad():  # forward only is fine
+        assert sparse_attention(q, k, v, cu, topk=1, block_size=16, backend="flex").shape == q.shape
