@@ -233,8 +233,9 @@ def cuda_test_modules() -> List[str]:
     return out
 
 
-def junit_summary(path: str) -> dict:
-    """Per-module counts and the failed test ids of a pytest junit XML file."""
+def junit_summary(path: str, module: str = "?") -> dict:
+    """Per-module counts and the failed test ids of a pytest junit XML file (``module``
+    names the entries without a class name, such as a module's own skip)."""
     if not os.path.isfile(path):
         return {}
     try:
@@ -243,7 +244,7 @@ def junit_summary(path: str) -> dict:
         return {}
     mods, failed = {}, []
     for case in root.iter("testcase"):
-        mod = case.get("classname") or case.get("file", "?")  # module (or module.Class)
+        mod = case.get("classname") or module  # module (or module.Class)
         m = mods.setdefault(mod, {"passed": 0, "failed": 0, "skipped": 0})
         if case.find("failure") is not None or case.find("error") is not None:
             m["failed"] += 1
@@ -273,7 +274,7 @@ def part_tests(a, left: float) -> Part:
         # Correctness, not speed: one Triton launch config, no autotuning over every test shape.
         proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                      f"--junitxml={junit}", mod], cap, env={"SPARSEBALANCE_TRITON_AUTOTUNE": "0"})
-        got = junit_summary(junit)
+        got = junit_summary(junit, mod)
         by_module.update(got.get("by_module", {}))
         failed_tests += got.get("failed_tests", [])
         tail = (proc.stdout or "").strip().splitlines()

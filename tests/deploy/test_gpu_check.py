@@ -407,10 +407,12 @@ def test_junit_summary(tmp_path):
                    '<testcase classname="tests.ops.test_flex_gpu" name="test_a"/>'
                    '<testcase classname="tests.ops.test_flex_gpu" name="test_b"><failure message="x"/></testcase>'
                    '<testcase classname="tests.ops.test_gpu_backends" name="test_c"><skipped/></testcase>'
+                   '<testcase classname="" name="tests/ops/test_x.py"><skipped/></testcase>'
                    '</testsuite></testsuites>')
-    got = gc.junit_summary(str(xml))
+    got = gc.junit_summary(str(xml), "tests/ops/test_x.py")
     assert got["by_module"] == {"tests.ops.test_flex_gpu": {"passed": 1, "failed": 1, "skipped": 0},
-                                "tests.ops.test_gpu_backends": {"passed": 0, "failed": 0, "skipped": 1}}
+                                "tests.ops.test_gpu_backends": {"passed": 0, "failed": 0, "skipped": 1},
+                                "tests/ops/test_x.py": {"passed": 0, "failed": 0, "skipped": 1}}
     assert got["failed_tests"] == ["tests.ops.test_flex_gpu::test_b"]
     assert gc.junit_summary(str(tmp_path / "none.xml")) == {}
 
