@@ -471,11 +471,15 @@ def part_bench(a, left: float) -> Part:
                 data={"rows": rows, "failed": failed, "best_efficiency_64k_b128": best})
 
 
-def best_backend(parts: List[Part]) -> str:
+def best_backend(parts: List[Part], earlier: Optional[dict] = None) -> str:
     """The bench's most efficient backend at the target point (fwd+bwd), else at any
-    point; ``auto`` (measured on first use) when the bench has no row."""
+    point; the bench of this run, else of ``earlier`` (the report of an earlier run on
+    this device: the chain run in pieces); ``auto`` (measured on first use) without one."""
     bench = next((p for p in parts if p.name == "bench"), None)
     rows = bench.data.get("rows", []) if bench else []
+    if not rows and earlier:
+        rows = next((p.get("data", {}).get("rows", []) for p in earlier.get("parts", [])
+                     if p.get("name") == "bench"), [])
     rows = gpu_report.target_rows(rows) or rows
     return max(rows, key=lambda r: r["efficiency"])["backend"] if rows else "auto"
 
@@ -485,7 +489,7 @@ def _staged(name: str, fn: Callable) -> Callable:
 
     def runner(a, left: float) -> Part:
         ok, detail, data = fn(a, left, lambda *x, **k: _run(*x, **k),
-                              best_backend(getattr(a, "done", [])))
+                              best_backend(getattr(a, "done", []), getattr(a, "earlier", None)))
         return Part(name, bool(ok), detail=detail, data=data, skipped=ok is None)
 
     return runner
@@ -549,6 +553,7 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(a.out, exist_ok=True)
     device = "cpu (dry run)" if a.dry_run else torch.cuda.get_device_name(0)
+    a.earlier = gpu_report.read_report(a.out, device)
     parts = run_parts(a, on_part=lambda done: write_report(a.out, done, device, a.dry_run))
     doc = write_report(a.out, parts, device, a.dry_run)
     for t in doc["targets"]:

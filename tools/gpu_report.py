@@ -137,24 +137,30 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(md) + "\n"
 
 
+def read_report(out_dir: str, device: Optional[str] = None) -> Optional[dict]:
+    """``out_dir``/gpu_check.json, or None when absent, damaged (it will be replaced) or
+    (with ``device``) from another device."""
+    path = os.path.join(out_dir, "gpu_check.json")
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or (device is not None and doc.get("device") != device):
+        return None
+    return doc
+
+
 def write_report(out_dir: str, parts: List[dict], device: str, dry_run: bool = False) -> dict:
     """Merge ``parts`` into ``out_dir``/gpu_check.json (same device), judge the targets,
     write gpu_check.json and gpu_check.md atomically. Returns the document."""
     from sparsebalance.io import atomic_write_text
 
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "gpu_check.json")
-    old = None
-    if os.path.isfile(path):
-        try:
-            with open(path) as fh:
-                old = json.load(fh)
-        except (OSError, ValueError):
-            old = None  # a damaged report is replaced
-    merged = merge_parts(old, device, parts)
+    merged = merge_parts(read_report(out_dir), device, parts)
     doc = {"device": device, "dry_run": dry_run,
            "passed": all(p["status"] != "fail" for p in merged),
            "parts": merged, "targets": evaluate_targets(merged)}
-    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(os.path.join(out_dir, "gpu_check.json"), json.dumps(doc, indent=1) + "\n")
     atomic_write_text(os.path.join(out_dir, "gpu_check.md"), render_markdown(doc))
     return doc

@@ -560,3 +560,16 @@ def test_bench_attention_picks_the_fastest_dense_kernel_that_runs(tmp_path):
         proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_attention.py"), "--seq-len",
                                "512", "--backend", "flex"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "flex has no CPU backward" in proc.stderr
+
+
+def test_best_backend_comes_from_this_run_or_an_earlier_piece(tmp_path):
+    import gpu_report as gr
+
+    bench = gc.Part("bench", True, data={"rows": [_row("triton", 0.3, 0.02), _row("flex", 0.5, 0.03),
+                                                   _row("cuda", 0.9, 0.01, density=0.05)]})
+    assert gc.best_backend([bench]) == "flex"  # read at the target point, not the best anywhere
+    assert gc.best_backend([]) == "auto"
+    gc.write_report(str(tmp_path), [bench], "NVIDIA H200")
+    earlier = gr.read_report(str(tmp_path), "NVIDIA H200")
+    assert gc.best_backend([gc.Part("deps", True)], earlier) == "flex"
+    assert gr.read_report(str(tmp_path), "NVIDIA H100") is None
