@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 2
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test build venv clean gpu-check
+.PHONY: demo test build venv clean gpu-check gpu-prep
 
 venv: $(STAMP)
 
@@ -27,9 +27,14 @@ demo: build
 test: build
 	$(PY) -m pytest -q tests
 
-# On a CUDA machine whose python3 has torch + triton (no venv): tools/gpu_check.py.
+# On a CUDA machine whose python3 has torch + triton (no venv, no internet): the evidence
+# chain of tools/gpu_check.py; wheels from .whl/ (made by gpu-prep) installed offline.
 gpu-check:
 	bash tools/gpu_check.sh
+
+# On a connected machine: the wheels (.whl/) and data (gpudata/) gpu-check needs offline.
+gpu-prep:
+	PIP="$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip" bash tools/gpu_prep.sh
 
 clean:
 	rm -rf build *.egg-info sparsebalance/*.so

@@ -4,8 +4,11 @@ Forward+backward of both, in one process, interleaved repetitions, medians,
 fixed threads. Prints one JSON object: dense_ms, sparse_ms (gate and selection
 included), density, speedup = dense_ms / sparse_ms, efficiency = speedup x
 density (1.0 = the work saved is fully turned into time), gate_ms (routing plan:
-block means, gate, top-k), gate_share = gate_ms / sparse_ms, and speedup_min (ratio
-of the fastest repetitions, a cross-check on a loaded machine).
+block means, gate, top-k; for flex also the buffer layout and the block mask),
+gate_share = gate_ms / sparse_ms, and speedup_min (ratio of the fastest repetitions, a
+cross-check on a loaded machine). On CUDA the dense baseline is the fastest of SDPA's
+flash and cuDNN kernels (--dense-backends), named in dense_backend; flex also reports
+padding_ratio (rows of its block-aligned buffer / tokens).
 
 Tiny CPU run:
     OMP_NUM_THREADS=2 .venv/bin/python tools/bench_attention.py --seq-len 2048 --heads 2 \\
@@ -46,7 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--backend", default="cpu", help="auto, reference, cpu, triton, cuda")
+    p.add_argument("--backend", default="cpu", help="auto, reference, cpu, triton, cuda, flex")
+    p.add_argument("--dense-backends", default="auto",
+                   help="dense SDPA kernels to time, comma list from flash,cudnn,efficient,math "
+                        "(the fastest is the baseline); auto: flash,cudnn on CUDA, torch's "
+                        "own choice on the CPU")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--threads", type=int, default=None, help="default: $OMP_NUM_THREADS or 2")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (medians reported)")
@@ -68,9 +75,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.doc_mix is not None and not os.path.isfile(a.doc_mix):
         p.error(f"--doc-mix file not found: {a.doc_mix}")
     a.doc_pool = None if a.doc_mix is None else _read_doc_mix(a.doc_mix, p)
+    a.dense_backends = [x for x in a.dense_backends.split(",") if x]
+    if a.dense_backends != ["auto"] and (not a.dense_backends
+                                        or set(a.dense_backends) - set(_SDPA_NAMES)):
+        p.error(f"--dense-backends must be auto or a comma list from {','.join(_SDPA_NAMES)}")
     env_threads = os.environ.get("OMP_NUM_THREADS", "2")
     a.threads = a.threads or (int(env_threads) if env_threads.isdigit() else 2)
     return a
+
+
+_SDPA_NAMES = ("flash", "cudnn", "efficient", "math")
+
+
+def dense_kernels(names, on_cuda: bool) -> dict:
+    """name -> context manager factory restricting SDPA to that kernel (None: torch's choice)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if names == ["auto"]:
+        names = ["flash", "cudnn"] if on_cuda else []
+    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    if not names:
+        return {"sdpa": contextlib.nullcontext}
+    return {n: (lambda b=kinds[n]: sdpa_kernel([b])) for n in names}
 
 
 def _read_doc_mix(path: str, p: argparse.ArgumentParser) -> list[int]:
@@ -118,13 +147,18 @@ def main(argv=None) -> int:
     from sparsebalance.ops import build_plan, resolve_backend, sparse_attention
 
     torch.set_num_threads(a.threads)
-    dev = torch.device("cuda" if a.backend in ("cuda", "triton") else "cpu")
+    gpu_names = ("cuda", "triton", "flex") if torch.cuda.is_available() else ("cuda", "triton")
+    dev = torch.device("cuda" if a.backend in gpu_names else "cpu")
+    if a.backend == "flex" and dev.type == "cpu":
+        sys.stderr.write("bench_attention.py: error: flex has no CPU backward (FlexAttention); "
+                         "bench it on CUDA\n")
+        return 2
+    dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
     try:
-        backend = resolve_backend(a.backend, dev)
+        backend = resolve_backend(a.backend, dev, a.head_dim, a.block_size, dtype)
     except ValueError as exc:
         sys.stderr.write(f"bench_attention.py: error: {exc}\n")
         return 2
-    dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
     lens = doc_lengths(a)
     cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
     g = torch.Generator().manual_seed(a.seed)
@@ -141,10 +175,14 @@ def main(argv=None) -> int:
         sync()
         return out, (time.perf_counter() - t0) * 1e3
 
-    def run_dense():
-        out, f = timed(lambda: causal_varlen_attention(q, k, v, cu, scale))
-        _, b = timed(lambda: torch.autograd.grad(out, (q, k, v), dout))
-        return f, f + b
+    def dense_run(ctx):
+        def run_dense():
+            with ctx():
+                out, f = timed(lambda: causal_varlen_attention(q, k, v, cu, scale))
+            _, b = timed(lambda: torch.autograd.grad(out, (q, k, v), dout))
+            return f, f + b
+
+        return run_dense
 
     def run_sparse():
         (out, dens), f = timed(lambda: sparse_attention(q, k, v, cu, topk=a.topk, block_size=a.block_size,
@@ -153,11 +191,28 @@ def main(argv=None) -> int:
         run_sparse.density = dens
         return f, f + b
 
+    if backend == "flex":  # routing + what FlexAttention needs before its kernel
+        from sparsebalance.ops.flex import flex_prepare, padding_ratio, use_compiled
+
+        route = lambda: flex_prepare(q, k, cu, a.topk, a.block_size, scale, use_compiled(dev))
+    else:
+        route = lambda: build_plan(q, k, cu, a.topk, a.block_size, scale)
+
     def run_gate():
-        _, t = timed(lambda: build_plan(q, k, cu, a.topk, a.block_size, scale))
+        _, t = timed(route)
         return t, t
 
-    runs = {"dense": run_dense, "sparse": run_sparse, "gate": run_gate}
+    runs = {"sparse": run_sparse, "gate": run_gate}
+    dense_failed = {}
+    for name, ctx in dense_kernels(a.dense_backends, dev.type == "cuda").items():
+        try:  # a kernel this GPU / shape / dtype does not support is left out, and said so
+            dense_run(ctx)()
+            runs["dense:" + name] = dense_run(ctx)
+        except RuntimeError as exc:
+            dense_failed[name] = str(exc).splitlines()[0][:200] if str(exc) else "RuntimeError"
+    if not any(n.startswith("dense:") for n in runs):
+        sys.stderr.write(f"bench_attention.py: error: no dense kernel ran: {dense_failed}\n")
+        return 2
     for _ in range(a.warmup):
         for fn in runs.values():
             fn()
@@ -166,6 +221,9 @@ def main(argv=None) -> int:
         for n, fn in runs.items():
             times[n].append(fn())
     med = lambda n, i: statistics.median(t[i] for t in times[n])
+    dense_names = [n for n in runs if n.startswith("dense:")]
+    best = min(dense_names, key=lambda n: med(n, 1))
+    times["dense"] = times[best]
     dense_ms, sparse_ms, gate_ms = med("dense", 1), med("sparse", 1), med("gate", 1)
     speedup = dense_ms / sparse_ms
     res = {
@@ -173,6 +231,11 @@ def main(argv=None) -> int:
         "seq_len": a.seq_len, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
         "block_size": a.block_size, "topk": a.topk, "n_docs": len(lens),
         "doc_mix": a.doc_mix, "max_doc_len": max(lens),
+        "dense_backend": best.split(":", 1)[1],
+        "dense_ms_by_backend": {n.split(":", 1)[1]: [round(med(n, 0), 2), round(med(n, 1), 2)]
+                                for n in dense_names},
+        "dense_failed": dense_failed,
+        "padding_ratio": round(padding_ratio(cu, a.block_size), 4) if backend == "flex" else 1.0,
         "dense_ms": round(dense_ms, 2), "sparse_ms": round(sparse_ms, 2),
         "dense_fwd_ms": round(med("dense", 0), 2), "sparse_fwd_ms": round(med("sparse", 0), 2),
         "density": round(run_sparse.density, 5),
@@ -186,10 +249,9 @@ def main(argv=None) -> int:
     }
     text = json.dumps(res)
     if a.out:
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, a.out)
+        from sparsebalance.io import atomic_write_text
+
+        atomic_write_text(a.out, text + "\n")
     if not a.json:
         print(f"# OMP_NUM_THREADS={a.threads} backend={backend} docs={len(lens)}", file=sys.stderr)
     print(text)

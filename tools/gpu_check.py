@@ -1,39 +1,44 @@
 #!/usr/bin/env python
-"""`make gpu-check`: prove the GPU path on one CUDA machine, in parts that each pass or fail.
+"""`make gpu-check`: one GPU turned into the whole body of evidence, part by part.
 
-Parts, in order (one failing never hides the rest; each has a time cap):
+The chain, in order (each part pass / fail / skip with its data; one failing never stops
+the next; each has a time cap, :data:`PART_BUDGET_S`, inside the run's ``--budget-s``):
 
-* ``deps``   install the pure-Python needs from wheels put in ``--wheels DIR`` beforehand
-             (never torch, triton or nvidia-*: the machine's own stay), then import them;
-* ``build``  build the C++/CUDA extension in place for this GPU's architecture;
-* ``tests``  tests/ops/test_gpu_backends.py and every other test module that needs CUDA, with
-             ``SPARSEBALANCE_TRITON_AUTOTUNE=0``: one launch config per Triton kernel, no
-             autotuning (the tests check correctness, not speed);
-* ``bench``  triton and cuda backends vs torch SDPA (flash, dense causal), one process per
-             backend for all its points (imports and Triton autotuning are paid once; the
-             bench does autotune): fwd and fwd+bwd, bf16, head dim 128, GQA, 16K-128K, block
-             64 and 128, densities ~5%, 12%, 25%: ms, TFLOP/s on kept pairs, efficiency =
-             speedup x density. Each finished point is kept even if its process later dies
-             or runs out of its share of the time. The cuda rows are the extension's
-             tensor-core kernels (``SPARSEBALANCE_CUDA_TENSOR_CORES=1``, opt-in until
-             they have passed the tests part on a GPU).
-* ``train``  pretrain_gpt.py, 20 iterations on one GPU in bf16 (Qwen2.5-0.5B-like layers cut
-             to 4, 32K micro-batches, --sparse-balance --sb-cost-model h100-analytic): the loss
-             must decrease and the summary JSON must hold the run's metrics.
+* ``deps``     the wheels tools/gpu_check.sh installed offline (``.whl/`` into
+               ``/tmp/site``): megatron-core, torch and triton import;
+* ``build``    the C++/CUDA extension for this GPU's architecture (setup.py; a clear
+               failure when nvcc is missing: flex and triton still run);
+* ``tests``    every CUDA test module (flex, triton, cuda incl. tensor cores): outputs
+               and dq/dk/dv against the reference, ``SPARSEBALANCE_TRITON_AUTOTUNE=0``;
+* ``bench``    flex, triton and cuda (tensor cores) against the fastest dense causal SDPA
+               kernel of the same process (flash or cuDNN, named per row): fwd and
+               fwd+bwd, bf16, head dim 128, GQA 16:2, 16K-128K, block 64 and 128,
+               densities ~5/12/25%: ms, TFLOP/s on kept pairs, efficiency = speedup x
+               density, routing share. One process per backend; the target point (64K,
+               block 128, ~12%) runs first; finished points are kept when a worker dies;
+* ``train``    --model-preset qwen2.5-0.5b (24 layers, random init, bf16, one GPU), 32K
+               and 64K micro-batches of packed documents resampled from --lengths:
+               dense (SDPA) and sparse (--sparse-balance, the bench's best backend) over
+               the same steps: tokens/s, peak memory, loss decreasing in both;
+* ``profile``  tools/profile_latency.py on this GPU for that model (held-out MAPE), the
+               profile written under --out, then tools/compare.py --mode sim with it;
+* ``accuracy`` examples/longctx/gpu.sh, only when enough time is left (else skipped).
 
-Everything lands in ``--out DIR``: gpu_check.json (every part's status, seconds, data) and
-gpu_check.md (the same as tables). Exit 0 if every part passed, 1 otherwise, 2 on bad
-arguments. Without CUDA it prints one line and exits 0: there is nothing to check.
+The report, --out/gpu_check.json + gpu_check.md (atomic writes), holds every part and
+the issue's targets, each met / not met / not measured. Parts of an earlier run on the
+same device stay in the report unless redone, so a machine that allows 10 minutes per
+command runs the chain in pieces (docs/gpu.md). Exit 0 when no part failed, 1
+otherwise, 2 on bad arguments. Without CUDA it prints one line and exits 0, unless
+``--dry-run``: the chain with tiny sizes on the CPU (numbers meaningless; report under
+runs/gpu_check_dry by default).
 
-On the GPU machine (no internet; python3 already has torch and triton)::
+On the GPU machine (no internet; python3 has torch and triton; wheels from
+``make gpu-prep`` in ``.whl/``, data in ``gpudata/``)::
 
-    make gpu-check                      # = bash tools/gpu_check.sh
-    WHEELS=/data/wheels OUT=/data/gpu_check bash tools/gpu_check.sh --parts tests,bench
-
-The wheels, downloaded once on a connected machine::
-
-    pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \\
-        --no-deps -d wheels megatron-core==0.16.1 pybind11 ninja tqdm tensorboard
+    make gpu-check                                   # = bash tools/gpu_check.sh
+    bash tools/gpu_check.sh --parts deps,build,tests --budget-s 560   # in pieces
+    bash tools/gpu_check.sh --parts bench --budget-s 560
+    bash tools/gpu_check.sh --parts train,profile --budget-s 560
 """
 
 from __future__ import annotations
@@ -46,16 +51,27 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-PARTS = ("deps", "build", "tests", "bench", "train")
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+import gpu_report  # noqa: E402
+import gpu_stages  # noqa: E402
+from gpu_report import OPTIONAL_PARTS, PARTS  # noqa: E402
+
+PART_BUDGET_S = {"deps": 60, "build": 240, "tests": 400, "bench": 480, "train": 330,
+                 "profile": 150, "accuracy": 1800}
+"""Most seconds each part may take (also capped by what is left of --budget-s)."""
+BENCH_BACKENDS = ("flex", "triton", "cuda")
 SKIP_WHEELS = ("torch-", "triton-", "nvidia_", "nvidia-")
 """Wheels never installed over the machine's own CUDA stack."""
 
@@ -70,47 +86,80 @@ class Part:
     detail: str = ""
     """One line: what was checked, or why it failed."""
     data: dict = field(default_factory=dict)
+    skipped: bool = False
+    """Not run, and allowed not to be (optional parts)."""
+
+    @property
+    def status(self) -> str:
+        return "skip" if self.skipped else ("pass" if self.passed else "fail")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "status": self.status}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from megatron.training.arguments import OneLineParser
 
     p = OneLineParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.path.join(REPO, "runs", "gpu_check"), help="report folder")
-    p.add_argument("--wheels", default=os.path.join(REPO, "wheels"),
-                   help="folder of wheels for the deps part (missing: use what is installed)")
+    p.add_argument("--out", default=None,
+                   help="report folder (default results/gpu_check; dry run runs/gpu_check_dry)")
+    p.add_argument("--wheels", default=os.path.join(REPO, ".whl"),
+                   help="folder of wheels gpu_check.sh installed (recorded by the deps part)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list from {','.join(PARTS)}")
-    p.add_argument("--seq-lens", default="16384,32768,65536,131072", help="bench: tokens")
-    p.add_argument("--backends", default="triton,cuda", help="bench: comma list from triton,cuda")
+    p.add_argument("--seq-lens", default="65536,16384,32768,131072", help="bench: tokens")
+    p.add_argument("--backends", default=",".join(BENCH_BACKENDS),
+                   help=f"bench: comma list from {','.join(BENCH_BACKENDS)}")
     p.add_argument("--bench-reps", type=int, default=3,
                    help="bench: timed repetitions per point (bench_attention.py --reps)")
-    p.add_argument("--lengths", default="prolong",
-                   help="train: document lengths for make_corpus.py (a shared/ name or a .json path)")
-    p.add_argument("--budget-s", type=float, default=540.0,
+    p.add_argument("--train-seq-lens", default="32768,65536", help="train: micro-batch tokens")
+    p.add_argument("--lengths", default=None,
+                   help="train: document lengths for make_corpus.py (a shared/ name or a .json "
+                        "path; default gpudata/prolong.json if present, else prolong)")
+    p.add_argument("--budget-s", type=float, default=1500.0,
                    help="wall-clock budget of all parts; a part that would start after it is failed")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the chain with tiny sizes on the CPU (tests the orchestration)")
     # Internal: the bench part's per-backend process (see bench_worker).
     p.add_argument("--bench-worker", nargs=2, metavar=("POINTS_JSON", "OUT_JSONL"),
                    help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a.repo = REPO
     a.parts = [x for x in a.parts.split(",") if x]
     bad = [x for x in a.parts if x not in PARTS]
     if bad or not a.parts:
         p.error(f"--parts must be a comma list from {','.join(PARTS)}, got {bad or a.parts}")
     try:
         a.seq_lens = [int(x) for x in a.seq_lens.split(",") if x]
+        a.train_seq_lens = [int(x) for x in a.train_seq_lens.split(",") if x]
     except ValueError:
-        p.error(f"--seq-lens must be comma-separated integers, got {a.seq_lens!r}")
+        p.error(f"--seq-lens and --train-seq-lens must be comma-separated integers, got "
+                f"{a.seq_lens!r}, {a.train_seq_lens!r}")
     a.backends = [x for x in a.backends.split(",") if x]
-    if not a.backends or set(a.backends) - {"triton", "cuda"}:
-        p.error(f"--backends must be a comma list from triton,cuda, got {a.backends}")
+    if not a.backends or set(a.backends) - set(BENCH_BACKENDS):
+        p.error(f"--backends must be a comma list from {','.join(BENCH_BACKENDS)}, got {a.backends}")
     if not a.seq_lens or min(a.seq_lens) < 1024:
         p.error("--seq-lens must be integers >= 1024")
+    if not a.train_seq_lens or min(a.train_seq_lens) < 1024:
+        p.error("--train-seq-lens must be integers >= 1024")
     if a.budget_s <= 0:
         p.error("--budget-s must be > 0")
     if a.bench_reps < 1:
         p.error(f"--bench-reps must be >= 1, got {a.bench_reps}")
+    if a.out is None:
+        a.out = os.path.join(REPO, "runs", "gpu_check_dry") if a.dry_run else \
+            os.path.join(REPO, "results", "gpu_check")
     if os.path.isfile(a.out):
         p.error(f"--out {a.out} is a file, expected a folder")
+    # Bulky work files (corpora, junit, run logs) stay out of the report folder, which is
+    # committed: under runs/ (git-ignored).
+    a.work = os.path.join(a.out, "work") if a.dry_run else os.path.join(REPO, "runs", "gpu_check_work")
+    if a.lengths is None:
+        local = os.path.join(REPO, "gpudata", "prolong.json")
+        a.lengths = local if os.path.isfile(local) else "prolong"
+    a.part_budgets = dict(PART_BUDGET_S)
+    if a.dry_run:  # tiny sizes: the CPU kernel, 1K tokens; a shared CPU is slow to profile
+        a.seq_lens, a.backends, a.bench_reps = [1024], ["cpu"], 1
+        a.part_budgets.update(train=400, profile=400)
     return a
 
 
@@ -130,40 +179,46 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
 
 
 def part_deps(a, left: float) -> Part:
-    wheels = sorted(w for w in glob.glob(os.path.join(a.wheels, "*.whl"))
+    """The offline install happened in gpu_check.sh (PYTHONPATH=/tmp/site); here: the
+    wheels it had and whether the stack imports."""
+    wheels = sorted(os.path.basename(w) for w in glob.glob(os.path.join(a.wheels, "*.whl"))
                     if not os.path.basename(w).lower().startswith(SKIP_WHEELS))
-    part = Part("deps", data={"wheels": [os.path.basename(w) for w in wheels]})
-    if wheels:
-        proc = _run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "-q",
-                     *wheels], left)
-        if proc.returncode != 0:
-            part.detail = "pip install from wheels failed: " + _last_line(proc)
-            return part
     proc = _run([sys.executable, "-c", "import megatron.core, torch, triton; "
                  "print(megatron.core.__version__, torch.__version__, triton.__version__)"], left)
-    part.passed = proc.returncode == 0
-    part.detail = (f"megatron-core, torch, triton: {proc.stdout.strip()}" if part.passed else
-                   "import failed: " + _last_line(proc) + f" (put the wheels in {a.wheels})")
-    return part
+    ok = proc.returncode == 0
+    detail = (f"megatron-core, torch, triton: {proc.stdout.strip()}" if ok else
+              "import failed: " + _last_line(proc) + f" (run `make gpu-prep` on a connected "
+              f"machine and carry {os.path.relpath(a.wheels, REPO)}/)")
+    return Part("deps", ok, detail=detail, data={"wheels": wheels,
+                                                 "pythonpath": os.environ.get("PYTHONPATH", "")})
 
 
 def part_build(a, left: float) -> Part:
+    """setup.py build_ext for this GPU's architecture; the CUDA kernels must load after."""
+    if a.dry_run:  # the CPU machine's extension is already built (`make build`)
+        probe = _run([sys.executable, "-c", "from sparsebalance.ops import HAS_CPU_EXT; "
+                      "import sys; sys.exit(0 if HAS_CPU_EXT else 1)"], left)
+        return Part("build", probe.returncode == 0, detail="dry run: the CPU extension imports"
+                    if probe.returncode == 0 else "dry run: no CPU extension (run make build)")
     import torch
+    from torch.utils import cpp_extension
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}.{minor}"
+    if cpp_extension.CUDA_HOME is None or not (shutil.which("nvcc") or os.path.isfile(
+            os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))):
+        return Part("build", False, detail="nvcc not found (no CUDA toolkit): the cuda backend "
+                    "cannot be built; flex and triton need no build", data={"arch": arch})
     proc = _run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], left,
                 env={"TORCH_CUDA_ARCH_LIST": arch, "MAX_JOBS": str(os.cpu_count() or 4)})
-    ok = proc.returncode == 0
-    if ok:  # the built extension must hold the CUDA kernels
-        probe = _run([sys.executable, "-c", "from sparsebalance.ops import HAS_CUDA_EXT; "
-                      "import sys; sys.exit(0 if HAS_CUDA_EXT else 1)"], 60)
-        ok = probe.returncode == 0
-        if not ok:
-            return Part("build", False, detail="built, but sparsebalance.ops has no CUDA kernels",
-                        data={"arch": arch})
-    return Part("build", ok, detail=f"sm_{major}{minor}" if ok else _last_line(proc),
-                data={"arch": arch})
+    if proc.returncode != 0:
+        return Part("build", False, detail=_last_line(proc), data={"arch": arch})
+    probe = _run([sys.executable, "-c", "from sparsebalance.ops import HAS_CUDA_EXT; "
+                  "import sys; sys.exit(0 if HAS_CUDA_EXT else 1)"], 60)
+    if probe.returncode != 0:
+        return Part("build", False, detail="built, but sparsebalance.ops has no CUDA kernels",
+                    data={"arch": arch})
+    return Part("build", True, detail=f"sm_{major}{minor}", data={"arch": arch})
 
 
 def cuda_test_modules() -> List[str]:
@@ -178,17 +233,61 @@ def cuda_test_modules() -> List[str]:
     return out
 
 
+def junit_summary(path: str, module: str = "?") -> dict:
+    """Per-module counts and the failed test ids of a pytest junit XML file (``module``
+    names the entries without a class name, such as a module's own skip)."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return {}
+    mods, failed = {}, []
+    for case in root.iter("testcase"):
+        mod = case.get("classname") or module  # module (or module.Class)
+        m = mods.setdefault(mod, {"passed": 0, "failed": 0, "skipped": 0})
+        if case.find("failure") is not None or case.find("error") is not None:
+            m["failed"] += 1
+            failed.append(f"{case.get('classname')}::{case.get('name')}")
+        elif case.find("skipped") is not None:
+            m["skipped"] += 1
+        else:
+            m["passed"] += 1
+    return {"by_module": mods, "failed_tests": failed}
+
+
 def part_tests(a, left: float) -> Part:
+    """Each CUDA test module in its own pytest (a module that hangs or runs out of time
+    does not hide the others' results); a module may use what is left of the part's time
+    but 45 s for each module after it."""
     mods = cuda_test_modules()
     if not mods:
         return Part("tests", False, detail="no CUDA test module found under tests/")
-    junit = os.path.join(a.out, "gpu_tests.xml")
-    # Correctness, not speed: one Triton launch config, no autotuning over every test shape.
-    proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                 f"--junitxml={junit}", *mods], left, env={"SPARSEBALANCE_TRITON_AUTOTUNE": "0"})
-    tail = (proc.stdout or "").strip().splitlines()
-    summary = tail[-1] if tail else _last_line(proc)
-    return Part("tests", proc.returncode == 0, detail=summary, data={"modules": mods})
+    os.makedirs(a.work, exist_ok=True)
+    t0, by_module, failed_tests, lines, ok = time.time(), {}, [], [], True
+    for i, mod in enumerate(mods):
+        # all that is left but a 45 s reserve for each module still to come
+        cap = max(left - (time.time() - t0) - 45.0 * (len(mods) - 1 - i), 10.0)
+        junit = os.path.join(a.work, f"gpu_tests_{i}.xml")
+        if os.path.exists(junit):
+            os.unlink(junit)
+        # Correctness, not speed: one Triton launch config, no autotuning over every test shape.
+        proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                     f"--junitxml={junit}", mod], cap, env={"SPARSEBALANCE_TRITON_AUTOTUNE": "0"})
+        got = junit_summary(junit, mod)
+        by_module.update(got.get("by_module", {}))
+        failed_tests += got.get("failed_tests", [])
+        tail = (proc.stdout or "").strip().splitlines()
+        said = tail[-1] if tail and proc.returncode != 124 else _last_line(proc)
+        lines.append(f"{os.path.basename(mod)}: {said}")
+        mod_ok = proc.returncode == 0 or (getattr(a, "dry_run", False) and proc.returncode == 5)
+        ok &= mod_ok  # exit 5 (nothing collected: every module skips itself) only in a dry run
+    counts = {k: sum(m[k] for m in by_module.values()) for k in ("passed", "failed", "skipped")}
+    summary = f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+    if getattr(a, "dry_run", False):
+        summary = f"dry run (CUDA modules skip on the CPU): {summary}"
+    return Part("tests", ok, detail=summary, data={"modules": mods, "by_module": by_module,
+                                                   "failed_tests": failed_tests, "per_module": lines})
 
 
 def topk_for_density(seq_len: int, block: int, density: float) -> int:
@@ -204,12 +303,18 @@ def topk_for_density(seq_len: int, block: int, density: float) -> int:
                key=lambda k: abs(exact([seq_len], k, block) - density))
 
 
-def bench_points(seq_lens: List[int], backends=("triton", "cuda")) -> List[dict]:
-    """The benchmark grid, one backend after the other in the order given."""
-    return [dict(backend=b, seq_len=s, block=blk, density=d,
-                 topk=topk_for_density(s, blk, d))
-            for b in backends for s in seq_lens for blk in (64, 128)
-            for d in (0.05, 0.12, 0.25)]
+def bench_points(seq_lens: List[int], backends=BENCH_BACKENDS) -> List[dict]:
+    """The benchmark grid, one backend after the other in the order given; inside a
+    backend the target point (:data:`gpu_report.TARGET_POINT`) first, then its length and
+    block, then the rest in the order of ``seq_lens``, so a worker cut short by its time
+    share has measured what matters most."""
+    tp = gpu_report.TARGET_POINT
+    rank = lambda s, blk, d: (s != tp["seq_len"] or blk != tp["block"], s != tp["seq_len"],
+                              blk != tp["block"], d != tp["density"])
+    grid = sorted(((s, blk, d) for s in seq_lens for blk in (128, 64) for d in (0.12, 0.05, 0.25)),
+                  key=lambda p: (rank(*p), seq_lens.index(p[0])))
+    return [dict(backend=b, seq_len=s, block=blk, density=d, topk=topk_for_density(s, blk, d))
+            for b in backends for s, blk, d in grid]
 
 
 def kept_tflops(res: dict) -> Dict[str, float]:
@@ -305,7 +410,8 @@ def bench_row(pt: dict, res: dict) -> dict:
             "sparse_ms": res["sparse_ms"], "speedup_fwd": fwd_speedup,
             "speedup": res["speedup"], "efficiency_fwd": fwd_speedup * res["density"],
             "efficiency": res["efficiency"], "gate_share": res["gate_share"],
-            **kept_tflops(res)}
+            "dense_backend": res.get("dense_backend", "sdpa"),
+            "padding_ratio": res.get("padding_ratio", 1.0), **kept_tflops(res)}
 
 
 def collect_backend(points: List[dict], lines: List[dict],
@@ -349,7 +455,9 @@ def part_bench(a, left: float) -> Part:
                 json.dump(mine, fh)
             proc = _run([sys.executable, os.path.abspath(__file__), "--bench-worker",
                          pts_file, out_file, "--bench-reps", str(a.bench_reps)], cap,
-                        env={"SPARSEBALANCE_CUDA_TENSOR_CORES": "1"})
+                        env={"SPARSEBALANCE_CUDA_TENSOR_CORES": "1",
+                             # bench_attention resolves names itself; keep auto off the clock
+                             "SPARSEBALANCE_AUTO_MEASURE": "0"})
             r, f = collect_backend(mine, read_worker_lines(out_file), proc)
         rows += r
         failed += f
@@ -363,98 +471,71 @@ def part_bench(a, left: float) -> Part:
                 data={"rows": rows, "failed": failed, "best_efficiency_64k_b128": best})
 
 
-def part_train(a, left: float) -> Part:
-    work = os.path.join(a.out, "train")
-    os.makedirs(work, exist_ok=True)
-    corpus = os.path.join(work, "corpus")
-    if not os.path.isfile(corpus + ".idx"):
-        proc = _run([sys.executable, "tools/make_corpus.py", "--output-prefix", corpus,
-                     "--lengths", a.lengths, "--num-docs", "400", "--max-length", "32768"], left)
-        if proc.returncode != 0:
-            return Part("train", False, detail="corpus: " + _last_line(proc))
-    summary = os.path.join(work, "summary.json")
-    if os.path.exists(summary):
-        os.unlink(summary)
-    proc = _run([sys.executable, "pretrain_gpt.py", "--data-path", corpus, "--bf16",
-                 "--num-layers", "4", "--hidden-size", "896", "--ffn-hidden-size", "4864",
-                 "--num-attention-heads", "14", "--num-query-groups", "2", "--swiglu",
-                 "--normalization", "RMSNorm", "--rotary-base", "1000000",
-                 "--seq-length", "32768", "--global-batch-size", "2", "--lr", "3e-4",
-                 "--train-iters", "20", "--log-interval", "5", "--no-progress-bar",
-                 "--sparse-balance", "--sb-block-size", "128", "--sb-topk", "16",
-                 "--sb-cost-model", "h100-analytic", "--summary-json", summary], left)
-    if proc.returncode != 0 or not os.path.isfile(summary):
-        return Part("train", False, detail="pretrain_gpt.py: " + _last_line(proc))
-    with open(summary) as fh:
-        s = json.load(fh)
-    return check_train_summary(s)
+def best_backend(parts: List[Part], earlier: Optional[dict] = None) -> str:
+    """The bench's most efficient backend at the target point (fwd+bwd), else at any
+    point; the bench of this run, else of ``earlier`` (the report of an earlier run on
+    this device: the chain run in pieces); ``auto`` (measured on first use) without one."""
+    bench = next((p for p in parts if p.name == "bench"), None)
+    rows = bench.data.get("rows", []) if bench else []
+    if not rows and earlier:
+        rows = next((p.get("data", {}).get("rows", []) for p in earlier.get("parts", [])
+                     if p.get("name") == "bench"), [])
+    rows = gpu_report.target_rows(rows) or rows
+    return max(rows, key=lambda r: r["efficiency"])["backend"] if rows else "auto"
 
 
-def check_train_summary(s: dict) -> Part:
-    """The train part's verdict from the driver's summary JSON."""
-    need = ("losses", "tokens_per_s", "step_ms_median", "density_mean", "plan_ms_median",
-            "attention_backend")
-    missing = [k for k in need if s.get(k) is None]
-    if missing:
-        return Part("train", False, detail=f"summary JSON lacks {missing}", data=s)
-    losses = s["losses"]
-    k = max(1, len(losses) // 4)
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    ok = len(losses) >= 8 and last < first
-    return Part("train", ok, detail=(f"loss {first:.3f} -> {last:.3f} (mean of first / last {k}), "
-                                     f"{s['tokens_per_s']:.0f} tokens/s, "
-                                     f"{s['step_ms_median']:.0f} ms/step, density "
-                                     f"{s['density_mean']:.3f}, backend {s['attention_backend']}"),
-                data={k2: s[k2] for k2 in need if k2 != "losses"} | {"losses": losses})
+def _staged(name: str, fn: Callable) -> Callable:
+    """A gpu_stages part as a runner: it gets gpu_check's runner and the best backend."""
+
+    def runner(a, left: float) -> Part:
+        ok, detail, data = fn(a, left, lambda *x, **k: _run(*x, **k),
+                              best_backend(getattr(a, "done", []), getattr(a, "earlier", None)))
+        return Part(name, bool(ok), detail=detail, data=data, skipped=ok is None)
+
+    return runner
 
 
-RUNNERS: Dict[str, Callable] = {"deps": part_deps, "build": part_build, "tests": part_tests,
-                                "bench": part_bench, "train": part_train}
+RUNNERS: Dict[str, Callable] = {
+    "deps": part_deps, "build": part_build, "tests": part_tests, "bench": part_bench,
+    "train": _staged("train", gpu_stages.part_train),
+    "profile": _staged("profile", gpu_stages.part_profile),
+    "accuracy": _staged("accuracy", gpu_stages.part_accuracy),
+}
 
 
-def run_parts(a, runners: Dict[str, Callable] = RUNNERS) -> List[Part]:
-    """Every requested part in order, each isolated: an exception or a spent budget
-    fails that part only."""
+def run_parts(a, runners: Dict[str, Callable] = RUNNERS,
+              on_part: Optional[Callable[[List[Part]], None]] = None) -> List[Part]:
+    """Every requested part in the chain's order, each isolated: an exception or a spent
+    budget fails that part only (an optional part is skipped). A part gets at most its
+    :data:`PART_BUDGET_S` (``a.part_budgets`` overrides) and what is left of the budget.
+    ``on_part(parts so far)`` runs after each part (main writes the report there, so a
+    run killed from outside keeps its finished parts)."""
+    budgets = getattr(a, "part_budgets", PART_BUDGET_S)
     t_start, out = time.time(), []
-    for name in a.parts:
+    for name in [n for n in PARTS if n in a.parts]:
         left = a.budget_s - (time.time() - t_start)
         t0 = time.time()
         if left <= 5:
-            part = Part(name, False, detail="not started: the time budget was spent")
+            part = Part(name, False, detail="not started: the time budget was spent",
+                        skipped=name in OPTIONAL_PARTS)
         else:
             try:
-                part = runners[name](a, left)
+                a.done = out  # earlier parts' results (train and profile use the bench's)
+                part = runners[name](a, min(left, budgets.get(name, left)))
             except Exception as e:  # one part's bug must not hide the others' results
                 part = Part(name, False, detail=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         part.seconds = round(time.time() - t0, 1)
-        print(f"gpu-check: {name}: {'pass' if part.passed else 'FAIL'} ({part.seconds:.0f} s) "
-              f"{part.detail}", flush=True)
+        print(f"gpu-check: {name}: {part.status.upper() if part.status == 'fail' else part.status} "
+              f"({part.seconds:.0f} s) {part.detail}", flush=True)
         out.append(part)
+        if on_part is not None:
+            on_part(out)
     return out
 
 
-def write_report(out_dir: str, parts: List[Part], device: str) -> None:
-    """gpu_check.json and gpu_check.md, each written to a temp file and renamed."""
-    os.makedirs(out_dir, exist_ok=True)
-    doc = {"device": device, "passed": all(p.passed for p in parts),
-           "parts": [asdict(p) for p in parts]}
-    md = [f"# gpu-check on {device}", "", "| part | result | seconds | detail |", "|---|---|---|---|"]
-    md += [f"| {p.name} | {'pass' if p.passed else '**FAIL**'} | {p.seconds:.0f} | {p.detail} |"
-           for p in parts]
-    bench = next((p for p in parts if p.name == "bench" and p.data.get("rows")), None)
-    if bench:
-        md += ["", "| backend | tokens | block | density | fwd ms (flash) | fwd+bwd ms (flash) | "
-               "fwd+bwd TFLOP/s kept | efficiency fwd | efficiency fwd+bwd | routing share |",
-               "|---|---|---|---|---|---|---|---|---|---|"]
-        md += [f"| {r['backend']} | {r['seq_len']} | {r['block']} | {r['density_measured']:.3f} | "
-               f"{r['sparse_fwd_ms']:.2f} ({r['dense_fwd_ms']:.2f}) | {r['sparse_ms']:.2f} "
-               f"({r['dense_ms']:.2f}) | {r['fwd_bwd_tflops']:.0f} | {r['efficiency_fwd']:.2f} | "
-               f"{r['efficiency']:.2f} | {r['gate_share']:.1%} |" for r in bench.data["rows"]]
-    for name, text in (("gpu_check.json", json.dumps(doc, indent=1)), ("gpu_check.md", "\n".join(md) + "\n")):
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, os.path.join(out_dir, name))
+def write_report(out_dir: str, parts: List[Part], device: str, dry_run: bool = False) -> dict:
+    """gpu_check.json and gpu_check.md (see tools/gpu_report.py)."""
+    return gpu_report.write_report(out_dir, [p.as_dict() for p in parts], device, dry_run)
 
 
 def main(argv=None) -> int:
@@ -466,17 +547,22 @@ def main(argv=None) -> int:
     except ImportError:
         print(f"gpu-check: skipped: {sys.executable} has no torch")
         return 0
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not a.dry_run:
         print(f"gpu-check: skipped: no CUDA device ({sys.executable}: torch "
               f"{torch.__version__}, torch.cuda.is_available() is False)")
         return 0
     os.makedirs(a.out, exist_ok=True)
-    device = torch.cuda.get_device_name(0)
-    parts = run_parts(a)
-    write_report(a.out, parts, device)
-    print(f"gpu-check: {sum(p.passed for p in parts)}/{len(parts)} parts passed; report: "
+    device = "cpu (dry run)" if a.dry_run else torch.cuda.get_device_name(0)
+    a.earlier = gpu_report.read_report(a.out, device)
+    parts = run_parts(a, on_part=lambda done: write_report(a.out, done, device, a.dry_run))
+    doc = write_report(a.out, parts, device, a.dry_run)
+    for t in doc["targets"]:
+        met = {True: "met", False: "NOT MET", None: "not measured"}[t["met"]]
+        print(f"gpu-check: target {t['target']}: {t['value']} ({t['threshold']}): {met}")
+    failed = [p.name for p in parts if p.status == "fail"]
+    print(f"gpu-check: {len(parts) - len(failed)}/{len(parts)} parts did not fail; report: "
           f"{os.path.join(a.out, 'gpu_check.md')}")
-    return 0 if all(p.passed for p in parts) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 Every implementation has the signature
 ``impl(q, k, v, cu_seqlens, topk, block_size, scale) -> (out, kept_pairs)`` on
-validated inputs. ``"auto"`` picks ``triton`` > ``cuda`` for CUDA tensors (by rule:
+validated inputs. ``"auto"`` here picks ``triton`` > ``cuda`` for CUDA tensors (by rule:
 on an H100 the Triton kernels ran far faster than the SIMT CUDA extension, see
-docs/gpu.md) and ``cpu`` > ``reference`` for CPU tensors. Tests steer ``"auto"`` with
-:func:`override_backend`.
+docs/gpu.md) and ``cpu`` > ``reference`` for CPU tensors; :func:`sparse_attention`
+refines CUDA's choice by measurement (:mod:`sparsebalance.ops.autoselect`). ``flex`` is
+PyTorch's FlexAttention fed the same plan (:mod:`sparsebalance.ops.flex`; forward only
+on the CPU). Tests steer ``"auto"`` with :func:`override_backend`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sparsebalance.ops.reference import reference_sparse_attention
 HAS_CPU_EXT = _ext.HAS_CPU_EXT
 HAS_CUDA_EXT = _ext.HAS_CUDA_EXT
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_FLEX = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
 def _reference(q, k, v, cu_seqlens, topk, block_size, scale):
@@ -55,11 +58,18 @@ def _planned(name: str) -> Callable:
     return impl
 
 
+def _flex(q, k, v, cu_seqlens, topk, block_size, scale):
+    from sparsebalance.ops.flex import flex_sparse_attention
+
+    return flex_sparse_attention(q, k, v, cu_seqlens, topk, block_size, scale)
+
+
 BACKENDS: dict[str, Callable] = {
     "reference": _reference,
     "cpu": _planned("cpu"),
     "triton": _planned("triton"),
     "cuda": _planned("cuda"),
+    "flex": _flex,
 }
 
 _override: Optional[str] = None
@@ -74,23 +84,35 @@ def is_available(name: str, device: torch.device) -> bool:
         return HAS_CPU_EXT and device.type == "cpu"
     if name == "cuda":
         return HAS_CUDA_EXT and on_cuda
+    if name == "flex":  # CPU: eager, forward only
+        return HAS_FLEX
     if name == "triton":  # CPU tensors only through Triton's interpreter (tests)
         return HAS_TRITON and (on_cuda or os.environ.get("TRITON_INTERPRET") == "1")
     return False
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """Map a backend name (or "auto") to a registered, usable backend name."""
+def resolve_backend(name: str, device: torch.device, head_dim: Optional[int] = None,
+                    block_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> str:
+    """Map a backend name (or "auto") to a registered, usable backend name.
+
+    With ``head_dim``, ``block_size`` and ``dtype`` given, "auto" on CUDA is the measured
+    choice of :func:`sparsebalance.ops.autoselect.auto_choice`; without them, the rule.
+    """
     if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
     if name == "auto":
         if _override is not None:
             return _override
+        if device.type == "cuda" and None not in (head_dim, block_size, dtype):
+            from sparsebalance.ops.autoselect import auto_choice
+
+            return auto_choice(device, head_dim, block_size, dtype)["backend"]
         order = ("triton", "cuda") if device.type == "cuda" else ("cpu", "reference")
         return next((n for n in order if is_available(n, device)), "reference")
     if not is_available(name, device):
         raise ValueError(f"backend {name!r} is not available for {device.type} tensors "
-                         f"(cpu ext: {HAS_CPU_EXT}, cuda ext: {HAS_CUDA_EXT}, triton: {HAS_TRITON})")
+                         f"(cpu ext: {HAS_CPU_EXT}, cuda ext: {HAS_CUDA_EXT}, triton: {HAS_TRITON}, "
+                         f"flex: {HAS_FLEX})")
     return name
 
 

@@ -92,7 +92,10 @@ def sparse_attention(
             with one budget per document.
         block_size: routing block size in tokens.
         softmax_scale: logit (and gate) scale, default ``1 / sqrt(D)``.
-        backend: "auto", "reference", "cpu", "triton" or "cuda".
+        backend: "auto" or a name of :data:`~sparsebalance.ops.backends.BACKENDS`
+            ("reference", "cpu", "triton", "cuda", "flex"); "auto" on CUDA is the fastest
+            verified backend for this head dim, block size and dtype
+            (:mod:`sparsebalance.ops.autoselect`).
         return_density: also return kept (query, key) pairs / causal pairs (float).
 
     Returns:
@@ -102,7 +105,7 @@ def sparse_attention(
         ValueError: naming the bad argument.
     """
     _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale)
-    name = resolve_backend(backend, q.device)
+    name = resolve_backend(backend, q.device, q.shape[2], block_size, q.dtype)
     scale = default_scale(q.shape[2], softmax_scale)
     out, kept = BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
     if not return_density:

@@ -1,7 +1,9 @@
-"""`make gpu-check`'s logic that needs no GPU: the no-CUDA exit, part isolation and the
-time budget, the report files, the benchmark grid and FLOP accounting, the per-backend
-bench worker (finished points kept when it dies, time shares), the tests part's
-no-autotune switch, --bench-reps, the train verdict."""
+"""`make gpu-check`'s logic that needs no GPU: the no-CUDA exit, part order, isolation and
+time budgets, pass/fail/skip aggregation, the report files and their merging, the targets,
+the benchmark grid (target point first) and FLOP accounting, the per-backend bench worker
+(finished points kept when it dies, time shares), the tests part's no-autotune switch and
+junit summary, --bench-reps, the train / profile / accuracy parts with a fake runner, and
+a dry run of the chain on the CPU."""
 
 import importlib.util
 import json
@@ -31,7 +33,7 @@ def test_without_cuda_one_line_exit_0_nothing_written(tmp_path):
     out = tmp_path / "gc"
     proc = subprocess.run(["bash", os.path.join(REPO, "tools", "gpu_check.sh")], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PY=sys.executable, OUT=str(out)))
+                          env=dict(os.environ, PY=sys.executable, GPU_CHECK_OUT=str(out)))
     assert proc.returncode == 0, proc.stderr
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-check: skipped: no CUDA device")
@@ -64,7 +66,7 @@ def test_report_files(tmp_path):
     row = dict(backend="cuda", seq_len=65536, block=128, density=0.05, topk=49, density_measured=0.052,
                dense_fwd_ms=10.0, sparse_fwd_ms=1.0, dense_ms=40.0, sparse_ms=5.0, speedup_fwd=10.0,
                speedup=8.0, efficiency_fwd=0.52, efficiency=0.416, gate_share=0.02,
-               fwd_tflops=300.0, fwd_bwd_tflops=250.0)
+               fwd_tflops=300.0, fwd_bwd_tflops=250.0, dense_backend="flash")
     parts = [gc.Part("tests", True, 12.0, "10 passed"),
              gc.Part("bench", False, 30.0, "1 points, 1 failed", {"rows": [row], "failed": ["x"]})]
     gc.write_report(str(tmp_path), parts, "NVIDIA H100")
@@ -73,14 +75,22 @@ def test_report_files(tmp_path):
     assert [p["name"] for p in doc["parts"]] == ["tests", "bench"]
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| bench | **FAIL** | 30 | 1 points, 1 failed |" in md
-    assert "| cuda | 65536 | 128 | 0.052 | 1.00 (10.00) | 5.00 (40.00) | 250 | 0.52 | 0.42 | 2.0% |" in md
+    assert "| cuda | 65536 | 128 | 0.052 | 1.00 (10.00) | 5.00 (40.00) | flash | 250 | 0.52 | 0.42 | 2.0% |" in md
+    assert "- x" in md  # the failed point is listed
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
 
 
 def test_bench_grid_and_flops():
     pts = gc.bench_points([16384, 65536])
-    assert len(pts) == 2 * 2 * 2 * 3
-    assert pts[0]["backend"] == "triton" and pts[-1]["backend"] == "cuda"
+    assert len(pts) == 3 * 2 * 2 * 3
+    assert pts[0]["backend"] == "flex" and pts[-1]["backend"] == "cuda"
+    # inside a backend: the target point first, then its length at block 128, its length
+    # at block 64, then the other lengths
+    key = lambda p: (p["seq_len"], p["block"], p["density"])
+    assert [key(p) for p in pts[:7]] == [(65536, 128, 0.12), (65536, 128, 0.05), (65536, 128, 0.25),
+                                         (65536, 64, 0.12), (65536, 64, 0.05), (65536, 64, 0.25),
+                                         (16384, 128, 0.12)]
+    assert sorted(map(key, pts[:12])) == sorted(map(key, pts[12:24]))  # same grid per backend
     assert [p["backend"] for p in gc.bench_points([16384], ["cuda"])] == ["cuda"] * 6
     from sparsebalance.attention.routing import density
 
@@ -98,18 +108,31 @@ def test_bench_grid_and_flops():
 def test_cuda_test_modules_are_found():
     mods = gc.cuda_test_modules()
     assert os.path.join("tests", "ops", "test_gpu_backends.py") in mods
+    assert os.path.join("tests", "ops", "test_flex_gpu.py") in mods
+    assert os.path.join("tests", "ops", "test_flex_backend.py") not in mods  # CPU tests
     assert os.path.join("tests", "deploy", "test_gpu_check.py") not in mods
 
 
 def test_train_verdict():
-    base = {"tokens_per_s": 1e5, "step_ms_median": 900.0, "density_mean": 0.2, "plan_ms_median": 3.0,
-            "attention_backend": "triton"}
-    good = gc.check_train_summary(dict(base, losses=[5.6 - 0.1 * i for i in range(20)]))
-    assert good.passed and "loss 5.400 -> 3.900" in good.detail
-    flat = gc.check_train_summary(dict(base, losses=[5.0] * 20))
-    assert not flat.passed
-    missing = gc.check_train_summary({"losses": [5.0] * 20})
-    assert not missing.passed and "lacks" in missing.detail
+    import gpu_stages as st
+
+    def summ(losses, tps, dens=None):
+        return {"losses": losses, "tokens_per_s": tps, "peak_memory_mb_max": 9000.0, "step_ms_median": 900.0,
+                "density_mean": dens, "plan_ms_median": 3.0, "attention_backend": "flex" if dens else None}
+
+    down = [5.6 - 0.1 * i for i in range(8)]
+    runs = [st.train_run_record("dense 65536", summ(down, 1e4)),
+            st.train_run_record("sparse 65536", summ(down, 2.5e4, 0.08))]
+    assert runs[0]["loss_first"] == pytest.approx(5.55) and runs[0]["loss_last"] == pytest.approx(4.95)
+    ok, detail, data = st.train_verdict(runs, [65536])
+    assert ok and data["speedup_64k"] == pytest.approx(2.5) and data["density_64k"] == 0.08
+    assert detail.startswith("2/2 runs ok; sparse/dense tokens/s: speedup_64k 2.50x")
+    flat = [runs[0], st.train_run_record("sparse 65536", summ([5.0] * 8, 2e4, 0.1))]
+    ok, detail, _ = st.train_verdict(flat, [65536])
+    assert not ok and "sparse 65536: loss did not decrease" in detail
+    ok, detail, data = st.train_verdict([runs[0], {"name": "sparse 65536", "error": "CUDA out of memory"}], [65536])
+    assert not ok and "speedup_64k" not in data and "sparse 65536: CUDA out of memory" in detail
+    assert not st.train_verdict([], [65536])[0]
 
 
 def _res(pt, dense_ms=40.0, sparse_ms=5.0):
@@ -156,7 +179,7 @@ def test_bench_worker_keeps_going_after_a_failed_point(tmp_path, capsys):
     assert len(calls) == 4
     assert calls[0][:calls[0].index("--out")] == [
         "--seq-len", "16384", "--heads", "16", "--kv-heads", "2", "--head-dim", "128",
-        "--block-size", "64", "--topk", str(pts[0]["topk"]), "--backend", "cuda", "--dtype", "bf16",
+        "--block-size", "128", "--topk", str(pts[0]["topk"]), "--backend", "cuda", "--dtype", "bf16",
         "--reps", "5", "--json"]
     lines = gc.read_worker_lines(str(out))
     assert [x["point"] for x in lines] == pts
@@ -221,13 +244,13 @@ def test_bench_keeps_finished_points_when_a_worker_dies(monkeypatch):
     assert seen[1][2] == pytest.approx(300.0, abs=1.0)  # the first gave its time back at once
     assert not part.passed
     assert [(r["backend"], r["block"], r["density"]) for r in part.data["rows"]] == [
-        ("triton", 64, 0.05), ("triton", 64, 0.12)]
+        ("triton", 128, 0.12), ("triton", 128, 0.05)]
     assert part.data["rows"][0]["speedup"] == 8.0 and part.data["rows"][0]["fwd_bwd_tflops"] > 0
     failed = part.data["failed"]
     assert len(failed) == 10
-    assert failed[0] == "triton 16384/64/0.25: RuntimeError: x"
-    assert failed[1] == "triton 16384/128/0.05: not run: timed out after 150 s"
-    assert failed[4] == ("cuda 16384/64/0.05: not run: worker exit code -11: "
+    assert failed[0] == "triton 16384/128/0.25: RuntimeError: x"
+    assert failed[1] == "triton 16384/64/0.12: not run: timed out after 150 s"
+    assert failed[4] == ("cuda 16384/128/0.12: not run: worker exit code -11: "
                          "Fatal Python error: Segmentation fault")
     assert part.data["best_efficiency_64k_b128"] == {}
     assert part.detail.startswith("2 points, 10 failed")
@@ -253,19 +276,300 @@ def test_bench_no_time_left_and_all_points_passing(monkeypatch):
     # triton, the last backend, gets all 30 s.
     short = gc.part_bench(a, 30.0)
     assert not short.passed and {r["backend"] for r in short.data["rows"]} == {"triton"}
-    assert short.data["failed"][0] == "cuda 65536/64/0.05: no time left" and len(short.data["failed"]) == 6
+    assert short.data["failed"][0] == "cuda 65536/128/0.12: no time left" and len(short.data["failed"]) == 6
     assert short.detail.startswith("6 points, 6 failed")
 
 
 def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):
-    got = {}
+    """One pytest per CUDA module, autotuning off, a slow module cut at its share while
+    the next still runs, counts summed from each module's junit file."""
+    calls = []
 
     def fake_run(cmd, timeout, env=None):
-        got.update(cmd=cmd, env=env)
-        return subprocess.CompletedProcess(cmd, 0, "3 passed in 1.0s\n", "")
+        calls.append((cmd, timeout, env))
+        junit = next(c for c in cmd if c.startswith("--junitxml="))[len("--junitxml="):]
+        mod = cmd[-1]
+        if len(calls) == 1:  # the first module hangs: killed, no junit file
+            return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout:.0f} s")
+        with open(junit, "w") as fh:
+            fh.write(f'<testsuite><testcase classname="{mod}" name="t1"/>'
+                     f'<testcase classname="{mod}" name="t2"/></testsuite>')
+        return subprocess.CompletedProcess(cmd, 0, "2 passed in 1.0s\n", "")
 
     monkeypatch.setattr(gc, "_run", fake_run)
-    part = gc.part_tests(SimpleNamespace(out=str(tmp_path)), 100.0)
-    assert part.passed and part.detail == "3 passed in 1.0s"
-    assert got["env"] == {"SPARSEBALANCE_TRITON_AUTOTUNE": "0"}
-    assert "pytest" in got["cmd"] and os.path.join("tests", "ops", "test_gpu_backends.py") in got["cmd"]
+    mods = gc.cuda_test_modules()
+    part = gc.part_tests(SimpleNamespace(work=str(tmp_path)), 300.0)
+    assert [c[0][-1] for c in calls] == mods and len(mods) >= 3
+    assert all(c[2] == {"SPARSEBALANCE_TRITON_AUTOTUNE": "0"} and "pytest" in c[0] for c in calls)
+    assert calls[0][1] == pytest.approx(300.0 - 45.0 * (len(mods) - 1), abs=1.0)
+    assert calls[-1][1] == pytest.approx(300.0, abs=2.0)  # the last may use all that is left
+    assert not part.passed  # the hung module fails the part
+    assert part.detail == f"{2 * (len(mods) - 1)} passed, 0 failed, 0 skipped"
+    assert part.data["per_module"][0].endswith("timed out after " + f"{calls[0][1]:.0f} s")
+
+
+
+def test_parts_run_in_chain_order_with_their_own_budgets():
+    seen = []
+
+    def runner(name):
+        def fn(a, left):
+            seen.append((name, left))
+            return gc.Part(name, True, detail="ok")
+        return fn
+
+    a = SimpleNamespace(parts=["profile", "tests", "deps"], budget_s=100.0,
+                        part_budgets={"deps": 3.0, "tests": 40.0, "profile": 500.0})
+    parts = gc.run_parts(a, {n: runner(n) for n in gc.PARTS})
+    assert [p.name for p in parts] == ["deps", "tests", "profile"]  # the chain's order
+    assert seen[0] == ("deps", 3.0) and seen[1] == ("tests", 40.0)
+    assert 99.0 < seen[2][1] <= 100.0  # capped by what is left of the whole budget
+    assert gc.PARTS == ("deps", "build", "tests", "bench", "train", "profile", "accuracy")
+
+
+def test_optional_part_is_skipped_not_failed(tmp_path):
+    def ok(a, left):
+        return gc.Part("tests", True, detail="5 passed")
+
+    a = SimpleNamespace(parts=["tests", "accuracy"], budget_s=5.5)
+
+    def slow(a, left):
+        import time
+        time.sleep(0.6)
+        return gc.Part("tests", True, detail="5 passed")
+
+    parts = gc.run_parts(a, {"tests": slow, "accuracy": ok})
+    assert [p.status for p in parts] == ["pass", "skip"]
+    assert parts[1].detail.startswith("not started")
+    doc = gc.write_report(str(tmp_path), parts, "NVIDIA H200")
+    assert doc["passed"] is True  # a skipped optional part does not fail the check
+    assert "| accuracy | skipped |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def _row(backend, eff, share, density=0.12, seq=65536, block=128):
+    return dict(backend=backend, seq_len=seq, block=block, density=density, topk=40,
+                density_measured=density, dense_fwd_ms=10.0, sparse_fwd_ms=2.0, dense_ms=40.0,
+                sparse_ms=10.0, speedup_fwd=5.0, speedup=4.0, efficiency_fwd=0.6, efficiency=eff,
+                gate_share=share, fwd_tflops=300.0, fwd_bwd_tflops=250.0, dense_backend="cudnn")
+
+
+def test_targets_met_not_met_and_not_measured():
+    import gpu_report as gr
+
+    def p(name, status="pass", detail="", data=None):
+        return {"name": name, "status": status, "seconds": 1.0, "detail": detail, "data": data or {}}
+
+    rows = [_row("flex", 0.50, 0.03), _row("triton", 0.40, 0.02), _row("cuda", 0.30, 0.02),
+            _row("cuda", 0.99, 0.0, density=0.05)]  # not the target point: ignored
+    parts = [p("tests", "fail", "1 failed, 30 passed"), p("bench", data={"rows": rows}),
+             p("train", data={"speedup_64k": 2.4, "density_64k": 0.09}), p("profile", data={"mape": 0.07})]
+    t = {x["target"]: x for x in gr.evaluate_targets(parts)}
+    assert t["every GPU test passes"]["met"] is False
+    assert t["best backend efficiency"]["value"] == 0.5 and t["best backend efficiency"]["met"] is True
+    assert t["best backend efficiency"]["note"].startswith("flex at 64K") and "cudnn" in t["best backend efficiency"]["note"]
+    assert t["own kernel efficiency"]["value"] == 0.4 and t["own kernel efficiency"]["met"] is False
+    assert t["routing + plan share"]["value"] == 0.03 and t["routing + plan share"]["met"] is True
+    assert t["training 64K sparse / dense tokens/s"]["met"] is True
+    assert t["latency predictor held-out MAPE"]["met"] is False
+    skipped = [p("tests", data={"by_module": {"tests.ops.test_flex_gpu": {"passed": 0, "failed": 0, "skipped": 9}}})]
+    t1 = {x["target"]: x for x in gr.evaluate_targets(skipped)}
+    assert t1["every GPU test passes"]["met"] is None and t1["every GPU test passes"]["note"] == "no test ran"
+    ran = [p("tests", data={"by_module": {"tests.ops.test_flex_gpu": {"passed": 9, "failed": 0, "skipped": 0}}})]
+    assert gr.evaluate_targets(ran)[0]["met"] is True
+    dense_too = [p("train", data={"speedup_64k": 2.4, "density_64k": 0.2})]
+    t2 = {x["target"]: x for x in gr.evaluate_targets(dense_too)}
+    assert t2["training 64K sparse / dense tokens/s"]["met"] is False  # density above 12%
+    assert all(t2[n]["met"] is None for n in ("every GPU test passes", "best backend efficiency",
+                                              "latency predictor held-out MAPE"))
+
+
+def test_report_merges_parts_of_earlier_runs_on_the_same_device(tmp_path):
+    first = [gc.Part("deps", True, 1.0, "ok"), gc.Part("tests", False, 9.0, "2 failed")]
+    gc.write_report(str(tmp_path), first, "NVIDIA H200")
+    second = [gc.Part("tests", True, 8.0, "40 passed"), gc.Part("bench", True, 300.0, "72 points",
+                                                                 {"rows": [_row("flex", 0.5, 0.03)]})]
+    doc = gc.write_report(str(tmp_path), second, "NVIDIA H200")
+    assert [(p["name"], p["status"]) for p in doc["parts"]] == [("deps", "pass"), ("tests", "pass"),
+                                                                 ("bench", "pass")]
+    assert doc["passed"] is True and json.loads((tmp_path / "gpu_check.json").read_text()) == doc
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| best backend efficiency | 0.5 | >= 0.45 | met |" in md
+    other = gc.write_report(str(tmp_path), [gc.Part("deps", True, 1.0, "ok")], "NVIDIA H100")
+    assert [p["name"] for p in other["parts"]] == ["deps"]  # another device: a new report
+    (tmp_path / "gpu_check.json").write_text("{broken")
+    assert [p["name"] for p in gc.write_report(str(tmp_path), second, "NVIDIA H100")["parts"]] == [
+        "tests", "bench"]
+
+
+def test_junit_summary(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite>'
+                   '<testcase classname="tests.ops.test_flex_gpu" name="test_a"/>'
+                   '<testcase classname="tests.ops.test_flex_gpu" name="test_b"><failure message="x"/></testcase>'
+                   '<testcase classname="tests.ops.test_gpu_backends" name="test_c"><skipped/></testcase>'
+                   '<testcase classname="" name="tests/ops/test_x.py"><skipped/></testcase>'
+                   '</testsuite></testsuites>')
+    got = gc.junit_summary(str(xml), "tests/ops/test_x.py")
+    assert got["by_module"] == {"tests.ops.test_flex_gpu": {"passed": 1, "failed": 1, "skipped": 0},
+                                "tests.ops.test_gpu_backends": {"passed": 0, "failed": 0, "skipped": 1},
+                                "tests/ops/test_x.py": {"passed": 0, "failed": 0, "skipped": 1}}
+    assert got["failed_tests"] == ["tests.ops.test_flex_gpu::test_b"]
+    assert gc.junit_summary(str(tmp_path / "none.xml")) == {}
+
+
+def _fake_driver(calls, tps, mape=0.03):
+    """A runner standing in for make_corpus.py / pretrain_gpt.py / profile_latency.py /
+    compare.py: records the command, writes what the real tool would."""
+
+    def run(cmd, timeout, env=None):
+        calls.append(cmd)
+        tool = os.path.basename(cmd[1])
+        if tool == "make_corpus.py":
+            open(cmd[cmd.index("--output-prefix") + 1] + ".idx", "w").close()
+        elif tool == "pretrain_gpt.py":
+            sparse = "--sparse-balance" in cmd
+            n = int(cmd[cmd.index("--seq-length") + 1])
+            s = {"losses": [6.0 - 0.2 * i for i in range(8)], "tokens_per_s": tps(sparse, n),
+                 "peak_memory_mb_max": 50000.0, "step_ms_median": 1000.0,
+                 "density_mean": 0.07 if sparse else None, "plan_ms_median": 2.0 if sparse else None,
+                 "attention_backend": cmd[cmd.index("--sb-attention-backend") + 1] if sparse else None}
+            with open(cmd[cmd.index("--summary-json") + 1], "w") as fh:
+                json.dump(s, fh)
+        elif tool == "profile_latency.py":
+            with open(cmd[cmd.index("--output") + 1], "w") as fh:
+                fh.write("{}")
+            return subprocess.CompletedProcess(cmd, 0, "log line\n" + json.dumps({"mape": mape, "n_heldout": 12}), "")
+        elif tool == "compare.py":
+            return subprocess.CompletedProcess(cmd, 0, json.dumps({"sab_speedup": 1.3}), "")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+def test_train_and_profile_use_the_bench_best_backend(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(gc, "_run", _fake_driver(calls, lambda sparse, n: (3e4 if sparse else 1e4) * 32768 / n))
+    a = SimpleNamespace(out=str(tmp_path), work=str(tmp_path / "work"), repo=REPO, dry_run=False,
+                        lengths="gpudata/prolong.json",
+                        train_seq_lens=[32768, 65536], parts=["train", "profile"], budget_s=900.0,
+                        done=[gc.Part("bench", True, data={"rows": [_row("triton", 0.3, 0.02),
+                                                                     _row("flex", 0.5, 0.03)]})])
+    train = gc.RUNNERS["train"](a, 600.0)
+    assert train.passed and train.data["speedup_64k"] == pytest.approx(3.0)
+    runs = [c for c in calls if c[1] == "pretrain_gpt.py"]
+    assert [("--sparse-balance" in c, c[c.index("--seq-length") + 1]) for c in runs] == [
+        (False, "32768"), (True, "32768"), (False, "65536"), (True, "65536")]
+    for c in runs:
+        assert c[c.index("--model-preset") + 1] == "qwen2.5-0.5b" and "--bf16" in c and "--cpu" not in c
+    assert runs[1][runs[1].index("--sb-attention-backend") + 1] == "flex"  # the bench's best
+    profile = gc.RUNNERS["profile"](a, 200.0)
+    assert profile.passed and profile.data["mape"] == 0.03 and profile.data["compare_sim"] == {"sab_speedup": 1.3}
+    prof_cmd = next(c for c in calls if c[1] == "tools/profile_latency.py")
+    assert "--validate" in prof_cmd and prof_cmd[prof_cmd.index("--sb-attention-backend") + 1] == "flex"
+    sim = next(c for c in calls if c[1] == "tools/compare.py")
+    assert sim[sim.index("--mode") + 1] == "sim"
+    assert sim[sim.index("--cost-model") + 1] == prof_cmd[prof_cmd.index("--output") + 1]
+
+
+def test_train_fails_when_a_run_breaks_and_accuracy_needs_time(monkeypatch, tmp_path):
+    calls = []
+    good = _fake_driver(calls, lambda sparse, n: 1e4)
+
+    def run(cmd, timeout, env=None):
+        if "--sparse-balance" in cmd and "65536" in cmd:
+            calls.append(cmd)
+            return subprocess.CompletedProcess(cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory")
+        return good(cmd, timeout, env)
+
+    monkeypatch.setattr(gc, "_run", run)
+    a = SimpleNamespace(out=str(tmp_path), work=str(tmp_path / "work"), repo=REPO, dry_run=False, lengths="prolong",
+                        train_seq_lens=[65536], done=[])
+    part = gc.RUNNERS["train"](a, 600.0)
+    assert not part.passed and "sparse 65536: pretrain_gpt.py: torch.OutOfMemoryError" in part.detail
+    assert calls[-1][calls[-1].index("--sb-attention-backend") + 1] == "auto"  # no bench: auto
+    acc = gc.RUNNERS["accuracy"](a, 300.0)
+    assert acc.status == "skip" and "300 s left" in acc.detail
+
+
+def test_dry_run_on_the_cpu_writes_the_report(tmp_path):
+    """The real chain's code paths with tiny sizes on the CPU: deps, build probe, bench with
+    the cpu kernel at 1K tokens, accuracy skipped."""
+    out = tmp_path / "dry"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--dry-run",
+                           "--parts", "deps,build,bench,accuracy", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert doc["dry_run"] is True and doc["device"] == "cpu (dry run)"
+    assert [(p["name"], p["status"]) for p in doc["parts"]] == [
+        ("deps", "pass"), ("build", "pass"), ("bench", "pass"), ("accuracy", "skip")]
+    rows = doc["parts"][2]["data"]["rows"]
+    assert len(rows) == 6 and {r["backend"] for r in rows} == {"cpu"} and all(r["seq_len"] == 1024 for r in rows)
+    assert [t["target"] for t in doc["targets"]][:2] == ["every GPU test passes", "best backend efficiency"]
+    md = (out / "gpu_check.md").read_text()
+    assert "**Dry run**" in md and "## Targets" in md and "| cpu | 1024 |" in md
+    assert "gpu-check: target best backend efficiency" in proc.stdout
+
+
+def test_last_json_reads_one_line_and_indented_objects():
+    import gpu_stages as st
+
+    assert st.last_json('noise\n{"a": 1}\n') == {"a": 1}
+    assert st.last_json('warn\n{\n "mape": 0.03,\n "b": [\n  1\n ]\n}\n') == {"mape": 0.03, "b": [1]}
+    assert st.last_json('{"a": 1}\nnot json') == {"a": 1}
+    assert st.last_json("nothing here") is None
+
+
+def test_report_is_written_after_every_part(tmp_path):
+    """A chain killed from outside (a 10-minute command limit) keeps its finished parts."""
+    seen = []
+
+    def ok(name):
+        return lambda a, left: gc.Part(name, True, detail="ok")
+
+    def killed(a, left):
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text()))
+        raise KeyboardInterrupt  # the kill: nothing after this line runs
+
+    a = SimpleNamespace(parts=["deps", "build", "tests"], budget_s=100.0)
+    with pytest.raises(KeyboardInterrupt):
+        gc.run_parts(a, {"deps": ok("deps"), "build": ok("build"), "tests": killed},
+                     on_part=lambda done: gc.write_report(str(tmp_path), done, "NVIDIA H200"))
+    assert [p["name"] for p in seen[0]["parts"]] == ["deps", "build"]
+    assert [p["name"] for p in json.loads((tmp_path / "gpu_check.json").read_text())["parts"]] == ["deps", "build"]
+
+
+def test_bench_attention_picks_the_fastest_dense_kernel_that_runs(tmp_path):
+    """--dense-backends: each SDPA kernel is timed, one that cannot run here (cuDNN on the
+    CPU) is named with its error, the fastest is the baseline. flex cannot be benched on the CPU (no
+    backward) and says so in one line."""
+    bench = gc._bench_main()
+    out = tmp_path / "b.json"
+    rc = bench(["--seq-len", "512", "--heads", "2", "--head-dim", "32", "--block-size", "64",
+                "--topk", "2", "--backend", "cpu", "--reps", "1", "--json", "--out", str(out),
+                "--dense-backends", "math,cudnn"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["dense_backend"] == "math" and list(res["dense_ms_by_backend"]) == ["math"]
+    assert "cudnn" in res["dense_failed"] and res["padding_ratio"] == 1.0
+    assert res["dense_ms"] == res["dense_ms_by_backend"]["math"][1]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_attention.py"), "--seq-len", "512",
+                           "--dense-backends", "flash,nope"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--dense-backends" in proc.stderr and "Traceback" not in proc.stderr
+    if not __import__("torch").cuda.is_available():
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_attention.py"), "--seq-len",
+                               "512", "--backend", "flex"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "flex has no CPU backward" in proc.stderr
+
+
+def test_best_backend_comes_from_this_run_or_an_earlier_piece(tmp_path):
+    import gpu_report as gr
+
+    bench = gc.Part("bench", True, data={"rows": [_row("triton", 0.3, 0.02), _row("flex", 0.5, 0.03),
+                                                   _row("cuda", 0.9, 0.01, density=0.05)]})
+    assert gc.best_backend([bench]) == "flex"  # read at the target point, not the best anywhere
+    assert gc.best_backend([]) == "auto"
+    gc.write_report(str(tmp_path), [bench], "NVIDIA H200")
+    earlier = gr.read_report(str(tmp_path), "NVIDIA H200")
+    assert gc.best_backend([gc.Part("deps", True)], earlier) == "flex"
+    assert gr.read_report(str(tmp_path), "NVIDIA H100") is None

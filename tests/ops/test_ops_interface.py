@@ -70,7 +70,7 @@ def test_empty_documents_allowed():
 
 
 def test_registry_and_override_hook():
-    assert set(ops.BACKENDS) == {"reference", "cpu", "triton", "cuda"}
+    assert set(ops.BACKENDS) == {"reference", "cpu", "triton", "cuda", "flex"}
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == ("cpu" if ops.HAS_CPU_EXT else "reference")
     with override_backend("reference"):

@@ -1,0 +1,166 @@
+"""gpu-check's report: the issue's targets judged from the parts' data, and the JSON +
+markdown files (atomic writes; parts from earlier invocations on the same device kept).
+
+Pure functions of the parts' dicts, so the CPU tests exercise them with made-up data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PARTS = ("deps", "build", "tests", "bench", "train", "profile", "accuracy")
+"""The evidence chain, in order."""
+OPTIONAL_PARTS = ("accuracy",)
+"""Parts that may be skipped for lack of time without failing the check."""
+TARGET_POINT = {"seq_len": 65536, "block": 128, "density": 0.12}
+"""The bench point the efficiency and routing targets are read at (fwd+bwd)."""
+OWN_KERNELS = ("triton", "cuda")
+
+
+def _part(parts: List[dict], name: str) -> Optional[dict]:
+    return next((p for p in parts if p["name"] == name), None)
+
+
+def _target(name: str, value, threshold: str, met: Optional[bool], note: str = "") -> dict:
+    return {"target": name, "value": value, "threshold": threshold, "met": met, "note": note}
+
+
+def target_rows(rows: List[dict]) -> List[dict]:
+    """Bench rows at :data:`TARGET_POINT`."""
+    return [r for r in rows if all(r.get(k) == v for k, v in TARGET_POINT.items())]
+
+
+def evaluate_targets(parts: List[dict]) -> List[dict]:
+    """Each target of the issue: value, threshold, met (None: not measured) and a note."""
+    out = []
+    tests = _part(parts, "tests")
+    counts = (tests or {}).get("data", {}).get("by_module", {}).values()
+    ran = sum(c["passed"] + c["failed"] for c in counts)
+    if tests and counts and not ran:  # every module skipped itself (no CUDA): nothing shown
+        out.append(_target("every GPU test passes", tests["detail"], "0 failed", None, "no test ran"))
+    else:
+        out.append(_target("every GPU test passes", tests["detail"] if tests else None, "0 failed",
+                           tests["status"] == "pass" if tests else None))
+    bench = _part(parts, "bench")
+    rows = target_rows(bench["data"].get("rows", [])) if bench else []
+    where = "64K tokens, block 128, density ~12%, fwd+bwd"
+    if rows:
+        best = max(rows, key=lambda r: r["efficiency"])
+        out.append(_target("best backend efficiency", round(best["efficiency"], 3), ">= 0.45",
+                           best["efficiency"] >= 0.45, f"{best['backend']} at {where}, dense: "
+                           f"{best.get('dense_backend', 'sdpa')}"))
+        own = [r for r in rows if r["backend"] in OWN_KERNELS]
+        if own:
+            o = max(own, key=lambda r: r["efficiency"])
+            out.append(_target("own kernel efficiency", round(o["efficiency"], 3), ">= 0.45 (moonshot 0.75)",
+                               o["efficiency"] >= 0.45, f"{o['backend']} at {where}"))
+        else:
+            out.append(_target("own kernel efficiency", None, ">= 0.45", None, "no triton/cuda row"))
+        out.append(_target("routing + plan share", round(best["gate_share"], 4), "<= 0.05",
+                           best["gate_share"] <= 0.05, f"{best['backend']} at {where}"))
+    else:
+        for name, thr in (("best backend efficiency", ">= 0.45"), ("own kernel efficiency", ">= 0.45"),
+                          ("routing + plan share", "<= 0.05")):
+            out.append(_target(name, None, thr, None, f"no bench row at {where}"))
+    train = _part(parts, "train")
+    ratio = (train or {}).get("data", {}).get("speedup_64k")
+    dens = (train or {}).get("data", {}).get("density_64k")
+    if ratio is not None:
+        ok = ratio >= 2.0 and (dens is None or dens <= 0.12)
+        out.append(_target("training 64K sparse / dense tokens/s", round(ratio, 3),
+                           ">= 2.0 at density <= 0.12", ok,
+                           f"density {dens:.3f}" if dens is not None else "density not reported"))
+    else:
+        out.append(_target("training 64K sparse / dense tokens/s", None, ">= 2.0", None,
+                           "no 64K dense + sparse pair"))
+    prof = _part(parts, "profile")
+    m = (prof or {}).get("data", {}).get("mape")
+    out.append(_target("latency predictor held-out MAPE", None if m is None else round(m, 4), "<= 0.05",
+                       None if m is None else m <= 0.05))
+    return out
+
+
+def merge_parts(old: Optional[dict], device: str, parts: List[dict]) -> List[dict]:
+    """This run's parts, plus the parts of ``old`` (an earlier report on the same device)
+    that this run did not redo, in the chain's order."""
+    keep = {}
+    if old and old.get("device") == device:
+        keep = {p["name"]: p for p in old.get("parts", []) if isinstance(p, dict) and "name" in p}
+    keep.update({p["name"]: p for p in parts})
+    return [keep[n] for n in PARTS if n in keep]
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def render_markdown(doc: dict) -> str:
+    """gpu_check.md: parts, targets, and the bench / train tables."""
+    md = [f"# gpu-check on {doc['device']}", ""]
+    if doc.get("dry_run"):
+        md += ["**Dry run** (tiny sizes; the numbers mean nothing).", ""]
+    md += ["| part | result | seconds | detail |", "|---|---|---|---|"]
+    word = {"pass": "pass", "fail": "**FAIL**", "skip": "skipped"}
+    md += [f"| {p['name']} | {word[p['status']]} | {p['seconds']:.0f} | {p['detail']} |" for p in doc["parts"]]
+    md += ["", "## Targets", "", "| target | value | threshold | met | note |", "|---|---|---|---|---|"]
+    yes = {True: "met", False: "**not met**", None: "not measured"}
+    md += [f"| {t['target']} | {'n/a' if t['value'] is None else t['value']} | {t['threshold']} | "
+           f"{yes[t['met']]} | {t['note']} |" for t in doc["targets"]]
+    bench = next((p for p in doc["parts"] if p["name"] == "bench" and p["data"].get("rows")), None)
+    if bench:
+        md += ["", "## Bench (bf16, head dim 128, GQA 16:2; dense = fastest SDPA kernel)", "",
+               "| backend | tokens | block | density | fwd ms (dense) | fwd+bwd ms (dense) | dense kernel | "
+               "fwd+bwd TFLOP/s kept | efficiency fwd | efficiency fwd+bwd | routing share |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
+        md += [f"| {r['backend']} | {r['seq_len']} | {r['block']} | {r['density_measured']:.3f} | "
+               f"{r['sparse_fwd_ms']:.2f} ({r['dense_fwd_ms']:.2f}) | {r['sparse_ms']:.2f} "
+               f"({r['dense_ms']:.2f}) | {r.get('dense_backend', 'sdpa')} | {r['fwd_bwd_tflops']:.0f} | "
+               f"{r['efficiency_fwd']:.2f} | {r['efficiency']:.2f} | {r['gate_share']:.1%} |"
+               for r in bench["data"]["rows"]]
+        if bench["data"].get("failed"):
+            md += ["", "Points that did not finish:", ""] + [f"- {f}" for f in bench["data"]["failed"]]
+    train = next((p for p in doc["parts"] if p["name"] == "train" and p["data"].get("runs")), None)
+    if train:
+        md += ["", "## Train (Qwen2.5-0.5B shape, 24 layers, random init, bf16, one GPU)", "",
+               "| run | tokens/s | peak memory MB | loss first -> last | density | backend |",
+               "|---|---|---|---|---|---|"]
+        for r in train["data"]["runs"]:
+            md.append(f"| {r['name']} | {_fmt(r.get('tokens_per_s'), '.0f')} | "
+                      f"{_fmt(r.get('peak_memory_mb_max'), '.0f')} | {_fmt(r.get('loss_first'), '.3f')} -> "
+                      f"{_fmt(r.get('loss_last'), '.3f')} | {_fmt(r.get('density_mean'), '.3f')} | "
+                      f"{r.get('attention_backend') or r.get('error', '')} |")
+    return "\n".join(md) + "\n"
+
+
+def read_report(out_dir: str, device: Optional[str] = None) -> Optional[dict]:
+    """``out_dir``/gpu_check.json, or None when absent, damaged (it will be replaced) or
+    (with ``device``) from another device."""
+    path = os.path.join(out_dir, "gpu_check.json")
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or (device is not None and doc.get("device") != device):
+        return None
+    return doc
+
+
+def write_report(out_dir: str, parts: List[dict], device: str, dry_run: bool = False) -> dict:
+    """Merge ``parts`` into ``out_dir``/gpu_check.json (same device), judge the targets,
+    write gpu_check.json and gpu_check.md atomically. Returns the document."""
+    from sparsebalance.io import atomic_write_text
+
+    os.makedirs(out_dir, exist_ok=True)
+    merged = merge_parts(read_report(out_dir), device, parts)
+    doc = {"device": device, "dry_run": dry_run,
+           "passed": all(p["status"] != "fail" for p in merged),
+           "parts": merged, "targets": evaluate_targets(merged)}
+    atomic_write_text(os.path.join(out_dir, "gpu_check.json"), json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(os.path.join(out_dir, "gpu_check.md"), render_markdown(doc))
+    return doc

@@ -1,0 +1,196 @@
+"""gpu-check's end-to-end parts: train (dense vs sparse), profile (+ simulated comparison)
+and accuracy. Each takes the parsed arguments, the seconds it may use and ``run``
+(``run(cmd, timeout, env=None) -> CompletedProcess``, gpu_check's runner) and returns
+``(passed, detail, data)``; ``None`` as ``passed`` means skipped."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+from typing import Callable, List, Optional, Tuple
+
+Result = Tuple[Optional[bool], str, dict]
+
+TRAIN_ITERS = 8
+TRAIN_TOPK = 8
+"""Top-k at block 128 in training: (8 + 2) x 128 keys per query, ~4% of a 64K document
+(more for short documents, which stay dense; the summary reports the mean)."""
+
+
+def last_line(proc) -> str:
+    lines = (proc.stderr or "").strip().splitlines() or (proc.stdout or "").strip().splitlines()
+    return lines[-1][:300] if lines else f"exit code {proc.returncode}"
+
+
+def last_json(text: str) -> Optional[dict]:
+    """The last JSON object printed in ``text``: one line, or an indented block that
+    starts with ``{`` at the start of a line and runs to the end."""
+    lines = (text or "").strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if not lines[i].startswith("{"):
+            continue
+        for chunk in (lines[i], "\n".join(lines[i:])):
+            try:
+                obj = json.loads(chunk)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                return obj
+    return None
+
+
+def model_flags(a) -> List[str]:
+    """The model of train and profile: Qwen2.5-0.5B's 24 layers on the GPU; a tiny one in
+    a dry run (CPU)."""
+    if a.dry_run:
+        return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--ffn-hidden-size", "128", "--vocab-size", "512", "--cpu"]
+    return ["--model-preset", "qwen2.5-0.5b", "--bf16"]
+
+
+def train_seq_lens(a) -> List[int]:
+    return [1024] if a.dry_run else list(a.train_seq_lens)
+
+
+def loss_trend(losses: List[float]) -> Tuple[float, float, bool]:
+    """Mean of the first and last quarter of ``losses`` and whether it went down."""
+    k = max(1, len(losses) // 4)
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    return first, last, len(losses) >= 4 and last < first
+
+
+def train_run_record(name: str, s: dict) -> dict:
+    """One run's row from the driver's summary JSON."""
+    losses = [float(x) for x in s.get("losses") or []]
+    first, last, down = loss_trend(losses) if losses else (None, None, False)
+    return {"name": name, "tokens_per_s": s.get("tokens_per_s"),
+            "peak_memory_mb_max": s.get("peak_memory_mb_max"), "step_ms_median": s.get("step_ms_median"),
+            "density_mean": s.get("density_mean"), "plan_ms_median": s.get("plan_ms_median"),
+            "attention_backend": s.get("attention_backend"), "losses": losses,
+            "loss_first": first, "loss_last": last, "loss_down": down}
+
+
+def train_verdict(runs: List[dict], seq_lens: List[int]) -> Result:
+    """Pass when every run finished with a decreasing loss; data holds sparse/dense
+    tokens/s per length (``speedup_<n>k``) and the sparse run's density."""
+    data = {"runs": runs}
+    for n in seq_lens:
+        d = next((r for r in runs if r["name"] == f"dense {n}"), None)
+        s = next((r for r in runs if r["name"] == f"sparse {n}"), None)
+        if d and s and d.get("tokens_per_s") and s.get("tokens_per_s"):
+            data[f"speedup_{n // 1024}k"] = s["tokens_per_s"] / d["tokens_per_s"]
+            data[f"density_{n // 1024}k"] = s.get("density_mean")
+    bad = [r["name"] + (f": {r['error']}" if r.get("error") else ": loss did not decrease")
+           for r in runs if r.get("error") or not r.get("loss_down")]
+    speed = ", ".join(f"{k} {v:.2f}x" for k, v in data.items() if k.startswith("speedup_"))
+    detail = (f"{len(runs) - len(bad)}/{len(runs)} runs ok; sparse/dense tokens/s: {speed or 'n/a'}"
+              + (f"; failed: {'; '.join(bad)}" if bad else ""))
+    return bool(runs) and not bad, detail, data
+
+
+def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
+    """Dense (SDPA) and sparse (--sparse-balance, ``best_backend``) runs of the same model
+    over the same corpus and steps, per micro-batch length."""
+    work = os.path.join(a.work, "train")
+    os.makedirs(work, exist_ok=True)
+    t0, runs = time.time(), []
+    seq_lens = train_seq_lens(a)
+    todo = [(n, mode) for n in seq_lens for mode in ("dense", "sparse")]
+    for i, (n, mode) in enumerate(todo):
+        name = f"{mode} {n}"
+        cap = (left - (time.time() - t0)) / (len(todo) - i)  # a fair share of what is left
+        if cap < 30:
+            runs.append({"name": name, "error": "no time left"})
+            continue
+        corpus = os.path.join(work, f"corpus_{n}")
+        if not os.path.isfile(corpus + ".idx"):
+            proc = run([sys.executable, "tools/make_corpus.py", "--output-prefix", corpus, "--lengths", a.lengths,
+                        "--num-docs", "200" if a.dry_run else "600", "--max-length", str(n)], cap)
+            if proc.returncode != 0:
+                runs.append({"name": name, "error": "corpus: " + last_line(proc)})
+                continue
+        summary = os.path.join(work, f"summary_{mode}_{n}.json")
+        if os.path.exists(summary):
+            os.unlink(summary)
+        cmd = [sys.executable, "pretrain_gpt.py", *model_flags(a), "--data-path", corpus, "--seq-length", str(n),
+               "--global-batch-size", "2", "--lr", "3e-4", "--train-iters",
+               str(4 if a.dry_run else TRAIN_ITERS), "--log-interval", "1", "--no-progress-bar",
+               "--summary-json", summary]
+        if mode == "sparse":
+            cmd += ["--sparse-balance", "--sb-block-size", "64" if a.dry_run else "128",
+                    "--sb-topk", str(TRAIN_TOPK), "--sb-attention-backend", best_backend,
+                    "--sb-cost-model", "h100-analytic"]
+        proc = run(cmd, cap)
+        if proc.returncode != 0 or not os.path.isfile(summary):
+            runs.append({"name": name, "error": "pretrain_gpt.py: " + last_line(proc)})
+            continue
+        with open(summary) as fh:
+            runs.append(train_run_record(name, json.load(fh)))
+    return train_verdict(runs, seq_lens)
+
+
+def sim_lengths(a) -> List[str]:
+    """compare.py's --lengths: the GPU machine has no ../shared, so the copies gpu-prep put
+    in gpudata/ (a dry run: the prolong file only, the one with enough short documents)."""
+    files = sorted(glob.glob(os.path.join(a.repo, "gpudata", "*.json")))
+    if a.dry_run:
+        files = [f for f in files if f.endswith("prolong.json")] or [
+            os.path.join(os.path.dirname(a.repo), "shared", "data", "lengths", "prolong.json")]
+    return ["--lengths", *files] if files else []
+
+
+def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
+    """tools/profile_latency.py on this device for the train model (held-out MAPE), the
+    profile written under --out, then tools/compare.py --mode sim with it."""
+    t0 = time.time()
+    prof = os.path.join(a.out, "latency_profile.json")
+    block = "64" if a.dry_run else "128"
+    cmd = [sys.executable, "tools/profile_latency.py", "--output", prof, *model_flags(a), "--sparse-attention",
+           "--seq-length", "2048" if a.dry_run else "32768", "--sb-block-size", block,
+           "--sb-topk", str(TRAIN_TOPK), "--validate", "--json", "--quick"]
+    cmd = [c for c in cmd if c != "--cpu"]  # the profiler picks its device itself
+    if not a.dry_run:
+        cmd += ["--sb-attention-backend", best_backend, "--clock", "wall"]
+    proc = run(cmd, left * 0.8)  # the rest for compare.py
+    res = last_json(proc.stdout)
+    if proc.returncode != 0 or res is None or not os.path.isfile(prof):
+        return False, "profile_latency.py: " + last_line(proc), {}
+    data = {"profile": os.path.relpath(prof, a.repo), "mape": res.get("mape"),
+            "mape_fwd": res.get("mape_fwd"), "mape_bwd": res.get("mape_bwd"),
+            "stage_mape": res.get("stage_mape"), "n_heldout": res.get("n_heldout")}
+    # "profile": the simulated model is the profiled one (same block and top-k)
+    sim = run([sys.executable, "tools/compare.py", "--mode", "sim", "--quick", "--cost-model", prof,
+               "--sim-models", "profile", "--block-size", block, "--topk", str(TRAIN_TOPK), "--json",
+               "--report", os.path.join(a.work, "compare_sim"),
+               *sim_lengths(a),
+               *(["--pp", "2", "--dp", "1", "--micro-batches", "8", "--seq-lengths", "16384"]
+                 if a.dry_run else [])],
+              left - (time.time() - t0))
+    data["compare_sim"] = last_json(sim.stdout) if sim.returncode == 0 else None
+    ok = sim.returncode == 0 and data["mape"] is not None
+    detail = (f"held-out MAPE {data['mape']:.3f}" if data["mape"] is not None else "no MAPE") + \
+        ("; compare.py --mode sim ran with the profile" if sim.returncode == 0
+         else "; compare.py --mode sim failed: " + last_line(sim))
+    return ok, detail, data
+
+
+ACCURACY_MIN_S = 1200
+"""examples/longctx/gpu.sh's own estimate is ~25 minutes; it is not started with less."""
+
+
+def part_accuracy(a, left: float, run: Callable, best_backend: str) -> Result:
+    """examples/longctx/gpu.sh (its sparse arm resolves ``auto`` to the measured best
+    backend of this device), when enough of the budget is left."""
+    if a.dry_run:
+        return None, "skipped in a dry run (examples/longctx/gpu.sh --tiny takes minutes)", {}
+    if left < ACCURACY_MIN_S:
+        return None, f"skipped: {left:.0f} s left, gpu.sh needs ~{ACCURACY_MIN_S} s", {}
+    result = os.path.join(a.out, "longctx_accuracy.json")  # small: kept with the report
+    proc = run(["bash", "examples/longctx/gpu.sh"], left, env={"RESULT_FILE": result})
+    if proc.returncode != 0 or not os.path.isfile(result):
+        return False, "gpu.sh: " + last_line(proc), {}
+    with open(result) as fh:
+        return True, f"wrote {os.path.relpath(result, a.repo)}", {"result": json.load(fh)}
