@@ -22,8 +22,8 @@ costing at most that segment's attention), loss mask 0, never seen by real token
                   (and, with loss starts, 0 where the label lies before the document's start)
     position_ids  int64  0.. restarting at every segment (RoPE positions per document)
     cu_seqlens    int32  [n_segments + 1] segment boundaries: attention stays inside one
-    budget        (optional) per-stage top-k for DST; :func:`forward_step` hands it to
-                  ``sparsebalance.runtime.set_budget`` when the micro-batch is pulled
+    budget        (optional) per-stage top-k for DST; the forward step puts it on the
+                  micro-batch's ``BudgetedPackedSeqParams`` (the one budget carrier)
 
 With context parallelism (``--context-parallel-size N``) each rank gets its share
 of every micro-batch from :func:`context_parallel_split`: every segment is padded at
@@ -174,7 +174,7 @@ class StepBatches:
     def iterators(self, num_chunks: int) -> List[Iterator]:
         """One iterator per model chunk: every virtual stage walks the same micro-batches.
 
-        With a DST ``budget``, each iterator sets the budget of (micro-batch, this
+        With a DST ``budget``, each iterator attaches the budget of (micro-batch, this
         chunk's virtual stage) on every pull (``sparsebalance.tuning.hook``)."""
         iters = [iter(self.microbatches) for _ in range(num_chunks)]
         if self.budget is None:
