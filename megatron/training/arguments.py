@@ -13,6 +13,9 @@ import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
+from sparsebalance.batching.strategies import STRATEGIES
+from sparsebalance.tuning.policies import DST_POLICIES as DST_POLICY_REGISTRY
+
 
 class UsageError(Exception):
     """Bad command line or input; reported as one line, exit code 2."""
@@ -69,9 +72,9 @@ def _non_negative(kind):
     return parse
 
 
-BATCHING = ("megatron", "concat", "sorted", "tokens", "quadratic", "wlb", "sab")
+BATCHING = tuple(STRATEGIES)
 """``--sb-batching`` names (sparsebalance.batching strategies)."""
-DST_POLICIES = ("off", "anchor", "critical-path")
+DST_POLICIES = ("off", *DST_POLICY_REGISTRY)
 """``--sb-dst`` names."""
 RECOMPUTE_GRANULARITY = ("full", "selective")
 """``--recompute-granularity`` names (megatron-core ``TransformerConfig.recompute_granularity``)."""

@@ -27,8 +27,6 @@ from sparsebalance.batching.report import headroom_share, plan_json, summarize
 from sparsebalance.batching.sampler import PackingSampler, check_lengths
 from sparsebalance.batching.strategies import STRATEGIES
 
-WHOLE_DOC = ("megatron", "sorted", "tokens", "quadratic", "wlb", "sab")
-"""Strategies that keep documents whole (ranked); ``concat`` cuts them."""
 
 
 class UsageError(Exception):
@@ -101,7 +99,7 @@ def _table(results: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         share = headroom_share(r["predicted_ms_per_ktok"], r["lower_bound_ms_per_ktok"], base)
-        label = name if name in WHOLE_DOC else f"{name} (cuts documents; not ranked)"
+        label = name if STRATEGIES[name].whole_documents else f"{name} (cuts documents; not ranked)"
         rows.append(f"| {label} | {r['predicted_ms_per_ktok']:.4f} | "
                     f"{base / r['predicted_ms_per_ktok']:.3f}x | "
                     f"{r['lower_bound_ms_per_ktok']:.4f} | "

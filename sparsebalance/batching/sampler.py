@@ -26,7 +26,7 @@ import numpy as np
 
 from sparsebalance.batching.plan import Carried, PackContext, StepPlan
 from sparsebalance.batching.stream import EpochItems, StreamCursor, epoch_permutation
-from sparsebalance.batching.strategies import COST_STRATEGIES, get_strategy
+from sparsebalance.batching.strategies import get_strategy
 
 _DEFAULT = object()
 
@@ -87,8 +87,9 @@ class PackingSampler:
         self.pp = _check_int("pp", pp, 1)
         self.shuffle = bool(shuffle)
         self.strategy = strategy
-        self._pack = get_strategy(strategy)
-        if strategy in COST_STRATEGIES and predictor is None:
+        chosen = get_strategy(strategy)
+        self._pack = chosen.pack
+        if chosen.predictor == "required" and predictor is None:
             raise ValueError(f"predictor is required for strategy {strategy!r}")
         self.cost = None
         if predictor is not None:

@@ -383,6 +383,12 @@ def critical_path_plan(inst: Instance, eps: float = 0.0) -> Plan:
     return make_plan(inst, critical_path_indices(inst, eps), "critical-path")
 
 
+def policy(inst: Instance, dst) -> Plan:
+    """``DST_POLICIES["critical-path"]``: the critical-path plan under ``dst`` (a
+    :class:`sparsebalance.config.DSTConfig`: ``attn_slack``)."""
+    return critical_path_plan(inst, eps=dst.attn_slack)
+
+
 def objective(inst: Instance, idx: np.ndarray) -> Tuple[float, float]:
     """(step ms, total attention) of level indices [D, M, S] under the engine."""
     one = _Batch(inst, 1)

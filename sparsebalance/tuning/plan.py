@@ -66,3 +66,8 @@ def static_plan(inst: Instance) -> Plan:
     """Every op at k0 (static sparse attention)."""
     return make_plan(inst, np.full((inst.dp, inst.microbatches, inst.stages), inst.k0_index),
                      "static")
+
+
+def static_policy(inst: Instance, dst=None) -> Plan:
+    """``DST_POLICIES["static"]``: every op at k0 (``dst`` unused)."""
+    return static_plan(inst)
