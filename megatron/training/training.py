@@ -8,7 +8,7 @@ predictor's recalibration input, identical everywhere) and rank 0 can report the
 global loss, per-stage times, bubbles, micro-batch imbalance and density.
 
 With a predictor (``--sb-profile`` / ``--sb-cost-model``) each step is also planned
-and predicted by :class:`megatron.training.balance.Balancer` (DST budgets with
+and predicted by :class:`sparsebalance.balancer.Balancer` (DST budgets with
 ``--sb-dst``). ``--summary-json`` gets the metrics of :meth:`_Logger._balance_metrics`.
 """
 
@@ -183,7 +183,9 @@ def setup(args):
     from megatron.training.step import StageTimers
     from megatron.training.tokenizer import padded_vocab_size, vocab_size_for
 
-    from megatron.training import balance as B
+    from megatron.training.balance import BatchBalancer
+    from megatron.training.sb_config import sparsebalance_config
+    from sparsebalance.balancer import build_predictor
 
     init.initialize(args)
     cpu = init.use_cpu(args)
@@ -197,14 +199,15 @@ def setup(args):
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     pad_to = args.seq_length if interleaved else None  # see megatron/training/data.py
     cp = dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
+    sb = sparsebalance_config(args, vocab)  # the library's one view of the flags
     predictor = balancer = sampler_predictor = None
-    if args.sb_has_predictor:
-        predictor = B.build_predictor(args, vocab, warn=_rank0_warn())
-        balancer = B.Balancer(args, predictor, pad_to)
-        if args.sb_batching in ("sab", "wlb"):
+    if sb.predictor.enabled:
+        predictor = build_predictor(sb, warn=_rank0_warn())
+        balancer = BatchBalancer(sb, predictor, pad_to)
+        if sb.packing.uses_predictor:
             # Its own instance: the packer's costs never see the online correction, so
-            # the data order stays a function of (seed, step) (see balance.py).
-            sampler_predictor = B.build_predictor(args, vocab)
+            # the data order stays a function of (seed, step) (see sparsebalance/balancer.py).
+            sampler_predictor = build_predictor(sb)
     loader = D.PackedDataLoader(dataset, train_ids, dp=dp, dp_rank=dp_rank,
                                 micro_batches=args.num_microbatches, seq_length=args.seq_length,
                                 strategy=args.sb_batching, seed=args.seed, vocab_size=vocab, pad_to=pad_to,

@@ -175,7 +175,7 @@ def _install_load_probe(dump) -> None:
 def _install_det_times() -> None:
     import numpy as np
 
-    from megatron.training.balance import Balancer
+    from sparsebalance.balancer import Balancer
 
     observe = Balancer.observe
 

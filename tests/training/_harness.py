@@ -56,16 +56,17 @@ def main() -> None:
 def _predict_as_cp1() -> None:
     import copy
 
-    from megatron.training import balance
+    import dataclasses
 
-    build = balance.build_predictor
+    from sparsebalance import balancer
 
-    def as_cp1(args, *a, **k):
-        args = copy.copy(args)
-        args.context_parallel_size = 1
-        return build(args, *a, **k)
+    build = balancer.build_predictor
 
-    balance.build_predictor = as_cp1
+    def as_cp1(config, *a, **k):
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, cp=1))
+        return build(config, *a, **k)
+
+    balancer.build_predictor = as_cp1
 
 
 if __name__ == "__main__":
