@@ -52,7 +52,7 @@ def rank_step_row(step: RankStep, op_fwd_ms: np.ndarray, op_bwd_ms: np.ndarray) 
     return [float(x) for x in astuple(step)] + op_fwd_ms.reshape(-1).tolist() + op_bwd_ms.reshape(-1).tolist()
 
 
-def _comm_device() -> torch.device:
+def comm_device() -> torch.device:
     """Where small control tensors live: NCCL only moves CUDA tensors, gloo CPU ones."""
     if torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -61,7 +61,7 @@ def _comm_device() -> torch.device:
 
 def gather_floats(row: List[float]) -> np.ndarray:
     """[world, len(row)] float64 table of every rank's row."""
-    t = torch.tensor(row, dtype=torch.float64, device=_comm_device())
+    t = torch.tensor(row, dtype=torch.float64, device=comm_device())
     out = [torch.zeros_like(t) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(out, t)
     return torch.stack(out).cpu().numpy()

@@ -311,7 +311,7 @@ def _polish(inst: Instance, X: np.ndarray, floor: float, max_moves: int, budget:
       moves budget from ops the critical path runs through twice (forward and
       backward) to ops it touches once or not at all.
     """
-    D, MS, L = inst.dp, X.shape[0], len(inst.levels)
+    D, L = inst.dp, len(inst.levels)
     one = _Batch(inst, 1)
     cell = D * one.g.num_nodes  # one sweep of one candidate plan
     spent = 0.0

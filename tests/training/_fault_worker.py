@@ -234,7 +234,7 @@ def main() -> int:
                                                               for m in result.budget],
                 "records": [[r.layer_number, r.microbatch, r.topk] for r in result.attention_records],
                 "packing": [[[list(map(int, seg)) for seg in mb] for mb in rank] for rank in plan.ranks],
-                "sampler": state["loader"].state_dict(),
+                "sampler": state.loader.state_dict(),
             })
 
         training.pretrain = lambda args: pretrain(args, on_step=on_step)

@@ -40,7 +40,7 @@ def main() -> None:
     def on_step(iteration, state, result):
         budgets.append(None if result.budget is None else np.asarray(result.budget).tolist())
         grads.clear()
-        for chunk in state["model"]:
+        for chunk in state.model:
             for name, p in global_param_names(chunk).items():
                 grads[name] = p.main_grad.detach().double().numpy().copy()
 
@@ -54,8 +54,6 @@ def main() -> None:
 
 
 def _predict_as_cp1() -> None:
-    import copy
-
     import dataclasses
 
     from sparsebalance import balancer

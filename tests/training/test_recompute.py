@@ -110,7 +110,7 @@ def _worker(argv) -> None:
                       "calls": list(calls)})
         calls.clear()
         tensors.clear()  # the last step's gradients and the parameters after its update
-        for chunk in state["model"]:
+        for chunk in state.model:
             for name, p in global_param_names(chunk).items():
                 tensors["grad/" + name] = p.main_grad.detach().double().numpy().copy()
                 tensors["param/" + name] = p.detach().double().numpy().copy()
