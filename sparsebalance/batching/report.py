@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsebalance.batching.cost import pipeline_step_ms
+from sparsebalance.pipeline import step_ms
 from sparsebalance.batching.plan import StepPlan
 
 
@@ -25,18 +25,18 @@ def summarize(plans: list, carried_docs: int) -> dict:
     if not plans or plans[0].rank_ms is None:
         raise ValueError("plans must be non-empty and carry predicted times")
     tokens = sum(p.tokens for p in plans)
-    step_ms = np.array([p.step_ms for p in plans])
+    planned_ms = np.array([p.step_ms for p in plans])
     lb = []
     for p in plans:
         dp, M, pp = p.stage_fwd_ms.shape
         f = np.broadcast_to(p.stage_fwd_ms.reshape(dp * M, pp).mean(axis=0), (1, M, pp))
         b = np.broadcast_to(p.stage_bwd_ms.reshape(dp * M, pp).mean(axis=0), (1, M, pp))
-        lb.append(float(pipeline_step_ms(f, b)[0]))
-    per_ktok = float(step_ms.sum()) / tokens * 1e3 if tokens else 0.0
+        lb.append(float(step_ms(f, b)[0]))
+    per_ktok = float(planned_ms.sum()) / tokens * 1e3 if tokens else 0.0
     return {
         "imbalance_rank": float(np.mean([_ratio(p.rank_ms) for p in plans])),
         "imbalance_microbatch": float(np.mean([_ratio(p.microbatch_ms.ravel()) for p in plans])),
-        "predicted_step_ms": float(step_ms.mean()),
+        "predicted_step_ms": float(planned_ms.mean()),
         "tokens": int(tokens),
         "predicted_ms_per_ktok": per_ktok,
         "lower_bound_ms_per_ktok": float(np.sum(lb)) / tokens * 1e3 if tokens else 0.0,

@@ -70,7 +70,8 @@ class PackingSampler:
             attach predicted times to every plan.
         topk: attention budget to plan for; default the predictor's ``topk``.
         pp: pipeline stages used for per-rank times.
-        density: optional DensityEstimator refining attention costs.
+        density: optional density estimator refining attention costs (see
+            :mod:`sparsebalance.batching.cost`).
         options: strategy knobs (see each strategy).
     """
 

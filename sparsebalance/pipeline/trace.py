@@ -10,10 +10,10 @@ import json
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..io import atomic_path, atomic_write_bytes
-from .simulate import PHASES, StepResult, op_id
+from .simulate import PHASES, PipelineTimeline, op_id
 
 
-def trace_events(res: StepResult, label: str = "", pid_offset: int = 0) -> List[dict]:
+def trace_events(res: PipelineTimeline, label: str = "", pid_offset: int = 0) -> List[dict]:
     """Chrome-trace events of a step result (critical-path ops get ``args.critical``)."""
     crit = set(res.critical_path)
     D, _, M, S = res.start_ms.shape
@@ -39,7 +39,7 @@ def trace_events(res: StepResult, label: str = "", pid_offset: int = 0) -> List[
     return ev
 
 
-def write_chrome_trace(path: str, results: Dict[str, StepResult]) -> None:
+def write_chrome_trace(path: str, results: Dict[str, PipelineTimeline]) -> None:
     """Write one trace holding every labelled result (e.g. baseline and tuned)."""
     ev: List[dict] = []
     off = 0
@@ -50,7 +50,7 @@ def write_chrome_trace(path: str, results: Dict[str, StepResult]) -> None:
     atomic_write_bytes(path, data)
 
 
-def write_gantt(path: str, results: Dict[str, StepResult], replicas: Optional[Sequence[int]] = None,
+def write_gantt(path: str, results: Dict[str, PipelineTimeline], replicas: Optional[Sequence[int]] = None,
                 title: str = "") -> None:
     """Gantt PNG, one panel per labelled result side by side, shared time axis.
 
@@ -61,7 +61,7 @@ def write_gantt(path: str, results: Dict[str, StepResult], replicas: Optional[Se
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    items: List[Tuple[str, StepResult]] = list(results.items())
+    items: List[Tuple[str, PipelineTimeline]] = list(results.items())
     if not items:
         raise ValueError("results must not be empty")
     tmax = max(r.step_ms for _, r in items)
