@@ -83,12 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(lengths, args, strategy: str, predictor):
-    s = PackingSampler(lengths, dp=args.dp, micro_batches=args.micro_batches,
-                       seq_length=args.seq_length, strategy=strategy, seed=args.seed,
-                       max_carry_steps=args.max_carry_steps, predictor=predictor,
-                       topk=args.topk, pp=args.pp)
-    plans = [s.next_step() for _ in range(args.steps)]
+def _run(lengths, strategy: str, predictor, *, steps: int, **sampler):
+    """``steps`` packing steps of ``strategy``; ``sampler``: PackingSampler keywords."""
+    s = PackingSampler(lengths, strategy=strategy, predictor=predictor, **sampler)
+    plans = [s.next_step() for _ in range(steps)]
     return plans, summarize(plans, len(s.carried))
 
 
@@ -130,7 +128,10 @@ def main(argv=None) -> int:
                 warnings.filterwarnings("ignore", message="latency profile .* does not match")
                 predictor = get_predictor(args.cost_model, **shape)
             names = list(STRATEGIES) if args.compare else [args.strategy]
-            runs = {n: _run(lengths, args, n, predictor) for n in names}
+            sampler = dict(dp=args.dp, micro_batches=args.micro_batches, seq_length=args.seq_length,
+                           seed=args.seed, max_carry_steps=args.max_carry_steps, topk=args.topk,
+                           pp=args.pp)
+            runs = {n: _run(lengths, n, predictor, steps=args.steps, **sampler) for n in names}
         except (ValueError, TypeError, OSError) as e:
             raise UsageError(str(e).splitlines()[0]) from None
     except UsageError as e:
