@@ -70,7 +70,7 @@ class BatchBalancer:
         """Segment lengths ``[dp][microbatch]`` of a step's packing, as trained."""
         from megatron.training.data import microbatch_lengths
 
-        return [[microbatch_lengths(mb, self.pad_to) for mb in rank] for rank in batches.plan.ranks]
+        return [[microbatch_lengths(mb, self.pad_to) for mb in rank] for rank in batches.packing.ranks]
 
     def plan(self, batches) -> StepForecast:
         """Plan ``batches`` now (sets ``batches.budget`` under DST)."""

@@ -1,7 +1,7 @@
 """Packed THD micro-batches from a megatron-core indexed dataset.
 
-The packing plan comes from :class:`sparsebalance.batching.sampler.PackingSampler`
-(``--sb-batching``): per step, ``plan.ranks[dp_rank][m]`` is the list of
+The packing comes from :class:`sparsebalance.batching.sampler.PackingSampler`
+(``--sb-batching``): per step, ``packing.ranks[dp_rank][m]`` is the list of
 ``(doc_id, offset, length)`` segments of micro-batch ``m``. Every pipeline and
 data-parallel rank runs the same sampler with the same seed, so all stages of a
 pipeline see the same micro-batches without communication.
@@ -91,7 +91,7 @@ def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
         pos.append(np.arange(length, dtype=np.int64))
         cu.append(cu[-1] + length)
     if pad_to is not None or not segments:
-        # An empty plan (a small split at its epoch end) still has to feed the
+        # An empty packing (a small split at its epoch end) still has to feed the
         # schedule one micro-batch: a single masked padding token.
         pad = max((pad_to or 1) - cu[-1], 0)
     else:
@@ -160,10 +160,10 @@ class StepBatches:
     """Tokens in the whole global batch (all DP ranks), for throughput."""
     global_docs: int
     """Segments in the global batch."""
-    plan: Optional[object] = None
-    """The sampler's ``StepPlan`` of the whole step (every DP rank's segments)."""
+    packing: Optional[object] = None
+    """The sampler's ``StepPacking`` of the whole step (every DP rank's segments)."""
     budget: Optional[np.ndarray] = None
-    """DST plan ``[dp][microbatch][virtual stage]`` top-k, or None (module default)."""
+    """DST budget table ``[dp][microbatch][virtual stage]`` top-k, or None (module default)."""
     dp_rank: int = 0
     """This rank's data-parallel index (row of ``budget``)."""
     pp_rank: int = 0
@@ -200,7 +200,7 @@ class PackedDataLoader:
         pad_to: pad every micro-batch to this many tokens (interleaved schedule only).
         max_carry_steps: no deferred document waits longer than this many steps.
         predictor: LatencyPredictor for the cost-based strategies (sab, wlb).
-        pp, pp_rank: pipeline ranks and this rank's index (plans per-rank pipeline times).
+        pp, pp_rank: pipeline ranks and this rank's index (the packer predicts per-rank pipeline times).
         loss_starts: per dataset document, the first target token (``--mask-prompt-loss``).
         cp, cp_rank: context-parallel size and this rank's index (:func:`context_parallel_split`).
     """
@@ -245,9 +245,9 @@ class PackedDataLoader:
         return self._build()
 
     def _build(self) -> StepBatches:
-        plan = self.sampler.next_step()
-        mine = plan.ranks[self.dp_rank]
-        all_segments = [seg for rank in plan.ranks for mb in rank for seg in mb]
+        packing = self.sampler.next_step()
+        mine = packing.ranks[self.dp_rank]
+        all_segments = [seg for rank in packing.ranks for mb in rank for seg in mb]
         microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to, self.loss_starts)
                         for mb in mine]
         if self.cp > 1:
@@ -261,7 +261,7 @@ class PackedDataLoader:
             microbatches=microbatches,
             global_tokens=int(sum(s[2] for s in all_segments)),
             global_docs=len(all_segments),
-            plan=plan,
+            packing=packing,
             dp_rank=self.dp_rank,
             pp_rank=self.pp_rank,
             pp=self.pp,

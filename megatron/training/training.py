@@ -284,7 +284,7 @@ def _step_log(args, iteration: int, lr: float, step_s: float, batches, result, f
         tokens=batches.global_tokens,
         stage_fwd_s=gathered.stage_times("fwd_s"),
         stage_bwd_s=gathered.stage_times("bwd_s"),
-        pack_ms=float(batches.plan.pack_ms),
+        pack_ms=float(batches.packing.pack_ms),
         plan_ms=forecast.plan_ms if forecast else 0.0,
         plan_wait_ms=forecast.wait_ms if forecast else 0.0,
         predicted_step_ms=forecast.step_ms if forecast else None,
@@ -371,11 +371,11 @@ class _Timeline:
 def _static_density(args, batches) -> Optional[float]:
     """Density of the step's whole global batch at the static top-k (the baseline that
     DST's retained attention is compared with, on the same documents)."""
-    if not args.sparse_attention or batches.plan is None:
+    if not args.sparse_attention or batches.packing is None:
         return None
     from megatron.training.data import microbatch_lengths
     from sparsebalance.attention.routing import density
 
     pad_to = args.seq_length if args.virtual_pipeline_model_parallel_size is not None else None
-    return density([n for rank in batches.plan.ranks for mb in rank
+    return density([n for rank in batches.packing.ranks for mb in rank
                     for n in microbatch_lengths(mb, pad_to)], args.sb_topk, args.sb_block_size)

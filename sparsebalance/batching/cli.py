@@ -23,7 +23,7 @@ import warnings
 
 import numpy as np
 
-from sparsebalance.batching.report import headroom_share, plan_json, summarize
+from sparsebalance.batching.report import headroom_share, packing_json, summarize
 from sparsebalance.batching.sampler import PackingSampler, check_lengths
 from sparsebalance.batching.strategies import STRATEGIES
 
@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(lengths, strategy: str, predictor, *, steps: int, **sampler):
     """``steps`` packing steps of ``strategy``; ``sampler``: PackingSampler keywords."""
     s = PackingSampler(lengths, strategy=strategy, predictor=predictor, **sampler)
-    plans = [s.next_step() for _ in range(steps)]
-    return plans, summarize(plans, len(s.carried))
+    packings = [s.next_step() for _ in range(steps)]
+    return packings, summarize(packings, len(s.carried))
 
 
 def _table(results: dict) -> str:
@@ -146,9 +146,9 @@ def main(argv=None) -> int:
             print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
             print(_table(results))
         return 0
-    plans, summary = runs[args.strategy]
+    packings, summary = runs[args.strategy]
     if args.json:
-        print(json.dumps({"steps": [plan_json(p) for p in plans], "summary": summary}))
+        print(json.dumps({"steps": [packing_json(p) for p in packings], "summary": summary}))
     else:
         print(json.dumps(summary, indent=1))
     return 0

@@ -150,7 +150,7 @@ class CostModel:
             out.append(np.where(tok > 0, t, 0.0))
         return out[0], out[1]
 
-    def plan_times(self, bins: list, dp: int, M: int) -> dict:
+    def packing_times(self, bins: list, dp: int, M: int) -> dict:
         """Predicted times of a packed step with the predictor's ``stage_ms``.
 
         Returns a dict of ``microbatch_ms`` [dp, M], ``rank_ms`` [dp],

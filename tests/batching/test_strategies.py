@@ -157,7 +157,7 @@ def test_pipeline_profile_beats_equal_micro_batches(M_, pp):
 
 @pytest.mark.parametrize("profile", ["pipeline", "flat"])
 def test_sab_moves_never_slow_the_step(lengths, predictor, profile):
-    from sparsebalance.batching.plan import Carried, PackContext
+    from sparsebalance.batching.packing import Carried, PackContext
     from sparsebalance.batching.stream import StreamCursor
     from sparsebalance.batching.strategies.sab import pack_sab
 
@@ -172,7 +172,7 @@ def test_sab_moves_never_slow_the_step(lengths, predictor, profile):
         got = []
         for _ in range(4):
             pk = pack_sab(Carried.empty(), cur, ctx)
-            got.append(cost.plan_times(pk.bins, DP, M)["rank_ms"].max())
+            got.append(cost.packing_times(pk.bins, DP, M)["rank_ms"].max())
             cur = StreamCursor(items, cur.pos)  # same windows for both settings
         steps[moves] = np.array(got)
     assert np.all(steps[8] <= steps[0] + 1e-9)

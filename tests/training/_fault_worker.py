@@ -227,13 +227,13 @@ def main() -> int:
         pretrain = training.pretrain
 
         def on_step(iteration, state, result):
-            plan = last["batches"].plan
+            packing = last["batches"].packing
             dump({
                 "iteration": iteration, "loss_sum": result.loss_sum, "loss_tokens": result.loss_tokens,
                 "budget": None if result.budget is None else [[list(map(int, s)) for s in m]
                                                               for m in result.budget],
                 "records": [[r.layer_number, r.microbatch, r.topk] for r in result.attention_records],
-                "packing": [[[list(map(int, seg)) for seg in mb] for mb in rank] for rank in plan.ranks],
+                "packing": [[[list(map(int, seg)) for seg in mb] for mb in rank] for rank in packing.ranks],
                 "sampler": state.loader.state_dict(),
             })
 

@@ -30,7 +30,7 @@ def _loader(strategy="megatron"):
 
 
 def _segments(batches):
-    return [[tuple(map(int, s)) for s in mb] for rank in batches.plan.ranks for mb in rank]
+    return [[tuple(map(int, s)) for s in mb] for rank in batches.packing.ranks for mb in rank]
 
 
 def test_peek_is_the_next_step_and_checkpoints_stay_before_it():
@@ -88,7 +88,7 @@ def test_a_stale_look_ahead_is_replaced_and_errors_reach_the_caller():
     bal.plan_ahead(loader.peek())
     got = bal.forecast(b1)  # not the batches planned ahead: planned now
     assert got.budget is not None and b1.budget is got.budget
-    empty = SimpleNamespace(plan=SimpleNamespace(ranks=[[]]))  # no micro-batch: the thread fails
+    empty = SimpleNamespace(packing=SimpleNamespace(ranks=[[]]))  # no micro-batch: the thread fails
     bal.plan_ahead(empty)
     assert bal.core._pending is not None
     with pytest.raises(ValueError, match="non-empty"):

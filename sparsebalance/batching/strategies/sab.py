@@ -38,7 +38,7 @@ from functools import lru_cache
 import numpy as np
 
 from sparsebalance.pipeline import step_ms
-from sparsebalance.batching.plan import Carried, PackContext, Packing
+from sparsebalance.batching.packing import Carried, PackContext, Packing
 from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.batching.strategies.common import (build_window, finish, rank_interleaved,
                                                       settle)
