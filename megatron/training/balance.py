@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from sparsebalance.balancer import Balancer, StepForecast, op_times  # noqa: F401  (driver API)
+from sparsebalance.balancer import Balancer, StepForecast
 from sparsebalance.config import SparseBalanceConfig
 
 
