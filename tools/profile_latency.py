@@ -241,12 +241,12 @@ class Bench:
         pos = torch.cat([torch.arange(L, device=self.device) for L in lengths])
         return psp, rope, pos
 
-    def _budget(self, topk):
-        """Runtime budget of the timed call. The sparse layer is built with a static
-        budget of None, so a None budget runs its dense path, as in training."""
-        from sparsebalance.runtime import budget
+    def _budgeted(self, psp, topk):
+        """``psp`` carrying the budget of the timed call. The sparse layer is built with a
+        static budget of None, so a None budget runs its dense path, as in training."""
+        from sparsebalance.attention.packed import BudgetedPackedSeqParams
 
-        return budget(topk)
+        return BudgetedPackedSeqParams(**vars(psp), budget=topk)
 
     def _layer_stack(self, n):
         while len(self.layers) < n:
@@ -283,6 +283,7 @@ class Bench:
 
         T = int(sum(lengths))
         psp, rope, pos = self._packed(lengths)
+        psp = self._budgeted(psp, topk)
         layers = self._layer_stack(n_layers)
         ids = torch.randint(0, self.vocab, (1, T), device=self.device)
         labels = torch.randint(0, self.vocab, (1, T), device=self.device)
@@ -290,14 +291,13 @@ class Bench:
         gout = torch.ones_like(x0)  # made outside the timed region
 
         def fwd():
-            with self._budget(topk):
-                if first:
-                    h = self.embedding(input_ids=ids, position_ids=pos[None])
-                else:
-                    h = x0.detach().requires_grad_(True)
-                for layer in layers:
-                    h = layer(h, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=psp)
-                    h = h[0] if isinstance(h, tuple) else h
+            if first:
+                h = self.embedding(input_ids=ids, position_ids=pos[None])
+            else:
+                h = x0.detach().requires_grad_(True)
+            for layer in layers:
+                h = layer(h, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=psp)
+                h = h[0] if isinstance(h, tuple) else h
             if last:
                 logits, _ = self.output(self.final_norm(h))
                 loss = self._xent(logits.float(), labels.t()).sum() / T
@@ -338,7 +338,7 @@ def _layer_spec(args):
     """Our layer spec: sparse attention with --sparse-attention, dense otherwise.
 
     The sparse layer's static budget is None: every timed call sets its budget through
-    ``sparsebalance.runtime`` (None = the dense path)."""
+    packed params (None = the dense path)."""
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
     if not args.sparse_attention:

@@ -50,7 +50,7 @@ from sparsebalance.io import atomic_write_text  # noqa: E402
 from sparsebalance.pipeline.trace import write_chrome_trace, write_gantt  # noqa: E402
 from sparsebalance.tuning import (anchor_indices, critical_path_indices,  # noqa: E402
                                   instance_from_json, instance_to_json)
-from sparsebalance.tuning.plan import make_plan, simulate_indices  # noqa: E402
+from sparsebalance.tuning.plan import make_plan, timeline_at  # noqa: E402
 from sparsebalance.tuning.synthetic import random_instance  # noqa: E402
 
 
@@ -207,8 +207,8 @@ def main(argv=None) -> int:
         idx = (critical_path_indices(inst, a.attn_slack) if a.policy == "critical-path"
                else anchor_indices(inst, a.anchor, a.p))
         plan = make_plan(inst, idx, a.policy)
-        base = simulate_indices(inst, np.full_like(idx, inst.k0_index))
-        tuned = simulate_indices(inst, idx)
+        base = timeline_at(inst, np.full_like(idx, inst.k0_index))
+        tuned = timeline_at(inst, idx)
         results = {"static": base, a.policy: tuned}
         if a.trace:
             write_chrome_trace(a.trace, results)

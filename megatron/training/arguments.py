@@ -13,6 +13,9 @@ import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
+from sparsebalance.batching.strategies import STRATEGIES
+from sparsebalance.tuning.policies import DST_POLICIES as DST_POLICY_REGISTRY
+
 
 class UsageError(Exception):
     """Bad command line or input; reported as one line, exit code 2."""
@@ -69,9 +72,9 @@ def _non_negative(kind):
     return parse
 
 
-BATCHING = ("megatron", "concat", "sorted", "tokens", "quadratic", "wlb", "sab")
+BATCHING = tuple(STRATEGIES)
 """``--sb-batching`` names (sparsebalance.batching strategies)."""
-DST_POLICIES = ("off", "anchor", "critical-path")
+DST_POLICIES = ("off", *DST_POLICY_REGISTRY)
 """``--sb-dst`` names."""
 RECOMPUTE_GRANULARITY = ("full", "selective")
 """``--recompute-granularity`` names (megatron-core ``TransformerConfig.recompute_granularity``)."""
@@ -431,7 +434,8 @@ def _validate_balance(args: argparse.Namespace) -> None:
             raise UsageError(f"--sb-cost-model: unknown model {args.sb_cost_model!r} "
                              f"(known: {', '.join(sorted(ANALYTIC_MODELS))}; or --sb-profile PATH)")
     args.sb_has_predictor = args.sb_profile is not None or args.sb_cost_model is not None
-    needs = [f for f, on in ((f"--sb-batching {args.sb_batching}", args.sb_batching == "sab"),
+    packer_needs = STRATEGIES[args.sb_batching].predictor == "required"
+    needs = [f for f, on in ((f"--sb-batching {args.sb_batching}", packer_needs),
                              (f"--sb-dst {args.sb_dst}", args.sb_dst != "off")) if on]
     if needs and not args.sb_has_predictor:
         raise UsageError(f"{' and '.join(needs)} plan from predicted latency: give --sb-profile "

@@ -1,7 +1,7 @@
 """Packed THD micro-batches from a megatron-core indexed dataset.
 
-The packing plan comes from :class:`sparsebalance.batching.sampler.PackingSampler`
-(``--sb-batching``): per step, ``plan.ranks[dp_rank][m]`` is the list of
+The packing comes from :class:`sparsebalance.batching.sampler.PackingSampler`
+(``--sb-batching``): per step, ``packing.ranks[dp_rank][m]`` is the list of
 ``(doc_id, offset, length)`` segments of micro-batch ``m``. Every pipeline and
 data-parallel rank runs the same sampler with the same seed, so all stages of a
 pipeline see the same micro-batches without communication.
@@ -22,8 +22,8 @@ costing at most that segment's attention), loss mask 0, never seen by real token
                   (and, with loss starts, 0 where the label lies before the document's start)
     position_ids  int64  0.. restarting at every segment (RoPE positions per document)
     cu_seqlens    int32  [n_segments + 1] segment boundaries: attention stays inside one
-    budget        (optional) per-stage top-k for DST; :func:`forward_step` hands it to
-                  ``sparsebalance.runtime.set_budget`` when the micro-batch is pulled
+    budget        (optional) per-stage top-k for DST; the forward step puts it on the
+                  micro-batch's ``BudgetedPackedSeqParams`` (the one budget carrier)
 
 With context parallelism (``--context-parallel-size N``) each rank gets its share
 of every micro-batch from :func:`context_parallel_split`: every segment is padded at
@@ -91,7 +91,7 @@ def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
         pos.append(np.arange(length, dtype=np.int64))
         cu.append(cu[-1] + length)
     if pad_to is not None or not segments:
-        # An empty plan (a small split at its epoch end) still has to feed the
+        # An empty packing (a small split at its epoch end) still has to feed the
         # schedule one micro-batch: a single masked padding token.
         pad = max((pad_to or 1) - cu[-1], 0)
     else:
@@ -160,10 +160,10 @@ class StepBatches:
     """Tokens in the whole global batch (all DP ranks), for throughput."""
     global_docs: int
     """Segments in the global batch."""
-    plan: Optional[object] = None
-    """The sampler's ``StepPlan`` of the whole step (every DP rank's segments)."""
+    packing: Optional[object] = None
+    """The sampler's ``StepPacking`` of the whole step (every DP rank's segments)."""
     budget: Optional[np.ndarray] = None
-    """DST plan ``[dp][microbatch][virtual stage]`` top-k, or None (module default)."""
+    """DST budget table ``[dp][microbatch][virtual stage]`` top-k, or None (module default)."""
     dp_rank: int = 0
     """This rank's data-parallel index (row of ``budget``)."""
     pp_rank: int = 0
@@ -174,7 +174,7 @@ class StepBatches:
     def iterators(self, num_chunks: int) -> List[Iterator]:
         """One iterator per model chunk: every virtual stage walks the same micro-batches.
 
-        With a DST ``budget``, each iterator sets the budget of (micro-batch, this
+        With a DST ``budget``, each iterator attaches the budget of (micro-batch, this
         chunk's virtual stage) on every pull (``sparsebalance.tuning.hook``)."""
         iters = [iter(self.microbatches) for _ in range(num_chunks)]
         if self.budget is None:
@@ -200,7 +200,7 @@ class PackedDataLoader:
         pad_to: pad every micro-batch to this many tokens (interleaved schedule only).
         max_carry_steps: no deferred document waits longer than this many steps.
         predictor: LatencyPredictor for the cost-based strategies (sab, wlb).
-        pp, pp_rank: pipeline ranks and this rank's index (plans per-rank pipeline times).
+        pp, pp_rank: pipeline ranks and this rank's index (the packer predicts per-rank pipeline times).
         loss_starts: per dataset document, the first target token (``--mask-prompt-loss``).
         cp, cp_rank: context-parallel size and this rank's index (:func:`context_parallel_split`).
     """
@@ -245,9 +245,9 @@ class PackedDataLoader:
         return self._build()
 
     def _build(self) -> StepBatches:
-        plan = self.sampler.next_step()
-        mine = plan.ranks[self.dp_rank]
-        all_segments = [seg for rank in plan.ranks for mb in rank for seg in mb]
+        packing = self.sampler.next_step()
+        mine = packing.ranks[self.dp_rank]
+        all_segments = [seg for rank in packing.ranks for mb in rank for seg in mb]
         microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to, self.loss_starts)
                         for mb in mine]
         if self.cp > 1:
@@ -261,7 +261,7 @@ class PackedDataLoader:
             microbatches=microbatches,
             global_tokens=int(sum(s[2] for s in all_segments)),
             global_docs=len(all_segments),
-            plan=plan,
+            packing=packing,
             dp_rank=self.dp_rank,
             pp_rank=self.pp_rank,
             pp=self.pp,

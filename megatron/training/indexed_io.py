@@ -19,6 +19,8 @@ from typing import Iterable
 
 import numpy as np
 
+from sparsebalance.io import atomic_path
+
 
 def write_documents(prefix: str, documents: Iterable[np.ndarray], vocab_size: int) -> int:
     """Write token-id documents (1-D int arrays) to ``prefix``; returns the count.
@@ -29,10 +31,11 @@ def write_documents(prefix: str, documents: Iterable[np.ndarray], vocab_size: in
 
     dtype = np.uint16 if vocab_size <= 65536 else np.int32
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    tmp = f"{prefix}.tmp-{os.getpid()}"
-    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
     n = 0
-    try:
+    # both files appear whole or not at all (a failure removes both temporaries)
+    with atomic_path(prefix + ".bin", suffix=".bin") as tmp_bin, \
+            atomic_path(prefix + ".idx", suffix=".idx") as tmp_idx:
+        builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
         for doc in documents:
             doc = np.asarray(doc)
             if doc.size == 0:
@@ -40,15 +43,9 @@ def write_documents(prefix: str, documents: Iterable[np.ndarray], vocab_size: in
             # a numpy array: the builder casts it to its dtype (a torch tensor would not be cast)
             builder.add_document(doc.astype(dtype), [doc.size])
             n += 1
-        builder.finalize(tmp + ".idx")
+        builder.finalize(tmp_idx)
         if n == 0:
             raise ValueError("no non-empty documents to write")
-        os.replace(tmp + ".bin", prefix + ".bin")
-        os.replace(tmp + ".idx", prefix + ".idx")
-    finally:
-        for ext in (".bin", ".idx"):
-            if os.path.exists(tmp + ext):
-                os.remove(tmp + ext)
     return n
 
 
@@ -60,19 +57,14 @@ def loss_start_path(prefix: str) -> str:
 def write_loss_starts(prefix: str, starts: Iterable[int]) -> int:
     """Write per-document loss starts (tokens) next to dataset ``prefix``; returns the count.
 
-    Written to a temporary file and renamed, so the sidecar is whole or absent.
+    Written atomically (``sparsebalance.io``), so the sidecar is whole or absent.
     """
     arr = np.asarray(list(starts), dtype=np.int64)
     if arr.ndim != 1 or (arr < 0).any():
         raise ValueError("loss starts must be non-negative token offsets, one per document")
     path = loss_start_path(prefix)
-    tmp = f"{path}.tmp-{os.getpid()}.npy"
-    try:
+    with atomic_path(path, suffix=".npy") as tmp:
         np.save(tmp, arr)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return int(arr.size)
 
 

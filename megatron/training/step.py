@@ -73,15 +73,12 @@ def _device_of(model) -> torch.device:
 
 def forward_step(data_iterator, model):
     """megatron ``forward_step_func``: next packed micro-batch -> (output, loss_func)."""
-    from sparsebalance import runtime
     from sparsebalance.attention.packed import BudgetedPackedSeqParams
 
     batch = next(data_iterator)
-    # DST seam: a micro-batch may carry its attention budget for this stage; the
-    # sparse attention modules read it through sparsebalance.runtime. No budget
-    # means the module default (--sb-topk).
+    # DST seam: a micro-batch may carry its attention budget for this stage (attached
+    # by sparsebalance.tuning.hook); no budget means the module default (--sb-topk).
     budget, microbatch = batch.get("budget"), batch.get("microbatch")
-    runtime.set_budget(budget, microbatch=microbatch)
     device = _device_of(model)
     get = lambda k: batch[k].to(device, non_blocking=True)
     cu = get("cu_seqlens")
@@ -90,9 +87,9 @@ def forward_step(data_iterator, model):
     if "cu_seqlens_padded" in batch:  # context parallelism (data.context_parallel_split)
         cp_extra = _context_parallel_params(batch, device)
         max_len = cp_extra.pop("max_len")
-    # The packed params carry the budget too: a layer recomputed in backward
-    # (--recompute-granularity) runs after later micro-batches' forwards have reset
-    # the runtime budget, and must route as its original forward did.
+    # The packed params are the budget's one carrier to the attention modules; a layer
+    # recomputed in backward (--recompute-granularity) gets the same object, so it
+    # routes as its original forward did although later micro-batches ran meanwhile.
     packed = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=max_len, max_seqlen_kv=max_len,
                                      budget=budget, microbatch=microbatch, **cp_extra)
@@ -175,7 +172,6 @@ def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) 
     result.skipped = not update_ok
     result.stage_times = timers.pop()
     result.attention_records = runtime.pop_records()
-    runtime.clear_budget()
     result.peak_memory_mb = peak_memory_mb(use_cpu(args))
     return result
 

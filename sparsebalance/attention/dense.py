@@ -128,11 +128,12 @@ class CausalVarlenAttention(MegatronModule):
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
 
-    def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
-        """``[T, H, D]`` attention over the documents of ``cu_seqlens`` (subclasses swap it)."""
+    def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None) -> torch.Tensor:
+        """``[T, H, D]`` attention over the documents of ``cu_seqlens`` (subclasses swap it;
+        ``packed_seq_params`` is the micro-batch's, None for SBHD input)."""
         return causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale)
 
-    def _attend_cp(self, q, query, k_full, v_full, layout, group) -> torch.Tensor:
+    def _attend_cp(self, q, query, k_full, v_full, layout, group, packed_seq_params=None) -> torch.Tensor:
         """``[n, H, D]`` attention of this CP rank's real queries ``q`` (subclasses swap it)."""
         return causal_local_attention(q, k_full, v_full, layout, self.softmax_scale)
 
@@ -153,7 +154,7 @@ class CausalVarlenAttention(MegatronModule):
         layout = layout.to(query.device)
         k_full, v_full = gather_kv(key, value, layout, group)
         q = query.index_select(0, layout.local_rows)
-        o = self._attend_cp(q, query, k_full, v_full, layout, group)
+        o = self._attend_cp(q, query, k_full, v_full, layout, group, packed_seq_params)
         # padding rows attend to nothing: zero output, no gradient
         out = torch.zeros_like(query).index_copy(0, layout.local_rows, o.to(query.dtype))
         return out.reshape(out.shape[0], -1)
@@ -174,7 +175,7 @@ class CausalVarlenAttention(MegatronModule):
             if self.cp_size > 1:
                 return self._forward_cp(query, key, value, packed_seq_params)
             cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
-            out = self._attend(query, key, value, cu)
+            out = self._attend(query, key, value, cu, packed_seq_params)
             return out.reshape(out.shape[0], -1)
         if self.cp_size > 1:
             raise ValueError(f"{type(self).__name__}: context parallelism needs packed THD input")

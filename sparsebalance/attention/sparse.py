@@ -3,26 +3,25 @@
 :class:`SparseAttention` has the constructor and forward signature of
 megatron-core 0.16's ``DotProductAttention`` plus four spec params
 (``block_size``, ``topk``, ``backend``, ``dense_layers``). Per call it reads the
-current micro-batch's budget from :mod:`sparsebalance.runtime` (falling back to
-its static ``topk``), runs :func:`sparsebalance.ops.sparse_attention` (or dense
+micro-batch's budget from the
+:class:`~sparsebalance.attention.packed.BudgetedPackedSeqParams` megatron hands it
+(falling back to its static ``topk``), runs :func:`sparsebalance.ops.sparse_attention` (or dense
 causal attention for layers in ``dense_layers`` or a ``None`` budget) and
-records the kept/causal pair counts with ``record_attention``.
+records the kept/causal pair counts with ``sparsebalance.runtime.record_attention``.
 
 Layouts as in :mod:`sparsebalance.attention.dense`: THD ``[T, H, D]`` with
 ``packed_seq_params.cu_seqlens_q`` (returns ``[T, H * D]``) or SBHD
 ``[S, B, H, D]`` (returns ``[S, B, H * D]``).
 
 Activation recomputation (megatron-core's full or selective recompute) re-runs
-this forward during backward. When ``packed_seq_params`` is a
-:class:`~sparsebalance.attention.packed.BudgetedPackedSeqParams` the module uses
-the budget it carries, so the recomputed forward routes exactly as the original
-one did even after other micro-batches changed the runtime's budget (pipeline
-parallelism); a recomputed call is not recorded again.
+this forward during backward with the same packed params, hence the same budget:
+the recomputed forward routes exactly as the original one did, although other
+micro-batches ran in between (pipeline parallelism); a recomputed call is not
+recorded again.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Iterable, Optional
 
 import torch
@@ -35,7 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from sparsebalance import runtime
 from sparsebalance.attention.dense import (CausalVarlenAttention, causal_local_attention,
                                            causal_varlen_attention)
-from sparsebalance.attention.packed import BudgetedPackedSeqParams
+from sparsebalance.attention.packed import budget_of
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention
 from sparsebalance.ops.plan import default_scale
@@ -46,8 +45,8 @@ class SparseAttention(CausalVarlenAttention):
 
     Extra keyword args (ModuleSpec params):
         block_size: routing block size in tokens.
-        topk: static budget (key blocks besides sink and diagonal) when the runtime
-            sets none; ``None`` means dense.
+        topk: static budget (key blocks besides sink and diagonal) when the packed
+            params carry none; ``None`` means dense.
         backend: kernel backend name ("auto", "reference", "cpu", "triton", "cuda").
         dense_layers: 1-based global layer numbers that stay dense.
     """
@@ -81,21 +80,15 @@ class SparseAttention(CausalVarlenAttention):
         self.backend = backend
         self.dense_layers = frozenset(int(x) for x in dense_layers)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None) -> torch.Tensor:
-        """As the dense module's, under the budget ``packed_seq_params`` carries (if a
-        :class:`BudgetedPackedSeqParams`), else under the runtime's current one."""
-        p = packed_seq_params
-        scope = (runtime.budget(p.budget, microbatch=p.microbatch)
-                 if isinstance(p, BudgetedPackedSeqParams) else contextlib.nullcontext())
-        with scope:
-            return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias, packed_seq_params)
+    def budget_of(self, packed_seq_params) -> tuple:
+        """(top-k or None for dense, micro-batch id) of this layer for the micro-batch
+        whose ``packed_seq_params`` megatron handed down."""
+        topk, microbatch = budget_of(packed_seq_params, self.topk, self.layer_number)
+        return (None if self.layer_number in self.dense_layers else topk), microbatch
 
-    def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
+    def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None) -> torch.Tensor:
         """``[T, H, D]`` attention over documents of ``cu_seqlens``; records what it did."""
-        topk = None if self.layer_number in self.dense_layers else runtime.get_budget(
-            self.topk, layer_number=self.layer_number)
+        topk, microbatch = self.budget_of(packed_seq_params)
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).detach().cpu().long()
         causal = int((lens * (lens + 1) // 2).sum()) * q.shape[1]
         if topk is None:
@@ -108,19 +101,19 @@ class SparseAttention(CausalVarlenAttention):
         if _recomputing():  # the original forward of this call was recorded already
             return out
         runtime.record_attention(runtime.AttentionRecord(
-            layer_number=self.layer_number, microbatch=None, topk=topk, kept_pairs=kept,
+            layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=kept,
             causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
         return out
 
-    def _attend_cp(self, q, query, k_full, v_full, layout, group) -> torch.Tensor:
+    def _attend_cp(self, q, query, k_full, v_full, layout, group, packed_seq_params=None
+                   ) -> torch.Tensor:
         """Context parallelism: this rank's real queries ``q [n, H, D]`` against the gathered
         whole documents, routed as a CP=1 run routes them; records this rank's pairs
         (kept and causal of its own queries: the CP ranks' records add up to the
         micro-batch's) with the documents' real lengths."""
         from sparsebalance.attention.context_parallel import sparse_attention_local
 
-        topk = None if self.layer_number in self.dense_layers else runtime.get_budget(
-            self.topk, layer_number=self.layer_number)
+        topk, microbatch = self.budget_of(packed_seq_params)
         causal = layout.causal_pairs * q.shape[1]
         if topk is None:
             out, kept = causal_local_attention(q, k_full, v_full, layout, self.softmax_scale), causal
@@ -132,7 +125,7 @@ class SparseAttention(CausalVarlenAttention):
         if not _recomputing():
             lens = (layout.cu_real[1:] - layout.cu_real[:-1]).long()
             runtime.record_attention(runtime.AttentionRecord(
-                layer_number=self.layer_number, microbatch=None, topk=topk, kept_pairs=kept,
+                layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=kept,
                 causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
         return out
 

@@ -23,12 +23,10 @@ import warnings
 
 import numpy as np
 
-from sparsebalance.batching.report import headroom_share, plan_json, summarize
+from sparsebalance.batching.report import headroom_share, packing_json, summarize
 from sparsebalance.batching.sampler import PackingSampler, check_lengths
 from sparsebalance.batching.strategies import STRATEGIES
 
-WHOLE_DOC = ("megatron", "sorted", "tokens", "quadratic", "wlb", "sab")
-"""Strategies that keep documents whole (ranked); ``concat`` cuts them."""
 
 
 class UsageError(Exception):
@@ -85,13 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(lengths, args, strategy: str, predictor):
-    s = PackingSampler(lengths, dp=args.dp, micro_batches=args.micro_batches,
-                       seq_length=args.seq_length, strategy=strategy, seed=args.seed,
-                       max_carry_steps=args.max_carry_steps, predictor=predictor,
-                       topk=args.topk, pp=args.pp)
-    plans = [s.next_step() for _ in range(args.steps)]
-    return plans, summarize(plans, len(s.carried))
+def _run(lengths, strategy: str, predictor, *, steps: int, **sampler):
+    """``steps`` packing steps of ``strategy``; ``sampler``: PackingSampler keywords."""
+    s = PackingSampler(lengths, strategy=strategy, predictor=predictor, **sampler)
+    packings = [s.next_step() for _ in range(steps)]
+    return packings, summarize(packings, len(s.carried))
 
 
 def _table(results: dict) -> str:
@@ -101,7 +97,7 @@ def _table(results: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         share = headroom_share(r["predicted_ms_per_ktok"], r["lower_bound_ms_per_ktok"], base)
-        label = name if name in WHOLE_DOC else f"{name} (cuts documents; not ranked)"
+        label = name if STRATEGIES[name].whole_documents else f"{name} (cuts documents; not ranked)"
         rows.append(f"| {label} | {r['predicted_ms_per_ktok']:.4f} | "
                     f"{base / r['predicted_ms_per_ktok']:.3f}x | "
                     f"{r['lower_bound_ms_per_ktok']:.4f} | "
@@ -132,7 +128,10 @@ def main(argv=None) -> int:
                 warnings.filterwarnings("ignore", message="latency profile .* does not match")
                 predictor = get_predictor(args.cost_model, **shape)
             names = list(STRATEGIES) if args.compare else [args.strategy]
-            runs = {n: _run(lengths, args, n, predictor) for n in names}
+            sampler = dict(dp=args.dp, micro_batches=args.micro_batches, seq_length=args.seq_length,
+                           seed=args.seed, max_carry_steps=args.max_carry_steps, topk=args.topk,
+                           pp=args.pp)
+            runs = {n: _run(lengths, n, predictor, steps=args.steps, **sampler) for n in names}
         except (ValueError, TypeError, OSError) as e:
             raise UsageError(str(e).splitlines()[0]) from None
     except UsageError as e:
@@ -147,9 +146,9 @@ def main(argv=None) -> int:
             print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
             print(_table(results))
         return 0
-    plans, summary = runs[args.strategy]
+    packings, summary = runs[args.strategy]
     if args.json:
-        print(json.dumps({"steps": [plan_json(p) for p in plans], "summary": summary}))
+        print(json.dumps({"steps": [packing_json(p) for p in packings], "summary": summary}))
     else:
         print(json.dumps(summary, indent=1))
     return 0

@@ -12,9 +12,10 @@ Two views of the same model:
 
 Densities: with block-level top-k routing the kept pairs of a document follow from
 its length (``sparsebalance.attention.routing``), which is what the predictor counts.
-A :class:`~sparsebalance.batching.density.DensityEstimator` can scale the attention
-part of each document's cost by an observed (achieved / modelled) ratio for routings
-where the count is data-dependent.
+A density estimator (any object with ``ratio(lengths, topk, doc_ids)``; the tests'
+``tests/batching/density_estimator.py`` is one) can scale the attention part of each
+document's cost by an observed (achieved / modelled) ratio, for routings whose kept
+count is data-dependent; the project's block top-k routing needs none.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from sparsebalance.attention.routing import kept_pairs
-from sparsebalance.pipeline import simulate
+from sparsebalance.pipeline import step_ms
 
 _PHASES = ("fwd", "bwd")
 
@@ -45,7 +46,8 @@ class CostModel:
         predictor: a LatencyPredictor (times in ms).
         topk: attention budget the plan is for (None = dense).
         pp: pipeline stages.
-        density: optional DensityEstimator (scales attention cost per item).
+        density: optional density estimator, ``ratio(lengths, topk, doc_ids)`` (scales
+            attention cost per item; see the module docstring).
     """
 
     def __init__(self, predictor, *, topk: Optional[int], pp: int = 1, density=None):
@@ -148,7 +150,7 @@ class CostModel:
             out.append(np.where(tok > 0, t, 0.0))
         return out[0], out[1]
 
-    def plan_times(self, bins: list, dp: int, M: int) -> dict:
+    def packing_times(self, bins: list, dp: int, M: int) -> dict:
         """Predicted times of a packed step with the predictor's ``stage_ms``.
 
         Returns a dict of ``microbatch_ms`` [dp, M], ``rank_ms`` [dp],
@@ -166,14 +168,7 @@ class CostModel:
         bwd = bwd.reshape(dp, M, self.pp)
         return {
             "microbatch_ms": (fwd + bwd).sum(axis=2),
-            "rank_ms": pipeline_step_ms(fwd, bwd),
+            "rank_ms": step_ms(fwd, bwd),
             "stage_fwd_ms": fwd,
             "stage_bwd_ms": bwd,
         }
-
-
-def pipeline_step_ms(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
-    """Per-rank 1F1B step time (ms) of ``fwd``/``bwd`` [dp, M, pp] (run order), from
-    the scheduling helper's ``sparsebalance.pipeline.simulate`` (the packers' own
-    vectorised recurrence in ``pipemodel`` is tested equal to it)."""
-    return np.asarray(simulate(fwd, bwd, schedule="1f1b").replica_step_ms, dtype=np.float64)

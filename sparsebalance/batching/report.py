@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsebalance.batching.cost import pipeline_step_ms
-from sparsebalance.batching.plan import StepPlan
+from sparsebalance.pipeline import step_ms
+from sparsebalance.batching.packing import StepPacking
 
 
 def _ratio(x: np.ndarray) -> float:
@@ -13,8 +13,8 @@ def _ratio(x: np.ndarray) -> float:
     return float(np.max(x)) / m if m > 0 else 1.0
 
 
-def summarize(plans: list, carried_docs: int) -> dict:
-    """Summary of a run of plans that carry predicted times.
+def summarize(packings: list, carried_docs: int) -> dict:
+    """Summary of a run of packings that carry predicted times.
 
     ``imbalance_rank`` / ``imbalance_microbatch`` are max/mean per step, averaged over
     steps; ``predicted_ms_per_ktok`` = total predicted step time / real tokens x 1000;
@@ -22,30 +22,30 @@ def summarize(plans: list, carried_docs: int) -> dict:
     times by the step's mean micro-batch (every rank then equal), i.e. the floor for
     any packer of the same documents into the same number of steps.
     """
-    if not plans or plans[0].rank_ms is None:
-        raise ValueError("plans must be non-empty and carry predicted times")
-    tokens = sum(p.tokens for p in plans)
-    step_ms = np.array([p.step_ms for p in plans])
+    if not packings or packings[0].rank_ms is None:
+        raise ValueError("packings must be non-empty and carry predicted times")
+    tokens = sum(p.tokens for p in packings)
+    planned_ms = np.array([p.step_ms for p in packings])
     lb = []
-    for p in plans:
+    for p in packings:
         dp, M, pp = p.stage_fwd_ms.shape
         f = np.broadcast_to(p.stage_fwd_ms.reshape(dp * M, pp).mean(axis=0), (1, M, pp))
         b = np.broadcast_to(p.stage_bwd_ms.reshape(dp * M, pp).mean(axis=0), (1, M, pp))
-        lb.append(float(pipeline_step_ms(f, b)[0]))
-    per_ktok = float(step_ms.sum()) / tokens * 1e3 if tokens else 0.0
+        lb.append(float(step_ms(f, b)[0]))
+    per_ktok = float(planned_ms.sum()) / tokens * 1e3 if tokens else 0.0
     return {
-        "imbalance_rank": float(np.mean([_ratio(p.rank_ms) for p in plans])),
-        "imbalance_microbatch": float(np.mean([_ratio(p.microbatch_ms.ravel()) for p in plans])),
-        "predicted_step_ms": float(step_ms.mean()),
+        "imbalance_rank": float(np.mean([_ratio(p.rank_ms) for p in packings])),
+        "imbalance_microbatch": float(np.mean([_ratio(p.microbatch_ms.ravel()) for p in packings])),
+        "predicted_step_ms": float(planned_ms.mean()),
         "tokens": int(tokens),
         "predicted_ms_per_ktok": per_ktok,
         "lower_bound_ms_per_ktok": float(np.sum(lb)) / tokens * 1e3 if tokens else 0.0,
         "carried_docs": int(carried_docs),
-        "pack_ms": float(np.mean([p.pack_ms for p in plans])),
+        "pack_ms": float(np.mean([p.pack_ms for p in packings])),
     }
 
 
-def plan_json(p: StepPlan) -> dict:
+def packing_json(p: StepPacking) -> dict:
     """One step as JSON: segments per rank and micro-batch, predicted times."""
     out = {"ranks": [[[list(map(int, s)) for s in mb] for mb in r] for r in p.ranks]}
     if p.rank_ms is not None:

@@ -3,7 +3,7 @@
 Every rank builds the same ``PackingSampler`` and calls :meth:`PackingSampler.next_step`
 once per training step; the result depends only on (lengths, config, seed, steps
 consumed), so no communication is needed. Rank ``r`` trains
-``plan.ranks[r][m]`` as its micro-batch ``m``.
+``packing.ranks[r][m]`` as its micro-batch ``m``.
 
 Epochs: epoch ``e`` streams the documents in the permutation drawn from
 ``(seed, e)`` (chunked into items of at most ``seq_length`` tokens). A step never
@@ -24,9 +24,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from sparsebalance.batching.plan import Carried, PackContext, StepPlan
+from sparsebalance.batching.packing import Carried, PackContext, StepPacking
 from sparsebalance.batching.stream import EpochItems, StreamCursor, epoch_permutation
-from sparsebalance.batching.strategies import COST_STRATEGIES, get_strategy
+from sparsebalance.batching.strategies import get_strategy
 
 _DEFAULT = object()
 
@@ -67,10 +67,11 @@ class PackingSampler:
         shuffle: permute documents per epoch (False: dataset order every epoch).
         max_carry_steps: no item waits more than this many steps.
         predictor: LatencyPredictor; required by cost-based strategies, and used to
-            attach predicted times to every plan.
+            attach predicted times to every packing.
         topk: attention budget to plan for; default the predictor's ``topk``.
         pp: pipeline stages used for per-rank times.
-        density: optional DensityEstimator refining attention costs.
+        density: optional density estimator refining attention costs (see
+            :mod:`sparsebalance.batching.cost`).
         options: strategy knobs (see each strategy).
     """
 
@@ -87,8 +88,9 @@ class PackingSampler:
         self.pp = _check_int("pp", pp, 1)
         self.shuffle = bool(shuffle)
         self.strategy = strategy
-        self._pack = get_strategy(strategy)
-        if strategy in COST_STRATEGIES and predictor is None:
+        chosen = get_strategy(strategy)
+        self._pack = chosen.pack
+        if chosen.predictor == "required" and predictor is None:
             raise ValueError(f"predictor is required for strategy {strategy!r}")
         self.cost = None
         if predictor is not None:
@@ -127,7 +129,7 @@ class PackingSampler:
         return self._carried
 
     # -- stepping ------------------------------------------------------------------------
-    def next_step(self) -> StepPlan:
+    def next_step(self) -> StepPacking:
         """Pack the next global step (identical on every rank)."""
         t0 = time.thread_time()
         cursor = StreamCursor(self._epoch_items(self._epoch), self._pos, self._head)
@@ -145,18 +147,18 @@ class PackingSampler:
         self._pos, self._head = cursor.pos, cursor.head_offset
         self._carried = packing.deferred
         bins = packing.bins
-        plan = StepPlan(step=self._step, epoch=epoch,
-                        ranks=[bins[r * self.micro_batches:(r + 1) * self.micro_batches]
-                               for r in range(self.dp)],
-                        carried_docs=len(packing.deferred))
+        step = StepPacking(step=self._step, epoch=epoch,
+                           ranks=[bins[r * self.micro_batches:(r + 1) * self.micro_batches]
+                                  for r in range(self.dp)],
+                           carried_docs=len(packing.deferred))
         self._step += 1
         if self.cost is not None:
-            for key, val in self.cost.plan_times(bins, self.dp, self.micro_batches).items():
-                setattr(plan, key, val)
-        plan.pack_ms = (time.thread_time() - t0) * 1e3
-        return plan
+            for key, val in self.cost.packing_times(bins, self.dp, self.micro_batches).items():
+                setattr(step, key, val)
+        step.pack_ms = (time.thread_time() - t0) * 1e3
+        return step
 
-    def __iter__(self) -> Iterator[StepPlan]:
+    def __iter__(self) -> Iterator[StepPacking]:
         while True:
             yield self.next_step()
 
@@ -179,7 +181,7 @@ class PackingSampler:
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Plain-Python state; with the same constructor arguments, loading it resumes
-        the exact sequence of plans."""
+        the exact sequence of packings."""
         c = self._carried
         return {
             "version": 1,

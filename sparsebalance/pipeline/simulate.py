@@ -1,9 +1,12 @@
-"""Simulate one training step of megatron's pipeline schedules from op durations.
+"""The project's one pipeline step-time model: megatron's schedules from op durations.
 
-``simulate`` is the public entry: durations per (dp replica, micro-batch, stage),
-returns step time, per-rank busy/bubble time, the critical path and every op's
-slack. Deterministic: equal inputs give equal outputs, ties are broken by a fixed
-key (see ``critical_path``).
+Both entries walk the same dependency graph (:mod:`sparsebalance.pipeline.graph`):
+``simulate`` takes durations per (dp replica, micro-batch, stage) and returns the
+whole :class:`PipelineTimeline` (step time, per-rank busy/bubble time, the critical
+path and every op's slack); :func:`step_ms` returns only the step time of each of a
+batch of instances (the packers score many candidate orders at once). SAB, DST, the
+simulator and the timelines all use these. Deterministic: equal inputs give equal
+outputs, ties are broken by a fixed key (see ``critical_path``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def op_id(phase: int, dp: int, microbatch: int, stage: int) -> str:
 
 
 @dataclass
-class StepResult:
+class PipelineTimeline:
     """Predicted timeline of one step. Times in ms from the step start."""
 
     schedule: str
@@ -127,7 +130,7 @@ def critical_path_nodes(g: Graph, es: np.ndarray, ef: np.ndarray, col: int,
 
 def simulate(fwd_ms: Sequence, bwd_ms: Sequence, *, schedule: str = "1f1b", vpp: int = 1,
              p2p_ms: float = 0.0, group: Optional[int] = None,
-             dp_sync_ms: float = 0.0) -> StepResult:
+             dp_sync_ms: float = 0.0) -> PipelineTimeline:
     """Predict one step of megatron's pipeline schedule.
 
     Args:
@@ -168,7 +171,7 @@ def simulate(fwd_ms: Sequence, bwd_ms: Sequence, *, schedule: str = "1f1b", vpp:
     def shaped(a: np.ndarray) -> np.ndarray:
         return a[:g.num_nodes].T.reshape(D, 2, M, S)
 
-    return StepResult(
+    return PipelineTimeline(
         schedule=schedule, pp=pp, vpp=vpp, dp=D, num_microbatches=M,
         step_ms=step + float(dp_sync_ms), replica_step_ms=rep,
         start_ms=shaped(es), end_ms=shaped(ef), slack_ms=shaped(slack),
@@ -177,7 +180,24 @@ def simulate(fwd_ms: Sequence, bwd_ms: Sequence, *, schedule: str = "1f1b", vpp:
     )
 
 
-def simulate_1f1b(fwd_ms: Sequence, bwd_ms: Sequence, p2p_ms: float = 0.0,
-                  schedule: str = "1f1b", vpp: int = 1, **kw) -> StepResult:
-    """Alias of :func:`simulate` with the argument order of the shared interface."""
-    return simulate(fwd_ms, bwd_ms, schedule=schedule, vpp=vpp, p2p_ms=p2p_ms, **kw)
+def step_ms(fwd_ms, bwd_ms, *, schedule: str = "1f1b", vpp: int = 1, p2p_ms: float = 0.0,
+            group: Optional[int] = None) -> np.ndarray:
+    """Step time (ms) of each instance of a batch: :func:`simulate`'s ``replica_step_ms``
+    without the timeline (same engine, same numbers).
+
+    Args:
+        fwd_ms: ``[..., M, S]`` forward ms of micro-batch m on (virtual) stage s, in run
+            order; leading dimensions are independent instances (replicas, candidates).
+        bwd_ms: same shape, backward ms.
+
+    Returns:
+        ``[...]`` time from the first forward to the last backward of each instance.
+    """
+    f = np.asarray(fwd_ms, dtype=np.float64)
+    b = np.asarray(bwd_ms, dtype=np.float64)
+    M, S = f.shape[-2:]
+    batch = f.shape[:-2]
+    g = build_graph(schedule, S // vpp, M, vpp, group)
+    n = int(np.prod(batch, dtype=np.int64))
+    _, ef = earliest(g, durations_to_nodes(g, f.reshape(n, M, S), b.reshape(n, M, S)), p2p_ms)
+    return ef[:-1].max(axis=0).reshape(batch)

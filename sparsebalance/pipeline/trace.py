@@ -7,14 +7,13 @@ Chrome trace: one process per DP replica, one thread per pipeline rank, complete
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .simulate import PHASES, StepResult, op_id
+from ..io import atomic_path, atomic_write_bytes
+from .simulate import PHASES, PipelineTimeline, op_id
 
 
-def trace_events(res: StepResult, label: str = "", pid_offset: int = 0) -> List[dict]:
+def trace_events(res: PipelineTimeline, label: str = "", pid_offset: int = 0) -> List[dict]:
     """Chrome-trace events of a step result (critical-path ops get ``args.critical``)."""
     crit = set(res.critical_path)
     D, _, M, S = res.start_ms.shape
@@ -40,21 +39,7 @@ def trace_events(res: StepResult, label: str = "", pid_offset: int = 0) -> List[
     return ev
 
 
-def _atomic_write(path: str, write) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_chrome_trace(path: str, results: Dict[str, StepResult]) -> None:
+def write_chrome_trace(path: str, results: Dict[str, PipelineTimeline]) -> None:
     """Write one trace holding every labelled result (e.g. baseline and tuned)."""
     ev: List[dict] = []
     off = 0
@@ -62,10 +47,10 @@ def write_chrome_trace(path: str, results: Dict[str, StepResult]) -> None:
         ev += trace_events(res, label, off)
         off += res.dp
     data = json.dumps({"traceEvents": ev, "displayTimeUnit": "ms"}).encode()
-    _atomic_write(path, lambda fh: fh.write(data))
+    atomic_write_bytes(path, data)
 
 
-def write_gantt(path: str, results: Dict[str, StepResult], replicas: Optional[Sequence[int]] = None,
+def write_gantt(path: str, results: Dict[str, PipelineTimeline], replicas: Optional[Sequence[int]] = None,
                 title: str = "") -> None:
     """Gantt PNG, one panel per labelled result side by side, shared time axis.
 
@@ -76,7 +61,7 @@ def write_gantt(path: str, results: Dict[str, StepResult], replicas: Optional[Se
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    items: List[Tuple[str, StepResult]] = list(results.items())
+    items: List[Tuple[str, PipelineTimeline]] = list(results.items())
     if not items:
         raise ValueError("results must not be empty")
     tmax = max(r.step_ms for _, r in items)
@@ -109,6 +94,7 @@ def write_gantt(path: str, results: Dict[str, StepResult], replicas: Optional[Se
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    _atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110))
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
 

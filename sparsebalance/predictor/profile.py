@@ -95,20 +95,20 @@ def create_command(path: str, model_cfg: dict, threads: Optional[int] = None,
              "num_query_groups": "--num-query-groups", "ffn_hidden_size": "--ffn-hidden-size",
              "vocab_size": "--vocab-size", "block_size": "--sb-block-size", "topk": "--sb-topk",
              "seq_length": "--seq-length", "normalization": "--normalization"}
-    args = ["--output", path] + (["--sparse-attention"] if sparse else [])
+    argv = ["--output", path] + (["--sparse-attention"] if sparse else [])
     for key, flag in flags.items():
         if model_cfg.get(key) is not None:
-            args += [flag, str(model_cfg[key])]
+            argv += [flag, str(model_cfg[key])]
     if model_cfg.get("swiglu"):
-        args.append("--swiglu")
+        argv.append("--swiglu")
     if model_cfg.get("params_dtype") == "bf16":
-        args.append("--bf16")
+        argv.append("--bf16")
     if sparse and model_cfg.get("attention_backend") not in (None, "auto"):
         # the resolved kernel the run expects; "auto" could resolve differently
-        args += ["--sb-attention-backend", str(model_cfg["attention_backend"])]
+        argv += ["--sb-attention-backend", str(model_cfg["attention_backend"])]
     t = threads if threads is not None else torch.get_num_threads()
     return (f"OMP_NUM_THREADS={t} .venv/bin/python tools/profile_latency.py "
-            + " ".join(shlex.quote(a) for a in args))
+            + " ".join(shlex.quote(a) for a in argv))
 
 
 def fingerprint_diffs(profile: dict, model_cfg: dict, expect: Optional[dict] = None,

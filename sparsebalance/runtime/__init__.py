@@ -1,25 +1,18 @@
-"""Per-micro-batch attention budget, set by the driver and read by attention modules.
+"""Records of what the attention modules did, read back after each step.
 
-The data iterator yields each micro-batch together with its budget (top-k key
-blocks) for this pipeline stage; a thin wrapper around megatron-core's
-``forward_step_func`` calls :func:`set_budget` before the model runs, and every
-``SparseAttention`` module reads it with :func:`get_budget`. Attention modules
-report what they actually did with :func:`record_attention`, which the
-predictor's density estimates and the tests read back with :func:`pop_records`.
-
-State is process-local: each pipeline rank runs its own stage, so a single
-current value per process is exactly "the budget of this micro-batch on this
-stage". Per-layer budgets are supported by passing a mapping
-``{layer_number: topk}``.
+The attention budget is NOT here: it rides on each micro-batch's packed-sequence
+params (:class:`sparsebalance.attention.packed.BudgetedPackedSeqParams`). What stays
+per process is the log of attention calls: every ``SparseAttention`` forward appends
+an :class:`AttentionRecord` (its layer, the micro-batch id and budget its packed
+params carried, kept and causal pairs) with :func:`record_attention`; the driver
+collects them per step with :func:`pop_records` (achieved density, the density
+estimates, the tests).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Optional, Union
-
-Budget = Union[int, Mapping[int, int]]
+from typing import Optional
 
 
 @dataclass
@@ -29,7 +22,7 @@ class AttentionRecord:
     layer_number: int
     """1-based global layer number as megatron-core numbers layers."""
     microbatch: Optional[int]
-    """Micro-batch id set with the budget, or None when unset."""
+    """Micro-batch id the packed params carried, or None when they carried none."""
     topk: Optional[int]
     """Budget the module used (None: dense attention)."""
     kept_pairs: int
@@ -45,71 +38,27 @@ class AttentionRecord:
         return self.kept_pairs / self.causal_pairs if self.causal_pairs else 1.0
 
 
-class _State:
+class _Recorder:
     def __init__(self) -> None:
-        self.budget: Optional[Budget] = None
-        self.microbatch: Optional[int] = None
         self.records: list[AttentionRecord] = []
         self.recording: bool = True
 
 
-_STATE = _State()
-
-
-def set_budget(topk: Optional[Budget], microbatch: Optional[int] = None) -> None:
-    """Set the budget for the next forward on this rank (None: module default)."""
-    if isinstance(topk, int) and topk < 0:
-        raise ValueError(f"topk must be >= 0, got {topk}")
-    _STATE.budget = topk
-    _STATE.microbatch = microbatch
-
-
-def clear_budget() -> None:
-    """Forget the current budget; modules fall back to their static default."""
-    _STATE.budget = None
-    _STATE.microbatch = None
-
-
-def get_budget(default: Optional[int], layer_number: Optional[int] = None) -> Optional[int]:
-    """Budget for ``layer_number`` in the current micro-batch, else ``default``."""
-    b = _STATE.budget
-    if b is None:
-        return default
-    if isinstance(b, Mapping):
-        return int(b.get(layer_number, default)) if layer_number in b else default
-    return int(b)
-
-
-def current_microbatch() -> Optional[int]:
-    """Micro-batch id given to the last :func:`set_budget` call."""
-    return _STATE.microbatch
-
-
-@contextlib.contextmanager
-def budget(topk: Optional[Budget], microbatch: Optional[int] = None) -> Iterator[None]:
-    """Context manager form of :func:`set_budget`; restores the previous value."""
-    prev = (_STATE.budget, _STATE.microbatch)
-    set_budget(topk, microbatch)
-    try:
-        yield
-    finally:
-        _STATE.budget, _STATE.microbatch = prev
+_RECORDER = _Recorder()
 
 
 def set_recording(enabled: bool) -> None:
     """Turn attention records on or off (off saves a little bookkeeping)."""
-    _STATE.recording = bool(enabled)
+    _RECORDER.recording = bool(enabled)
 
 
 def record_attention(record: AttentionRecord) -> None:
-    """Called by attention modules after each forward."""
-    if _STATE.recording:
-        if record.microbatch is None:
-            record.microbatch = _STATE.microbatch
-        _STATE.records.append(record)
+    """Called by attention modules after each (original, not recomputed) forward."""
+    if _RECORDER.recording:
+        _RECORDER.records.append(record)
 
 
 def pop_records() -> list[AttentionRecord]:
     """Return and clear the records collected since the last call."""
-    out, _STATE.records = _STATE.records, []
+    out, _RECORDER.records = _RECORDER.records, []
     return out

@@ -17,7 +17,10 @@ import json
 import sys
 from typing import List, Optional
 
-from . import anchor_plan, critical_path_plan, instance_from_json
+from sparsebalance.config import DSTConfig
+
+from . import instance_from_json
+from .policies import DST_POLICIES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,8 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     pl = sub.add_parser("plan", help="plan per-op budgets for one step")
     pl.add_argument("--instance", required=True, help="instance JSON file")
-    pl.add_argument("--policy", choices=("critical-path", "anchor", "static"),
-                    default="critical-path")
+    pl.add_argument("--policy", choices=sorted(DST_POLICIES), default="critical-path")
     pl.add_argument("--attn-slack", type=float, default=0.0,
                     help="critical-path: fraction of static attention that may be lost")
     pl.add_argument("--anchor", choices=("mean", "max", "min"), default="mean")
@@ -51,13 +53,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         inst = instance_from_json(raw)
-        if args.policy == "critical-path":
-            plan = critical_path_plan(inst, eps=args.attn_slack)
-        elif args.policy == "anchor":
-            plan = anchor_plan(inst, args.anchor, args.p)
-        else:
-            from .plan import static_plan
-            plan = static_plan(inst)
+        dst = DSTConfig(policy=args.policy, topk_min=int(inst.kmin), topk_max=int(inst.kmax),
+                        anchor=args.anchor, p=args.p, attn_slack=args.attn_slack)
+        plan = DST_POLICIES[args.policy](inst, dst)
     except ValueError as e:
         sys.stderr.write(f"error: bad instance or arguments: {e}\n")
         return 2

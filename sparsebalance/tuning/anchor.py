@@ -48,3 +48,9 @@ def anchor_indices(inst: Instance, agg: str = "mean", p: float = 0.1) -> np.ndar
 def anchor_plan(inst: Instance, agg: str = "mean", p: float = 0.1) -> Plan:
     """The anchor plan, evaluated (see module docstring)."""
     return make_plan(inst, anchor_indices(inst, agg, p), "anchor")
+
+
+def policy(inst: Instance, dst) -> Plan:
+    """``DST_POLICIES["anchor"]``: the anchor plan under ``dst`` (a
+    :class:`sparsebalance.config.DSTConfig`: ``anchor``, ``p``)."""
+    return anchor_plan(inst, agg=dst.anchor, p=dst.p)

@@ -311,7 +311,7 @@ def _polish(inst: Instance, X: np.ndarray, floor: float, max_moves: int, budget:
       moves budget from ops the critical path runs through twice (forward and
       backward) to ops it touches once or not at all.
     """
-    D, MS, L = inst.dp, X.shape[0], len(inst.levels)
+    D, L = inst.dp, len(inst.levels)
     one = _Batch(inst, 1)
     cell = D * one.g.num_nodes  # one sweep of one candidate plan
     spent = 0.0
@@ -381,6 +381,12 @@ def raise_indices(inst: Instance, idx: np.ndarray, deadline: Optional[float] = N
 def critical_path_plan(inst: Instance, eps: float = 0.0) -> Plan:
     """The critical-path plan, evaluated."""
     return make_plan(inst, critical_path_indices(inst, eps), "critical-path")
+
+
+def policy(inst: Instance, dst) -> Plan:
+    """``DST_POLICIES["critical-path"]``: the critical-path plan under ``dst`` (a
+    :class:`sparsebalance.config.DSTConfig`: ``attn_slack``)."""
+    return critical_path_plan(inst, eps=dst.attn_slack)
 
 
 def objective(inst: Instance, idx: np.ndarray) -> Tuple[float, float]:

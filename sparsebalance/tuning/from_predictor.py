@@ -13,12 +13,50 @@ a CP group, K/V exchange included; retained attention stays the whole model's.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..attention.routing import kept_pairs
 from .instance import Instance
+
+
+def _step_docs(lengths: Sequence[Sequence[Sequence[int]]]):
+    """(D, M, per-micro-batch length arrays, all lengths flat, segment starts) of a step."""
+    D = len(lengths)
+    if D == 0 or len({len(r) for r in lengths}) != 1 or len(lengths[0]) == 0:
+        raise ValueError("lengths must be a non-empty [dp][microbatch] nesting of equal sizes")
+    M = len(lengths[0])
+    docs = [np.asarray(lengths[d][m], dtype=np.int64) for d in range(D) for m in range(M)]
+    if any(x.ndim != 1 or len(x) == 0 for x in docs):
+        raise ValueError("every micro-batch needs a non-empty list of document lengths")
+    starts = np.cumsum([0] + [len(x) for x in docs[:-1]])
+    return D, M, docs, np.concatenate(docs), starts
+
+
+def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: Sequence[Optional[int]],
+                 stages: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Calibrated forward and backward ms ``[L, dp, M, stages]`` of every op at each budget.
+
+    ``levels[l]`` is a top-k (None: dense attention); all documents of the step go
+    through one ``layer_doc_ms`` call per (phase, level).
+    """
+    D, M, docs, flat, starts = _step_docs(lengths)
+    layers = np.array([predictor.shape.layers_of(j, stages) for j in range(stages)], dtype=float)
+    out = []
+    for phase in ("fwd", "bwd"):
+        # Extras live on the first and last (virtual) stage only (predictor interface).
+        extras = np.zeros((D * M, stages))
+        for j in {0, stages - 1}:
+            extras[:, j] = [predictor.extras_ms(x, j, stages, phase) for x in docs]
+        corr = np.array([predictor.correction(j, phase) for j in range(stages)])
+        const = predictor.layer_const_ms(phase)
+        tab = np.empty((len(levels), D, M, stages))
+        for li, k in enumerate(levels):
+            per_layer = np.add.reduceat(predictor.layer_doc_ms(flat, k, phase), starts) + const
+            tab[li] = ((per_layer[:, None] * layers + extras) * corr).reshape(D, M, stages)
+        out.append(tab)
+    return out[0], out[1]
 
 
 def build_instance(predictor, lengths: Sequence[Sequence[Sequence[int]]], *, pp: int, k0: int,
@@ -29,36 +67,18 @@ def build_instance(predictor, lengths: Sequence[Sequence[Sequence[int]]], *, pp:
 
     ``levels`` default: every integer in ``[kmin, kmax]`` (defaults ``k0 // 2``, ``2 * k0``).
     """
-    D = len(lengths)
-    if D == 0 or len({len(r) for r in lengths}) != 1 or len(lengths[0]) == 0:
-        raise ValueError("lengths must be a non-empty [dp][microbatch] nesting of equal sizes")
-    M, S = len(lengths[0]), pp * vpp
+    D, M, docs, flat, starts = _step_docs(lengths)
+    S = pp * vpp
     kmin = k0 // 2 if kmin is None else int(kmin)
     kmax = 2 * k0 if kmax is None else int(kmax)
     lv = sorted(set(range(kmin, kmax + 1) if levels is None else (int(x) for x in levels))
                 | {int(k0)})
-    L = len(lv)
     layers = np.array([predictor.shape.layers_of(j, S) for j in range(S)], dtype=float)
-    # All documents of the step in one array; per-micro-batch sums by segment.
-    docs = [np.asarray(lengths[d][m], dtype=np.int64) for d in range(D) for m in range(M)]
-    if any(x.ndim != 1 or len(x) == 0 for x in docs):
-        raise ValueError("every micro-batch needs a non-empty list of document lengths")
-    flat = np.concatenate(docs)
-    starts = np.cumsum([0] + [len(x) for x in docs[:-1]])
-    tabs = {n: np.empty((L, D, M, S)) for n in ("fwd", "bwd", "attn")}
-    for phase in ("fwd", "bwd"):
-        # Extras live on the first and last (virtual) stage only (predictor interface).
-        extras = np.zeros((D * M, S))
-        for j in {0, S - 1}:
-            extras[:, j] = [predictor.extras_ms(x, j, S, phase) for x in docs]
-        corr = np.array([predictor.correction(j, phase) for j in range(S)])
-        const = predictor.layer_const_ms(phase)
-        for li, k in enumerate(lv):
-            per_layer = np.add.reduceat(predictor.layer_doc_ms(flat, k, phase), starts) + const
-            tabs[phase][li] = ((per_layer[:, None] * layers + extras) * corr).reshape(D, M, S)
+    fwd, bwd = op_ms_tables(predictor, lengths, lv, S)
+    attn = np.empty((len(lv), D, M, S))
     for li, k in enumerate(lv):
         pairs = np.add.reduceat(kept_pairs(flat, k, predictor.block_size), starts).astype(float)
-        tabs["attn"][li] = (pairs[:, None] * layers).reshape(D, M, S)
+        attn[li] = (pairs[:, None] * layers).reshape(D, M, S)
     return Instance(schedule=schedule, pp=pp, vpp=vpp, dp=D, microbatches=M, k0=int(k0),
                     kmin=kmin, kmax=kmax, levels=np.array(lv, dtype=np.int64), p2p_ms=p2p_ms,
-                    group=group, **tabs)
+                    group=group, fwd=fwd, bwd=bwd, attn=attn)

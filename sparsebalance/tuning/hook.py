@@ -18,11 +18,9 @@ from typing import Any, Iterator, List, Mapping, Sequence
 
 import numpy as np
 
-from .. import runtime
-
 
 class BudgetIterator:
-    """Iterator wrapper: each pull sets the budget of the micro-batch it returns."""
+    """Iterator wrapper: each pull attaches its budget to the micro-batch (a dict) it returns."""
 
     def __init__(self, inner: Iterator[Any], budgets: Sequence[int]) -> None:
         """``budgets[m]``: top-k of micro-batch ``m`` on this iterator's stage."""
@@ -42,11 +40,10 @@ class BudgetIterator:
             raise RuntimeError(f"budget plan covers {len(self.budgets)} micro-batches; "
                                "the schedule pulled one more")
         batch = next(self.inner)
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"micro-batches must be dicts to carry a budget, got {type(batch).__name__}")
         self.pulled += 1
-        runtime.set_budget(self.budgets[m], microbatch=m)
-        if isinstance(batch, Mapping):
-            batch = {**batch, "budget": self.budgets[m], "microbatch": m}
-        return batch
+        return {**batch, "budget": self.budgets[m], "microbatch": m}
 
 
 def stage_budgets(budget: Any, dp_rank: int, pp_rank: int, pp: int, vpp: int = 1

@@ -7,7 +7,7 @@ from typing import List
 
 import numpy as np
 
-from ..pipeline.simulate import StepResult, simulate
+from ..pipeline.simulate import PipelineTimeline, simulate
 from .instance import Instance
 
 
@@ -43,8 +43,8 @@ class Plan:
                 "critical_path": list(self.critical_path)}
 
 
-def simulate_indices(inst: Instance, idx: np.ndarray) -> StepResult:
-    """Pipeline-model result for level indices ``idx`` [D, M, S]."""
+def timeline_at(inst: Instance, idx: np.ndarray) -> PipelineTimeline:
+    """The pipeline model's timeline of the step at level indices ``idx`` [D, M, S]."""
     f, b, _ = inst.at(idx)
     return simulate(f, b, schedule=inst.schedule, vpp=inst.vpp, p2p_ms=inst.p2p_ms,
                     group=inst.group)
@@ -54,8 +54,8 @@ def make_plan(inst: Instance, idx: np.ndarray, policy: str) -> Plan:
     """Evaluate level indices ``idx`` [D, M, S] into a :class:`Plan`."""
     idx = np.asarray(idx, dtype=np.int64)
     base = np.full_like(idx, inst.k0_index)
-    res = simulate_indices(inst, idx)
-    b_res = simulate_indices(inst, base)
+    res = timeline_at(inst, idx)
+    b_res = timeline_at(inst, base)
     return Plan(policy=policy, budget=inst.budgets(idx).astype(np.int64),
                 step_ms=res.step_ms, baseline_step_ms=b_res.step_ms,
                 attn=float(inst.at(idx)[2].sum()), baseline_attn=float(inst.at(base)[2].sum()),
@@ -66,3 +66,8 @@ def static_plan(inst: Instance) -> Plan:
     """Every op at k0 (static sparse attention)."""
     return make_plan(inst, np.full((inst.dp, inst.microbatches, inst.stages), inst.k0_index),
                      "static")
+
+
+def static_policy(inst: Instance, dst=None) -> Plan:
+    """``DST_POLICIES["static"]``: every op at k0 (``dst`` unused)."""
+    return static_plan(inst)

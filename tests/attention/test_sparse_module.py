@@ -60,9 +60,12 @@ def test_transformer_layer_thd_forward_backward_budget_and_records(mp):
     assert rec.kept_pairs == int(kept_pairs(lens, 1, 16).sum()) * H
     assert rec.density < 1.0
 
-    # A runtime budget (per layer) overrides the static topk and changes the output.
-    with runtime.budget({1: 3}, microbatch=5):
-        out3, _ = layer(x, attention_mask=None, packed_seq_params=psp)
+    # A budget the packed params carry (per layer) overrides the static topk and
+    # changes the output.
+    from sparsebalance.attention.packed import BudgetedPackedSeqParams
+
+    bpsp = BudgetedPackedSeqParams(**vars(psp), budget={1: 3}, microbatch=5)
+    out3, _ = layer(x, attention_mask=None, packed_seq_params=bpsp)
     (rec3,) = runtime.pop_records()
     assert rec3.topk == 3 and rec3.microbatch == 5
     assert rec3.kept_pairs == int(kept_pairs(lens, 3, 16).sum()) * H > rec.kept_pairs

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sparsebalance.attention.routing import causal_pairs, kept_pairs
-from sparsebalance.batching.density import DensityEstimator
+from density_estimator import DensityEstimator
 from sparsebalance.runtime import AttentionRecord
 
 B, K = 64, 4

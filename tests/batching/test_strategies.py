@@ -5,7 +5,7 @@ import pytest
 
 from sparsebalance.batching import PackingSampler
 from sparsebalance.batching.cost import CostModel
-from sparsebalance.batching.pipemodel import one_f_one_b_ms
+from sparsebalance.pipeline import step_ms
 from sparsebalance.batching.stream import EpochItems, epoch_permutation
 
 from conftest import SEQ, make_lengths
@@ -82,13 +82,13 @@ def test_sab_order_is_locally_optimal_and_balanced(lengths, predictor):
     for p in ps:
         for r in range(DP):
             f, b = p.stage_fwd_ms[r], p.stage_bwd_ms[r]
-            base = one_f_one_b_ms(f, b)
+            base = step_ms(f, b)
             assert base == pytest.approx(p.rank_ms[r])
             for i in range(M):
                 for j in range(i + 1, M):
                     o = np.arange(M)
                     o[i], o[j] = j, i
-                    assert one_f_one_b_ms(f[o], b[o]) >= base - 1e-6
+                    assert step_ms(f[o], b[o]) >= base - 1e-6
     imb = np.mean([p.rank_ms.max() / p.rank_ms.mean() for p in ps])
     imb_mega = np.mean([p.rank_ms.max() / p.rank_ms.mean() for p in mega])
     assert imb <= imb_mega
@@ -110,14 +110,14 @@ def test_plan_times_match_predictor_stage_ms(lengths, predictor):
 
 
 @pytest.mark.parametrize("M_, pp", [(1, 1), (3, 2), (8, 4), (2, 5), (6, 3)])
-def test_pipemodel_equals_pipeline_simulate(M_, pp):
+def test_batched_step_ms_equals_pipeline_simulate(M_, pp):
     from sparsebalance.pipeline import simulate
 
     rng = np.random.default_rng(M_ * 10 + pp)
     f = rng.uniform(0.5, 3.0, size=(3, M_, pp))
     b = rng.uniform(1.0, 6.0, size=(3, M_, pp))
     want = simulate(f, b, schedule="1f1b").replica_step_ms
-    assert np.allclose(one_f_one_b_ms(f, b), want)
+    assert np.allclose(step_ms(f, b), want)
 
 
 def test_cost_model_sums_whole_model(predictor):
@@ -150,14 +150,14 @@ def test_pipeline_profile_beats_equal_micro_batches(M_, pp):
     b = tuple(2 * x for x in f)
     x = pipeline_profile(M_, f, b)
     assert x.shape == (M_,) and x.mean() == pytest.approx(1.0) and x.min() >= 0.05 - 1e-9
-    t = one_f_one_b_ms(x[:, None] * np.array(f), x[:, None] * np.array(b))
-    t_eq = one_f_one_b_ms(np.ones((M_, 1)) * np.array(f), np.ones((M_, 1)) * np.array(b))
+    t = step_ms(x[:, None] * np.array(f), x[:, None] * np.array(b))
+    t_eq = step_ms(np.ones((M_, 1)) * np.array(f), np.ones((M_, 1)) * np.array(b))
     assert t < 0.99 * t_eq  # unequal, ordered micro-batches shorten fill and drain
 
 
 @pytest.mark.parametrize("profile", ["pipeline", "flat"])
 def test_sab_moves_never_slow_the_step(lengths, predictor, profile):
-    from sparsebalance.batching.plan import Carried, PackContext
+    from sparsebalance.batching.packing import Carried, PackContext
     from sparsebalance.batching.stream import StreamCursor
     from sparsebalance.batching.strategies.sab import pack_sab
 
@@ -172,7 +172,7 @@ def test_sab_moves_never_slow_the_step(lengths, predictor, profile):
         got = []
         for _ in range(4):
             pk = pack_sab(Carried.empty(), cur, ctx)
-            got.append(cost.plan_times(pk.bins, DP, M)["rank_ms"].max())
+            got.append(cost.packing_times(pk.bins, DP, M)["rank_ms"].max())
             cur = StreamCursor(items, cur.pos)  # same windows for both settings
         steps[moves] = np.array(got)
     assert np.all(steps[8] <= steps[0] + 1e-9)

@@ -11,8 +11,8 @@ Each pipeline rank runs a tiny model chunk per virtual stage. The chunk records
 id megatron itself sets (``layer.current_microbatch``), and ("B", microbatch,
 chunk) from an autograd hook on its output when megatron's backward step reaches
 it. Data iterators are wrapped in ``sparsebalance.tuning.hook.BudgetIterator`` with
-a known plan; each forward also records the budget and micro-batch id the runtime
-context held. Rank 0 writes ``[{rank: {"order": [...], "budgets": [...]}} per run]``.
+a known plan; each forward also records the budget and micro-batch id its batch
+carried. Rank 0 writes ``[{rank: {"order": [...], "budgets": [...]}} per run]``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ def _run(rank: int, world: int, vpp: int, M: int) -> dict:
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
-    from sparsebalance import runtime
     from sparsebalance.tuning.hook import wrap_data_iterators
 
     parallel_state.initialize_model_parallel(
@@ -95,10 +94,10 @@ def _run(rank: int, world: int, vpp: int, M: int) -> dict:
         def set_input_tensor(self, t):
             self.inp = t[0] if isinstance(t, list) else t
 
-        def forward(self, x):
+        def forward(self, x, microbatch, budget):
             m = self.decoder.layers[0].current_microbatch
             log.append(["F", m, self.chunk])
-            budgets.append([m, self.chunk, runtime.current_microbatch(), runtime.get_budget(None)])
+            budgets.append([m, self.chunk, microbatch, budget])
             h = x if self.inp is None else self.inp
             return _Tag.apply(torch.tanh(self.lin(h)), log, (m, self.chunk))
 
@@ -112,7 +111,7 @@ def _run(rank: int, world: int, vpp: int, M: int) -> dict:
     def forward_step(it, chunk):
         batch = next(it)
         assert batch["microbatch"] == batch["id"]  # the hook's index is the pull order
-        out = chunk(batch["x"])
+        out = chunk(batch["x"], batch["microbatch"], batch["budget"])
         return out, lambda o: (o.float().pow(2).mean(), {"loss": o.detach().pow(2).mean()})
 
     plan = plan_budget(1, M, world * vpp)

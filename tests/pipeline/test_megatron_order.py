@@ -58,6 +58,6 @@ def test_budget_hook_delivers_plan(recorded):
         for r in range(pp):
             got = res[str(r)]["budgets"]
             assert len(got) == M * vpp
-            for m, chunk, runtime_mb, budget in got:
-                assert runtime_mb == m
+            for m, chunk, batch_mb, budget in got:
+                assert batch_mb == m
                 assert budget == plan[0][m][chunk * pp + r]

@@ -156,9 +156,9 @@ def test_packing_and_budgets_under_cp():
         lengths = [[[int(s[2]) for s in mb] for mb in r] for r in plan.ranks]
         inst = build_instance(pred, lengths, pp=2, k0=32)
         k0 = np.full((inst.dp, inst.microbatches, inst.stages), inst.k0_index)
-        from sparsebalance.tuning.plan import simulate_indices
+        from sparsebalance.tuning.plan import timeline_at
 
-        static = simulate_indices(inst, k0).step_ms
+        static = timeline_at(inst, k0).step_ms
         assert static == pytest.approx(plan.step_ms, rel=1e-9)  # packer and planner agree
         cut = critical_path_plan(inst, eps=0.0)
         assert cut.step_ms <= static + 1e-9

@@ -175,7 +175,7 @@ def _install_load_probe(dump) -> None:
 def _install_det_times() -> None:
     import numpy as np
 
-    from megatron.training.balance import Balancer
+    from sparsebalance.balancer import Balancer
 
     observe = Balancer.observe
 
@@ -227,14 +227,14 @@ def main() -> int:
         pretrain = training.pretrain
 
         def on_step(iteration, state, result):
-            plan = last["batches"].plan
+            packing = last["batches"].packing
             dump({
                 "iteration": iteration, "loss_sum": result.loss_sum, "loss_tokens": result.loss_tokens,
                 "budget": None if result.budget is None else [[list(map(int, s)) for s in m]
                                                               for m in result.budget],
                 "records": [[r.layer_number, r.microbatch, r.topk] for r in result.attention_records],
-                "packing": [[[list(map(int, seg)) for seg in mb] for mb in rank] for rank in plan.ranks],
-                "sampler": state["loader"].state_dict(),
+                "packing": [[[list(map(int, seg)) for seg in mb] for mb in rank] for rank in packing.ranks],
+                "sampler": state.loader.state_dict(),
             })
 
         training.pretrain = lambda args: pretrain(args, on_step=on_step)

@@ -40,7 +40,7 @@ def main() -> None:
     def on_step(iteration, state, result):
         budgets.append(None if result.budget is None else np.asarray(result.budget).tolist())
         grads.clear()
-        for chunk in state["model"]:
+        for chunk in state.model:
             for name, p in global_param_names(chunk).items():
                 grads[name] = p.main_grad.detach().double().numpy().copy()
 
@@ -54,18 +54,17 @@ def main() -> None:
 
 
 def _predict_as_cp1() -> None:
-    import copy
+    import dataclasses
 
-    from megatron.training import balance
+    from sparsebalance import balancer
 
-    build = balance.build_predictor
+    build = balancer.build_predictor
 
-    def as_cp1(args, *a, **k):
-        args = copy.copy(args)
-        args.context_parallel_size = 1
-        return build(args, *a, **k)
+    def as_cp1(config, *a, **k):
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, cp=1))
+        return build(config, *a, **k)
 
-    balance.build_predictor = as_cp1
+    balancer.build_predictor = as_cp1
 
 
 if __name__ == "__main__":

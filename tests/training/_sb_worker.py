@@ -34,7 +34,7 @@ def main() -> None:
             "budget": None if result.budget is None else [[list(map(int, s)) for s in m]
                                                           for m in result.budget],
             "records": [[r.layer_number, r.microbatch, r.topk] for r in result.attention_records],
-            "sampler": state["loader"].state_dict(),
+            "sampler": state.loader.state_dict(),
         })
 
     summary = pretrain(args, on_step=on_step)

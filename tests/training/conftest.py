@@ -61,3 +61,17 @@ def make_test_corpus(prefix: str, num_docs: int, max_length: int) -> str:
 def corpus(tmp_path_factory):
     """~300 documents, prolong lengths scaled to <= 384 tokens (some exceed --seq-length 256)."""
     return make_test_corpus(str(tmp_path_factory.mktemp("corpus") / "tiny"), 300, 384)
+
+
+def balancer_config(pp=2, policy="critical-path", plan_ahead=True, topk=4, topk_min=2, topk_max=8,
+                    **dst):
+    """A SparseBalanceConfig with what a Balancer reads (sparse attention, DST, layout)."""
+    from sparsebalance.config import (AttentionConfig, DSTConfig, ModelConfig, ParallelConfig,
+                                      SparseBalanceConfig)
+
+    model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                        ffn_hidden_size=128, vocab_size=256)
+    return SparseBalanceConfig(model=model, attention=AttentionConfig(sparse=True, topk=topk),
+                               dst=DSTConfig(policy=policy, topk_min=topk_min, topk_max=topk_max,
+                                             plan_ahead=plan_ahead, **dst),
+                               parallel=ParallelConfig(pp=pp))

@@ -4,12 +4,12 @@
 
 import math
 import pickle
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from megatron.training.balance import Balancer
+from conftest import balancer_config
+from sparsebalance.balancer import Balancer
 from sparsebalance.predictor import get_predictor
 from sparsebalance.predictor.recalibration import Recalibrator
 
@@ -52,9 +52,7 @@ def test_recalibrator_rejects_bad_state(bad, match):
 
 
 def _balancer(pp=2, ahead=True):
-    args = SimpleNamespace(sb_dst="critical-path", sb_plan_ahead=ahead, pipeline_model_parallel_size=pp,
-                           virtual_pipeline_model_parallel_size=None, sb_topk=4, sparse_attention=True)
-    return Balancer(args, get_predictor("h100-analytic", **SHAPE), pad_to=None)
+    return Balancer(balancer_config(pp=pp, plan_ahead=ahead), get_predictor("h100-analytic", **SHAPE))
 
 
 def test_balancer_state_keeps_the_correction_before_the_last_step():

@@ -148,7 +148,7 @@ def test_damage_is_found_and_skipped(full_run, tmp_path, damage):
     warnings = []
     assert ckpt.choose_checkpoint(root, warnings.append) == 6
     assert len(warnings) == 1 and re.fullmatch(
-        rf"checkpoint iter_0000008 is damaged \(.*\); loading iter_0000006", warnings[0]), warnings
+        r"checkpoint iter_0000008 is damaged \(.*\); loading iter_0000006", warnings[0]), warnings
 
 
 def test_hashing_is_split_between_ranks(full_run, tmp_path):

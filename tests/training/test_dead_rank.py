@@ -4,7 +4,6 @@ Two ranks started by hand (no torchrun, which would kill the survivors itself:
 this is the multi-node case where a whole node disappears).
 """
 
-import os
 import signal
 import socket
 import subprocess

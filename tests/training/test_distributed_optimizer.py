@@ -82,9 +82,9 @@ def _worker(argv) -> None:
 
     def on_step(iteration, state, result):
         budgets.append(None if result.budget is None else np.asarray(result.budget).tolist())
-        state_bytes.append(optimizer_state_bytes(state["optimizer"]))
+        state_bytes.append(optimizer_state_bytes(state.optimizer))
         if iteration == args.train_iters:
-            for chunk in state["model"]:
+            for chunk in state.model:
                 if chunk.ddp_config.overlap_param_gather:  # the gather is still pending
                     chunk.start_param_sync(force_sync=True)
                 for name, p in global_param_names(chunk).items():

@@ -60,10 +60,10 @@ def test_epoch_end_steps_keep_m_microbatches_and_every_token_once(small_corpus, 
     empty = 0
     for _ in range(10):
         step = loader.next_step()
-        if step.plan.epoch > 0:
+        if step.packing.epoch > 0:
             break
         assert len(step.microbatches) == M
-        for segs, mb in zip(step.plan.ranks[0], step.microbatches):
+        for segs, mb in zip(step.packing.ranks[0], step.microbatches):
             cu = mb["cu_seqlens"].tolist()
             assert cu[0] == 0 and cu[-1] == mb["tokens"].shape[1]
             if not segs:
@@ -83,7 +83,7 @@ def test_epoch_end_plan_is_the_same_on_every_rank(small_corpus):
     b = _loader(small_corpus, "megatron", dp=2, dp_rank=1)[1]
     for _ in range(4):
         sa, sb = a.next_step(), b.next_step()
-        assert sa.plan.ranks == sb.plan.ranks
+        assert sa.packing.ranks == sb.packing.ranks
         assert len(sa.microbatches) == len(sb.microbatches) == M
 
 

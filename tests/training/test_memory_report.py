@@ -100,12 +100,12 @@ if __name__ != "__main__":
         assert now < after - 150, (after, now)
 
     def test_large_worlds_log_the_max_only():
-        from megatron.training.training import _peak_memory_text
+        from megatron.training.run_log import peak_memory_text
 
-        assert _peak_memory_text([1000.4, 1200.0]) == "peak mem MB [1000 1200]"
+        assert peak_memory_text([1000.4, 1200.0]) == "peak mem MB [1000 1200]"
         peaks = [1000.0] * 64
         peaks[37] = 2048.0
-        assert _peak_memory_text(peaks) == "peak mem MB max 2048 (rank 37)"
+        assert peak_memory_text(peaks) == "peak mem MB max 2048 (rank 37)"
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     def test_gpu_peak_is_max_allocated():

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from megatron.training.balance import Balancer
+from conftest import balancer_config
+from megatron.training.balance import BatchBalancer
 from megatron.training.data import PackedDataLoader
 from sparsebalance.predictor import get_predictor
 
@@ -29,7 +30,7 @@ def _loader(strategy="megatron"):
 
 
 def _segments(batches):
-    return [[tuple(map(int, s)) for s in mb] for rank in batches.plan.ranks for mb in rank]
+    return [[tuple(map(int, s)) for s in mb] for rank in batches.packing.ranks for mb in rank]
 
 
 def test_peek_is_the_next_step_and_checkpoints_stay_before_it():
@@ -50,12 +51,8 @@ def test_peek_is_the_next_step_and_checkpoints_stay_before_it():
     assert _segments(ahead.next_step()) == want[1]
 
 
-def _args(**kw):
-    a = dict(sb_dst="critical-path", sb_anchor="mean", sb_p=0.1, sb_topk=4, sb_topk_min=2,
-             sb_topk_max=8, sb_attn_slack=0.0, sparse_attention=True, sb_plan_ahead=True,
-             pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None)
-    a.update(kw)
-    return SimpleNamespace(**a)
+def _config(**kw):
+    return balancer_config(**{"pp": 2, "topk": 4, "topk_min": 2, "topk_max": 8, **kw})
 
 
 def _predictor():
@@ -65,8 +62,8 @@ def _predictor():
 def test_plan_ahead_equals_in_line_plan_with_the_same_correction():
     loader = _loader()
     first = loader.next_step()
-    bal = Balancer(_args(), _predictor(), None)
-    ref = Balancer(_args(sb_plan_ahead=False), _predictor(), None)
+    bal = BatchBalancer(_config(), _predictor(), None)
+    ref = BatchBalancer(_config(plan_ahead=False), _predictor(), None)
     assert bal.ahead and not ref.ahead
     f1 = bal.forecast(first)  # nothing planned ahead: planned in line
     assert f1.wait_ms == f1.plan_ms
@@ -86,20 +83,22 @@ def test_plan_ahead_equals_in_line_plan_with_the_same_correction():
 
 def test_a_stale_look_ahead_is_replaced_and_errors_reach_the_caller():
     loader = _loader()
-    bal = Balancer(_args(), _predictor(), None)
+    bal = BatchBalancer(_config(), _predictor(), None)
     b1 = loader.next_step()
     bal.plan_ahead(loader.peek())
     got = bal.forecast(b1)  # not the batches planned ahead: planned now
     assert got.budget is not None and b1.budget is got.budget
-    bal.plan_ahead(object())  # no .plan: the thread fails
-    with pytest.raises(AttributeError):
+    empty = SimpleNamespace(packing=SimpleNamespace(ranks=[[]]))  # no micro-batch: the thread fails
+    bal.plan_ahead(empty)
+    assert bal.core._pending is not None
+    with pytest.raises(ValueError, match="non-empty"):
         bal.forecast(loader.next_step())
 
 
 def test_no_plan_ahead_without_dst():
-    bal = Balancer(_args(sb_dst="off"), _predictor(), None)
+    bal = BatchBalancer(_config(policy="off"), _predictor(), None)
     assert not bal.ahead
     loader = _loader()
     bal.plan_ahead(loader.peek())
-    assert bal._pending is None
+    assert bal.core._pending is None
     assert bal.forecast(loader.next_step()).budget is None

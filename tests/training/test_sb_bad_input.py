@@ -2,7 +2,6 @@
 nothing written (checked before any process group starts)."""
 
 import json
-import os
 import subprocess
 
 import pytest

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsebalance.batching.plan import Carried, PackContext, Packing
+from sparsebalance.batching.packing import Carried, PackContext, Packing
 from sparsebalance.batching.stream import StreamCursor
 
 

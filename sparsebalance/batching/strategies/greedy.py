@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsebalance.batching.plan import Carried, PackContext, Packing
+from sparsebalance.batching.packing import Carried, PackContext, Packing
 from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.batching.strategies.common import (Window, build_window, finish,
                                                       rank_interleaved, settle)

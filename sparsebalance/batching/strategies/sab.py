@@ -37,8 +37,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from sparsebalance.batching.pipemodel import one_f_one_b_ms
-from sparsebalance.batching.plan import Carried, PackContext, Packing
+from sparsebalance.pipeline import step_ms
+from sparsebalance.batching.packing import Carried, PackContext, Packing
 from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.batching.strategies.common import (build_window, finish, rank_interleaved,
                                                       settle)
@@ -62,7 +62,7 @@ def pipeline_profile(M: int, fwd: tuple, bwd: tuple) -> np.ndarray:
         return x
 
     def t(xs):
-        return one_f_one_b_ms(xs[..., :, None] * f0, xs[..., :, None] * b0)
+        return step_ms(xs[..., :, None] * f0, xs[..., :, None] * b0)
 
     best = float(t(x))
     pairs = [(i, j) for i in range(M) for j in range(M) if i != j]
@@ -150,7 +150,7 @@ def order_ranks(fwd: np.ndarray, bwd: np.ndarray, prof: np.ndarray, rounds: int 
     if init is not None:
         orders = np.array(init, dtype=np.int64)
     rr = np.arange(R)[:, None]
-    best = one_f_one_b_ms(fwd[rr, orders], bwd[rr, orders])
+    best = step_ms(fwd[rr, orders], bwd[rr, orders])
     if M < 2:
         return orders, best
     iu, ju = np.triu_indices(M, 1)
@@ -163,7 +163,7 @@ def order_ranks(fwd: np.ndarray, bwd: np.ndarray, prof: np.ndarray, rounds: int 
         cand = np.repeat(orders[idx][:, None, :], iu.size, axis=1)  # [r, C, M]
         cand[:, c, iu], cand[:, c, ju] = orders[idx][:, ju], orders[idx][:, iu]
         r3 = idx[:, None, None]
-        tt = one_f_one_b_ms(fwd[r3, cand], bwd[r3, cand])  # [r, C]
+        tt = step_ms(fwd[r3, cand], bwd[r3, cand])  # [r, C]
         k = np.argmin(tt, axis=1)
         t_new = tt[np.arange(idx.size), k]
         better = t_new < best[idx] - 1e-9
@@ -249,36 +249,36 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
         pos = np.empty(K, dtype=np.int64)
         for q in range(dp):
             pos[q * M + orders[q]] = np.arange(M)
-        # Source rank without each item.
+        # Source rank's [item, M, pp] times without each item.
         fa, ba = cost.stage_times(layer[a] - li[:, items].T, tok[a] - length[items])
-        F = np.repeat(fwd[r * M + orders[r]][None], items.size, axis=0)
-        B = np.repeat(bwd[r * M + orders[r]][None], items.size, axis=0)
-        F[np.arange(items.size), pos[a]] = fa
-        B[np.arange(items.size), pos[a]] = ba
+        src_fwd = np.repeat(fwd[r * M + orders[r]][None], items.size, axis=0)
+        src_bwd = np.repeat(bwd[r * M + orders[r]][None], items.size, axis=0)
+        src_fwd[np.arange(items.size), pos[a]] = fa
+        src_bwd[np.arange(items.size), pos[a]] = ba
         # Destination bins (any other bin) with token room.
-        ii, bb = np.meshgrid(np.arange(items.size), np.arange(K), indexing="ij")
-        ii, bb = ii.ravel(), bb.ravel()
-        ok = (bb != a[ii]) & (tok[bb] + length[items[ii]] <= S)
-        ii, bb = ii[ok], bb[ok]
-        if ii.size == 0:
+        cand_item, dst_bin = np.meshgrid(np.arange(items.size), np.arange(K), indexing="ij")
+        cand_item, dst_bin = cand_item.ravel(), dst_bin.ravel()
+        ok = (dst_bin != a[cand_item]) & (tok[dst_bin] + length[items[cand_item]] <= S)
+        cand_item, dst_bin = cand_item[ok], dst_bin[ok]
+        if cand_item.size == 0:
             break
-        fb, bb_ = cost.stage_times(layer[bb] + li[:, items[ii]].T, tok[bb] + length[items[ii]])
-        q = bb // M
+        dst_bin_fwd, dst_bin_bwd = cost.stage_times(layer[dst_bin] + li[:, items[cand_item]].T, tok[dst_bin] + length[items[cand_item]])
+        q = dst_bin // M
         same = q == r
-        # Destination rank's times; for a move inside rank r both bins change.
-        F2 = fwd[(q * M)[:, None] + orders[q]]
-        B2 = bwd[(q * M)[:, None] + orders[q]]
-        n2 = np.arange(ii.size)
-        F2[same] = F[ii[same]]
-        B2[same] = B[ii[same]]
-        F2[n2, pos[bb]] = fb
-        B2[n2, pos[bb]] = bb_
+        # Destination rank's [candidate, M, pp] times; for a move inside rank r both bins change.
+        dst_fwd = fwd[(q * M)[:, None] + orders[q]]
+        dst_bwd = bwd[(q * M)[:, None] + orders[q]]
+        n2 = np.arange(cand_item.size)
+        dst_fwd[same] = src_fwd[cand_item[same]]
+        dst_bwd[same] = src_bwd[cand_item[same]]
+        dst_fwd[n2, pos[dst_bin]] = dst_bin_fwd
+        dst_bwd[n2, pos[dst_bin]] = dst_bin_bwd
         # One batched pipeline-model call for the source and destination candidates.
-        t_all = one_f_one_b_ms(np.concatenate([F, F2]), np.concatenate([B, B2]))
+        t_all = step_ms(np.concatenate([src_fwd, dst_fwd]), np.concatenate([src_bwd, dst_bwd]))
         t_src, t_dst = t_all[:items.size], t_all[items.size:]
-        t_src_m = np.where(same, t_dst, t_src[ii])
+        t_src_m = np.where(same, t_dst, t_src[cand_item])
         # New step time (max over ranks) and, to break ties, the new sum of rank times.
-        others = np.repeat(T[None, :], ii.size, axis=0)
+        others = np.repeat(T[None, :], cand_item.size, axis=0)
         others[n2, r] = t_src_m
         others[n2, q] = t_dst
         new_step = others.max(axis=1)
@@ -286,18 +286,18 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
         k = int(np.lexsort((new_sum, new_step))[0])
         if (new_step[k], new_sum[k]) >= (T.max() - 1e-9, T.sum() - 1e-6):
             break
-        i, b = int(items[ii[k]]), int(bb[k])
+        i, dest = int(items[cand_item[k]]), int(dst_bin[k])
         src = int(assign[i])
-        assign[i] = b
+        assign[i] = dest
         layer[src] -= li[:, i]
-        layer[b] += li[:, i]
+        layer[dest] += li[:, i]
         tok[src] -= length[i]
-        tok[b] += length[i]
-        for j in (src, b):
+        tok[dest] += length[i]
+        for j in (src, dest):
             f1, b1 = cost.stage_times(layer[j][None], tok[j:j + 1])
             fwd[j], bwd[j] = f1[0], b1[0]
-        T[r], T[b // M] = t_src_m[k], t_dst[k]
-        touched.update((r, b // M))
+        T[r], T[dest // M] = t_src_m[k], t_dst[k]
+        touched.update((r, dest // M))
     # Positions were kept during the moves; re-ordering from them can only help.
     if touched:
         t = sorted(touched)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsebalance.batching.plan import Carried, PackContext, Packing
+from sparsebalance.batching.packing import Carried, PackContext, Packing
 from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.batching.strategies.common import Window, build_window, finish, settle
 

@@ -28,12 +28,12 @@ import numpy as np
 
 from sparsebalance.attention.routing import causal_pairs
 from sparsebalance.batching import PackingSampler
-from sparsebalance.pipeline import StepResult, simulate
+from sparsebalance.pipeline import PipelineTimeline, simulate
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning import anchor_indices, critical_path_indices
 from sparsebalance.tuning.from_predictor import build_instance
 from sparsebalance.tuning.instance import Instance
-from sparsebalance.tuning.plan import simulate_indices
+from sparsebalance.tuning.plan import timeline_at
 from .arms import ARMS, FRONTIER, Arm
 
 MODELS: Dict[str, Dict[str, object]] = {
@@ -126,7 +126,7 @@ def _nested(packed) -> List[List[List[int]]]:
 
 
 def _packed_steps(lengths: np.ndarray, strategy: str, seq_length: int, cfg: SimConfig, predictor):
-    """``cfg.steps`` packed steps (the sampler's ``StepPlan``) of one strategy; all must be
+    """``cfg.steps`` packed steps (the sampler's ``StepPacking``) of one strategy; all must be
     full steps of epoch 0."""
     sampler = PackingSampler(lengths, dp=cfg.dp, micro_batches=cfg.micro_batches,
                              seq_length=seq_length, strategy=strategy, seed=cfg.seed,
@@ -170,7 +170,7 @@ class SimResult:
 
     table: dict
     """JSON-able results: arms, frontier, dominance, consistency."""
-    gantt: Dict[str, StepResult]
+    gantt: Dict[str, PipelineTimeline]
     """Step 0 of the megatron arm and of sparsebalance (for the Gantt figure)."""
 
 
@@ -187,7 +187,7 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
     strategies = sorted({a.batching for a in todo.values()})
     packed_steps = {s: _packed_steps(lengths, s, seq_length, cfg, predictor) for s in strategies}
     acc = {n: _Acc() for n in todo}
-    gantt: Dict[str, StepResult] = {}
+    gantt: Dict[str, PipelineTimeline] = {}
     consistency = 0.0
     layers = predictor.shape.num_layers
     for step in range(cfg.steps):
@@ -196,7 +196,7 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
             nested = _nested(packed)
             inst = build_instance(predictor, nested, pp=cfg.pp, k0=cfg.topk)
             k0 = np.full((inst.dp, inst.microbatches, inst.stages), inst.k0_index)
-            static = simulate_indices(inst, k0)
+            static = timeline_at(inst, k0)
             # The packer's own prediction and the planner's instance must agree.
             consistency = max(consistency, abs(static.step_ms - packed.step_ms) / packed.step_ms)
             static_attn = float(inst.at(k0)[2].sum())
@@ -213,7 +213,7 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
                     idx = _indices(inst, arm)
                     cache[key] = (idx, 1e3 * (time.process_time() - t0))
                 idx, plan_ms = cache[key]
-                res = simulate_indices(inst, idx) if arm.dst != "off" else static
+                res = timeline_at(inst, idx) if arm.dst != "off" else static
                 f, b, a = inst.at(idx)
                 r = acc[name]
                 r.step_ms.append(res.step_ms)

@@ -77,7 +77,7 @@ class Packing:
 
 
 @dataclass
-class StepPlan:
+class StepPacking:
     """The packing of one global step, identical on every rank."""
 
     step: int

@@ -1,0 +1,53 @@
+"""The driver's one mapping from parsed flags to :class:`sparsebalance.config.SparseBalanceConfig`.
+
+Called once per run (after ``arguments.parse_args`` resolved the ``--sparse-balance``
+defaults); the library only ever sees the typed config.
+"""
+
+from __future__ import annotations
+
+from sparsebalance.config import (AttentionConfig, DSTConfig, ModelConfig, PackingConfig,
+                                  ParallelConfig, PredictorConfig, SparseBalanceConfig)
+
+
+def attention_config(args) -> AttentionConfig:
+    """``--sparse-attention`` and ``--sb-block-size|topk|attention-backend|dense-layers``."""
+    return AttentionConfig(sparse=bool(args.sparse_attention), block_size=args.sb_block_size,
+                           topk=args.sb_topk, backend=args.sb_attention_backend,
+                           dense_layers=tuple(args.sb_dense_layers))
+
+
+def parallel_config(args) -> ParallelConfig:
+    """Pipeline (virtual) and context-parallel sizes, and whether the run is on CPU."""
+    from megatron.training.initialize import use_cpu
+
+    return ParallelConfig(pp=args.pipeline_model_parallel_size,
+                          vpp=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
+                          cp=getattr(args, "context_parallel_size", 1) or 1, cpu=use_cpu(args))
+
+
+def model_config(args, vocab_size: int) -> ModelConfig:
+    """The model's shape (``vocab_size``: the padded vocabulary)."""
+    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads,
+                       num_query_groups=args.num_query_groups or args.num_attention_heads,
+                       ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+                       vocab_size=vocab_size, swiglu=bool(args.swiglu), seq_length=args.seq_length,
+                       normalization=args.normalization, bf16=bool(args.bf16))
+
+
+def predictor_config(args) -> PredictorConfig:
+    """``--sb-profile``, ``--sb-cost-model``, ``--sb-allow-stale-profile``."""
+    return PredictorConfig(profile=args.sb_profile, cost_model=args.sb_cost_model,
+                           allow_stale_profile=bool(args.sb_allow_stale_profile))
+
+
+def sparsebalance_config(args, vocab_size: int) -> SparseBalanceConfig:
+    """The SparseBalance view of the run's flags (``vocab_size``: the padded vocabulary)."""
+    packing = PackingConfig(strategy=args.sb_batching, max_carry_steps=args.max_carry_steps)
+    dst = DSTConfig(policy=args.sb_dst, topk_min=args.sb_topk_min, topk_max=args.sb_topk_max,
+                    anchor=args.sb_anchor, p=args.sb_p, attn_slack=args.sb_attn_slack,
+                    plan_ahead=bool(args.sb_plan_ahead))
+    return SparseBalanceConfig(model=model_config(args, vocab_size), attention=attention_config(args),
+                               packing=packing, dst=dst, predictor=predictor_config(args),
+                               parallel=parallel_config(args))

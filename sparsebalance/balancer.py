@@ -1,0 +1,306 @@
+"""The SparseBalance coordinator: per-step DST plan and online recalibration on one rank.
+
+Per step, every rank runs the same deterministic code on the same inputs (no
+communication beyond the per-step gather the driver does anyway):
+
+1. the driver hands :meth:`Balancer.forecast` the step's document lengths
+   ``[dp][microbatch]`` (segment token counts of every replica's micro-batches);
+2. under DST: :func:`sparsebalance.tuning.from_predictor.build_instance` and the
+   configured policy (:data:`sparsebalance.tuning.policies.DST_POLICIES`) ->
+   ``budget[dp][microbatch][virtual stage]``, which the driver attaches to its data
+   iterators (:mod:`sparsebalance.tuning.hook`); without DST, the op times at the
+   static budget and the pipeline model's step time;
+3. after the step, the gathered measured per-(micro-batch, stage) forward/backward
+   times are folded into the predictor's per-(stage, phase) correction (one
+   observation per (stage, phase) per step: the ratio of the step's measured sum to
+   the uncalibrated model's sum), so the next step's plan adapts.
+
+Planning ahead (the default under DST): the plan of step N+1 is built in a
+background thread while step N trains (the driver knows the next step's packing in
+advance), so planning is off the step's critical path; measured on the 2-core CPU
+machine, planning in line cost ~2% of every step, about as much as DST gains. The
+plan of step N+1 then uses the correction as of the end of step N-1 (one step
+older), which is the same on every rank: the thread starts after one observation
+and :meth:`Balancer.observe` waits for it before the next, so budgets stay
+rank-identical.
+
+Checkpoints (:meth:`Balancer.state_dict`) hold the correction and, for planning
+ahead, the correction as it was before the last step's observation: the plan of the
+first step after a resume is built from that one, exactly as the uninterrupted run's
+background plan was, so budgets (and losses) continue bit for bit. A checkpoint
+without this state (written before it was saved) or saved with another number of
+(virtual) pipeline stages starts from the uncalibrated model, with one warning.
+
+Data order does not depend on measurements: SAB packs with its own predictor
+instance whose correction stays 1.0 (the plan is a function of (seed, step) only, as
+Megatron users expect and resumption needs); run-time budgets do adapt.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from sparsebalance.config import AttentionConfig, ParallelConfig, SparseBalanceConfig
+
+Lengths = List[List[List[int]]]
+"""Segment token counts ``[dp][microbatch][segment]`` of one step."""
+
+
+def attention_backend(attention: AttentionConfig, parallel: ParallelConfig) -> str:
+    """The kernel backend name a run resolves to (what profiles record)."""
+    if not attention.sparse:
+        return "sdpa"  # tools/profile_latency.py's name for the dense layer
+    import torch
+    from sparsebalance.ops import resolve_backend
+
+    cuda = torch.cuda.is_available() and not parallel.cpu
+    return resolve_backend(attention.backend, torch.device("cuda" if cuda else "cpu"))
+
+
+def build_predictor(config: SparseBalanceConfig, warn=None):
+    """The latency predictor of ``config.predictor`` (None if it names none).
+
+    Args:
+        warn: called with each warning line (a stale profile under
+            ``allow_stale_profile``); None drops them.
+
+    Raises:
+        FileNotFoundError: missing profile (the message holds the command that makes it).
+        ValueError: stale or malformed profile, unknown model.
+    """
+    import warnings
+
+    from sparsebalance.predictor import get_predictor
+
+    m, att, pc = config.model, config.attention, config.predictor
+    shape = dict(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                 num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                 ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size, swiglu=m.swiglu,
+                 block_size=att.block_size, topk=att.static_topk)
+    # Under context parallelism the predictor answers per-rank times of a CP group,
+    # K/V exchange included (sparsebalance.predictor.context_parallel).
+    cp = {"context_parallel_size": config.parallel.cp}
+    if pc.cost_model is not None:
+        return get_predictor(pc.cost_model, **shape, **cp)
+    if pc.profile is None:
+        return None
+    # Every model-fingerprint entry the profiler records, so a mismatch is caught and
+    # the "create it" command of a missing profile reproduces this run's setup.
+    expect = {"attention": "sparse" if att.sparse else "dense",
+              "attention_backend": attention_backend(att, config.parallel),
+              "seq_length": m.seq_length, "normalization": m.normalization,
+              "params_dtype": "bf16" if m.bf16 else "fp32"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pred = get_predictor(pc.profile, allow_stale=pc.allow_stale_profile,
+                             expect=expect, **shape, **cp)
+    for w in caught:
+        if warn is not None:
+            warn(" ".join(str(w.message).split()))
+    return pred
+
+
+def stage_tables(predictor, lengths: Lengths, topk: Optional[int], stages: int):
+    """Calibrated forward/backward ms ``[dp, M, stages]`` of every micro-batch at one
+    budget (None: dense): :func:`~sparsebalance.tuning.from_predictor.op_ms_tables` at
+    that single level, the numbers ``build_instance`` gives for it."""
+    from sparsebalance.tuning.from_predictor import op_ms_tables
+
+    fwd, bwd = op_ms_tables(predictor, lengths, [topk], stages)
+    return fwd[0], bwd[0]
+
+
+@dataclass
+class StepForecast:
+    """What the planner decided and predicted for one step."""
+
+    budget: Optional[np.ndarray]
+    """[dp, M, S] DST budgets (None: DST off)."""
+    fwd_ms: np.ndarray
+    """[dp, M, S] predicted forward ms of each op at its budget (calibrated)."""
+    bwd_ms: np.ndarray
+    """[dp, M, S] predicted backward ms."""
+    step_ms: float
+    """Pipeline-model step time of the prediction, ms."""
+    baseline_step_ms: float
+    """Same with every op at the static budget (== step_ms without DST), ms."""
+    plan_ms: float
+    """Wall time of building the instance + planning, ms."""
+    model: Tuple[np.ndarray, np.ndarray]
+    """Uncalibrated (fwd, bwd) ``[dp, M, S]`` ms the step's observation is compared with."""
+    wait_ms: float = 0.0
+    """Time the step waited for its plan, ms (== plan_ms when planned in line)."""
+
+
+class Balancer:
+    """Per-step DST planning and online recalibration on one rank (see module docstring).
+
+    Args:
+        config: the run's configuration (reads ``dst``, ``attention`` and ``parallel``).
+        predictor: LatencyPredictor whose correction this object updates.
+    """
+
+    def __init__(self, config: SparseBalanceConfig, predictor) -> None:
+        self.config = config
+        self.ahead = config.dst.enabled and config.dst.plan_ahead
+        self.predictor = predictor
+        self.pp, self.vpp = config.parallel.pp, config.parallel.vpp
+        self.stages = config.parallel.stages
+        self.schedule = config.parallel.schedule
+        self.topk = config.attention.static_topk
+        self._pending: Optional[tuple] = None  # (step, thread, result box) planned ahead
+        # Recalibrator state before the last observe(): what a plan made ahead during the
+        # last step read (saved so a resumed run plans its first step from it).
+        self._before_last: dict = predictor.recalibrator.state_dict()
+        self._resume_from: Optional[dict] = None  # set by load_state_dict, used once
+
+    def plan(self, lengths: Lengths) -> StepForecast:
+        """Plan the budgets of a step of document ``lengths`` (under DST) and predict it."""
+        from sparsebalance.pipeline import simulate
+
+        t0 = time.perf_counter()
+        dst, pred = self.config.dst, self.predictor
+        budget = None
+        if dst.enabled:
+            from sparsebalance.tuning.from_predictor import build_instance
+            from sparsebalance.tuning.policies import DST_POLICIES
+
+            inst = build_instance(pred, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
+                                  k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max)
+            plan = DST_POLICIES[dst.policy](inst, dst)
+            budget = plan.budget
+            fwd, bwd, _ = inst.at(inst.indices(budget))
+            step_ms, base_ms = plan.step_ms, plan.baseline_step_ms
+        else:
+            fwd, bwd = stage_tables(pred, lengths, self.topk, self.stages)
+            step_ms = base_ms = simulate(fwd, bwd, schedule=self.schedule, vpp=self.vpp).step_ms
+        corr = np.array([[pred.correction(s, ph) for s in range(self.stages)]
+                         for ph in ("fwd", "bwd")])
+        ms = (time.perf_counter() - t0) * 1e3
+        return StepForecast(budget=budget, fwd_ms=np.asarray(fwd), bwd_ms=np.asarray(bwd),
+                            step_ms=float(step_ms), baseline_step_ms=float(base_ms), plan_ms=ms,
+                            model=(np.asarray(fwd) / corr[0], np.asarray(bwd) / corr[1]),
+                            wait_ms=ms)
+
+    def forecast(self, step: Hashable, lengths: Lengths) -> StepForecast:
+        """The plan of ``step`` (any object naming the step, compared by identity) of
+        document ``lengths``: the one planned ahead for it (waiting for it if it is not
+        done), else planned now."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] is not step:
+            self._join(pending)
+            if self._resume_from is not None:  # first step after a resume (see docstring)
+                return self._plan_with(self._resume_from, lengths)
+            return self.plan(lengths)
+        t0 = time.perf_counter()
+        out = self._join(pending)
+        out.wait_ms = (time.perf_counter() - t0) * 1e3
+        return out
+
+    def plan_ahead(self, step: Hashable, lengths: Lengths) -> None:
+        """Start planning the next ``step`` of document ``lengths`` in the background
+        (no-op unless planning ahead); :meth:`forecast` collects it."""
+        if not self.ahead:
+            return
+        self._join(self._pending)
+        box: dict = {}
+
+        def work() -> None:
+            try:
+                box["out"] = self.plan(lengths)
+            except BaseException as e:  # re-raised on the training thread by _join
+                box["err"] = e
+
+        thread = threading.Thread(target=work, name="sb-plan-ahead", daemon=True)
+        thread.start()
+        self._pending = (step, thread, box)
+
+    @staticmethod
+    def _join(pending) -> Optional[StepForecast]:
+        if pending is None:
+            return None
+        pending[1].join()
+        if "err" in pending[2]:
+            raise pending[2]["err"]
+        return pending[2]["out"]
+
+    def observe(self, forecast: StepForecast, measured_fwd_ms: np.ndarray,
+                measured_bwd_ms: np.ndarray) -> None:
+        """Fold the step's measured ``[dp, M, S]`` op times into the predictor's
+        per-(stage, phase) correction (identical on every rank: same inputs). A plan
+        being made ahead reads the correction, so it is finished first."""
+        self._join(self._pending)  # keeps it pending: forecast() collects the result
+        self._resume_from = None
+        self._before_last = self.predictor.recalibrator.state_dict()
+        for phase, model, meas in (("fwd", forecast.model[0], measured_fwd_ms),
+                                   ("bwd", forecast.model[1], measured_bwd_ms)):
+            for s in range(self.stages):
+                m, t = float(model[:, :, s].sum()), float(np.asarray(meas)[:, :, s].sum())
+                if m > 0 and t > 0:
+                    self.predictor.observe(s, phase, m, t)
+
+    def _plan_with(self, recal_state: dict, lengths: Lengths) -> StepForecast:
+        """:meth:`plan` under another recalibrator state, then back to the current one
+        (nothing else reads the predictor meanwhile: no plan is pending)."""
+        current = self.predictor.recalibrator.state_dict()
+        self.predictor.recalibrator.load_state_dict(recal_state)
+        try:
+            return self.plan(lengths)
+        finally:
+            self.predictor.recalibrator.load_state_dict(current)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to plan the same budgets (identical on every rank):
+        the predictor's correction now and before the last step's observation."""
+        self._join(self._pending)  # the background plan reads the predictor: let it finish
+        return {"stages": self.stages, "predictor": self.predictor.state_dict(),
+                "before_last": self._before_last}
+
+    def load_state_dict(self, state: Optional[dict], warn=None) -> None:
+        """Restore :meth:`state_dict`'s output. ``state`` None (a checkpoint written before
+        this state was saved) or saved with another number of virtual stages: keep the
+        uncalibrated predictor and tell ``warn`` (one line). ValueError if malformed."""
+        from sparsebalance.predictor.recalibration import Recalibrator
+
+        why = None
+        if state is None:
+            why = "the checkpoint has no SparseBalance predictor state (saved by an older version)"
+        elif state.get("stages") != self.stages:
+            why = (f"the checkpoint's predictor state is for {state.get('stages')} pipeline "
+                   f"stages, this run has {self.stages}")
+        if why is not None:
+            if warn is not None:
+                warn(f"{why}; DST budgets restart from the uncalibrated predictor")
+            return
+        try:
+            self.predictor.load_state_dict(state["predictor"])
+            before = dict(state["before_last"])
+            recal = self.predictor.recalibrator
+            Recalibrator(alpha=recal.alpha, clip=recal.clip).load_state_dict(before)  # validates
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"--load: SparseBalance predictor state is malformed: {e}") from None
+        self._before_last = before
+        self._resume_from = before if self.ahead else None
+
+
+def op_times(calls: Sequence[float], phase: str, pp: int, pp_rank: int, microbatches: int,
+             vpp: int) -> np.ndarray:
+    """Per-call timer seconds of one phase on this rank -> ms ``[vpp, M]`` by (chunk,
+    micro-batch), using megatron's op order (``sparsebalance.pipeline.rank_order``)."""
+    from sparsebalance.pipeline import rank_order
+
+    schedule = "interleaved" if vpp > 1 else "1f1b"
+    ops = [(m, c) for ph, m, c in rank_order(schedule, pp, pp_rank, microbatches, vpp)
+           if ph == phase]
+    out = np.zeros((vpp, microbatches))
+    if len(calls) != len(ops):
+        raise RuntimeError(f"{len(calls)} timed {phase} calls on pipeline rank {pp_rank}, "
+                           f"the schedule model expects {len(ops)}")
+    for (m, c), sec in zip(ops, calls):
+        out[c, m] = sec * 1e3
+    return out

@@ -1,0 +1,213 @@
+"""Typed SparseBalance configuration: what the library needs to know about a run.
+
+The driver builds one :class:`SparseBalanceConfig` from its flags
+(``megatron.training.sb_config.sparsebalance_config``) and hands it down; nothing
+under ``sparsebalance/`` reads command-line arguments. Each component validates
+itself in ``__post_init__`` (ValueError with the field's name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Block top-k sparse attention (flags ``--sparse-attention``, ``--sb-*``)."""
+
+    sparse: bool = False
+    """Sparse attention in every layer's ``core_attention`` slot (False: dense)."""
+    block_size: int = 64
+    """Routing block size, tokens."""
+    topk: int = 8
+    """Static budget k0: key blocks kept per query block besides sink and diagonal."""
+    backend: str = "auto"
+    """Kernel backend name (``sparsebalance.ops.BACKENDS`` key or "auto")."""
+    dense_layers: Tuple[int, ...] = ()
+    """1-based layer numbers that stay dense."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.block_size, int) and self.block_size >= 1,
+               f"attention.block_size must be an int >= 1, got {self.block_size!r}")
+        _check(isinstance(self.topk, int) and self.topk >= 0,
+               f"attention.topk must be an int >= 0, got {self.topk!r}")
+        from sparsebalance.ops.backends import BACKENDS
+
+        _check(self.backend == "auto" or self.backend in BACKENDS,
+               f"attention.backend must be 'auto' or one of {sorted(BACKENDS)}, got {self.backend!r}")
+
+    @property
+    def static_topk(self) -> Optional[int]:
+        """The budget every op gets without DST (None: dense attention)."""
+        return self.topk if self.sparse else None
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    """Packing of documents into micro-batches (``--sb-batching``, ``--max-carry-steps``)."""
+
+    strategy: str = "megatron"
+    """``sparsebalance.batching.strategies.STRATEGIES`` key."""
+    max_carry_steps: int = 2
+    """Steps a document deferred by the packer may wait."""
+
+    def __post_init__(self) -> None:
+        from sparsebalance.batching.strategies import STRATEGIES
+
+        STRATEGIES.pick(self.strategy)
+        _check(self.max_carry_steps >= 0, f"packing.max_carry_steps must be >= 0, got {self.max_carry_steps}")
+
+    @property
+    def uses_predictor(self) -> bool:
+        """The strategy packs by predicted cost when a predictor is given."""
+        from sparsebalance.batching.strategies import STRATEGIES
+
+        return STRATEGIES[self.strategy].predictor != "none"
+
+
+@dataclass(frozen=True)
+class DSTConfig:
+    """Dynamic sparsity tuning (``--sb-dst``, ``--sb-anchor``, ``--sb-p``, ``--sb-topk-min|max``,
+    ``--sb-attn-slack``, ``--no-sb-plan-ahead``)."""
+
+    policy: str = "off"
+    """"off" or a ``sparsebalance.tuning.policies.DST_POLICIES`` key."""
+    topk_min: int = 0
+    """Smallest budget a plan may give."""
+    topk_max: int = 0
+    """Largest budget a plan may give."""
+    anchor: str = "mean"
+    """Anchor policy: aggregate (mean, max, min) of predicted latencies budgets aim at."""
+    p: float = 0.1
+    """Anchor policy: budgets stay within ``[(1-p) k0, (1+p) k0]``."""
+    attn_slack: float = 0.0
+    """Critical-path policy: retained attention may drop to ``(1 - slack)`` x static."""
+    plan_ahead: bool = True
+    """Plan step N+1 in a background thread while step N trains."""
+
+    def __post_init__(self) -> None:
+        from sparsebalance.tuning.policies import DST_POLICIES
+
+        if self.policy != "off":
+            DST_POLICIES.pick(self.policy)
+        _check(0 <= self.topk_min <= self.topk_max,
+               f"dst.topk_min {self.topk_min} / topk_max {self.topk_max}: need 0 <= min <= max")
+        _check(self.anchor in ("mean", "max", "min"), f"dst.anchor must be mean, max or min, got {self.anchor!r}")
+        _check(0.0 <= self.p < 1.0, f"dst.p must be in [0, 1), got {self.p}")
+        _check(0.0 <= self.attn_slack <= 1.0, f"dst.attn_slack must be in [0, 1], got {self.attn_slack}")
+
+    @property
+    def enabled(self) -> bool:
+        """A policy plans the budgets (policy is not "off")."""
+        return self.policy != "off"
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    """The latency predictor (``--sb-profile``, ``--sb-cost-model``, ``--sb-allow-stale-profile``)."""
+
+    profile: Optional[str] = None
+    """Profile JSON of tools/profile_latency.py (None: none)."""
+    cost_model: Optional[str] = None
+    """Analytic cost model name instead of a profile (None: none)."""
+    allow_stale_profile: bool = False
+    """Accept a profile whose fingerprint does not match, with a warning."""
+
+    def __post_init__(self) -> None:
+        _check(self.profile is None or self.cost_model is None,
+               "predictor: give a profile or a cost model, not both")
+
+    @property
+    def enabled(self) -> bool:
+        """A predictor is configured."""
+        return self.profile is not None or self.cost_model is not None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The trained model's shape, as the predictor sees it."""
+
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Hidden size."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (GQA groups)."""
+    ffn_hidden_size: int
+    """MLP hidden size."""
+    vocab_size: int
+    """Padded vocabulary size."""
+    swiglu: bool = False
+    """SwiGLU MLP (else GELU)."""
+    seq_length: int = 4096
+    """Micro-batch capacity, tokens."""
+    normalization: str = "LayerNorm"
+    """LayerNorm or RMSNorm (profile fingerprint)."""
+    bf16: bool = False
+    """bf16 parameters (profile fingerprint; else fp32)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "ffn_hidden_size", "vocab_size", "seq_length"):
+            _check(getattr(self, name) >= 1, f"model.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model-parallel layout (``--pipeline-model-parallel-size`` etc.)."""
+
+    pp: int = 1
+    """Pipeline ranks."""
+    vpp: int = 1
+    """Model chunks per pipeline rank (> 1: the interleaved schedule)."""
+    cp: int = 1
+    """Context-parallel ranks per micro-batch."""
+    cpu: bool = False
+    """The run trains on CPU."""
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "vpp", "cp"):
+            _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def stages(self) -> int:
+        """Virtual pipeline stages, ``pp * vpp``."""
+        return self.pp * self.vpp
+
+    @property
+    def schedule(self) -> str:
+        """megatron-core's schedule: "interleaved" when vpp > 1, else "1f1b"."""
+        return "interleaved" if self.vpp > 1 else "1f1b"
+
+
+@dataclass(frozen=True)
+class SparseBalanceConfig:
+    """Everything the library needs about one run; built once by the driver."""
+
+    model: ModelConfig
+    """Model shape."""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """Sparse attention."""
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    """Packing strategy (SAB or a baseline)."""
+    dst: DSTConfig = field(default_factory=DSTConfig)
+    """Dynamic sparsity tuning."""
+    predictor: PredictorConfig = field(default_factory=PredictorConfig)
+    """Latency predictor."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+
+    def __post_init__(self) -> None:
+        _check(not self.dst.enabled or self.attention.sparse,
+               f"dst.policy {self.dst.policy} tunes sparse-attention budgets: attention.sparse must be on")
+        _check(not self.dst.enabled or self.dst.topk_min <= self.attention.topk <= self.dst.topk_max,
+               f"need dst.topk_min {self.dst.topk_min} <= attention.topk {self.attention.topk} "
+               f"<= dst.topk_max {self.dst.topk_max}")
