@@ -14,17 +14,18 @@ and predicted by :class:`megatron.training.balance.Balancer` (DST budgets with
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import numpy as np
 import torch
+
+from megatron.training.failsafe import strict_json
+from sparsebalance.io import atomic_write_text
 
 
 @dataclass
@@ -181,15 +182,16 @@ def setup(args):
     from megatron.training import model as M
     from megatron.training.indexed_io import open_dataset, open_loss_starts
     from megatron.training.step import StageTimers
-    from megatron.training.tokenizer import padded_vocab_size, vocab_size_for
+    from megatron.training.data_sources import open_data
+    from megatron.training.tokenizer import args_vocab_size, padded_vocab_size
 
     from megatron.training import balance as B
 
     init.initialize(args)
     cpu = init.use_cpu(args)
-    vocab = padded_vocab_size(vocab_size_for(args.tokenizer_type, args.tokenizer_model, args.vocab_size),
-                              args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    dataset = open_dataset(args.data_path)
+    vocab = padded_vocab_size(args_vocab_size(args), args.make_vocab_size_divisible_by,
+                              args.tensor_model_parallel_size)
+    dataset = open_data(args)
     loss_starts = open_loss_starts(args.data_path, dataset.sequence_lengths) if args.mask_prompt_loss else None
     train_ids, valid_ids, _ = D.split_documents(len(dataset), args.split_fractions)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -247,7 +249,7 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             ckpt.load_weights(args.load, model, warn=warn)
         else:
             iteration = ckpt.load_checkpoint(args.load, model, optimizer, scheduler, loader, warn=warn,
-                                             balancer=state["balancer"])
+                                             balancer=state["balancer"], load_optim=not args.no_load_optim)
     log = _Logger(args, rank, start=iteration)
     if args.sparse_attention:
         from megatron.training.balance import attention_backend
@@ -272,12 +274,13 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
 def _train_loop(args, state, iteration, on_step, log, warn, flag, timeline) -> dict:
     """The steps of :func:`pretrain` from ``iteration`` on, its saves and its summary."""
     from megatron.core import parallel_state as ps
+    from megatron.training.failsafe import check_step_finite, should_exit
     from megatron.training.step import evaluate, train_step
 
     model, optimizer, scheduler, loader = (state[k] for k in ("model", "optimizer", "scheduler", "loader"))
     pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
     balancer, watchdog = state["balancer"], state["watchdog"]
-    start, preempted = iteration, False
+    start, preempted, started = iteration, False, time.time()
     while iteration < args.train_iters:
         if watchdog is not None:
             watchdog.mark(f"step {iteration + 1}")
@@ -318,6 +321,7 @@ def _train_loop(args, state, iteration, on_step, log, warn, flag, timeline) -> d
             peak_memory_mb=table[:, _COL["peak_mb"]].tolist(),
         )
         log.step(entry)
+        check_step_finite(args, iteration, entry.loss, result.grad_norm)  # before eval / save
         if timeline is not None and iteration % args.log_interval == 0:
             timeline.write(iteration, forecast, meas_fwd, meas_bwd)
         if on_step is not None:
@@ -334,6 +338,10 @@ def _train_loop(args, state, iteration, on_step, log, warn, flag, timeline) -> d
             _save(args, iteration, state, log, warn, last=False)
         if args.exit_signal_handler and flag.any_rank():
             preempted = iteration < args.train_iters
+            break
+        stop = should_exit(args, iteration, started)
+        if stop is not None and iteration < args.train_iters:
+            log.info(f"stopping after iteration {iteration} ({stop})")
             break
     if args.save and iteration > start:  # nothing new to save if no step ran
         _save(args, iteration, state, log, warn, last=True)
@@ -357,7 +365,7 @@ def _save(args, iteration: int, state: dict, log: "_Logger", warn: Callable[[str
         state["watchdog"].mark(f"checkpoint save at iteration {iteration}")
     try:
         ckpt.save_checkpoint(args.save, iteration, model, optimizer, scheduler, loader, state["cpu"],
-                             balancer=state["balancer"])
+                             balancer=state["balancer"], save_optim=not args.no_save_optim)
     except ckpt.SaveError as e:
         if last or not args.continue_on_save_failure:
             raise
@@ -440,17 +448,8 @@ def _static_density(args, batches) -> Optional[float]:
 
 
 def _atomic_json(path: str, obj) -> None:
-    """Write JSON via a temp file in the same directory + os.replace."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write strict JSON (non-finite floats as null) atomically (``sparsebalance.io``)."""
+    atomic_write_text(path, strict_json(obj))
 
 
 def _warmup_steps(n: int) -> int:
@@ -575,7 +574,7 @@ class _Logger:
             lines = ["", "Training summary", "-" * (width + 24)]
             lines += [f"{k:<{width}}  {v}" for k, v in rows]
             print("\n".join(lines), flush=True)
-            print("SUMMARY_JSON " + json.dumps(out), flush=True)
+            print("SUMMARY_JSON " + strict_json(out), flush=True)
             if self.args.summary_json:
                 _atomic_json(self.args.summary_json, out)
         return out
