@@ -55,6 +55,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 PARTS = ("deps", "build", "tests", "bench", "train")
 SKIP_WHEELS = ("torch-", "triton-", "nvidia_", "nvidia-")
 """Wheels never installed over the machine's own CUDA stack."""
@@ -375,7 +376,7 @@ def part_train(a, left: float) -> Part:
     summary = os.path.join(work, "summary.json")
     if os.path.exists(summary):
         os.unlink(summary)
-    proc = _run([sys.executable, "pretrain_gpt.py", "--data-path", corpus, "--bf16",
+    proc = _run([sys.executable, "pretrain_gpt.py", *PROJECT_RUN_FLAGS, "--data-path", corpus, "--bf16",
                  "--num-layers", "4", "--hidden-size", "896", "--ffn-hidden-size", "4864",
                  "--num-attention-heads", "14", "--num-query-groups", "2", "--swiglu",
                  "--normalization", "RMSNorm", "--rotary-base", "1000000",

@@ -432,7 +432,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     args.world_size = ws
     args.data_parallel_size = dp = ws // (tp * pp * cp)
     if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not _has_cuda()):
-        raise UsageError("tied embeddings (from --model-preset) with --pipeline-model-parallel-size > 1 "
+        raise UsageError("tied embeddings (Megatron-LM's default) with --pipeline-model-parallel-size > 1 "
                          "need CUDA (megatron-core syncs them across stages on the GPU); add "
                          "--untie-embeddings-and-output-weights or use PP=1")
     if pp > args.num_layers:

@@ -180,7 +180,7 @@ def setup(args):
     from megatron.training import data as D
     from megatron.training import initialize as init
     from megatron.training import model as M
-    from megatron.training.indexed_io import open_dataset, open_loss_starts
+    from megatron.training.indexed_io import open_loss_starts
     from megatron.training.step import StageTimers
     from megatron.training.data_sources import open_data
     from megatron.training.tokenizer import args_vocab_size, padded_vocab_size

@@ -10,12 +10,14 @@ import sys
 
 import pytest
 
+from megatron.training.presets import PROJECT_RUN_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 HARNESS = os.path.join(ROOT, "tests", "training", "_harness.py")
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 
-TINY = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
+TINY = [*PROJECT_RUN_FLAGS, "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
         "--num-attention-heads", "4", "--seq-length", "256", "--global-batch-size", "4",
         "--lr", "1e-3", "--log-interval", "1", "--no-progress-bar", "--seed", "7"]
 
