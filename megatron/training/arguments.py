@@ -138,6 +138,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="fraction of each head's dims that RoPE rotates (GPT-NeoX style partial rotary); "
                         "the rest carry content only")
     g.add_argument("--rotary-base", type=pos(int), default=10000, help="RoPE base (theta)")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=pos(int), default=None,
+                   help="RoPE position interpolation: positions are divided by this factor")
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.1 RoPE frequency scaling (low/high frequency factors 1/4, original context 8192)")
     g.add_argument("--rope-scaling-factor", type=pos(float), default=8.0, help="with --use-rope-scaling")
@@ -527,7 +529,9 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError("--exit-signal-handler needs --save (it saves a checkpoint before exiting)")
     if args.finetune and args.load is None:
         raise UsageError("--finetune needs --load")
-    if args.load is not None and not os.path.isdir(args.load):
+    fresh = args.save and args.load and not os.path.exists(args.load) and \
+        os.path.realpath(args.save) == os.path.realpath(args.load)  # Megatron-LM's --save X --load X
+    if args.load is not None and not os.path.isdir(args.load) and not fresh:
         raise UsageError(f"--load: {args.load} is not a directory")
     if args.exit_on_missing_checkpoint and args.load is None:
         raise UsageError("--exit-on-missing-checkpoint needs --load")

@@ -51,8 +51,12 @@ _NOOP = {
         "--reset-position-ids --reset-attention-mask --no-create-attention-mask-in-dataloader",
     "the loss is always per token (sum over the global batch's target tokens / their number)":
         "--calculate-per-token-loss",
+    "a document's last token never has a target (the packer ends every document there)": "--eod-mask-loss",
+    "the same attention (the scaling only guards fp16 softmax; this driver's softmax is fp32)":
+        "--apply-query-key-layer-scaling",
     "throughput is always in the log line (tokens/s)": "--log-throughput",
     "stage forward/backward times are always logged to tensorboard": "--log-timers-to-tensorboard",
+    "tensorboard buffering only changes when events reach disk": "--tensorboard-queue-size",
     "peak memory is always logged (and to tensorboard)":
         "--log-memory-to-tensorboard --log-device-memory-used --log-memory-interval",
     "no RNG state exists to save or load: training draws no random numbers":
@@ -73,7 +77,8 @@ _NOOP = {
         "--nccl-communicator-config-path --use-tp-pp-dp-mapping --disable-gloo-process-groups "
         "--distributed-timeout-seconds-after-init --local-rank --high-priority-stream-groups "
         "--tp-comm-bootstrap-backend --use-sharp --sharp-enabled-group --create-all-gather-group "
-        "--microbatch-group-size-per-virtual-pipeline-stage --no-pin-cpu-grads --no-pin-cpu-params",
+        "--microbatch-group-size-per-virtual-pipeline-stage --no-pin-cpu-grads --no-pin-cpu-params "
+        "--overlap-param-gather-with-optimizer-step",
     "checkpoints are always torch_dist, written synchronously and loaded by every rank":
         "--use-dist-ckpt --dist-ckpt-format --async-save --use-persistent-ckpt-worker --ckpt-fully-parallel-save "
         "--no-ckpt-fully-parallel-save --disable-ckpt-fully-parallel-save --ckpt-fully-parallel-load "
@@ -91,7 +96,7 @@ _IGNORED = {
     "memory and validation loss)":
         "--log-params-norm --log-num-zeros-in-grad --log-validation-ppl-to-tensorboard --log-progress "
         "--log-world-size-to-tensorboard --no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard "
-        "--tensorboard-log-interval --tensorboard-queue-size --timing-log-level --timing-log-option "
+        "--tensorboard-log-interval --timing-log-level --timing-log-option "
         "--no-barrier-with-level-1-timing --logging-level --log-energy --log-max-attention-logit "
         "--log-straggler --straggler-ctrlr-port --straggler-minmax-count --disable-straggler-on-startup "
         "--config-logger-dir",
@@ -192,6 +197,7 @@ NEUTRAL: Dict[str, str] = {
     "--expert-tensor-parallel-size": "1",
     "--num-experts": "0",
     "--mtp-num-layers": "0",
+    "--timing-log-level": "0",
 }
 """Flags whose given value means "the feature is off"; honoured (Megatron-LM does the same)."""
 
@@ -307,6 +313,8 @@ def check_hardware(args: argparse.Namespace, cuda: bool) -> None:
         if on and not cuda:
             raise ValueError(f"{flag} needs CUDA (the CPU path trains in fp32; drop {flag} or "
                              "run on a GPU without --cpu)")
+    if args.distributed_backend == "nccl" and not cuda:
+        raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
     te = args.transformer_impl == "transformer_engine"
     if te and not (cuda and _importable("transformer_engine")):
         missing = " and ".join(x for x, ok in (("CUDA", cuda), ("the transformer_engine package",

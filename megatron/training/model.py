@@ -175,6 +175,7 @@ def build_gpt_chunks(args, config, vocab_size: int) -> List[torch.nn.Module]:
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
+            seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
             rope_scaling=args.use_rope_scaling,
             rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=stage,
