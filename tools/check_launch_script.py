@@ -34,9 +34,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         text = sys.stdin.read() if a.script == "-" else open(a.script, encoding="utf-8").read()
-    except (OSError, UnicodeDecodeError) as e:
-        usage_error(f"{a.script}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})",
-                    prog=p.prog)
+    except OSError as e:
+        usage_error(f"{a.script}: {e.strerror}", prog=p.prog)
+    except UnicodeDecodeError as e:
+        usage_error(f"{a.script}: not UTF-8 text ({e.reason} at byte {e.start})", prog=p.prog)
     from megatron.training import quiet_optional_extras
 
     quiet_optional_extras()

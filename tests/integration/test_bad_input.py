@@ -259,6 +259,11 @@ CASES = [
     Case("pretrain-overlap-param-gather-without-grad-reduce", "pretrain_gpt.py",
          _pretrain("--use-distributed-optimizer", "--overlap-param-gather"),
          r"--overlap-param-gather needs --overlap-grad-reduce"),
+    # check_launch_script.py
+    Case("check-launch-missing-script", "tools/check_launch_script.py", _p("{d}/none.sh"), r"none\.sh"),
+    Case("check-launch-not-utf8", "tools/check_launch_script.py", _p("{d}/latin1.jsonl"),
+         r"latin1\.jsonl.*UTF-8"),
+    Case("check-launch-no-flags", "tools/check_launch_script.py", _p("{d}/blank.jsonl"), r"no --flags"),
     # preprocess_data.py: bad JSONL
     Case("preprocess-missing-input", "tools/preprocess_data.py",
          _p("--input", "{d}/none.jsonl", "--output-prefix", "{d}/pp0"), r"none\.jsonl",
