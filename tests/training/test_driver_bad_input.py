@@ -363,3 +363,30 @@ def test_disk_full_save_names_enospc_and_the_path(corpus, tmp_path):
         assert not list((mnt / "ck").glob("iter_*")), "a partial checkpoint was left"
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_eval_interval_with_empty_validation_split_warns_once(corpus, capsys, monkeypatch):
+    """--eval-interval with a --split that leaves no validation document: one warning line
+    (no evaluation can run), not silence."""
+    import importlib.util
+
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setenv("RANK", "0")
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", PRETRAIN)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    driver._check_inputs(parse_args([*TINY, "--data-path", corpus, "--split", "100,0,0", "--eval-interval", "2"],
+                                    world_size=1))
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: warning: --eval-interval 2:"), lines
+    assert "no evaluation will run" in lines[0]
+
+
+def test_exit_interval_stops_and_saves(corpus, tmp_path):
+    """Megatron-LM's --exit-interval: stop after the first iteration divisible by it, saving."""
+    save = tmp_path / "ck"
+    proc = run([*RUN, "--data-path", corpus, "--train-iters", "6", "--exit-interval", "2", "--save", str(save)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "stopping after iteration 2 (--exit-interval 2)" in proc.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
