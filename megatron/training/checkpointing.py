@@ -570,7 +570,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
 
     The LR schedule follows Megatron-LM's resume rule
     (:func:`megatron.training.lr_schedule.resume_schedule`, with the scheduler's
-    override / use-checkpoint flags); ``warn`` gets the line saying which one is used
+    override / use-checkpoint flags); rank 0 prints the line saying which one is used
     when the command line's differs from the checkpoint's.
 
     Raises ValueError (one line) when ``root`` holds no intact checkpoint, it does not
@@ -598,8 +598,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer)
         scheduler.load_state_dict(loaded["scheduler"])
-        if warn and schedule_line is not None:
-            warn(schedule_line)
+        if schedule_line is not None and _rank_world()[0] == 0:  # an info line: the user chose it
+            print(schedule_line, flush=True)
     try:
         loader.load_state_dict(loaded["sampler"])
     except ValueError as e:  # e.g. resumed with another DP size or --seq-length
