@@ -445,6 +445,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     vstages = args.num_virtual_stages_per_pipeline_rank
     if vstages is not None:
+        if pp < 2:
+            raise UsageError("--num-virtual-stages-per-pipeline-rank needs --pipeline-model-parallel-size >= 2")
         if args.num_layers_per_virtual_pipeline_stage is not None:
             raise UsageError("give --num-layers-per-virtual-pipeline-stage or "
                              "--num-virtual-stages-per-pipeline-rank, not both")

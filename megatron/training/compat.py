@@ -328,7 +328,9 @@ def check_hardware(args: argparse.Namespace, cuda: bool) -> None:
         raise ValueError("--transformer-impl transformer_engine with --context-parallel-size > 1 is not "
                          "supported (this driver's CP attention is its own); use --transformer-impl local")
     if args.attention_backend in ("flash", "fused") and not te:
-        raise ValueError(f"--attention-backend {args.attention_backend} is Transformer Engine's: it needs "
+        flag = "--use-flash-attn (= --attention-backend flash)" if args.use_flash_attn else \
+            f"--attention-backend {args.attention_backend}"
+        raise ValueError(f"{flag} is Transformer Engine's: it needs "
                          "--transformer-impl transformer_engine on a CUDA GPU with transformer_engine "
                          "(auto/local/unfused use this project's attention)")
     if args.sequence_parallel:  # TP > 1 here (arguments.py turns it off with TP = 1, as Megatron-LM does)

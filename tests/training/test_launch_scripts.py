@@ -117,3 +117,26 @@ def test_every_megatron_lm_flag_is_recognised():
     kinds = {compat.treatment(f).kind for f in names if f not in compat.TABLE}
     assert kinds <= {"unsupported", "noop"}
     assert {t.kind for t in compat.TABLE.values()} == {"noop", "ignored", "hardware"}
+
+
+def test_each_megatron_lm_flag_parses_or_fails_in_one_line(corpus, capsys):
+    """Every Megatron-LM flag alone (with a value "1" where it takes values): parsed, or one
+    error line naming it; never a traceback, never "unrecognized arguments"."""
+    from megatron.training import compat
+    from megatron.training.arguments import parse_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+            "--cpu", "--data-path", corpus]
+    outcomes = {"parsed": 0, "refused": 0}
+    for flag, nargs in sorted(compat.megatron_lm_flags().items()):
+        values = [] if nargs == 0 else ["1"] * (int(nargs) if isinstance(nargs, int) else 1)
+        try:
+            parse_args([*base, flag, *values], world_size=1)
+            outcomes["parsed"] += 1
+        except SystemExit as e:
+            lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+            assert e.code == 2 and len(lines) == 1, (flag, lines)
+            assert "unrecognized arguments" not in lines[0], (flag, lines[0])
+            assert flag in lines[0] or flag.replace("_", "-") in lines[0], (flag, lines[0])  # names it
+            outcomes["refused"] += 1
+    assert outcomes["parsed"] > 100 and outcomes["refused"] > 100, outcomes
