@@ -278,7 +278,7 @@ def _step(fn: Callable[[], None], path: Optional[str] = None) -> Optional[str]:
     except _errors() as e:
         error = _cause(e)
         if path is not None and "ENOSPC" not in error and _disk_full(e, path):
-            error = f"no space left on device (ENOSPC) writing {path} ({error})"
+            error = f"{error} (ENOSPC: no space left on device writing {path})"
     return _agree(error)
 
 
