@@ -4,6 +4,7 @@ Tiny CPU run (2 processes, 1F1B over gloo; what ``make demo`` does)::
 
     .venv/bin/python tools/make_corpus.py --output-prefix data/corpus
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 pretrain_gpt.py --data-path data/corpus \
+        --untie-embeddings-and-output-weights --position-embedding-type rope \
         --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
         --seq-length 512 --global-batch-size 4 --train-iters 30 --lr 1e-3
 
@@ -14,13 +15,16 @@ once with the same model flags and thread count (``--quick``: a small grid, < 1 
         --sparse-attention --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
         --seq-length 1024 --sb-block-size 32 --sb-topk 4
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 pretrain_gpt.py --data-path data/corpus \
+        --untie-embeddings-and-output-weights --position-embedding-type rope \
         --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
         --seq-length 1024 --global-batch-size 4 --train-iters 30 --lr 1e-3 \
         --sparse-balance --sb-block-size 32 --sb-topk 4 --sb-profile results/cpu_profile.json \
         --summary-json runs/sb_cpu/summary.json --sb-timeline runs/sb_cpu/timeline
 
-(``--sb-cost-model h100-analytic`` instead of ``--sb-profile`` plans with the analytic
-H100 model; ``--sb-dst anchor --sb-anchor mean --sb-p 0.1`` is the paper's policy.)
+(Untied embeddings: tied ones, Megatron-LM's default, need CUDA with PP > 1. A
+Megatron-LM launch script runs unchanged; ``tools/check_launch_script.py SCRIPT`` says
+what each of its flags does here. ``--sb-cost-model h100-analytic`` instead of
+``--sb-profile`` plans with the analytic H100 model; ``--sb-dst anchor --sb-anchor mean --sb-p 0.1`` is the paper's policy.)
 
 GPU cluster run (per node; see examples/ for Slurm)::
 
