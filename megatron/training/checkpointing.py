@@ -50,7 +50,6 @@ read back by megatron's default ``TorchDistLoadShardedStrategy``.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -237,29 +236,6 @@ def _cause(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def _disk_full(e: BaseException, path: str) -> bool:
-    """ENOSPC anywhere in ``e``'s chain (or in DCP's per-rank failures), or ``path``'s file
-    system has no space left: serializers such as torch.save's zip writer lose the errno
-    and say e.g. "unexpected pos" instead."""
-    seen, todo = set(), [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
-            return True
-        failures = getattr(x, "failures", None)
-        if isinstance(failures, dict):
-            todo += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
-        todo += [x.__cause__, x.__context__]
-    try:
-        st = os.statvfs(path if os.path.exists(path) else os.path.dirname(path) or ".")
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < (1 << 20)
-
-
 def _errors() -> tuple:
     """What a save or load step can raise: torch's CheckpointException is a BaseException."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -272,12 +248,14 @@ def _step(fn: Callable[[], None], path: Optional[str] = None) -> Optional[str]:
     Catches every error, not only OSError: a rank that raised past the agreement would
     leave the others waiting in it. ``path``: where the step writes (a full disk is then
     named ENOSPC with that path, whatever the writer said)."""
+    from megatron.training.failsafe import disk_full
+
     error = None
     try:
         fn()
     except _errors() as e:
         error = _cause(e)
-        if path is not None and "ENOSPC" not in error and _disk_full(e, path):
+        if path is not None and "ENOSPC" not in error and disk_full(e, path):
             error = f"{error} (ENOSPC: no space left on device writing {path})"
     return _agree(error)
 

@@ -10,11 +10,14 @@
   start time of the run's rank 0. A second run on the same directory is refused while
   that process lives; a lock whose process is gone (killed run) is taken over.
 * :func:`strict_json`: ``json.dumps`` with non-finite floats as ``null`` (``allow_nan=False``).
+* :func:`disk_full`: whether a failed write ran out of space (the checkpoint save then
+  names ENOSPC and the path, whatever the serializer said).
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import math
 import os
@@ -85,6 +88,30 @@ def should_exit(args, iteration: int, started: float) -> Optional[str]:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         over = bool(t.item())
     return f"--exit-duration-in-mins {minutes:g}" if over else None
+
+
+def disk_full(e: BaseException, path: str) -> bool:
+    """ENOSPC anywhere in ``e``'s chain (or in DCP's per-rank failures), or ``path``'s file
+    system has no space left: serializers such as torch.save's zip writer lose the errno
+    and say e.g. "unexpected pos" instead."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            return True
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+        todo += [x.__cause__, x.__context__]
+    try:
+        st = os.statvfs(path if os.path.exists(path) else os.path.dirname(path) or ".")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
 
 
 def _start_time(pid: int) -> Optional[str]:

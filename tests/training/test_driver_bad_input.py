@@ -390,3 +390,28 @@ def test_exit_interval_stops_and_saves(corpus, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "stopping after iteration 2 (--exit-interval 2)" in proc.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_save_step_names_enospc_whatever_the_writer_said(tmp_path, monkeypatch):
+    """torch.save's zip writer on a full disk says "unexpected pos ..." (the errno is lost):
+    the save step still names ENOSPC and the path; other failures keep their own words."""
+    import errno as E
+
+    from megatron.training import checkpointing as ckpt
+
+    def zip_writer_on_full_disk():
+        try:
+            raise OSError(E.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("unexpected pos 704 vs 598")
+
+    msg = ckpt._step(zip_writer_on_full_disk, str(tmp_path))
+    assert msg.startswith("unexpected pos 704 vs 598") and f"ENOSPC: no space left on device writing {tmp_path}" in msg
+    assert ckpt._step(lambda: (_ for _ in ()).throw(RuntimeError("bad shape")), str(tmp_path)) == "bad shape"
+
+    class Full:  # the file system reports no free blocks, the error says nothing about it
+        f_bavail, f_frsize = 0, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Full())
+    msg = ckpt._step(lambda: (_ for _ in ()).throw(RuntimeError("unexpected pos 1 vs 0")), str(tmp_path))
+    assert "ENOSPC" in msg and str(tmp_path) in msg
