@@ -99,8 +99,12 @@ class _JoinWords(argparse.Action):
         setattr(namespace, self.dest, " ".join(values))
 
 
-def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
-    """The full flag set of ``pretrain_gpt.py`` (no validation beyond types)."""
+def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False) -> argparse.ArgumentParser:
+    """The flags of ``pretrain_gpt.py`` (no validation beyond types).
+
+    ``megatron_lm_flags``: also register the rest of Megatron-LM's flags (``compat.py``), as
+    ``pretrain_gpt.py`` does; off for tools that extend this parser with their own flags
+    (a name of theirs may be a Megatron-LM flag, e.g. ``--warmup``)."""
     p = OneLineParser(
         prog=prog,
         description="GPT training on megatron-core with packed documents (CPU/gloo or GPU/NCCL).",
@@ -397,9 +401,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--no-progress-bar", action="store_true", help="plain log lines only")
     g.add_argument("--summary-json", default=None, metavar="PATH",
                    help="rank 0 writes the run's metrics here at the end (atomically)")
-    from megatron.training.compat import add_megatron_lm_flags
+    if megatron_lm_flags:  # the rest of Megatron-LM's flags: one line each, never "unrecognized"
+        from megatron.training.compat import add_megatron_lm_flags
 
-    add_megatron_lm_flags(p)  # the rest of Megatron-LM's flags: one line each, never "unrecognized"
+        add_megatron_lm_flags(p)
     return p
 
 
@@ -548,7 +553,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
     """Parse and validate; any usage error prints one line and exits with code 2."""
-    parser = build_parser()
+    parser = build_parser(megatron_lm_flags=True)
     args = parser.parse_args(argv)
     try:
         return validate(args, world_size)

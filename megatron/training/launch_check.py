@@ -36,7 +36,7 @@ def script_flags(text: str, parser: Optional[argparse.ArgumentParser] = None) ->
     """``[(flag, values)]`` of every ``--flag`` in a launch script, in order (see module docstring)."""
     from megatron.training.arguments import build_parser
 
-    nargs = _nargs(parser or build_parser())
+    nargs = _nargs(parser or build_parser(megatron_lm_flags=True))
     out: List[Tuple[str, List[str]]] = []
     for line in text.replace("\\\n", " ").splitlines():
         try:
@@ -98,7 +98,7 @@ def classify(flags: Sequence[Tuple[str, List[str]]], cuda: bool = False, te: boo
     from megatron.training import compat
     from megatron.training.arguments import build_parser
 
-    parser = build_parser()
+    parser = build_parser(megatron_lm_flags=True)
     known = {s: a for a in parser._actions for s in a.option_strings}
     given = {f: v for f, v in flags}
     tp = _number((given.get("--tensor-model-parallel-size") or ["1"])[0]) or 1
