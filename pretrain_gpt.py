@@ -4,6 +4,7 @@ Tiny CPU run (2 processes, 1F1B over gloo; what ``make demo`` does)::
 
     .venv/bin/python tools/make_corpus.py --output-prefix data/corpus
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 pretrain_gpt.py --data-path data/corpus \
+        --untie-embeddings-and-output-weights --position-embedding-type rope \
         --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
         --seq-length 512 --global-batch-size 4 --train-iters 30 --lr 1e-3
 
@@ -14,13 +15,16 @@ once with the same model flags and thread count (``--quick``: a small grid, < 1 
         --sparse-attention --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
         --seq-length 1024 --sb-block-size 32 --sb-topk 4
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 pretrain_gpt.py --data-path data/corpus \
+        --untie-embeddings-and-output-weights --position-embedding-type rope \
         --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
         --seq-length 1024 --global-batch-size 4 --train-iters 30 --lr 1e-3 \
         --sparse-balance --sb-block-size 32 --sb-topk 4 --sb-profile results/cpu_profile.json \
         --summary-json runs/sb_cpu/summary.json --sb-timeline runs/sb_cpu/timeline
 
-(``--sb-cost-model h100-analytic`` instead of ``--sb-profile`` plans with the analytic
-H100 model; ``--sb-dst anchor --sb-anchor mean --sb-p 0.1`` is the paper's policy.)
+(Untied embeddings: tied ones, Megatron-LM's default, need CUDA with PP > 1. A
+Megatron-LM launch script runs unchanged; ``tools/check_launch_script.py SCRIPT`` says
+what each of its flags does here. ``--sb-cost-model h100-analytic`` instead of
+``--sb-profile`` plans with the analytic H100 model; ``--sb-dst anchor --sb-anchor mean --sb-p 0.1`` is the paper's policy.)
 
 GPU cluster run (per node; see examples/ for Slurm)::
 
@@ -50,31 +54,49 @@ def _fail(message: str, code: int) -> "NoReturn":  # noqa: F821
     raise SystemExit(code)
 
 
+def _warn(message: str) -> None:
+    """One warning line on stderr, from rank 0 only."""
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"pretrain_gpt.py: warning: {message}\n")
+        sys.stderr.flush()
+
+
 def _check_inputs(args) -> None:
-    """Input checks that need no process group: device flags, dataset readable, --load has
-    a checkpoint."""
+    """Input checks that need no process group: tokenizer files, dataset readable (or
+    --mock-data written), --load has a checkpoint, --save not in use by a live run."""
     from megatron.training.checkpointing import read_tracker
-    from megatron.training.indexed_io import open_dataset
-    from megatron.training.initialize import use_cpu
+    from megatron.training.data import split_documents
+    from megatron.training.data_sources import open_data, write_mock_data
+    from megatron.training.failsafe import SaveDirLock
+    from megatron.training.tokenizer import args_vocab_size
 
     try:
-        if use_cpu(args) and args.bf16:
-            raise ValueError("--bf16 needs CUDA (the CPU path trains in fp32)")
-        if use_cpu(args) and args.distributed_backend == "nccl":
-            raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
-        open_dataset(args.data_path)
+        vocab = args_vocab_size(args)  # reads the tokenizer files: a bad one fails here
+        if args.mock_data:
+            write_mock_data(args, vocab)
+        documents = len(open_data(args))
         if args.sb_has_predictor:  # missing / stale profile: refuse before any process group
             from megatron.training.balance import build_predictor
-            from megatron.training.tokenizer import vocab_size_for
 
-            build_predictor(args, vocab_size_for(args.tokenizer_type, args.tokenizer_model,
-                                                 args.vocab_size))
+            try:
+                build_predictor(args, vocab)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--sb-profile {args.sb_profile}: not UTF-8 text ({e.reason} at byte "
+                                 f"{e.start})") from None
         if args.load is not None and read_tracker(args.load) is None:
             same_as_save = args.save and os.path.realpath(args.save) == os.path.realpath(args.load)
-            if not same_as_save:  # --load == --save on an empty dir: a fresh start that can resume
+            if args.exit_on_missing_checkpoint or not same_as_save:
+                # --load == --save on an empty dir: a fresh start that can resume
                 raise ValueError(f"--load: no checkpoint in {args.load}")
+        if args.save and os.environ.get("RANK", "0") == "0":
+            SaveDirLock(args.save).acquire()  # released at exit; a killed run's lock is stale
     except (ValueError, OSError) as e:  # OSError: a profile or dataset that cannot be read
         _fail(" ".join(str(e).split()), 2)
+    for line in args.compat_warnings:
+        _warn(line)
+    if args.eval_interval and args.eval_iters and not len(split_documents(documents, args.split_fractions)[1]):
+        _warn(f"--eval-interval {args.eval_interval}: the validation split of --split {args.split} holds no "
+              f"document of the {documents}; no evaluation will run")
 
 
 def _is_comm_failure(e: BaseException) -> bool:

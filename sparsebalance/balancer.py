@@ -45,21 +45,35 @@ from typing import Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sparsebalance.config import AttentionConfig, ParallelConfig, SparseBalanceConfig
+from sparsebalance.config import AttentionConfig, ModelConfig, ParallelConfig, SparseBalanceConfig
 
 Lengths = List[List[List[int]]]
 """Segment token counts ``[dp][microbatch][segment]`` of one step."""
 
 
-def attention_backend(attention: AttentionConfig, parallel: ParallelConfig) -> str:
-    """The kernel backend name a run resolves to (what profiles record)."""
+def attention_backend_choice(attention: AttentionConfig, parallel: ParallelConfig,
+                             model: Optional[ModelConfig] = None) -> dict:
+    """The kernel backend a run resolves to and why: ``{"backend", "reason", ...}``
+    (:func:`sparsebalance.ops.autoselect.backend_choice`: on CUDA, ``auto`` is the fastest
+    backend that passed verification on this device, measured once and cached; on CPU the
+    rule cpu > reference). Dense attention is ``sdpa`` (tools/profile_latency.py's name)."""
     if not attention.sparse:
-        return "sdpa"  # tools/profile_latency.py's name for the dense layer
+        return {"backend": "sdpa", "reason": "dense attention", "timings_ms": {}, "failed": {},
+                "key": None, "source": "flag"}
     import torch
-    from sparsebalance.ops import resolve_backend
+    from sparsebalance.ops.autoselect import backend_choice
 
     cuda = torch.cuda.is_available() and not parallel.cpu
-    return resolve_backend(attention.backend, torch.device("cuda" if cuda else "cpu"))
+    head_dim = model.hidden_size // model.num_attention_heads if model is not None else 128
+    dtype = torch.bfloat16 if model is not None and model.bf16 else torch.float32
+    return backend_choice(attention.backend, torch.device("cuda" if cuda else "cpu"), head_dim,
+                          attention.block_size, dtype)
+
+
+def attention_backend(attention: AttentionConfig, parallel: ParallelConfig,
+                      model: Optional[ModelConfig] = None) -> str:
+    """The kernel backend name a run resolves to (what profiles record)."""
+    return attention_backend_choice(attention, parallel, model)["backend"]
 
 
 def build_predictor(config: SparseBalanceConfig, warn=None):
@@ -92,7 +106,7 @@ def build_predictor(config: SparseBalanceConfig, warn=None):
     # Every model-fingerprint entry the profiler records, so a mismatch is caught and
     # the "create it" command of a missing profile reproduces this run's setup.
     expect = {"attention": "sparse" if att.sparse else "dense",
-              "attention_backend": attention_backend(att, config.parallel),
+              "attention_backend": attention_backend(att, config.parallel, m),
               "seq_length": m.seq_length, "normalization": m.normalization,
               "params_dtype": "bf16" if m.bf16 else "fp32"}
     with warnings.catch_warnings(record=True) as caught:

@@ -55,13 +55,14 @@ from typing import Dict, List, NoReturn, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 
 from megatron.training.arguments import OneLineParser, _non_negative, _positive, usage_error  # noqa: E402
 
 PROG = "fault_trials.py"
 WORKER = os.path.join(REPO, "tests", "training", "_fault_worker.py")
 PHASES = ("forward", "p2p", "optimizer", "checkpoint")
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
+MODEL = [*PROJECT_RUN_FLAGS, "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--num-attention-heads", "4", "--seq-length", "256", "--global-batch-size", "4",
          "--lr", "1e-3", "--log-interval", "1", "--no-progress-bar", "--seed", "7",
          "--pipeline-model-parallel-size", "2", "--sparse-balance", "--sb-block-size", "32",

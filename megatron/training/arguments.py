@@ -82,8 +82,32 @@ RECOMPUTE_METHODS = ("uniform", "block")
 """``--recompute-method`` names (megatron-core ``TransformerConfig.recompute_method``)."""
 
 
-def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
-    """The full flag set of ``pretrain_gpt.py`` (no validation beyond types)."""
+TOKENIZER_TYPES = ("ByteTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "NullTokenizer")
+"""``--tokenizer-type`` names this driver reads (megatron/training/tokenizer.py)."""
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+"""``--lr-decay-style`` names (megatron-core ``OptimizerParamScheduler``)."""
+TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
+"""``--transformer-impl`` names (Megatron-LM's)."""
+ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
+"""``--attention-backend`` names (megatron-core ``AttnBackend``)."""
+
+
+class _JoinWords(argparse.Action):
+    """``--data-path A`` or ``--data-path 0.5 A 0.5 B``: store the words as one string."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not values:
+            parser.error(f"{option_string}: expected a dataset prefix (or WEIGHT PREFIX pairs)")
+        setattr(namespace, self.dest, " ".join(values))
+
+
+def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False) -> argparse.ArgumentParser:
+    """The flags of ``pretrain_gpt.py`` (no validation beyond types).
+
+    ``megatron_lm_flags``: also register the rest of Megatron-LM's flags (``compat.py``), as
+    ``pretrain_gpt.py`` does; off for tools that extend this parser with their own flags
+    (a name of theirs may be a Megatron-LM flag, e.g. ``--warmup``)."""
     p = OneLineParser(
         prog=prog,
         description="GPT training on megatron-core with packed documents (CPU/gloo or GPU/NCCL).",
@@ -109,12 +133,20 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="tokens per micro-batch (packed documents, THD)")
     g.add_argument("--max-position-embeddings", type=pos(int), default=None,
                    help="longest position (default: --seq-length)")
-    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"), default="rope",
-                   help="rope, learned_absolute, or none (no position signal besides the causal mask)")
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
+                   default="learned_absolute",
+                   help="learned_absolute (Megatron-LM's default), rope, or none (no position signal "
+                        "besides the causal mask)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type none")
     g.add_argument("--rotary-percent", type=pos(float), default=1.0,
                    help="fraction of each head's dims that RoPE rotates (GPT-NeoX style partial rotary); "
                         "the rest carry content only")
     g.add_argument("--rotary-base", type=pos(int), default=10000, help="RoPE base (theta)")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=pos(int), default=None,
+                   help="RoPE position interpolation: positions are divided by this factor")
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.1 RoPE frequency scaling (low/high frequency factors 1/4, original context 8192)")
     g.add_argument("--rope-scaling-factor", type=pos(float), default=8.0, help="with --use-rope-scaling")
@@ -123,18 +155,46 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="bias on the query/key/value projection only (Qwen2), even with --disable-bias-linear")
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=True,
-                   help="separate output-layer weights (this driver's default; presets of tied models "
-                        "such as qwen2.5-0.5b tie them, and this flag unties them again)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output-layer weights (default: tied to the input embedding, as in "
+                        "Megatron-LM; presets of untied models such as llama3-8b set it)")
+    g.add_argument("--kv-channels", type=pos(int), default=None,
+                   help="width of each attention head (default: hidden size / attention heads)")
+    g.add_argument("--hidden-dropout", type=nonneg(float), default=0.0,
+                   help="dropout after attention and MLP (Megatron-LM's default is 0.1; this driver "
+                        "trains without dropout: only 0 is accepted, see docs/usage.md)")
+    g.add_argument("--attention-dropout", type=nonneg(float), default=0.0,
+                   help="dropout of attention probabilities (Megatron-LM's default is 0.1; only 0 is "
+                        "accepted, see --hidden-dropout)")
     g.add_argument("--init-method-std", type=pos(float), default=0.02,
                    help="std of the normal initialization of the weights")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama/Qwen style)")
     g.add_argument("--vocab-size", type=pos(int), default=None,
                    help="vocabulary size (default: from the tokenizer)")
-    g.add_argument("--make-vocab-size-divisible-by", type=pos(int), default=1,
-                   help="pad the vocabulary to a multiple of this x TP (Megatron-LM's default is 128; "
-                        "1 here keeps a converted model's vocabulary exact)")
-    g.add_argument("--bf16", action="store_true", help="bf16 weights/activations (GPU only)")
+    g.add_argument("--make-vocab-size-divisible-by", type=pos(int), default=128,
+                   help="pad the vocabulary to a multiple of this x TP (presets of converted models set "
+                        "1 to keep their vocabulary exact)")
+    g.add_argument("--bf16", action="store_true", help="bf16 weights/activations (needs CUDA)")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 weights/activations with dynamic loss scaling (needs CUDA)")
+    g.add_argument("--loss-scale", type=pos(float), default=None,
+                   help="with --fp16: a static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=pos(float), default=2.0 ** 32,
+                   help="with --fp16: first dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=pos(float), default=1.0, help="with --fp16: smallest dynamic scale")
+    g.add_argument("--loss-scale-window", type=pos(float), default=1000,
+                   help="with --fp16: steps without overflow before the dynamic scale grows")
+    g.add_argument("--hysteresis", type=pos(int), default=2,
+                   help="with --fp16: overflows tolerated before the dynamic scale shrinks")
+    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
+                   help="local: megatron-core layers with this project's attention modules (Megatron-LM's "
+                        "default is transformer_engine); transformer_engine: Transformer Engine's layer "
+                        "spec (needs CUDA and transformer_engine; dense attention only)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="dense attention: auto/local/unfused = this project's varlen attention; "
+                        "flash/fused = Transformer Engine's (needs --transformer-impl transformer_engine)")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="Megatron-LM's older spelling of --attention-backend flash")
 
     g = p.add_argument_group("sparse attention")
     g.add_argument("--sparse-attention", action="store_true",
@@ -154,6 +214,11 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=pos(int), default=1,
                    help="CP ranks per micro-batch: each holds a head and a tail chunk of every "
                         "document; attention all-gathers keys/values per layer")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=pos(int), default=None,
+                   help="virtual stages per pipeline rank (the other way to ask for the interleaved "
+                        "schedule; layers per virtual stage = layers / PP / this)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron-LM's sequence parallelism; with TP = 1 it is off, as in Megatron-LM")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
                    help="default: nccl with CUDA, gloo otherwise")
     g.add_argument("--distributed-timeout-minutes", type=pos(float), default=10.0,
@@ -174,6 +239,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "next forward (needs --overlap-grad-reduce)")
 
     g = p.add_argument_group("activation recomputation (Megatron-LM's flags)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="= --recompute-granularity selective (Megatron-LM's shorthand)")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITY, default=None,
                    help="full: recompute whole transformer layers in backward (needs "
                         "--recompute-method and --recompute-num-layers); selective: recompute "
@@ -231,27 +298,80 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--sb-allow-stale-profile", action="store_true",
                    help="use a profile whose hardware/model fingerprint differs (warn only)")
 
-    g = p.add_argument_group("optimization")
+    g = p.add_argument_group("optimization (Megatron-LM's flags and rules; see megatron/training/lr_schedule.py)")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=nonneg(float), default=3e-4, help="peak learning rate")
     g.add_argument("--min-lr", type=nonneg(float), default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
-                   default="cosine")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    g.add_argument("--lr-decay-iters", type=pos(int), default=None,
+                   help="iterations over which the LR decays (default: --train-iters)")
+    g.add_argument("--lr-decay-samples", type=pos(int), default=None,
+                   help="with --train-samples: samples over which the LR decays (default: --train-samples)")
     g.add_argument("--lr-warmup-iters", type=nonneg(int), default=0)
+    g.add_argument("--lr-warmup-samples", type=nonneg(int), default=0, help="with --train-samples")
+    g.add_argument("--lr-warmup-fraction", type=nonneg(float), default=None,
+                   help="warmup as a fraction of the decay steps (instead of --lr-warmup-iters/samples)")
+    g.add_argument("--lr-warmup-init", type=nonneg(float), default=0.0, help="LR at the start of warmup")
+    g.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                   default="exponential", help="with --lr-decay-style WSD: shape of the final decay")
+    g.add_argument("--lr-wsd-decay-iters", type=pos(int), default=None,
+                   help="with --lr-decay-style WSD: iterations of the final decay")
+    g.add_argument("--lr-wsd-decay-samples", type=pos(int), default=None,
+                   help="with --lr-decay-style WSD and --train-samples: samples of the final decay")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, use this command line's LR/WD schedule, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, use the checkpoint's LR/WD schedule (without either flag, a "
+                        "resume whose schedule differs from the checkpoint's is an error)")
     g.add_argument("--weight-decay", type=nonneg(float), default=0.01)
+    g.add_argument("--start-weight-decay", type=nonneg(float), default=None,
+                   help="with --weight-decay-incr-style linear/cosine (default: --weight-decay)")
+    g.add_argument("--end-weight-decay", type=nonneg(float), default=None,
+                   help="with --weight-decay-incr-style linear/cosine (default: --weight-decay)")
+    g.add_argument("--weight-decay-incr-style", choices=("constant", "linear", "cosine"), default="constant")
+    g.add_argument("--adam-beta1", type=nonneg(float), default=0.9)
+    g.add_argument("--adam-beta2", type=nonneg(float), default=0.999)
+    g.add_argument("--adam-eps", type=pos(float), default=1e-8)
+    g.add_argument("--sgd-momentum", type=nonneg(float), default=0.9, help="with --optimizer sgd")
     g.add_argument("--clip-grad", type=nonneg(float), default=1.0, help="global grad-norm clip (0: off)")
-    g.add_argument("--train-iters", type=pos(int), default=20)
+    g.add_argument("--train-iters", type=pos(int), default=None, help="iterations to train (default 20)")
+    g.add_argument("--train-samples", type=pos(int), default=None,
+                   help="samples (packed sequences) to train: iterations = this / --global-batch-size")
     g.add_argument("--seed", type=nonneg(int), default=1234)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="do not stop on a non-finite loss or grad norm (default: stop with one line "
+                        "naming the iteration, before anything non-finite is saved)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True, help="the default (see --no-check-...)")
+    g.add_argument("--exit-duration-in-mins", type=pos(float), default=None,
+                   help="stop (saving with --save) once training has run this long")
+    g.add_argument("--exit-interval", type=pos(int), default=None,
+                   help="stop (saving with --save) at the first iteration divisible by this")
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset")
+    g.add_argument("--data-path", nargs="*", action=_JoinWords, default=None,
+                   help="prefix of a .bin/.idx indexed dataset, or a blend: WEIGHT PREFIX WEIGHT PREFIX ... "
+                        "(Megatron-LM's form; several prefixes without weights mix in proportion to size)")
+    g.add_argument("--data-cache-path", default=None, metavar="DIR",
+                   help="where --mock-data writes its dataset (default: a temporary directory removed "
+                        "at exit); no other cache exists here")
+    g.add_argument("--mock-data", action="store_true",
+                   help="train on random tokens (one --seq-length document per sample) instead of --data-path")
     g.add_argument("--split", default="98,2,0", help="train,valid,test weights over documents")
     g.add_argument("--mask-prompt-loss", action="store_true",
                    help="train only on each document's tokens from its loss start on (read from "
                         "DATA_PATH_loss_start.npy, written by tools/preprocess_data.py "
                         "--loss-start-key): prompts are context, answers are targets")
-    g.add_argument("--tokenizer-type", choices=("ByteTokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
-                   default="ByteTokenizer")
-    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer",
+                   help="see megatron/training/tokenizer.py (ByteTokenizer: UTF-8 bytes, no files)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="HuggingFaceTokenizer: tokenizer.json or a directory holding one; "
+                        "SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer: tokenizer.model")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log-interval", type=pos(int), default=1)
@@ -260,6 +380,14 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
+    g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
+                   default="torch_dist", help="only torch_dist (Megatron-LM's default) is written and read")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="save the model and data position only (no optimizer state or LR schedule)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="resume without loading the optimizer state and LR schedule (both start fresh)")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: no checkpoint there is an error even when --load equals --save")
     g.add_argument("--keep-last", type=pos(int), default=None, metavar="N",
                    help="after each save delete the checkpoints in --save older than the newest N "
                         "intact ones (default: keep all)")
@@ -276,6 +404,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--no-progress-bar", action="store_true", help="plain log lines only")
     g.add_argument("--summary-json", default=None, metavar="PATH",
                    help="rank 0 writes the run's metrics here at the end (atomically)")
+    if megatron_lm_flags:  # the rest of Megatron-LM's flags: one line each, never "unrecognized"
+        from megatron.training.compat import add_megatron_lm_flags
+
+        add_megatron_lm_flags(p)
     return p
 
 
@@ -299,7 +431,10 @@ def _split(text: str) -> tuple[float, float, float]:
 
 def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check cross-flag consistency and fill derived fields; raises :class:`UsageError`."""
+    from megatron.training import arg_checks
+
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    arg_checks.validate_megatron_lm(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size
     if args.seq_length < 2:
@@ -309,13 +444,24 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     args.world_size = ws
     args.data_parallel_size = dp = ws // (tp * pp * cp)
     if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not _has_cuda()):
-        raise UsageError("tied embeddings (from --model-preset) with --pipeline-model-parallel-size > 1 "
+        raise UsageError("tied embeddings (Megatron-LM's default) with --pipeline-model-parallel-size > 1 "
                          "need CUDA (megatron-core syncs them across stages on the GPU); add "
                          "--untie-embeddings-and-output-weights or use PP=1")
     if pp > args.num_layers:
         raise UsageError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {args.num_layers}")
     if args.num_layers % pp:
         raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    vstages = args.num_virtual_stages_per_pipeline_rank
+    if vstages is not None:
+        if pp < 2:
+            raise UsageError("--num-virtual-stages-per-pipeline-rank needs --pipeline-model-parallel-size >= 2")
+        if args.num_layers_per_virtual_pipeline_stage is not None:
+            raise UsageError("give --num-layers-per-virtual-pipeline-stage or "
+                             "--num-virtual-stages-per-pipeline-rank, not both")
+        if (args.num_layers // pp) % vstages:
+            raise UsageError(f"layers per stage ({args.num_layers // pp}) not divisible by "
+                             f"--num-virtual-stages-per-pipeline-rank {vstages}")
+        args.num_layers_per_virtual_pipeline_stage = args.num_layers // pp // vstages
     vpl = args.num_layers_per_virtual_pipeline_stage
     args.virtual_pipeline_model_parallel_size = None
     if vpl is not None:
@@ -342,9 +488,9 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
         raise UsageError(f"the interleaved schedule needs micro-batches per rank "
                          f"({args.num_microbatches}) divisible by PP {pp}")
-    if args.hidden_size % args.num_attention_heads:
+    if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
         raise UsageError(f"--hidden-size {args.hidden_size} not divisible by "
-                         f"--num-attention-heads {args.num_attention_heads}")
+                         f"--num-attention-heads {args.num_attention_heads} (or give --kv-channels)")
     if args.group_query_attention and args.num_query_groups is None:
         args.num_query_groups = 1
     if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
@@ -358,37 +504,33 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         args.ffn_hidden_size = 4 * args.hidden_size
     if args.rotary_percent > 1.0:
         raise UsageError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
-    head_dim = args.hidden_size // args.num_attention_heads
+    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
     rotated = int(head_dim * args.rotary_percent)
     if args.position_embedding_type == "rope" and (rotated == 0 or rotated % 2):
         raise UsageError(f"--rotary-percent {args.rotary_percent} rotates {rotated} of {head_dim} "
                          f"head dims; RoPE needs an even number, at least 2")
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
-    if args.lr_warmup_iters > args.train_iters:
-        raise UsageError(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}")
+    from megatron.training.lr_schedule import validate_schedule
+
+    validate_schedule(args, UsageError)
     bad = [n for n in args.sb_dense_layers if n > args.num_layers]
     if bad:
         raise UsageError(f"--sb-dense-layers {bad[0]} is beyond --num-layers {args.num_layers}")
     args.split_fractions = _split(args.split)
-    _validate_balance(args)
-    _validate_recompute(args)
-    _validate_distributed_optimizer(args)
-    if args.data_path is None:
-        raise UsageError("--data-path is required (make one with tools/make_corpus.py or tools/preprocess_data.py)")
-    for ext in (".bin", ".idx"):
-        if not os.path.isfile(args.data_path + ext):
-            raise UsageError(f"--data-path: {args.data_path + ext} does not exist")
+    arg_checks.validate_balance(args)
+    arg_checks.validate_recompute(args)
+    arg_checks.validate_distributed_optimizer(args)
+    from megatron.training.data_sources import resolve_data
+
+    resolve_data(args, UsageError)
     if args.mask_prompt_loss:
         from megatron.training.indexed_io import loss_start_path
 
         if not os.path.isfile(loss_start_path(args.data_path)):
             raise UsageError(f"--mask-prompt-loss needs {loss_start_path(args.data_path)} "
                              "(write it with tools/preprocess_data.py --loss-start-key)")
-    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        raise UsageError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model <tokenizer.json>")
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
+    arg_checks.validate_tokenizer(args)
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save")
     if args.keep_last and not args.save:
@@ -399,102 +541,22 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError("--exit-signal-handler needs --save (it saves a checkpoint before exiting)")
     if args.finetune and args.load is None:
         raise UsageError("--finetune needs --load")
-    if args.load is not None and not os.path.isdir(args.load):
+    fresh = args.save and args.load and not os.path.exists(args.load) and \
+        os.path.realpath(args.save) == os.path.realpath(args.load)  # Megatron-LM's --save X --load X
+    if args.load is not None and not os.path.isdir(args.load) and not fresh:
         raise UsageError(f"--load: {args.load} is not a directory")
+    if args.exit_on_missing_checkpoint and args.load is None:
+        raise UsageError("--exit-on-missing-checkpoint needs --load")
+    if args.no_load_optim and args.load is None:
+        raise UsageError("--no-load-optim needs --load")
+    if args.no_save_optim and not args.save:
+        raise UsageError("--no-save-optim needs --save")
     return args
-
-
-def _validate_balance(args: argparse.Namespace) -> None:
-    """Resolve --sparse-balance and check the SAB / DST / predictor flags."""
-    if args.sparse_balance:
-        args.sparse_attention = True
-    if args.sb_batching is None:
-        args.sb_batching = "sab" if args.sparse_balance else "megatron"
-    if args.sb_dst is None:
-        args.sb_dst = "critical-path" if args.sparse_balance else "off"
-    if args.sb_dst != "off" and not args.sparse_attention:
-        raise UsageError(f"--sb-dst {args.sb_dst} tunes sparse-attention budgets: it needs "
-                         "--sparse-attention (or --sparse-balance)")
-    k0 = args.sb_topk
-    args.sb_topk_min = k0 // 2 if args.sb_topk_min is None else args.sb_topk_min
-    args.sb_topk_max = 2 * k0 if args.sb_topk_max is None else args.sb_topk_max
-    if not args.sb_topk_min <= k0 <= args.sb_topk_max:
-        raise UsageError(f"need --sb-topk-min {args.sb_topk_min} <= --sb-topk {k0} <= "
-                         f"--sb-topk-max {args.sb_topk_max}")
-    if not 0.0 < args.sb_p < 1.0:
-        raise UsageError(f"--sb-p must be in (0, 1), got {args.sb_p}")
-    if not 0.0 <= args.sb_attn_slack < 1.0:
-        raise UsageError(f"--sb-attn-slack must be in [0, 1), got {args.sb_attn_slack}")
-    if args.sb_profile is not None and args.sb_cost_model is not None:
-        raise UsageError("give either --sb-profile or --sb-cost-model, not both")
-    if args.sb_cost_model is not None:
-        from sparsebalance.predictor import ANALYTIC_MODELS
-
-        if args.sb_cost_model not in ANALYTIC_MODELS:
-            raise UsageError(f"--sb-cost-model: unknown model {args.sb_cost_model!r} "
-                             f"(known: {', '.join(sorted(ANALYTIC_MODELS))}; or --sb-profile PATH)")
-    args.sb_has_predictor = args.sb_profile is not None or args.sb_cost_model is not None
-    packer_needs = STRATEGIES[args.sb_batching].predictor == "required"
-    needs = [f for f, on in ((f"--sb-batching {args.sb_batching}", packer_needs),
-                             (f"--sb-dst {args.sb_dst}", args.sb_dst != "off")) if on]
-    if needs and not args.sb_has_predictor:
-        raise UsageError(f"{' and '.join(needs)} plan from predicted latency: give --sb-profile "
-                         "PATH (made by tools/profile_latency.py) or --sb-cost-model h100-analytic")
-    if args.sb_allow_stale_profile and args.sb_profile is None:
-        raise UsageError("--sb-allow-stale-profile needs --sb-profile")
-    if args.sb_timeline is not None and not args.sb_has_predictor:
-        raise UsageError("--sb-timeline compares predicted and measured timelines: it needs "
-                         "--sb-profile or --sb-cost-model")
-    for name in ("sb_timeline", "summary_json"):
-        path = getattr(args, name)
-        flag = "--" + name.replace("_", "-")
-        if path is not None and name == "summary_json" and os.path.isdir(path):
-            raise UsageError(f"{flag} {path} is a directory")
-        if path is not None and name == "sb_timeline" and os.path.isfile(path):
-            raise UsageError(f"{flag} {path} is a file, expected a directory")
-
-
-def _validate_distributed_optimizer(args: argparse.Namespace) -> None:
-    """Megatron-LM's rules for the overlap flags."""
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise UsageError("--overlap-param-gather is only supported with --use-distributed-optimizer")
-    if args.overlap_param_gather and not args.overlap_grad_reduce:
-        raise UsageError("--overlap-param-gather needs --overlap-grad-reduce")
-
-
-def _validate_recompute(args: argparse.Namespace) -> None:
-    """Megatron-LM's rules: full needs a method and a layer count, selective takes neither."""
-    gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    if gran is None:
-        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):
-            if value is not None:
-                raise UsageError(f"{flag} needs --recompute-granularity full")
-        return
-    if gran == "selective":
-        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):
-            if value is not None:
-                raise UsageError(f"--recompute-granularity selective recomputes core attention only: "
-                                 f"it takes no {flag}")
-        return
-    if method is None:
-        raise UsageError("--recompute-granularity full needs --recompute-method uniform or block")
-    # megatron-core applies the method to each model chunk's layers (one chunk per virtual stage)
-    vpp = args.virtual_pipeline_model_parallel_size or 1
-    chunk = args.num_layers // args.pipeline_model_parallel_size // vpp
-    if n is None:
-        raise UsageError(f"--recompute-granularity full needs --recompute-num-layers (1 .. {chunk}, "
-                         "the layers of one model chunk)")
-    if n > chunk:
-        raise UsageError(f"--recompute-num-layers {n} is more than the {chunk} layers of a model chunk "
-                         "(num layers / PP / virtual stages)")
-    if method == "uniform" and chunk % n:
-        raise UsageError(f"--recompute-method uniform needs --recompute-num-layers {n} to divide the "
-                         f"{chunk} layers of a model chunk")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
     """Parse and validate; any usage error prints one line and exits with code 2."""
-    parser = build_parser()
+    parser = build_parser(megatron_lm_flags=True)
     args = parser.parse_args(argv)
     try:
         return validate(args, world_size)

@@ -60,6 +60,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from sparsebalance.io import atomic_write_text
+
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "sparsebalance-checkpoint-manifest"
@@ -127,15 +129,10 @@ def _describe(path: str, names: List[str]) -> Dict[str, dict]:
 
 
 def write_manifest(path: str, iteration: int, files: Dict[str, dict]) -> None:
-    """Write ``path/manifest.json`` atomically (temp file, fsync, ``os.replace``)."""
+    """Write ``path/manifest.json`` atomically (``sparsebalance.io``: temp file, fsync, rename)."""
     doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "iteration": iteration,
            "checksum": CHECKSUM, "files": files}
-    tmp = os.path.join(path, f".{MANIFEST}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MANIFEST))
+    atomic_write_text(os.path.join(path, MANIFEST), json.dumps(doc, indent=1, sort_keys=True))
 
 
 def seal_checkpoint(path: str, iteration: int) -> None:
@@ -246,15 +243,20 @@ def _errors() -> tuple:
     return (Exception, CheckpointException)
 
 
-def _step(fn: Callable[[], None]) -> Optional[str]:
+def _step(fn: Callable[[], None], path: Optional[str] = None) -> Optional[str]:
     """Run this rank's part of a save step; every rank then learns whether any failed.
     Catches every error, not only OSError: a rank that raised past the agreement would
-    leave the others waiting in it."""
+    leave the others waiting in it. ``path``: where the step writes (a full disk is then
+    named ENOSPC with that path, whatever the writer said)."""
+    from megatron.training.failsafe import disk_full
+
     error = None
     try:
         fn()
     except _errors() as e:
         error = _cause(e)
+        if path is not None and "ENOSPC" not in error and disk_full(e, path):
+            error = f"{error} (ENOSPC: no space left on device writing {path})"
     return _agree(error)
 
 
@@ -365,9 +367,11 @@ def _sharded_state(model: List[torch.nn.Module], optimizer, is_loading: bool) ->
         for chunk in model:
             if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
                 chunk.start_param_sync(force_sync=True)
-    else:
+    elif optimizer is not None:
         _allocate_distributed_optimizer_state(optimizer)
     state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
+    if optimizer is None:  # --no-save-optim / --no-load-optim: the model only
+        return state
     state["optimizer"] = optimizer.sharded_state_dict(
         state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING})
     return state
@@ -442,20 +446,28 @@ def _write_state(state: dict, path: str, cpu: bool) -> Optional[str]:
         if rank == 0:
             save_config(CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version), path)
 
-    return _step(write_common) or _step(write_shards) or _step(write_config)
+    return _step(write_common, path) or _step(write_shards, path) or _step(write_config, path)
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, loader, cpu: bool,
-                    balancer=None) -> str:
+                    balancer=None, save_optim: bool = True) -> str:
     """Write iteration ``iteration`` under ``root`` (all ranks call this); returns its path.
 
     ``balancer``: the run's :class:`megatron.training.balance.Balancer` (None: no
     predictor); its online state goes into the common state as ``sparsebalance``.
+    ``save_optim`` False (``--no-save-optim``): no optimizer state and no LR schedule.
 
-    Raises :class:`SaveError` on every rank if any rank failed to write; the partial
-    directory is removed and the tracker still names the previous checkpoint.
+    Raises :class:`SaveError` on every rank if any rank failed to write, or if any rank's
+    weights hold a NaN / Inf (nothing is written then); the partial directory is removed
+    and the tracker still names the previous checkpoint.
     """
+    from megatron.training.failsafe import nonfinite_parameter
+
     rank, world = _rank_world()
+    bad = _agree(nonfinite_parameter(model))
+    if bad is not None:
+        raise SaveError(f"not saving checkpoint {os.path.basename(iter_dir(root, iteration))} to {root}: "
+                        f"{bad} holds non-finite values (NaN/Inf)")
     nonce = _from_rank0(uuid.uuid4().hex[:8])  # one temp directory for all ranks
     final = iter_dir(root, iteration)
     tmp = f"{final}.tmp-{nonce}"
@@ -472,8 +484,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
     error = _step(make_dir)
     if error:
         raise fail(error)
-    state = _sharded_state(model, optimizer, is_loading=False)
-    state.update(iteration=iteration, scheduler=scheduler.state_dict(), sampler=loader.state_dict())
+    if save_optim:
+        state = _sharded_state(model, optimizer, is_loading=False)
+        state.update(scheduler=scheduler.state_dict())
+    else:
+        state = _sharded_state(model, None, is_loading=False)
+    state.update(iteration=iteration, sampler=loader.state_dict(), optimizer_saved=save_optim)
     if balancer is not None:  # identical on every rank: rank 0's common.pt holds it
         state["sparsebalance"] = balancer.state_dict()
     error = _write_state(state, tmp, cpu)
@@ -509,12 +525,7 @@ def _publish(root: str, iteration: int, tmp: str, files: Dict[str, dict], nonce:
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    tracker_tmp = os.path.join(root, f".{TRACKER}.tmp-{nonce}")
-    with open(tracker_tmp, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    atomic_write_text(os.path.join(root, TRACKER), f"{iteration}\n")
 
 
 # ---- load --------------------------------------------------------------------------------
@@ -529,24 +540,44 @@ def _load(state: dict, path: str, what: str) -> dict:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn = None,
-                    balancer=None) -> int:
+                    balancer=None, load_optim: bool = True) -> int:
     """Load the newest intact checkpoint under ``root`` (:func:`choose_checkpoint`) into
     everything (``balancer``: the SparseBalance predictor state, when the run has one);
-    returns its iteration.
+    returns its iteration. ``load_optim`` False (``--no-load-optim``): the optimizer state
+    and LR schedule start fresh (Megatron-LM's meaning).
 
-    Raises ValueError (one line) when ``root`` holds no intact checkpoint or it does not
-    match the model.
+    The LR schedule follows Megatron-LM's resume rule
+    (:func:`megatron.training.lr_schedule.resume_schedule`, with the scheduler's
+    override / use-checkpoint flags); rank 0 prints the line saying which one is used
+    when the command line's differs from the checkpoint's.
+
+    Raises ValueError (one line) when ``root`` holds no intact checkpoint, it does not
+    match the model, or its schedule differs and no rule flag says which one to use.
     """
+    from megatron.core import dist_checkpointing
+    from megatron.training.lr_schedule import resume_schedule
+
     path = iter_dir(root, choose_checkpoint(root, warn))
-    state = _sharded_state(model, optimizer, is_loading=True)
-    state.update(iteration=None, scheduler=None, sampler=None)
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except _errors() as e:
+        raise ValueError(f"--load: checkpoint {path} is unreadable: {_cause(e)}") from None
+    if load_optim and common.get("optimizer_saved", True) is False:
+        raise ValueError(f"--load: checkpoint {path} was saved with --no-save-optim (no optimizer state): "
+                         "resume with --no-load-optim, or --finetune")
+    schedule_line = resume_schedule(scheduler, common["scheduler"]) if load_optim else None
+    state = _sharded_state(model, optimizer if load_optim else None, is_loading=True)
+    state.update(iteration=None, sampler=None, **({"scheduler": None} if load_optim else {}))
     loaded = _load(state, path, "model/layout")
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
-    with torch.no_grad():  # fp32 distributed-optimizer main params are views of the weights
-        optimizer.load_state_dict(loaded["optimizer"])
-    _restore_adam_steps(optimizer)
-    scheduler.load_state_dict(loaded["scheduler"])
+    if load_optim:
+        with torch.no_grad():  # fp32 distributed-optimizer main params are views of the weights
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
+        scheduler.load_state_dict(loaded["scheduler"])
+        if schedule_line is not None and _rank_world()[0] == 0:  # an info line: the user chose it
+            print(schedule_line, flush=True)
     try:
         loader.load_state_dict(loaded["sampler"])
     except ValueError as e:  # e.g. resumed with another DP size or --seq-length

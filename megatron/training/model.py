@@ -44,6 +44,10 @@ def layer_spec(args):
             dense_layers=tuple(args.sb_dense_layers),
             normalization=args.normalization,
         )
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":  # checked: CUDA + TE present
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
     return get_gpt_layer_dense_spec(normalization=args.normalization)
@@ -51,7 +55,7 @@ def layer_spec(args):
 
 def transformer_config(args, use_cpu: bool):
     """megatron-core ``TransformerConfig`` for the parsed args."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if getattr(args, "fp16", False) else torch.float32
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     with warnings.catch_warnings():
         # Selective recompute warns that TE's fused core attention needs no recompute;
@@ -61,9 +65,13 @@ def transformer_config(args, use_cpu: bool):
 
 
 def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bool):
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        kv_channels=getattr(args, "kv_channels", None),
+        fp16=getattr(args, "fp16", False),
+        attention_backend=AttnBackend[getattr(args, "attention_backend", "auto")],
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -167,6 +175,7 @@ def build_gpt_chunks(args, config, vocab_size: int) -> List[torch.nn.Module]:
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
+            seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
             rope_scaling=args.use_rope_scaling,
             rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=stage,
@@ -206,18 +215,27 @@ def build_optimizer(args, model: List[torch.nn.Module]):
     """megatron-core Adam (``get_megatron_optimizer``) and ``OptimizerParamScheduler``."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.training.lr_schedule import scheduler_kwargs
 
+    fp16 = getattr(args, "fp16", False)
     opt_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,
         bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        fp16=fp16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if fp16 else torch.float32,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         clip_grad=args.clip_grad,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        adam_eps=1e-8,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
         use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
     )
     if opt_config.use_distributed_optimizer:
@@ -228,20 +246,7 @@ def build_optimizer(args, model: List[torch.nn.Module]):
         warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(reduce_scatter_tensor|"
                                                   r"all_gather_into_tensor)` is deprecated")
     optimizer = get_megatron_optimizer(opt_config, model)
-    decay_iters = max(args.train_iters - args.lr_warmup_iters, 1)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if args.lr_warmup_iters else args.lr,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_warmup_iters + decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
-        wd_incr_style="constant",
-    )
+    scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
     return optimizer, scheduler
 
 

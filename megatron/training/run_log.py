@@ -4,13 +4,13 @@ output and the final summary (``SUMMARY_JSON`` line and ``--summary-json``).
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import numpy as np
 
+from megatron.training.failsafe import strict_json
 from sparsebalance.io import atomic_write_text
 
 
@@ -198,21 +198,22 @@ class RunLogger:
             lines = ["", "Training summary", "-" * (width + 24)]
             lines += [f"{k:<{width}}  {v}" for k, v in rows]
             print("\n".join(lines), flush=True)
-            print("SUMMARY_JSON " + json.dumps(out), flush=True)
+            print("SUMMARY_JSON " + strict_json(out), flush=True)
             if self.args.summary_json:
-                atomic_write_text(self.args.summary_json, json.dumps(out))
+                atomic_write_text(self.args.summary_json, strict_json(out))
         return out
 
     def _balance_metrics(self) -> dict:
         """The evaluation tool's metrics (see pretrain_gpt.py --summary-json). Timing
         metrics skip the warm-up steps (:func:`warmup_steps`); density and losses use
         every step of this run."""
-        from megatron.training.balance import attention_backend
+        from megatron.training.balance import attention_backend_choice
         from megatron.training.initialize import use_cpu
         from megatron.training.step import peak_memory_source
 
         steps = self.steps
         counted = steps[warmup_steps(len(steps)):]
+        backend = attention_backend_choice(self.args)
         med = lambda xs: float(np.median(xs)) if len(xs) else None
         t_s = sum(s.step_s for s in counted)
         kept, causal = sum(s.kept_pairs for s in steps), sum(s.causal_pairs for s in steps)
@@ -244,7 +245,8 @@ class RunLogger:
             "pack_ms_median": med([s.pack_ms for s in counted]),
             "plan_ms_median": med([s.plan_ms for s in counted]) if preds else None,
             "plan_wait_ms_median": med([s.plan_wait_ms for s in counted]) if preds else None,
-            "attention_backend": attention_backend(self.args),
+            "attention_backend": backend["backend"],
+            "attention_backend_reason": backend["reason"],
             "peak_memory_mb": peaks.tolist(),
             "peak_memory_mb_max": float(peaks.max()) if len(peaks) else None,
             "peak_memory_source": peak_memory_source(use_cpu(self.args)),

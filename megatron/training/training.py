@@ -15,7 +15,6 @@ metrics of :meth:`RunLogger._balance_metrics`.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -26,6 +25,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 import torch
 
+from megatron.training.failsafe import strict_json
 from megatron.training.run_log import RunLogger, StepLog
 from sparsebalance.io import atomic_write_text
 from megatron.training.step_metrics import (GatheredStep, RankStep, comm_device, gather_floats,
@@ -113,19 +113,20 @@ def setup(args) -> TrainState:
     from megatron.core.distributed import finalize_model_grads
     from megatron.training.balance import BatchBalancer
     from megatron.training.data import PackedDataLoader, split_documents
-    from megatron.training.indexed_io import open_dataset, open_loss_starts
+    from megatron.training.data_sources import open_data
+    from megatron.training.indexed_io import open_loss_starts
     from megatron.training.initialize import initialize, use_cpu
     from megatron.training.model import build_model, build_optimizer, transformer_config
     from megatron.training.sb_config import sparsebalance_config
     from megatron.training.step import StageTimers
-    from megatron.training.tokenizer import padded_vocab_size, vocab_size_for
+    from megatron.training.tokenizer import args_vocab_size, padded_vocab_size
     from sparsebalance.balancer import build_predictor
 
     initialize(args)
     cpu = use_cpu(args)
-    vocab = padded_vocab_size(vocab_size_for(args.tokenizer_type, args.tokenizer_model, args.vocab_size),
-                              args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    dataset = open_dataset(args.data_path)
+    vocab = padded_vocab_size(args_vocab_size(args), args.make_vocab_size_divisible_by,
+                              args.tensor_model_parallel_size)
+    dataset = open_data(args)
     loss_starts = open_loss_starts(args.data_path, dataset.sequence_lengths) if args.mask_prompt_loss else None
     train_ids, valid_ids, _ = split_documents(len(dataset), args.split_fractions)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -182,13 +183,14 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             ckpt.load_weights(args.load, state.model, warn=warn)
         else:
             state.iteration = ckpt.load_checkpoint(args.load, state.model, state.optimizer, state.scheduler,
-                                                   state.loader, warn=warn, balancer=state.balancer)
+                                                   state.loader, warn=warn, balancer=state.balancer,
+                                                   load_optim=not args.no_load_optim)
     log = RunLogger(args, rank, start=state.iteration)
     if args.sparse_attention:
-        from megatron.training.balance import attention_backend
+        from megatron.training.balance import attention_backend_choice
 
-        log.info(f"sparse attention backend: {attention_backend(args)} "
-                 f"(--sb-attention-backend {args.sb_attention_backend})")
+        choice = attention_backend_choice(args)
+        log.info(f"sparse attention backend: {choice['backend']} ({choice['reason']})")
     hooks = RunHooks(log=log, warn=warn, flag=SignalFlag(args.exit_signal_handler),
                      timeline=_Timeline(args, rank) if args.sb_timeline else None, on_step=on_step)
     # --step-timeout-minutes: from the first step on (setup and loading are not watched)
@@ -207,11 +209,12 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
 def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
     """The steps of :func:`pretrain` from ``state.iteration`` on, its saves and its summary."""
     from megatron.core import parallel_state as ps
+    from megatron.training.failsafe import check_step_finite, should_exit
     from megatron.training.step import evaluate, train_step
 
     pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
     balancer, loader = state.balancer, state.loader
-    start, preempted = state.iteration, False
+    start, preempted, started = state.iteration, False, time.time()
     while state.iteration < args.train_iters:
         state.mark(f"step {state.iteration + 1}")
         t0 = time.perf_counter()
@@ -228,8 +231,10 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         meas_fwd, meas_bwd = gathered.measured_ops()
         if balancer is not None:  # same table on every rank -> same correction everywhere
             balancer.observe(forecast, meas_fwd, meas_bwd)
-        hooks.log.step(_step_log(args, state.iteration, lr, step_s, batches, result, forecast, gathered,
-                                 (meas_fwd + meas_bwd).sum(axis=2)))
+        entry = _step_log(args, state.iteration, lr, step_s, batches, result, forecast, gathered,
+                          (meas_fwd + meas_bwd).sum(axis=2))
+        hooks.log.step(entry)
+        check_step_finite(args, state.iteration, entry.loss, result.grad_norm)  # before eval / save
         if hooks.timeline is not None and state.iteration % args.log_interval == 0:
             hooks.timeline.write(state.iteration, forecast, meas_fwd, meas_bwd)
         if hooks.on_step is not None:
@@ -245,6 +250,10 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
             _save(args, state, hooks, last=False)
         if args.exit_signal_handler and hooks.flag.any_rank():
             preempted = state.iteration < args.train_iters
+            break
+        stop = should_exit(args, state.iteration, started)
+        if stop is not None and state.iteration < args.train_iters:
+            hooks.log.info(f"stopping after iteration {state.iteration} ({stop})")
             break
     if args.save and state.iteration > start:  # nothing new to save if no step ran
         _save(args, state, hooks, last=True)
@@ -310,7 +319,8 @@ def _save(args, state: TrainState, hooks: RunHooks, last: bool) -> None:
     state.mark(f"checkpoint save at iteration {iteration}")
     try:
         ckpt.save_checkpoint(args.save, iteration, state.model, state.optimizer, state.scheduler,
-                             state.loader, state.cpu, balancer=state.balancer)
+                             state.loader, state.cpu, balancer=state.balancer,
+                             save_optim=not args.no_save_optim)
     except ckpt.SaveError as e:
         if last or not args.continue_on_save_failure:
             raise
@@ -352,7 +362,7 @@ class _Timeline:
             doc = self._doc(f, b)
             if forecast.budget is not None:  # DST's top-k per [dp, microbatch, stage]
                 doc["budget"] = np.asarray(forecast.budget).tolist()
-            atomic_write_text(os.path.join(self.dir, f"step_{iteration:07d}.{kind}.json"), json.dumps(doc))
+            atomic_write_text(os.path.join(self.dir, f"step_{iteration:07d}.{kind}.json"), strict_json(doc))
         self.last = (iteration, forecast.fwd_ms, forecast.bwd_ms, meas_fwd, meas_bwd)
 
     def finish(self) -> None:

@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 
 
 def test_sparse_gpt_trains_under_pp2(tmp_path):
@@ -18,7 +21,7 @@ def test_sparse_gpt_trains_under_pp2(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [py, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(20000 + os.getpid() % 20000), "pretrain_gpt.py",
+           "--master-port", str(20000 + os.getpid() % 20000), "pretrain_gpt.py", *PROJECT_RUN_FLAGS,
            "--data-path", prefix, "--pipeline-model-parallel-size", "2", "--num-layers", "2",
            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
            "--global-batch-size", "4", "--train-iters", "10", "--lr", "3e-3",

@@ -259,6 +259,21 @@ CASES = [
     Case("pretrain-overlap-param-gather-without-grad-reduce", "pretrain_gpt.py",
          _pretrain("--use-distributed-optimizer", "--overlap-param-gather"),
          r"--overlap-param-gather needs --overlap-grad-reduce"),
+    # pretrain_gpt.py: Megatron-LM flags it refuses (one line with the reason, never "unrecognized")
+    Case("pretrain-megatron-moe-flag", "pretrain_gpt.py", _pretrain("--num-experts", "8", "--moe-router-topk", "2"),
+         r"--moe-router-topk: mixture of experts is not supported|--num-experts: mixture of experts"),
+    Case("pretrain-megatron-fp8-flag", "pretrain_gpt.py", _pretrain("--fp8-format", "hybrid"),
+         r"--fp8-format: needs Transformer Engine"),
+    Case("pretrain-blend-missing-dataset", "pretrain_gpt.py",
+         lambda d: TINY + ["--data-path", "0.5", f"{d}/good", "0.5", f"{d}/nothing"], r"nothing\.bin does not exist"),
+    Case("pretrain-hf-tokenizer-hub-name", "pretrain_gpt.py",
+         _pretrain("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "meta-llama/Llama-3-8B"),
+         r"meta-llama/Llama-3-8B: not a local file or directory.*does not download"),
+    # check_launch_script.py
+    Case("check-launch-missing-script", "tools/check_launch_script.py", _p("{d}/none.sh"), r"none\.sh"),
+    Case("check-launch-not-utf8", "tools/check_launch_script.py", _p("{d}/latin1.jsonl"),
+         r"latin1\.jsonl.*UTF-8"),
+    Case("check-launch-no-flags", "tools/check_launch_script.py", _p("{d}/blank.jsonl"), r"no --flags"),
     # preprocess_data.py: bad JSONL
     Case("preprocess-missing-input", "tools/preprocess_data.py",
          _p("--input", "{d}/none.jsonl", "--output-prefix", "{d}/pp0"), r"none\.jsonl",

@@ -26,6 +26,8 @@ import time
 
 import pytest
 
+from megatron.training.presets import PROJECT_RUN_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO, "pretrain_gpt.py")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -37,7 +39,7 @@ if not os.path.isfile(PRETRAIN):
 
 
 def model_args(data: str) -> list[str]:
-    return ["--cpu", "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+    return [*PROJECT_RUN_FLAGS, "--cpu", "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
             "--num-attention-heads", "2", "--seq-length", "128", "--global-batch-size", "4",
             "--train-iters", str(ITERS), "--lr", "1e-3", "--log-interval", "1", "--no-progress-bar",
             "--data-path", data, "--tokenizer-type", "ByteTokenizer", "--seed", "7"]

@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
+from megatron.training.presets import PROJECT_RUN_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "profile_latency.py")
-TINY = ["--seq-length", "256", "--hidden-size", "32", "--num-attention-heads", "2",
+TINY = [*PROJECT_RUN_FLAGS, "--seq-length", "256", "--hidden-size", "32", "--num-attention-heads", "2",
         "--num-layers", "2", "--sb-block-size", "16", "--sb-topk", "4", "--sparse-attention",
         "--threads", "1", "--clock", "cpu"]
 

@@ -11,6 +11,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 
 
 def main() -> None:
@@ -28,7 +29,7 @@ def main() -> None:
     from megatron.training.indexed_io import open_dataset
 
     prefix, out = sys.argv[1], sys.argv[2]
-    args = parse_args(["--data-path", prefix, "--num-layers", "2", "--hidden-size", "64",
+    args = parse_args([*PROJECT_RUN_FLAGS, "--data-path", prefix, "--num-layers", "2", "--hidden-size", "64",
                        "--num-attention-heads", "4", "--seq-length", "256", *sys.argv[3:]])
     init.initialize(args)
     config = M.transformer_config(args, use_cpu=True)

@@ -11,11 +11,15 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # worker scripts import this file without the test session's path
+    sys.path.insert(0, ROOT)
+from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
+
 PY = sys.executable
 HARNESS = os.path.join(ROOT, "tests", "training", "_harness.py")
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 
-TINY = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
+TINY = [*PROJECT_RUN_FLAGS, "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
         "--num-attention-heads", "4", "--seq-length", "256", "--global-batch-size", "4",
         "--lr", "1e-3", "--log-interval", "1", "--no-progress-bar", "--seed", "7"]
 

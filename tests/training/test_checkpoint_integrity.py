@@ -33,7 +33,8 @@ from conftest import PRETRAIN, PY, ROOT, TINY, env, launch, summary_of
 sys.path.insert(0, ROOT)
 from megatron.training import checkpointing as ckpt  # noqa: E402
 
-PP2 = ["--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant"]
+PP2 = ["--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant",
+       "--override-opt_param-scheduler"]  # Megatron-LM's rule: resumes change --train-iters
 TOTAL = 8
 FAIL_SAVE = "SB_TEST_FAIL_SAVE"  # "<iteration>:<rank>:<errno name>", read by __main__ below
 

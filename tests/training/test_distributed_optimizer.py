@@ -28,9 +28,12 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 
 STEPS = 4
-FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
+FLAGS = [*PROJECT_RUN_FLAGS, "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--num-attention-heads", "4", "--seq-length", "512", "--global-batch-size", "4",
          "--lr", "1e-3", "--no-progress-bar", "--seed", "5", "--train-iters", str(STEPS)]
 # as in test_recompute.py: documents longer than (4 + 2) x 32 tokens are sparse, so the
@@ -102,7 +105,7 @@ def _worker(argv) -> None:
 
 # ----------------------------------------------------------------------------- memory
 
-MEMORY_MODEL = ["--num-layers", "8", "--hidden-size", "512", "--ffn-hidden-size", "2048",
+MEMORY_MODEL = [*PROJECT_RUN_FLAGS, "--num-layers", "8", "--hidden-size", "512", "--ffn-hidden-size", "2048",
                 "--num-attention-heads", "8", "--seq-length", "1024", "--global-batch-size", "2",
                 "--train-iters", "1", "--lr", "1e-4", "--no-progress-bar", "--seed", "1"]
 

@@ -1,6 +1,10 @@
-"""Bad input: one clear error line on stderr, non-zero exit, no traceback, nothing written."""
+"""Bad input: one clear error line on stderr, non-zero exit, no traceback, nothing written;
+Megatron-LM flags this driver refuses (one line with the reason); runs that fail safe
+(non-finite loss, a --save in use, a changed schedule on resume, a full disk)."""
 
+import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -99,3 +103,312 @@ def test_tools_bad_input(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "bad.jsonl:2" in proc.stderr and "Traceback" not in proc.stderr
     assert not list(tmp_path.glob("o*")), "half-written dataset left behind"
+
+
+# ---- Megatron-LM flags this driver refuses, and Megatron-LM's rules (issue 33) -----------------
+# In-process (argument parsing only, milliseconds): name -> (extra flags, world size, text the
+# single error line must contain). Each states the behaviour: one line naming the flag and why.
+PARSE_CASES = {
+    "moe family refused with the reason": (["--num-experts", "8"], None, "--num-experts: mixture of experts"),
+    "mla family refused with the reason": (["--multi-latent-attention"], None, "multi-latent attention"),
+    "fp8 needs transformer engine on a gpu": (["--fp8-format", "hybrid"], None, "--fp8-format: needs Transformer Engine"),
+    "tp comm overlap needs userbuffers": (["--tp-comm-overlap"], None, "--tp-comm-overlap: needs Transformer Engine"),
+    "bf16 on cpu names cuda": (["--bf16", "--cpu"], None, "--bf16 needs CUDA"),
+    "fp16 on cpu names cuda": (["--fp16", "--cpu"], None, "--fp16 needs CUDA"),
+    "nccl on cpu names cuda": (["--distributed-backend", "nccl", "--cpu"], None, "nccl needs CUDA"),
+    "transformer engine impl needs cuda and te": (["--transformer-impl", "transformer_engine", "--cpu"], None,
+                                                  "--transformer-impl transformer_engine needs CUDA"),
+    "flash attention backend needs te impl": (["--attention-backend", "flash"], None,
+                                              "--attention-backend flash is Transformer Engine's"),
+    "sequence parallel with tp 2 refused": (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2,
+                                            "--sequence-parallel with --tensor-model-parallel-size > 1"),
+    "dropout above zero refused": (["--hidden-dropout", "0.1"], None, "--hidden-dropout 0.1: this driver trains without dropout"),
+    "ckpt format other than torch_dist refused": (["--ckpt-format", "torch"], None, "--ckpt-format torch"),
+    "rampup batch size refused": (["--rampup-batch-size", "16", "16", "1000"], None, "batch-size ramp-up"),
+    "legacy models refused": (["--use-legacy-models"], None, "only megatron-core models"),
+    "train iters and samples exclusive": (["--train-iters", "4", "--train-samples", "8"], None,
+                                          "--train-iters or --train-samples, not both"),
+    "iters decay flag with samples refused": (["--train-samples", "8", "--lr-decay-iters", "2"], None,
+                                              "--lr-decay-iters goes with --train-iters"),
+    "samples warmup with iters refused": (["--lr-warmup-samples", "4"], None, "--lr-warmup-samples goes with --train-samples"),
+    "warmup fraction and iters exclusive": (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], None,
+                                            "--lr-warmup-fraction or --lr-warmup-iters"),
+    "both scheduler resume flags refused": (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+                                            None, "not both"),
+    "wsd needs its decay length": (["--lr-decay-style", "WSD"], None, "--lr-wsd-decay-iters"),
+    "recompute activations conflicts with full": (["--recompute-activations", "--recompute-granularity", "full"], None,
+                                                  "--recompute-activations means --recompute-granularity selective"),
+    "gpt2 bpe needs vocab and merges": (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"], None,
+                                        "needs --vocab-file (vocab.json) and --merge-file"),
+    "tokenizer model never ignored": (["--tokenizer-model", "tok.json"], None,
+                                      "--tokenizer-model is not read by --tokenizer-type ByteTokenizer"),
+    "merge file never ignored": (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "t",
+                                  "--merge-file", "m.txt"], None, "--merge-file is not read"),
+    "llama2 tokenizer needs a model file": (["--tokenizer-type", "Llama2Tokenizer"], None, "needs --tokenizer-model"),
+    "mock data and data path exclusive": (["--mock-data"], None, "--data-path or --mock-data, not both"),
+    "no load optim needs load": (["--no-load-optim"], None, "--no-load-optim needs --load"),
+    "not a megatron-lm flag stays unrecognized": (["--no-such-megatron-flag"], None,
+                                                  "unrecognized arguments: --no-such-megatron-flag"),
+}
+
+
+def _parse_error(argv, world, capsys):
+    from megatron.training.arguments import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv, world_size=world)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("pretrain_gpt.py: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", list(PARSE_CASES))
+def test_megatron_lm_flag_refused_in_one_line(name, corpus, capsys):
+    extra, world, expect = PARSE_CASES[name]
+    line = _parse_error([*TINY, "--data-path", corpus, *extra], world, capsys)
+    assert expect in line, line
+
+
+@pytest.mark.parametrize("data, expect", [
+    ("0.5 {c} {c}", "a blend is WEIGHT PREFIX pairs"),
+    ("0.5 {c} x {c}", "'x' is not a weight"),
+    ("0.5 {c} 0.5 /nonexistent/b", "/nonexistent/b.bin does not exist"),
+    ("{c} 0.5", "looks like a weight"),
+])
+def test_bad_blended_data_path_one_line(data, expect, corpus, capsys):
+    """``--data-path "0.5 A 0.5 B"`` is Megatron-LM's blend; a malformed one names the word."""
+    line = _parse_error([*TINY, "--data-path", *data.format(c=corpus).split()], None, capsys)
+    assert expect in line, line
+
+
+def _check_inputs_error(argv, capsys, monkeypatch):
+    """pretrain_gpt.py's input checks (tokenizer files, data, --load, --save lock), in-process."""
+    import importlib.util
+
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setenv("RANK", "0")
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", PRETRAIN)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    args = parse_args(argv, world_size=1)
+    with pytest.raises(SystemExit) as e:
+        driver._check_inputs(args)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_hf_tokenizer_name_is_not_downloaded(corpus, capsys, monkeypatch):
+    """A hub model name (not a local path) is refused in one line; nothing is downloaded."""
+    line = _check_inputs_error([*TINY, "--data-path", corpus, "--tokenizer-type", "HuggingFaceTokenizer",
+                                "--tokenizer-model", "Qwen/Qwen2.5-0.5B"], capsys, monkeypatch)
+    assert "Qwen/Qwen2.5-0.5B: not a local file or directory" in line and "download" in line, line
+
+
+def test_hf_tokenizer_dir_without_tokenizer_json(corpus, tmp_path, capsys, monkeypatch):
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+    line = _check_inputs_error([*TINY, "--data-path", corpus, "--tokenizer-type", "HuggingFaceTokenizer",
+                                "--tokenizer-model", str(tmp_path)], capsys, monkeypatch)
+    assert "has no tokenizer.json" in line and "Llama2Tokenizer" in line, line
+
+
+def test_corrupt_tokenizer_json_names_the_file(corpus, tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{ not a tokenizer")
+    line = _check_inputs_error([*TINY, "--data-path", corpus, "--tokenizer-type", "HuggingFaceTokenizer",
+                                "--tokenizer-model", str(bad)], capsys, monkeypatch)
+    assert f"{bad}: not a Hugging Face tokenizer.json" in line, line
+
+
+def test_sentencepiece_model_without_the_package(corpus, tmp_path, capsys, monkeypatch):
+    """Llama2Tokenizer reads tokenizer.model with the sentencepiece package; without it, one
+    line names the package (it is not installed in this project's environment)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is not None:
+        pytest.skip("sentencepiece is installed here")
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x00")
+    line = _check_inputs_error([*TINY, "--data-path", corpus, "--tokenizer-type", "Llama2Tokenizer",
+                                "--tokenizer-model", str(tmp_path)], capsys, monkeypatch)
+    assert "needs the sentencepiece package" in line and "tokenizer.model" in line, line
+
+
+def test_non_utf8_profile_names_the_file(corpus, tmp_path, capsys, monkeypatch):
+    prof = tmp_path / "profile.json"
+    prof.write_bytes(b'{"format": "caf\xe9"}')
+    line = _check_inputs_error([*TINY, "--data-path", corpus, "--sparse-balance", "--sb-profile", str(prof)],
+                               capsys, monkeypatch)
+    assert str(prof) in line and "UTF-8" in line, line
+
+
+def test_exit_on_missing_checkpoint(corpus, tmp_path, capsys, monkeypatch):
+    """--load == --save on an empty directory starts fresh, unless --exit-on-missing-checkpoint."""
+    d = str(tmp_path / "ck")
+    line = _check_inputs_error([*TINY, "--data-path", corpus, "--save", d, "--load", d,
+                                "--exit-on-missing-checkpoint"], capsys, monkeypatch)
+    assert "no checkpoint in" in line, line
+
+
+def test_save_dir_in_use_by_a_live_run_is_refused(corpus, tmp_path, capsys, monkeypatch):
+    """A --save directory whose lock names a live process is refused in one line."""
+    from megatron.training.failsafe import LOCK_NAME, SaveDirLock
+
+    save = tmp_path / "ck"
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        lock = SaveDirLock(str(save))
+        monkeypatch.setattr(os, "getpid", lambda: holder.pid)  # write the lock as that process
+        lock.acquire()
+        monkeypatch.undo()
+        assert (save / LOCK_NAME).exists()
+        line = _check_inputs_error([*TINY, "--data-path", corpus, "--save", str(save)], capsys, monkeypatch)
+        assert f"--save {save} is in use by a running pretrain_gpt.py (pid {holder.pid}" in line, line
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lock_of_a_killed_run_does_not_block(tmp_path):
+    """A lock whose process is dead on this host is stale: the next run takes it over."""
+    from megatron.training.failsafe import LOCK_NAME, SaveDirLock
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(f'{{"pid": {dead.pid}, "host": "{os.uname().nodename}", '
+                                      '"started": "1", "since": "then"}\n')
+    lock = SaveDirLock(str(tmp_path))
+    lock.acquire()
+    assert lock.held and f'"pid": {os.getpid()}' in (tmp_path / LOCK_NAME).read_text()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+# ---- fail-safe runs (real runs, a few seconds each) ---------------------------------------------
+RUN = [*TINY, "--cpu", "--num-layers", "2", "--global-batch-size", "2", "--seq-length", "128"]
+
+
+def _one_error_line(proc):
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_nonfinite_loss_stops_before_any_checkpoint(tmp_path):
+    """--lr 1e6 (on --mock-data, --save-interval 1): the run stops at the first non-finite
+    iteration with one line naming it (exit 1); the checkpoints of the finite iterations
+    before it are kept and none of it or later is written (Megatron-LM's
+    --check-for-nan-in-loss-and-grad, on by default)."""
+    save = tmp_path / "ck"
+    proc = run([*RUN, "--mock-data", "--lr", "1e6", "--train-iters", "4", "--save", str(save),
+                "--save-interval", "1"])
+    line = _one_error_line(proc)
+    bad = int(re.search(r"iteration (\d+): non-finite loss", line).group(1))
+    saved = sorted(int(p.name[5:]) for p in save.glob("iter_*"))
+    assert bad >= 2 and saved == list(range(1, bad)), (line, saved)  # every finite step, none after
+
+
+def test_nonfinite_run_without_check_writes_strict_json_and_no_checkpoint(corpus, tmp_path):
+    """--no-check-for-nan-in-loss-and-grad trains on: the summary JSON is strict JSON
+    (non-finite numbers are null), and the final save refuses non-finite weights (exit 1)."""
+    out, save = tmp_path / "summary.json", tmp_path / "ck"
+    proc = run([*RUN, "--data-path", corpus, "--lr", "1e6", "--train-iters", "3", "--summary-json", str(out),
+                "--no-check-for-nan-in-loss-and-grad"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def no_constants(name):
+        raise AssertionError(f"bare {name} in the summary JSON")
+
+    summary = json.loads(out.read_text(), parse_constant=no_constants)
+    assert None in summary["losses"], summary["losses"]
+    proc = run([*RUN, "--data-path", corpus, "--lr", "1e6", "--train-iters", "3", "--save", str(save),
+                "--no-check-for-nan-in-loss-and-grad"])
+    line = _one_error_line(proc)
+    assert "holds non-finite values" in line and not list(save.glob("iter_*")), line
+
+
+def test_resume_with_changed_train_iters_follows_megatron_lm_rule(corpus, tmp_path):
+    """A resume whose LR schedule differs from the checkpoint's (--train-iters changed) stops
+    with one line naming both rule flags; --use-checkpoint-opt_param-scheduler keeps the
+    checkpoint's schedule and says so (--override-opt_param-scheduler, the new one, is what
+    test_resume.py and test_checkpoint_integrity.py resume with)."""
+    save = str(tmp_path / "ck")
+    base = [*RUN, "--data-path", corpus, "--save", save, "--load", save, "--lr-decay-style", "linear"]
+    assert run([*base, "--train-iters", "2"]).returncode == 0
+    line = _one_error_line(run([*base, "--train-iters", "4"]))
+    assert "the LR schedule differs from the checkpoint's" in line and "--override-opt_param-scheduler" in line
+    keep = run([*base, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler"])
+    assert keep.returncode == 0, keep.stderr[-2000:]
+    assert "LR schedule: the checkpoint's (--use-checkpoint-opt_param-scheduler" in keep.stdout
+    lr = [float(m) for m in re.findall(r"\| lr ([0-9.e+-]+) \|", keep.stdout)]
+    assert lr and lr[-1] == 0.0, lr  # the checkpoint's decay ended at iteration 2: lr 0 from then on
+
+
+def test_disk_full_save_names_enospc_and_the_path(corpus, tmp_path):
+    """A save onto a full file system (a 256 KB tmpfs) says ENOSPC and names the path."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        proc = run([*RUN, "--data-path", corpus, "--train-iters", "1", "--save", str(mnt / "ck")])
+        line = _one_error_line(proc)
+        assert "ENOSPC" in line and str(mnt / "ck") in line, line
+        assert not list((mnt / "ck").glob("iter_*")), "a partial checkpoint was left"
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_eval_interval_with_empty_validation_split_warns_once(corpus, capsys, monkeypatch):
+    """--eval-interval with a --split that leaves no validation document: one warning line
+    (no evaluation can run), not silence."""
+    import importlib.util
+
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setenv("RANK", "0")
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", PRETRAIN)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    driver._check_inputs(parse_args([*TINY, "--data-path", corpus, "--split", "100,0,0", "--eval-interval", "2"],
+                                    world_size=1))
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: warning: --eval-interval 2:"), lines
+    assert "no evaluation will run" in lines[0]
+
+
+def test_exit_interval_stops_and_saves(corpus, tmp_path):
+    """Megatron-LM's --exit-interval: stop after the first iteration divisible by it, saving."""
+    save = tmp_path / "ck"
+    proc = run([*RUN, "--data-path", corpus, "--train-iters", "6", "--exit-interval", "2", "--save", str(save)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "stopping after iteration 2 (--exit-interval 2)" in proc.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_save_step_names_enospc_whatever_the_writer_said(tmp_path, monkeypatch):
+    """torch.save's zip writer on a full disk says "unexpected pos ..." (the errno is lost):
+    the save step still names ENOSPC and the path; other failures keep their own words."""
+    import errno as E
+
+    from megatron.training import checkpointing as ckpt
+
+    def zip_writer_on_full_disk():
+        try:
+            raise OSError(E.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("unexpected pos 704 vs 598")
+
+    msg = ckpt._step(zip_writer_on_full_disk, str(tmp_path))
+    assert msg.startswith("unexpected pos 704 vs 598") and f"ENOSPC: no space left on device writing {tmp_path}" in msg
+    assert ckpt._step(lambda: (_ for _ in ()).throw(RuntimeError("bad shape")), str(tmp_path)) == "bad shape"
+
+    class Full:  # the file system reports no free blocks, the error says nothing about it
+        f_bavail, f_frsize = 0, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Full())
+    msg = ckpt._step(lambda: (_ for _ in ()).throw(RuntimeError("unexpected pos 1 vs 0")), str(tmp_path))
+    assert "ENOSPC" in msg and str(tmp_path) in msg

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, launch, make_test_corpus
+from megatron.training.presets import PROJECT_RUN_FLAGS
 
 WORKER = os.path.join(ROOT, "tests", "training", "_sb_worker.py")
 LAYERS, PP, M, STEPS = 4, 2, 4, 2
-FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", "64", "--ffn-hidden-size", "128",
+FLAGS = [*PROJECT_RUN_FLAGS, "--num-layers", str(LAYERS), "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--num-attention-heads", "4", "--seq-length", "512", "--global-batch-size", str(M),
          "--lr", "1e-3", "--no-progress-bar", "--seed", "3", "--train-iters", str(STEPS),
          "--pipeline-model-parallel-size", str(PP),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import PRETRAIN, launch, summary_of
+from megatron.training.presets import PROJECT_RUN_FLAGS
 
 M, SEQ, SEED = 4, 256, 7
 
@@ -31,7 +32,7 @@ def small_corpus(tmp_path_factory):
     return prefix
 
 
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
+MODEL = [*PROJECT_RUN_FLAGS, "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
          "--num-attention-heads", "2", "--seq-length", str(SEQ)]
 SB = ["--sparse-balance", "--sb-cost-model", "h100-analytic", "--sb-block-size", "16", "--sb-topk", "2"]
 """The SparseBalance arm of the driver test (SAB packing + DST budgets) on MODEL."""

@@ -32,9 +32,12 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 
 LAYERS, PP, M, STEPS = 4, 2, 4, 3
-FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", "64", "--ffn-hidden-size", "128",
+FLAGS = [*PROJECT_RUN_FLAGS, "--num-layers", str(LAYERS), "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--num-attention-heads", "4", "--seq-length", "512", "--global-batch-size", str(M),
          "--lr", "1e-3", "--no-progress-bar", "--seed", "3", "--train-iters", str(STEPS),
          "--pipeline-model-parallel-size", str(PP), "--lr-decay-style", "constant",
@@ -127,7 +130,7 @@ def _worker(argv) -> None:
 
 # ----------------------------------------------------------------------------- memory
 
-MEMORY_MODEL = ["--num-layers", "8", "--hidden-size", "128", "--ffn-hidden-size", "512",
+MEMORY_MODEL = [*PROJECT_RUN_FLAGS, "--num-layers", "8", "--hidden-size", "128", "--ffn-hidden-size", "512",
                 "--num-attention-heads", "4", "--sparse-attention", "--sb-block-size", "64",
                 "--sb-topk", "8", "--cpu", "--seed", "1"]
 MEMORY_CONFIGS = {"none": [], "full": ["--recompute-granularity", "full", "--recompute-method",
@@ -384,7 +387,7 @@ if __name__ != "__main__":
 
     def test_full_recompute_cuts_activation_memory():
         """8 layers at 4K tokens (small version of the 32K measurement in the docstring)."""
-        small = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "256",
+        small = [*PROJECT_RUN_FLAGS, "--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "256",
                  "--num-attention-heads", "4", "--sparse-attention", "--sb-block-size", "64",
                  "--sb-topk", "8", "--cpu", "--seed", "1"]
         res = measure_configs(4096, 2, ("none", "full"), model=small)

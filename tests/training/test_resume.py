@@ -83,6 +83,7 @@ def test_signal_saves_and_resumes(corpus, full_run, tmp_path):
     assert not [d for d in os.listdir(save) if ".tmp" in d]
     full, _ = full_run
     resumed = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters",
-                                           str(TOTAL), "--load", save], nproc=2))
+                                           str(TOTAL), "--load", save, "--override-opt_param-scheduler"],
+                                 nproc=2))
     np.testing.assert_allclose(s["losses"], full["losses"][:stop], rtol=1e-6)
     np.testing.assert_allclose(resumed["losses"], full["losses"][stop:], rtol=1e-6)

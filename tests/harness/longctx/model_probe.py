@@ -8,6 +8,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
+from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 
 
 def main() -> None:
@@ -17,7 +18,7 @@ def main() -> None:
     from megatron.training.arguments import build_parser
 
     torch.set_num_threads(1)
-    args = build_parser().parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    args = build_parser().parse_args([*PROJECT_RUN_FLAGS, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                                       "--seq-length", "512", "--cpu"])
     args.virtual_pipeline_model_parallel_size = None
     args.max_position_embeddings, args.ffn_hidden_size = 512, 128

@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from .arms import Arm
+from megatron.training.presets import PROJECT_RUN_FLAGS
 from .corpus import CorpusRecipe
 
 
@@ -85,7 +86,7 @@ class RealConfig:
     def model_flags(self) -> List[str]:
         """Model and routing flags shared by the driver and the profiler."""
         r = self.recipe
-        return ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
+        return [*PROJECT_RUN_FLAGS, "--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
                 "--num-attention-heads", str(self.num_attention_heads),
                 "--ffn-hidden-size", str(self.ffn_hidden_size), "--seq-length", str(r.seq_length),
                 "--pipeline-model-parallel-size", str(self.ranks),

@@ -1,0 +1,158 @@
+"""Cross-flag checks of ``pretrain_gpt.py``'s command line, by topic (called by
+:func:`megatron.training.arguments.validate`): Megatron-LM's spellings and refusals,
+tokenizer files, SparseBalance, distributed optimizer, activation recomputation.
+Each raises :class:`~megatron.training.arguments.UsageError` (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron.training.arguments import UsageError, _has_cuda
+from sparsebalance.batching.strategies import STRATEGIES
+
+
+def validate_megatron_lm(args: argparse.Namespace) -> None:
+    """Megatron-LM's spellings, its rules, and the flags this driver refuses (one line each)."""
+    from megatron.training import compat
+
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.no_position_embedding:
+        args.position_embedding_type = "none"
+    if args.use_flash_attn:
+        args.attention_backend = "flash"
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            raise UsageError("--recompute-activations means --recompute-granularity selective, but "
+                             f"--recompute-granularity {args.recompute_granularity} was given")
+        args.recompute_granularity = "selective"
+    if args.fp16 and args.bf16:
+        raise UsageError("give --fp16 or --bf16, not both")
+    for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
+        if value > 0:
+            raise UsageError(f"{flag} {value:g}: this driver trains without dropout (its checkpoints hold no "
+                             "RNG state and its attention modules have no dropout); pass 0")
+    if args.ckpt_format != "torch_dist":
+        raise UsageError(f"--ckpt-format {args.ckpt_format}: this driver writes and reads torch_dist "
+                         "checkpoints only (Megatron-LM's default)")
+    if args.transformer_impl == "inference_optimized":
+        raise UsageError("--transformer-impl inference_optimized: inference layers do not apply to training")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # Megatron-LM turns it off too: nothing to split without TP
+    args.compat_warnings = []
+    try:
+        args.compat_warnings = compat.resolve(args)
+        compat.check_hardware(args, cuda=_has_cuda() and not args.cpu)
+    except ValueError as e:
+        raise UsageError(str(e))
+
+
+def validate_tokenizer(args: argparse.Namespace) -> None:
+    """The files each ``--tokenizer-type`` reads are given, and no tokenizer flag goes unread."""
+    from megatron.training.tokenizer import SENTENCEPIECE_TYPES, unused_tokenizer_files
+
+    t = args.tokenizer_type
+    if t == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise UsageError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (tokenizer.json or "
+                         "a directory holding one)")
+    if t in SENTENCEPIECE_TYPES and not args.tokenizer_model:
+        raise UsageError(f"--tokenizer-type {t} needs --tokenizer-model (tokenizer.model)")
+    if t == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        raise UsageError("--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and "
+                         "--merge-file (merges.txt)")
+    if t == "NullTokenizer" and args.vocab_size is None:
+        raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
+    unused = unused_tokenizer_files(t, args.tokenizer_model, args.vocab_file, args.merge_file)
+    if unused:
+        raise UsageError(f"{unused[0]} is not read by --tokenizer-type {t}: give the --tokenizer-type that "
+                         f"reads it (HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, ...)")
+
+
+def validate_balance(args: argparse.Namespace) -> None:
+    """Resolve --sparse-balance and check the SAB / DST / predictor flags."""
+    if args.sparse_balance:
+        args.sparse_attention = True
+    if args.sb_batching is None:
+        args.sb_batching = "sab" if args.sparse_balance else "megatron"
+    if args.sb_dst is None:
+        args.sb_dst = "critical-path" if args.sparse_balance else "off"
+    if args.sb_dst != "off" and not args.sparse_attention:
+        raise UsageError(f"--sb-dst {args.sb_dst} tunes sparse-attention budgets: it needs "
+                         "--sparse-attention (or --sparse-balance)")
+    k0 = args.sb_topk
+    args.sb_topk_min = k0 // 2 if args.sb_topk_min is None else args.sb_topk_min
+    args.sb_topk_max = 2 * k0 if args.sb_topk_max is None else args.sb_topk_max
+    if not args.sb_topk_min <= k0 <= args.sb_topk_max:
+        raise UsageError(f"need --sb-topk-min {args.sb_topk_min} <= --sb-topk {k0} <= "
+                         f"--sb-topk-max {args.sb_topk_max}")
+    if not 0.0 < args.sb_p < 1.0:
+        raise UsageError(f"--sb-p must be in (0, 1), got {args.sb_p}")
+    if not 0.0 <= args.sb_attn_slack < 1.0:
+        raise UsageError(f"--sb-attn-slack must be in [0, 1), got {args.sb_attn_slack}")
+    if args.sb_profile is not None and args.sb_cost_model is not None:
+        raise UsageError("give either --sb-profile or --sb-cost-model, not both")
+    if args.sb_cost_model is not None:
+        from sparsebalance.predictor import ANALYTIC_MODELS
+
+        if args.sb_cost_model not in ANALYTIC_MODELS:
+            raise UsageError(f"--sb-cost-model: unknown model {args.sb_cost_model!r} "
+                             f"(known: {', '.join(sorted(ANALYTIC_MODELS))}; or --sb-profile PATH)")
+    args.sb_has_predictor = args.sb_profile is not None or args.sb_cost_model is not None
+    packer_needs = STRATEGIES[args.sb_batching].predictor == "required"
+    needs = [f for f, on in ((f"--sb-batching {args.sb_batching}", packer_needs),
+                             (f"--sb-dst {args.sb_dst}", args.sb_dst != "off")) if on]
+    if needs and not args.sb_has_predictor:
+        raise UsageError(f"{' and '.join(needs)} plan from predicted latency: give --sb-profile "
+                         "PATH (made by tools/profile_latency.py) or --sb-cost-model h100-analytic")
+    if args.sb_allow_stale_profile and args.sb_profile is None:
+        raise UsageError("--sb-allow-stale-profile needs --sb-profile")
+    if args.sb_timeline is not None and not args.sb_has_predictor:
+        raise UsageError("--sb-timeline compares predicted and measured timelines: it needs "
+                         "--sb-profile or --sb-cost-model")
+    for name in ("sb_timeline", "summary_json"):
+        path = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if path is not None and name == "summary_json" and os.path.isdir(path):
+            raise UsageError(f"{flag} {path} is a directory")
+        if path is not None and name == "sb_timeline" and os.path.isfile(path):
+            raise UsageError(f"{flag} {path} is a file, expected a directory")
+
+
+def validate_distributed_optimizer(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for the overlap flags."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise UsageError("--overlap-param-gather is only supported with --use-distributed-optimizer")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise UsageError("--overlap-param-gather needs --overlap-grad-reduce")
+
+
+def validate_recompute(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules: full needs a method and a layer count, selective takes neither."""
+    gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if gran is None:
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --recompute-granularity full")
+        return
+    if gran == "selective":
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):
+            if value is not None:
+                raise UsageError(f"--recompute-granularity selective recomputes core attention only: "
+                                 f"it takes no {flag}")
+        return
+    if method is None:
+        raise UsageError("--recompute-granularity full needs --recompute-method uniform or block")
+    # megatron-core applies the method to each model chunk's layers (one chunk per virtual stage)
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    chunk = args.num_layers // args.pipeline_model_parallel_size // vpp
+    if n is None:
+        raise UsageError(f"--recompute-granularity full needs --recompute-num-layers (1 .. {chunk}, "
+                         "the layers of one model chunk)")
+    if n > chunk:
+        raise UsageError(f"--recompute-num-layers {n} is more than the {chunk} layers of a model chunk "
+                         "(num layers / PP / virtual stages)")
+    if method == "uniform" and chunk % n:
+        raise UsageError(f"--recompute-method uniform needs --recompute-num-layers {n} to divide the "
+                         f"{chunk} layers of a model chunk")

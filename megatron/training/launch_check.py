@@ -1,0 +1,187 @@
+"""What ``pretrain_gpt.py`` does with each flag of a Megatron-LM launch script (no run).
+
+:func:`script_flags` reads the flags out of a shell launch script (continuation lines
+joined, comments dropped, ``torchrun``'s own flags skipped; values are the words after a
+flag on its line, as many as the flag takes). :func:`classify` gives each one a status:
+
+* ``honoured``: this driver implements it, or it is a documented no-op here
+  (``compat.py``'s ``noop``: the effect is already this driver's behaviour);
+* ``ignored``: accepted with a warning line (a logging / profiling extra not produced);
+* ``hardware``: needs a GPU or a library this machine lacks (the driver stops with one
+  line naming it); drop it to run here;
+* ``unsupported``: refused with one line and the reason (MoE, MLA, a value not
+  implemented, ...);
+* ``unrecognized``: Megatron-LM has no such flag either (argparse's error).
+
+Values that are shell variables (``$X``) cannot be checked and are taken as given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Dict, List, Optional, Sequence, Tuple
+
+LAUNCHER_FLAGS = {
+    "--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank", "--master_addr",
+    "--master-addr", "--master_port", "--master-port", "--rdzv_backend", "--rdzv-backend", "--rdzv_endpoint",
+    "--rdzv-endpoint", "--rdzv_id", "--rdzv-id", "--standalone", "--max_restarts", "--max-restarts",
+    "--log_dir", "--log-dir", "--redirects", "--tee", "--local-ranks-filter", "--local_ranks_filter",
+}
+"""torchrun / torch.distributed.launch flags that appear in the same scripts (not ours)."""
+_STOP = {")", "(", "&&", "||", "|", ";", "&", "2>&1", ">", ">>"}
+
+
+def script_flags(text: str, parser: Optional[argparse.ArgumentParser] = None) -> List[Tuple[str, List[str]]]:
+    """``[(flag, values)]`` of every ``--flag`` in a launch script, in order (see module docstring)."""
+    from megatron.training.arguments import build_parser
+
+    nargs = _nargs(parser or build_parser(megatron_lm_flags=True))
+    out: List[Tuple[str, List[str]]] = []
+    for line in text.replace("\\\n", " ").splitlines():
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:  # an unbalanced quote on this line: split on blanks
+            words = line.split("#", 1)[0].split()
+        i = 0
+        while i < len(words):
+            word = words[i]
+            i += 1
+            if not word.startswith("--") or word in ("--",):
+                continue
+            name, eq, val = word.partition("=")
+            if name in LAUNCHER_FLAGS:
+                continue
+            values = [val] if eq else []
+            want = nargs.get(name, "?")
+            while not eq and i < len(words) and _takes_more(want, len(values)) and \
+                    not words[i].startswith("--") and words[i] not in _STOP:
+                values.append(words[i])
+                i += 1
+            out.append((name, values))
+    return out
+
+
+def _takes_more(want, have: int) -> bool:
+    if want in ("*", "+"):
+        return True
+    if want == "?":
+        return have < 1
+    return have < (1 if want is None else int(want))
+
+
+def _nargs(parser: argparse.ArgumentParser) -> Dict[str, object]:
+    out = {}
+    for a in parser._actions:
+        n = 0 if a.nargs == 0 else a.nargs
+        for s in a.option_strings:
+            out[s] = n
+    return out
+
+
+def _is_var(values: Sequence[str]) -> bool:
+    return any("$" in v for v in values)
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def classify(flags: Sequence[Tuple[str, List[str]]], cuda: bool = False, te: bool = False) -> List[dict]:
+    """``{"flag", "values", "status", "reason"}`` for each ``(flag, values)`` (module docstring).
+
+    ``cuda`` / ``te``: whether CUDA and Transformer Engine are present where the script runs.
+    """
+    from megatron.training import compat
+    from megatron.training.arguments import build_parser
+
+    parser = build_parser(megatron_lm_flags=True)
+    known = {s: a for a in parser._actions for s in a.option_strings}
+    given = {f: v for f, v in flags}
+    tp = _number((given.get("--tensor-model-parallel-size") or ["1"])[0]) or 1
+    out = []
+    for flag, values in flags:
+        action = known.get(flag)
+        if action is None:
+            status, reason = "unrecognized", "not a Megatron-LM flag either"
+        elif action.dest.startswith(compat.DEST_PREFIX):
+            t = compat.treatment(compat._spelling(flag), " ".join(values) if values else None)
+            status = {"noop": "honoured"}.get(t.kind, t.kind)
+            reason = t.reason
+        else:
+            status, reason = _own(flag, values, action, parser, cuda, te, tp, given)
+        out.append({"flag": flag, "values": values, "status": status, "reason": reason})
+    return out
+
+
+def _own(flag: str, values: List[str], action, parser, cuda: bool, te: bool, tp: float,
+         given: Dict[str, List[str]]) -> Tuple[str, str]:
+    """Status of one of this driver's own flags, by its value (mirrors arguments.py's checks)."""
+    v = values[0] if values else ""
+    if (flag in ("--bf16", "--fp16") or (flag == "--distributed-backend" and v == "nccl")) and not cuda:
+        return "hardware", "needs CUDA"
+    if flag == "--use-flash-attn" or (flag == "--attention-backend" and v in ("flash", "fused")):
+        if not (cuda and te):
+            return "hardware", "Transformer Engine's attention: needs CUDA and transformer_engine"
+        if (given.get("--transformer-impl") or [""])[0] != "transformer_engine":
+            return "unsupported", "needs --transformer-impl transformer_engine"
+    if flag == "--transformer-impl" and v == "transformer_engine" and not (cuda and te):
+        return "hardware", "needs CUDA and transformer_engine"
+    if _is_var(values):
+        return "honoured", "value is a shell variable (not checked)"
+    rules = {
+        "--transformer-impl": (v == "inference_optimized", "inference layers do not apply to training"),
+        "--ckpt-format": (v not in ("", "torch_dist"), "only torch_dist checkpoints are written and read"),
+        "--hidden-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
+        "--attention-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
+        "--micro-batch-size": (_number(v) not in (None, 1.0), "a micro-batch is one packed sequence: "
+                                                               "raise --global-batch-size instead"),
+        "--sequence-parallel": (tp > 1, "packed micro-batches of varying length cannot be split over TP ranks"),
+    }
+    bad, why = rules.get(flag, (False, ""))
+    if bad:
+        return "unsupported", why
+    if action.nargs != 0:
+        try:
+            _check_value(parser, flag, values)
+        except ValueError as e:
+            return "unsupported", str(e)
+    return "honoured", "implemented" if not (flag == "--sequence-parallel" and tp == 1) else \
+        "off with TP = 1, as in Megatron-LM"
+
+
+def _check_value(parser, flag: str, values: List[str]) -> None:
+    """argparse's type / choice check of one flag's values; ValueError with its message."""
+    action = next(a for a in parser._actions if flag in a.option_strings)
+    texts = values if isinstance(action.nargs, (str, int)) and action.nargs not in ("?",) else values[:1]
+    for text in texts:
+        if action.choices is not None and text not in action.choices:
+            raise ValueError(f"invalid choice {text!r} (choose from {', '.join(map(str, action.choices))})")
+        if action.type is not None and not isinstance(action, argparse._StoreConstAction):
+            try:
+                action.type(text)
+            except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+                raise ValueError(f"invalid value {text!r}: {e}") from None
+
+
+def summarize(rows: List[dict]) -> dict:
+    """Counts by status and the share of flags honoured among those not refused for hardware."""
+    counts: Dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    considered = len(rows) - counts.get("hardware", 0)
+    return {"flags": len(rows), "counts": counts,
+            "honoured_fraction": counts.get("honoured", 0) / considered if considered else 1.0,
+            "megatron_lm_flags_unrecognized": counts.get("unrecognized", 0)}
+
+
+def runnable_argv(rows: List[dict]) -> List[str]:
+    """The script's flags minus those refused for missing hardware (what runs here)."""
+    argv: List[str] = []
+    for r in rows:
+        if r["status"] != "hardware":
+            argv += [r["flag"], *r["values"]]
+    return argv
