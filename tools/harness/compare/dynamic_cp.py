@@ -16,7 +16,8 @@ stage, per-rank limit ``seq_length / c`` tokens, ``M`` micro-batches per step):
 * placement (``place``): documents by decreasing estimate ``L^2 / k`` go to the
   aligned group of ``k`` GPUs (GPUs ``g k .. g k + k - 1``) of a micro-batch whose
   most-loaded GPU is least loaded and that has room (every GPU holds at most
-  ``seq_length / c`` tokens): longest-processing-time greedy on Megatron's estimate.
+  ``seq_length / c`` tokens; with no room, the next power of two is tried):
+  longest-processing-time greedy on Megatron's estimate.
   ``dynamic-cp`` (Megatron's scheduler owns the grouping) may move a document to any
   micro-batch of its replica; ``sparsebalance+dcp`` keeps SAB's micro-batches (the
   packer owns the grouping, the CP scheduler only picks CP sizes and GPUs inside a
@@ -62,9 +63,48 @@ def cp_sizes(lengths: np.ndarray, seq_length: int, cp: int) -> np.ndarray:
     return np.minimum(k.astype(np.int64), cp)
 
 
+class _NoRoom(Exception):
+    """No aligned GPU group has room for a document, even at the full CP size."""
+
+
+def _greedy(L: np.ndarray, home: np.ndarray, M: int, seq_length: int, cp: int,
+            keep_microbatches: bool) -> List[List[Tuple[int, int, int]]]:
+    """LPT on Megatron's estimate with the per-rank token limit; a document with no
+    room at its CP size tries the next power of two (Megatron raises CP sizes too)."""
+    k = cp_sizes(L, seq_length, cp)
+    est = L.astype(np.float64) ** 2 / k
+    load, tok = np.zeros((M, cp)), np.zeros((M, cp))
+    room = seq_length / cp
+    out: List[List[Tuple[int, int, int]]] = [[] for _ in range(M)]
+    for i in np.argsort(-est, kind="stable").tolist():
+        rows = np.array([home[i]]) if keep_microbatches else np.arange(M)
+        ki = int(k[i])
+        while True:
+            share = L[i] / ki
+            g_load = load[rows].reshape(rows.size, cp // ki, ki).max(axis=2)
+            g_tok = tok[rows].reshape(rows.size, cp // ki, ki).max(axis=2)
+            fits = g_tok + share <= room + 1e-9
+            if fits.any():
+                break
+            if ki == cp:
+                raise _NoRoom
+            ki *= 2
+        r, g = np.unravel_index(int(np.argmin(np.where(fits, g_load, np.inf))), fits.shape)
+        m = int(rows[r])
+        load[m, g * ki:(g + 1) * ki] += L[i] ** 2 / ki
+        tok[m, g * ki:(g + 1) * ki] += share
+        out[m].append((int(L[i]), ki, int(g * ki)))
+    return out
+
+
 def place(lengths: Sequence[np.ndarray], seq_length: int, cp: int,
           keep_microbatches: bool) -> List[List[Tuple[int, int, int]]]:
     """Place one replica's documents on its micro-batches and CP GPUs (module docstring).
+
+    Every GPU holds at most ``seq_length / cp`` tokens. Where the greedy finds no room
+    (fragmentation), a regrouping falls back to keeping the micro-batches, and a
+    micro-batch to the static layout (every document over all ``cp`` GPUs, which always
+    fits a micro-batch of at most ``seq_length`` tokens).
 
     Args:
         lengths: M arrays, the document lengths of each micro-batch (tokens).
@@ -77,30 +117,21 @@ def place(lengths: Sequence[np.ndarray], seq_length: int, cp: int,
         ``first_gpu .. first_gpu + k - 1`` with CP size ``k``.
     """
     M = len(lengths)
-    L = np.concatenate([np.asarray(x, dtype=np.int64) for x in lengths])
-    home = np.repeat(np.arange(M), [len(x) for x in lengths])
-    k = cp_sizes(L, seq_length, cp)
-    est = L.astype(np.float64) ** 2 / k
-    load, tok = np.zeros((M, cp)), np.zeros((M, cp))
-    room = seq_length / cp
-    out: List[List[Tuple[int, int, int]]] = [[] for _ in range(M)]
-    for i in np.argsort(-est, kind="stable").tolist():
-        ki, share = int(k[i]), L[i] / k[i]
-        rows = np.array([home[i]]) if keep_microbatches else np.arange(M)
-        g_load = load[rows].reshape(rows.size, cp // ki, ki).max(axis=2)
-        g_tok = tok[rows].reshape(rows.size, cp // ki, ki).max(axis=2)
-        # A full group is skipped; if every group is full the least-filled one takes it
-        # (micro-batches hold at most seq_length tokens, so this only happens when k's
-        # rounding leaves no aligned group with room).
-        fits = g_tok + share <= room + 1e-9
-        score = np.where(fits, g_load, np.inf) if fits.any() else g_tok
-        r, g = np.unravel_index(int(np.argmin(score)), score.shape)
-        m = int(rows[r])
-        load[m, g * ki:(g + 1) * ki] += est[i]
-        tok[m, g * ki:(g + 1) * ki] += share
-        out[m].append((int(L[i]), ki, int(g * ki)))
-    if any(not mb for mb in out):
-        raise ValueError("dynamic CP left a micro-batch empty (fewer documents than micro-batches)")
+    arrays = [np.asarray(x, dtype=np.int64) for x in lengths]
+    if not keep_microbatches:
+        try:
+            out = _greedy(np.concatenate(arrays), np.repeat(np.arange(M), [a.size for a in arrays]),
+                          M, seq_length, cp, False)
+            if all(out):
+                return out
+        except _NoRoom:
+            pass
+    out = []
+    for a in arrays:
+        try:
+            out.append(_greedy(a, np.zeros(a.size, dtype=np.int64), 1, seq_length, cp, True)[0])
+        except _NoRoom:
+            out.append([(int(x), cp, 0) for x in a.tolist()])
     return out
 
 
