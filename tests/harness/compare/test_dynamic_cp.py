@@ -47,7 +47,7 @@ def test_placement_is_legal(keep):
 def test_all_long_documents_cost_as_static_cp():
     """Documents that need the whole CP group run exactly as under static CP."""
     # cp 2: the per-rank limit is 16K, so every document here needs both GPUs.
-    nested_long = [[[20000, 12000], [30000]], [[17000, 15000], [25000, 17000]]]
+    nested_long = [[[20000], [30000]], [[17000], [32768]]]
     cp = 2
     assert (cp_sizes(np.concatenate([np.ravel(m) for r in nested_long for m in r]), S, cp) == 2).all()
     preds = {1: _pred(1), 2: _pred(2)}
