@@ -173,33 +173,34 @@ def _check(a) -> None:
     if a.mode == "report" and not (a.report and (os.path.isfile(os.path.join(a.report, "sim.json"))
                                                  or os.path.isfile(os.path.join(a.report, "real.json")))):
         raise UsageError("--mode report needs --report DIR holding sim.json or real.json")
+    a.cost_note = None
     if a.mode in ("sim", "all"):
-        a.cost_model = _resolve_cost_model(a.cost_model)
+        a.cost_model, a.cost_note = _resolve_cost_model(a.cost_model)
     a.sim_cfgs = _sim_configs(a) if a.mode in ("sim", "all") else {}
     a.length_arrays = ({os.path.splitext(os.path.basename(f))[0]: _read_lengths(f)
                         for f in a.lengths} if a.mode in ("sim", "all") else {})
     a.real_cfg = _real_config(a) if a.mode in ("real", "all") else None
 
 
-def _resolve_cost_model(name: str) -> str:
-    """``auto``: the first results/gpu_check/*profile*.json that loads as a predictor,
-    else h100-analytic (logged either way); any other name is kept."""
+def _resolve_cost_model(name: str) -> tuple:
+    """``(cost model, note)``. ``auto``: the first results/gpu_check/*profile*.json that
+    loads as a predictor, else h100-analytic; any other name is kept. The note says
+    which (logged once the command line is known to be good)."""
     if name != "auto":
-        return name
+        return name, f"cost model: {name}"
     from sparsebalance.predictor import get_predictor
 
+    skipped = []
     for path in sorted(glob.glob(os.path.join(REPO, "results", "gpu_check", "*profile*.json"))):
         try:
             get_predictor(path)
         except (ValueError, OSError, KeyError) as e:
-            print(f"[compare] {path}: not a usable latency profile ({str(e).splitlines()[0]})",
-                  file=sys.stderr)
+            skipped.append(f"{os.path.basename(path)} ({str(e).splitlines()[0]})")
             continue
-        print(f"[compare] cost model: GPU-measured profile {path}", file=sys.stderr)
-        return path
-    print("[compare] cost model: h100-analytic (no GPU profile under results/gpu_check/)",
-          file=sys.stderr)
-    return "h100-analytic"
+        return path, f"cost model: GPU-measured profile {path}"
+    return "h100-analytic", ("cost model: h100-analytic (no usable GPU profile under "
+                             "results/gpu_check/" + (f"; skipped {', '.join(skipped)}" if skipped
+                                                     else "") + ")")
 
 
 def _sim_configs(a) -> dict:
@@ -460,6 +461,8 @@ def main(argv=None) -> int:
     try:
         a = build_parser().parse_args(argv)
         _check(a)
+        if a.cost_note:
+            log(f"[compare] {a.cost_note}")
         log(f"[compare] OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} (this process); "
             f"real runs use {a.threads} per rank")
         figs: dict = {}
