@@ -210,11 +210,18 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
             lb = lower_bound_ms(inst)
             insts = {False: (inst, static)}
             if any(a.dynamic_cp and a.batching == s for a in todo.values()):
-                # SparseBalance keeps its packer's micro-batches; Megatron's scheduler regroups.
-                keep = s != "dp-balanced"
-                dinst = (inst if cfg.cp == 1 and keep else dynamic_cp_instance(
+                dcp = lambda keep: dynamic_cp_instance(  # noqa: E731
                     cp_predictors, nested, seq_length, cfg.cp, pp=cfg.pp, k0=cfg.topk,
-                    keep_microbatches=keep, static=inst))
+                    keep_microbatches=keep, static=inst)
+                if s == "dp-balanced":  # Megatron's scheduler owns the grouping
+                    dinst = dcp(False)
+                elif cfg.cp == 1:
+                    dinst = inst
+                else:
+                    # SparseBalance has the predictor: per step, SAB's micro-batches with the
+                    # CP scheduler placing documents inside them, or the scheduler's
+                    # regrouping, whichever it predicts faster at k0.
+                    dinst = min((dcp(True), dcp(False)), key=lambda x: timeline_at(x, k0).step_ms)
                 insts[True] = (dinst, timeline_at(dinst, k0))
             cache: Dict[Tuple[bool, str, float], Tuple[np.ndarray, float]] = {}
             for name, arm in todo.items():

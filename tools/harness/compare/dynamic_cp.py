@@ -19,11 +19,12 @@ stage, per-rank limit ``seq_length / c`` tokens, ``M`` micro-batches per step):
   ``seq_length / c`` tokens; with no room, the next power of two is tried):
   longest-processing-time greedy on Megatron's estimate.
   ``dynamic-cp`` (Megatron's scheduler owns the grouping) may move a document to any
-  micro-batch of its replica; ``sparsebalance+dcp`` keeps SAB's micro-batches (the
-  packer owns the grouping, the CP scheduler only picks CP sizes and GPUs inside a
-  micro-batch) and, per micro-batch, keeps the static layout where the predictor
-  says it is faster (SparseBalance has the cost model; Megatron's scheduler has only
-  the estimate);
+  micro-batch of its replica. ``sparsebalance+dcp`` uses its predictor (Megatron's
+  scheduler has only the estimate): per step it takes the faster at ``k0`` of (a) SAB's
+  micro-batches with the CP scheduler placing documents inside each, keeping the
+  static layout for a micro-batch where that is faster, and (b) the scheduler's
+  regrouping of SAB's replica; DST then plans on the chosen step
+  (``cluster_sim.simulate_cell``);
 * cost: the document's layer time at CP ``k`` from the CP-aware predictor
   (``sparsebalance/predictor/context_parallel.py``: slowest rank's attention, its token
   share, the K/V exchange) is charged to each of its ``k`` GPUs; a micro-batch's
