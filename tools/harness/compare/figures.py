@@ -200,7 +200,9 @@ def scaling_lines(path: str, cells: list, cost_model: str) -> None:
         ax.set_title(f"{m} (PP {pp}, DP {dp}, CP {cp})")
         ax.set_xlabel("context")
         ax.set_ylabel("tokens/s vs megatron")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"simulated, cost model {cost_model}", fontsize=9)
-    fig.tight_layout()
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    fig.suptitle(f"simulated, cost model {cost_model} (at CP 1 sparsebalance+dcp = "
+                 "sparsebalance)", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     _save(fig, path)

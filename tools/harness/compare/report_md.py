@@ -357,7 +357,7 @@ def scaling_report(res: dict) -> str:
                          f"megatron (target >= {TARGET_3B_128K}x, the paper 1.33x): "
                          + ("**met**" if r >= TARGET_3B_128K else
                             f"**missed** by {TARGET_3B_128K - r:.3f}x"))
-    arms = list(cells[0]["arms"])
+    arms = list(dict.fromkeys(a for c in cells for a in c["arms"]))
     lines += ["", "## Cells (tokens/s relative to megatron)", "",
               "| model | context | PP | DP | CP | " + " | ".join(arms)
               + " | best baseline | sb_vs_best |",
@@ -365,7 +365,7 @@ def scaling_report(res: dict) -> str:
     for c in cells:
         lines.append(f"| {c['model']} | {c['context'] // 1024}K | {c['pp']} | {c['dp']} | "
                      f"{c['cp']} | " + " | ".join(f"{c['arms'][a] / c['arms']['megatron']:.3f}"
-                                               for a in arms)
+                                               if a in c["arms"] else "n/a" for a in arms)
                      + f" | {c['best_baseline']} | {c['sb_vs_best']:.3f} |")
     lines += ["", "![sb_vs_best](scaling_sb_vs_best.png)", "",
               "![vs context](scaling_vs_context.png)", ""]
