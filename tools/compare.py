@@ -357,8 +357,9 @@ def _sim_figures(d: str, model: str, cells: dict, gantt, figs: dict) -> None:
         rep = int(np.argmax(res["megatron"].replica_step_ms))
         write_gantt(os.path.join(d, f"sim_gantt_{model}.png"),
                     {"megatron": res["megatron"], "sparsebalance": res["sparsebalance"]},
-                    replicas=[rep], title=f"{model} {fname} {seq // 1024}K, step 0, replica "
-                                          f"{rep} (megatron's slowest)")
+                    replicas=[rep], unit="ms per 1,000 tokens",
+                    title=f"{model} {fname} {seq // 1024}K, step 0, replica "
+                          f"{rep} (megatron's slowest), per 1,000 real tokens of the step")
         figs[f"sim_gantt_{model}"] = f"sim_gantt_{model}.png"
 
 
