@@ -11,7 +11,12 @@
 #      sparsebalance  --sparse-balance: SAB packing + critical-path DST (attention slack 0)
 # 4. one side-by-side table (tokens/s, speedup with a 95% interval, retained attention vs
 #    static top-k, micro-batch imbalance, bubble per stage, planning time), a Gantt PNG and
-#    a Chrome trace (chrome://tracing, ui.perfetto.dev) of one step of each arm.
+#    a Chrome trace (chrome://tracing, ui.perfetto.dev) of one step of each arm, its time
+#    axis in ms per 1,000 real tokens (the arms pack different token counts per step, so
+#    a shorter bar is a higher throughput, as in the table);
+# 5. a machine-load check before and after the runs (other processes' CPU time from /proc,
+#    the load average): one WARNING line in the output and the report when other
+#    processes competed, since the ratios are then less reliable.
 #
 #   bash examples/cpu_demo.sh                 # from the repo root (the Makefile does this)
 #   ROUNDS=5 ITERS=23 bash examples/cpu_demo.sh   # longer, tighter interval

@@ -7,8 +7,15 @@ length file. ``--mode real``: ``pretrain_gpt.py`` per arm under torchrun (gloo,
 CPU, PP=2 on 2 cores; ``--ranks 4`` for PP=4 oversubscribed) on a fixed corpus
 recipe, after profiling this machine's layer latency. ``--mode all``: both.
 ``--report DIR`` stores the raw results (sim.json, real.json) and writes DIR/report.md
-with PNG figures (results of the other mode already in DIR are included);
-``--json`` prints one object: arms, speedup_vs_megatron, sim, validation. Without
+with PNG figures (results of the other mode already in DIR are included).
+``--scaling`` (sim mode) runs the scaling study instead: context 32K-256K, three model
+shapes, PP 4-16, DP 8-64, CP 1-4 (the cells in tools/harness/compare/scaling.py),
+saving DIR/scaling.json and the scaling_*.png figures.
+``--mode sim --json`` prints ``{"cost_model", "cells": [{"model", "context", "pp", "dp",
+"cp", "arms": {arm: tokens_per_s}, "best_baseline", "sb_vs_best"}]}``
+(tools/harness/compare/cells.py); ``--mode real|all --json`` prints the summary object
+(arms, speedup_vs_megatron, sim, validation), which ``--report`` always saves as
+DIR/summary.json. Without
 ``--json``, real runs end with a side-by-side table: per arm tokens/s, the throughput
 ratio vs megatron as the median over ``--rounds`` interleaved rounds with a 95%
 bootstrap interval, retained attention vs static top-k on the same documents,
@@ -31,6 +38,15 @@ Full evaluation on the 2-core CPU machine (simulation + real runs, background it
     OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode real --quick --report results/compare
     .venv/bin/python tools/compare.py --mode real --rounds 3 --iters 23 \
         --arms megatron,sab,sparsebalance,sparsebalance-inline --report results/compare
+
+Scaling study (a few minutes on one core; --quick: three cells)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --scaling --json \
+        --report results/scaling > results/scaling/cells.json
+
+``--cost-model auto`` (the default) uses the first GPU-measured latency profile
+committed as results/gpu_check/*profile*.json that loads, h100-analytic otherwise; the
+JSON's ``cost_model`` says which.
 
 GPU cluster (simulation with a profile of the target GPU instead of h100-analytic)::
 
@@ -83,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="DIR", help="write raw results, report.md and PNGs here")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--quick", action="store_true",
-                   help="short: 2 sim steps; real: one round of 23 iterations, no frontier")
+                   help="short: 2 sim steps (scaling: 3 cells); real: one round of 23 "
+                        "iterations, no frontier")
+    p.add_argument("--scaling", action="store_true",
+                   help="sim mode: the scaling study (tools/harness/compare/scaling.py) "
+                        "instead of --sim-models x --seq-lengths x --sim-cp at --pp/--dp")
     g = p.add_argument_group("simulation")
     g.add_argument("--lengths", nargs="*", default=None,
                    help="length files (default ../shared/data/lengths/*.json)")
@@ -98,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel sizes to simulate (CP=1 always runs: it is the "
                         "summary's sim section; each larger size adds models.<m>.cp.<size> to "
                         "sim.json and a CP table to report.md; 2 = the paper's SP2)")
-    g.add_argument("--cost-model", default="h100-analytic", help="predictor name or profile path")
+    g.add_argument("--cost-model", default="auto",
+                   help="predictor name or profile path; auto: a GPU profile committed as "
+                        "results/gpu_check/*profile*.json, else h100-analytic")
     g.add_argument("--block-size", type=int, default=256)
     g.add_argument("--topk", type=int, default=32)
     g.add_argument("--seed", type=int, default=0)
@@ -144,15 +166,41 @@ def _check(a) -> None:
                 get_arm(n)
         except ValueError as e:
             raise UsageError(f"--arms: {e}")
+    if a.scaling and a.mode != "sim":
+        raise UsageError("--scaling needs --mode sim")
     if a.report and os.path.isfile(a.report):
         raise UsageError(f"--report {a.report} is a file, expected a directory")
     if a.mode == "report" and not (a.report and (os.path.isfile(os.path.join(a.report, "sim.json"))
                                                  or os.path.isfile(os.path.join(a.report, "real.json")))):
         raise UsageError("--mode report needs --report DIR holding sim.json or real.json")
+    a.cost_note = None
+    if a.mode in ("sim", "all"):
+        a.cost_model, a.cost_note = _resolve_cost_model(a.cost_model)
     a.sim_cfgs = _sim_configs(a) if a.mode in ("sim", "all") else {}
     a.length_arrays = ({os.path.splitext(os.path.basename(f))[0]: _read_lengths(f)
                         for f in a.lengths} if a.mode in ("sim", "all") else {})
     a.real_cfg = _real_config(a) if a.mode in ("real", "all") else None
+
+
+def _resolve_cost_model(name: str) -> tuple:
+    """``(cost model, note)``. ``auto``: the first results/gpu_check/*profile*.json that
+    loads as a predictor, else h100-analytic; any other name is kept. The note says
+    which (logged once the command line is known to be good)."""
+    if name != "auto":
+        return name, f"cost model: {name}"
+    from sparsebalance.predictor import get_predictor
+
+    skipped = []
+    for path in sorted(glob.glob(os.path.join(REPO, "results", "gpu_check", "*profile*.json"))):
+        try:
+            get_predictor(path)
+        except (ValueError, OSError, KeyError) as e:
+            skipped.append(f"{os.path.basename(path)} ({str(e).splitlines()[0]})")
+            continue
+        return path, f"cost model: GPU-measured profile {path}"
+    return "h100-analytic", ("cost model: h100-analytic (no usable GPU profile under "
+                             "results/gpu_check/" + (f"; skipped {', '.join(skipped)}" if skipped
+                                                     else "") + ")")
 
 
 def _sim_configs(a) -> dict:
@@ -161,6 +209,11 @@ def _sim_configs(a) -> dict:
     from tools.harness.compare.cluster_sim import MODELS, SimConfig
 
     out = {}
+    if a.scaling:
+        from tools.harness.compare.scaling import GRID, QUICK_GRID
+
+        a.grid = QUICK_GRID if a.quick else GRID
+        a.sim_models = sorted({c[0] for c in a.grid})
     for model in a.sim_models:
         try:
             cfg = SimConfig(pp=a.pp, dp=a.dp, micro_batches=a.micro_batches,
@@ -233,6 +286,33 @@ def run_sim(a, figs: dict, log) -> dict:
     return out
 
 
+def run_scaling(a, log) -> dict:
+    """The scaling study: ``{"cost_model", "cells", "tables", "config"}`` (cells: the
+    --json rows; tables: per cell, the full per-file cell tables)."""
+    from tools.harness.compare.scaling import run_study
+
+    cfg = next(iter(a.sim_cfgs.values()))[0]
+    try:
+        res = run_study(a.grid, a.length_arrays, cfg, log)
+    except ValueError as e:
+        raise UsageError(f"scaling: {str(e).splitlines()[0]}")
+    return {"cost_model": a.cost_model, "cells": [r["cell"] for r in res],
+            "tables": [r["tables"] for r in res],
+            "config": {k: v for k, v in cfg.__dict__.items() if k not in ("model", "pp", "dp", "cp",
+                                                                        "micro_batches")}}
+
+
+def _scaling_report(d: str, res: dict) -> None:
+    from sparsebalance.io import atomic_write_text
+    from tools.harness.compare.figures import scaling_heatmap, scaling_lines
+    from tools.harness.compare.report_md import scaling_report
+
+    _dump(d, "scaling.json", res)
+    scaling_heatmap(os.path.join(d, "scaling_sb_vs_best.png"), res["cells"], res["cost_model"])
+    scaling_lines(os.path.join(d, "scaling_vs_context.png"), res["cells"], res["cost_model"])
+    atomic_write_text(os.path.join(d, "scaling.md"), scaling_report(res))
+
+
 def _sim_cp(a, model: str, cfg, files: dict, log) -> dict:
     """``{cp: {"cells": {file: {seq: cell table}}}}`` for every ``--sim-cp`` size > 1."""
     from dataclasses import replace
@@ -276,8 +356,9 @@ def _sim_figures(d: str, model: str, cells: dict, gantt, figs: dict) -> None:
         rep = int(np.argmax(res["megatron"].replica_step_ms))
         write_gantt(os.path.join(d, f"sim_gantt_{model}.png"),
                     {"megatron": res["megatron"], "sparsebalance": res["sparsebalance"]},
-                    replicas=[rep], title=f"{model} {fname} {seq // 1024}K, step 0, replica "
-                                          f"{rep} (megatron's slowest)")
+                    replicas=[rep], unit="ms per 1,000 tokens",
+                    title=f"{model} {fname} {seq // 1024}K, step 0, replica "
+                          f"{rep} (megatron's slowest), per 1,000 real tokens of the step")
         figs[f"sim_gantt_{model}"] = f"sim_gantt_{model}.png"
 
 
@@ -288,14 +369,21 @@ def run_real(a, figs: dict, log) -> dict:
     arms = a.arms or list(ARMS)
     if a.frontier and not a.quick:
         arms += [n for n in FRONTIER if n not in arms]
+    from tools.harness.compare import machine_load as ml
+
     cfg = a.real_cfg
     os.makedirs(a.workdir, exist_ok=True)
+    idle = ml.idle_window()
+    start = idle[1]
     kinds = ["sparse"] + (["dense"] if any(not get_arm(n).sparse for n in arms) else [])
     prep = prepare(REPO, SHARED, cfg, a.workdir, log, kinds)
     pred = cpu_prediction(cfg, prep)
     log("[compare] predicted (profile + pipeline model) throughput vs megatron: " + ", ".join(
         f"{n} {r['speedup_vs_megatron']:.3f}x" for n, r in pred["arms"].items()))
     res = run_arms(REPO, cfg, arms, a.workdir, prep, log)
+    res["machine_load"] = ml.verdict(idle, (start, ml.sample()), ml.cpus())
+    if res["machine_load"]["warning"]:
+        log(f"[compare] {res['machine_load']['warning']}")
     res["cpu_prediction"] = pred
     res["config"] = cfg.as_dict()
     res["prep"] = prep
@@ -320,11 +408,8 @@ def _real_frontier(arms: dict) -> dict:
 
 
 def _real_figures(d: str, res: dict, figs: dict) -> None:
-    from tools.harness.compare.figures import (frontier, last_timeline, speedup_bars,
+    from tools.harness.compare.figures import (frontier, last_timeline, real_gantt, speedup_bars,
                                                validation_scatter)
-    from sparsebalance.pipeline import simulate
-    from sparsebalance.pipeline.trace import write_chrome_trace, write_gantt
-
     arms = res["arms"]
     if "megatron" in arms:
         base = arms["megatron"]["tokens_per_s"]
@@ -337,18 +422,19 @@ def _real_figures(d: str, res: dict, figs: dict) -> None:
     tl = {n: last_timeline(res["timelines"][n]) for n in ("megatron", "sparsebalance")
           if n in res["timelines"]}
     if all(tl.values()) and len(tl) == 2:
-        results = {f"{n} (measured op times)": simulate(t["fwd_ms"], t["bwd_ms"])
-                   for n, t in tl.items()}
-        write_gantt(os.path.join(d, "real_gantt.png"), results,
-                    title="last step, measured per-op times replayed in megatron's 1F1B order")
-        figs["real_gantt"] = "real_gantt.png"
-        write_chrome_trace(os.path.join(d, "real_trace.json"), results)
-        figs["real_trace"] = "real_trace.json"
+        real_gantt(d, arms, tl, figs)
     pts = _real_frontier(arms)
     if len(pts) >= 2:
         frontier(os.path.join(d, "real_frontier.png"), {}, pts)
         figs["real_frontier"] = "real_frontier.png"
     res["frontier"] = pts
+
+
+def _cell_lines(cells: list) -> list:
+    return [f"{c['model']} {c['context'] // 1024}K pp{c['pp']} dp{c['dp']} cp{c['cp']}: "
+            f"sb_vs_best {c['sb_vs_best']:.3f}x (best baseline {c['best_baseline']}); "
+            + ", ".join(f"{n} {v / c['arms']['megatron']:.3f}x" for n, v in c["arms"].items())
+            for c in cells]
 
 
 def _load(d: str, name: str):
@@ -374,6 +460,8 @@ def main(argv=None) -> int:
     try:
         a = build_parser().parse_args(argv)
         _check(a)
+        if a.cost_note:
+            log(f"[compare] {a.cost_note}")
         log(f"[compare] OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} (this process); "
             f"real runs use {a.threads} per rank")
         figs: dict = {}
@@ -381,6 +469,20 @@ def main(argv=None) -> int:
             os.makedirs(a.report, exist_ok=True)
         cmd = ("OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "(unset)") + " tools/compare.py "
                + " ".join(argv if argv is not None else sys.argv[1:]))
+        if a.scaling:
+            res = run_scaling(a, log)
+            res["command"] = cmd
+            if a.report:
+                _scaling_report(a.report, res)
+            from tools.harness.compare.cells import check_cells
+            from tools.harness.compare.scaling import summary_lines
+
+            out = {"cost_model": res["cost_model"], "cells": res["cells"]}
+            check_cells(out)
+            for line in summary_lines(res["cells"]):
+                log(f"[compare] {line}")
+            print(json.dumps(out) if a.json else "\n".join(_cell_lines(res["cells"])))
+            return 0
         sim = run_sim(a, figs, log) if a.mode in ("sim", "all") else None
         if sim is not None:
             sim["command"] = cmd
@@ -428,6 +530,8 @@ def main(argv=None) -> int:
                   "from:", ""]
         header += [f"- {k}: `{r.get('command', '?')}`" for k, r in (("simulation", sim),
                                                                      ("real runs", real)) if r]
+        if real is not None and (real.get("machine_load") or {}).get("warning"):
+            header += ["", f"**{real['machine_load']['warning']}**"]
         notes = [
             "Notes: throughput (real tokens per second or per predicted ms) is the fair "
             "measure because arms fit different numbers of tokens into a step (SAB fills "
@@ -440,13 +544,23 @@ def main(argv=None) -> int:
             "was not changed after."]
         atomic_write_text(os.path.join(a.report, "report.md"), build_report(real, sim, figs, header, notes))
         _dump(a.report, "summary.json", summary)
-    if a.json:
+    if a.json and a.mode == "sim":
+        from tools.harness.compare.cells import check_cells, sim_cells
+
+        out = {"cost_model": a.cost_model, "cells": sim_cells(sim)}
+        check_cells(out)
+        if a.report:
+            _dump(a.report, "cells.json", out)
+        print(json.dumps(out))
+    elif a.json:
         print(json.dumps(summary))
     else:
         if real is not None and real.get("arms"):
             from tools.harness.compare.report_md import real_table
 
             print("\n".join(real_table(real)))
+            if (real.get("machine_load") or {}).get("warning"):
+                print(real["machine_load"]["warning"])
         if a.report and real is not None:
             for key in ("real_gantt", "real_trace"):
                 if key in figs:

@@ -51,8 +51,11 @@ def write_chrome_trace(path: str, results: Dict[str, PipelineTimeline]) -> None:
 
 
 def write_gantt(path: str, results: Dict[str, PipelineTimeline], replicas: Optional[Sequence[int]] = None,
-                title: str = "") -> None:
+                title: str = "", unit: str = "ms") -> None:
     """Gantt PNG, one panel per labelled result side by side, shared time axis.
+
+    ``unit`` labels the time axis (e.g. "ms per 1,000 tokens" for timelines scaled to
+    equal tokens, so arms that pack different token counts compare by throughput).
 
     Rows are (replica, rank); forward ops light, backward dark, critical-path ops
     outlined in black; the label shows micro-batch ids.
@@ -89,8 +92,8 @@ def write_gantt(path: str, results: Dict[str, PipelineTimeline], replicas: Optio
         ax.invert_yaxis()
         ax.set_xlim(0, tmax * 1.02)
         ax.axvline(res.step_ms, color="red", linewidth=1)
-        ax.set_xlabel("ms")
-        ax.set_title(f"{label}: step {res.step_ms:.1f} ms")
+        ax.set_xlabel(unit)
+        ax.set_title(f"{label}: step {res.step_ms:.1f} {unit}")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from sparsebalance.batching.strategies.dp_balanced import pack_dp_balanced
 from sparsebalance.batching.strategies.greedy import pack_quadratic, pack_tokens
 from sparsebalance.batching.strategies.sab import pack_sab
 from sparsebalance.batching.strategies.sequential import pack_concat, pack_megatron, pack_sorted
@@ -44,6 +45,7 @@ STRATEGIES: Registry[Strategy] = Registry("strategy", {
     "tokens": Strategy(pack_tokens),
     "quadratic": Strategy(pack_quadratic),
     "wlb": Strategy(pack_wlb, predictor="optional"),
+    "dp-balanced": Strategy(pack_dp_balanced),
     "sab": Strategy(pack_sab, predictor="required"),
 })
 """Name -> packing strategy (the ``--sb-batching`` choices)."""

@@ -24,20 +24,26 @@ def _next_fit(lengths: np.ndarray, num_bins: int, cap: int) -> np.ndarray:
     return assign
 
 
-def pack_megatron(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packing:
-    """Whole items in stream order into micro-batches until the next one does not fit;
-    bin j of the step goes to rank j // M. Never defers: unplaced stream items stay in
-    the stream (the next step starts with them)."""
+def fill_in_order(carried: Carried, stream: StreamCursor, ctx: PackContext):
+    """Next-fit of the step's window in stream order: ``(window, bin of each item)``.
+    Only the placed prefix is kept; the unplaced stream items go back to the stream
+    untouched (they are not carried)."""
     K, S = ctx.num_bins, ctx.seq_length
     win = build_window(carried, stream, ctx, K * S)
     assign = _next_fit(win.length, K, S)
-    # Next-fit places a prefix of the window: the unplaced stream items go back to the
-    # stream untouched (they are not carried).
     n = win.n_carried + int(np.count_nonzero(assign[win.n_carried:] >= 0))
     stream.retreat(len(win) - n)
     win = Window(win.doc[:n], win.offset[:n], win.length[:n], win.age[:n], win.forced[:n],
                  win.n_carried)
-    return finish(win, assign[:n], ctx)
+    return win, assign[:n]
+
+
+def pack_megatron(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packing:
+    """Whole items in stream order into micro-batches until the next one does not fit;
+    bin j of the step goes to rank j // M. Never defers: unplaced stream items stay in
+    the stream (the next step starts with them)."""
+    win, assign = fill_in_order(carried, stream, ctx)
+    return finish(win, assign, ctx)
 
 
 def pack_concat(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packing:

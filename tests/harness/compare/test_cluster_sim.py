@@ -129,3 +129,12 @@ def test_too_few_steps_in_file():
     cfg = SimConfig(pp=2, dp=2, micro_batches=4, steps=50, block_size=64, topk=8, model=SMALL)
     with pytest.raises(ValueError, match="steps"):
         simulate_cell(_lengths(0)[:200], 4096, cfg)
+
+
+def test_gantt_is_per_thousand_tokens():
+    """The Gantt steps are the table's ms per 1,000 tokens (one step: the same step)."""
+    cfg = SimConfig(pp=2, dp=2, micro_batches=4, steps=1, block_size=64, topk=8, model=SMALL)
+    res = simulate_cell(_lengths(0), 4096, cfg, frontier=False)
+    for arm in ("megatron", "sparsebalance"):
+        assert res.gantt[arm].step_ms == pytest.approx(res.table["arms"][arm]["ms_per_ktok"])
+    assert res.table["arms"]["megatron"]["tokens"] != res.table["arms"]["sparsebalance"]["tokens"]

@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+from tools.harness.compare.cells import check_cells
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOOL = os.path.join(REPO, "tools", "compare.py")
 
@@ -36,6 +38,7 @@ def lengths(tmp_path_factory):
     ["--mode", "real", "--iters", "5"],
     ["--mode", "real", "--arms", "megatron,nope"],
     ["--unknown-flag"],
+    ["--mode", "real", "--scaling"],
 ])
 def test_bad_input_one_line_exit_2(args):
     p = _run(*args)
@@ -59,14 +62,27 @@ def test_tiny_sim_json(lengths, tmp_path):
              "--dp", "2", "--micro-batches", "4", "--sim-steps", "1", "--block-size", "64",
              "--topk", "8", "--sim-models", "qwen05b", "--json", "--report", str(rep))
     assert p.returncode == 0, p.stderr
-    s = json.loads(p.stdout)
+    out = json.loads(p.stdout)
+    check_cells(out)  # the printed shape, best_baseline and sb_vs_best consistent with arms
+    assert out["cost_model"] == "h100-analytic"  # no GPU profile committed (auto)
+    assert [(c["model"], c["context"], c["pp"], c["dp"], c["cp"]) for c in out["cells"]] == [
+        ("qwen05b", 4096, 2, 2, 1), ("qwen05b", 4096, 2, 2, 2)]
+    arms = {"megatron", "sab", "dst", "sparsebalance", "sparsebalance-anchor", "wlb",
+            "dp-balanced", "dynamic-cp", "sparsebalance+dcp"}
+    assert all(set(c["arms"]) == arms for c in out["cells"])
+    assert json.loads((rep / "cells.json").read_text()) == out
+    # The detailed summary keeps its shape in the report directory.
+    s = json.loads((rep / "summary.json").read_text())
     assert set(s) == {"arms", "speedup_vs_megatron", "sim", "validation"}
     cell = s["sim"]["synthetic"]["4096"]
-    assert set(cell) == {"megatron", "sab", "dst", "sparsebalance", "sparsebalance-anchor", "wlb"}
+    assert set(cell) == arms
     assert all(v > 0 for v in cell.values())
     assert (rep / "report.md").is_file() and (rep / "sim.json").is_file()
     assert (rep / "sim_frontier_qwen05b.png").stat().st_size > 0
-    assert json.loads((rep / "summary.json").read_text()) == s
+    # cells are the sim tables pooled: one length file here, so tokens/s = 1e3 x tokens/ms
+    sim_tab = json.loads((rep / "sim.json").read_text())["models"]["qwen05b"]["cells"]
+    for a, v in out["cells"][0]["arms"].items():
+        assert v == pytest.approx(1e3 * sim_tab["synthetic"]["4096"]["arms"][a]["tokens_per_ms"])
     # --sim-cp defaults to 1,2: CP=1 stays where it was, CP=2 is added beside it
     sim = json.loads((rep / "sim.json").read_text())
     m = sim["models"]["qwen05b"]

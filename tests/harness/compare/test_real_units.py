@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tools.harness.compare.arms import ABLATIONS, ARMS, FRONTIER, get_arm
+from tools.harness.compare.arms import ABLATIONS, ARMS, FRONTIER, SIM_ONLY, get_arm
 from tools.harness.compare.real import RealConfig, measured_steps, pool, run_order, RunResult
 from tools.harness.compare.summary import build_summary, check_summary
 
@@ -34,7 +34,13 @@ def test_no_cut_arm_needs_the_run_s_topk():
 
 def test_main_arms_are_the_issue_s():
     assert list(ARMS) == ["dense", "megatron", "sab", "dst", "sparsebalance",
-                          "sparsebalance-anchor", "wlb"]
+                          "sparsebalance-anchor", "wlb", "dp-balanced"]
+    flags = ARMS["dp-balanced"].driver_flags()
+    assert flags[flags.index("--sb-batching") + 1] == "dp-balanced"
+    # Dynamic CP exists only in the simulation: the real runs cannot select it.
+    for name in SIM_ONLY:
+        with pytest.raises(ValueError, match="arm"):
+            get_arm(name)
     assert (ARMS["sparsebalance"].batching, ARMS["sparsebalance"].dst,
             ARMS["sparsebalance"].param) == ("sab", "critical-path", 0.0)
     assert (ARMS["sparsebalance-anchor"].dst, ARMS["sparsebalance-anchor"].param) == ("anchor", 0.1)

@@ -31,6 +31,9 @@ class Arm:
     """DST only raises: no budget below k0 (``--sb-topk-min`` = ``--sb-topk``)."""
     description: str = ""
     """One line for the report."""
+    dynamic_cp: bool = False
+    """Simulation only: a CP size per document (Megatron-core's hybrid CP scheduler,
+    ``dynamic_cp.py``) instead of the run's one CP size."""
 
     def driver_flags(self, topk: Optional[int] = None) -> List[str]:
         """``pretrain_gpt.py`` flags selecting this arm (model/corpus flags excluded).
@@ -66,8 +69,20 @@ ARMS: Dict[str, Arm] = {a.name: a for a in (
     Arm("sparsebalance-anchor", "sab", "anchor", 0.1,
         description="SAB + the paper's mean-anchor DST, p = 0.1"),
     Arm("wlb", "wlb", description="WLB-LLM packing (dense-cost LPT + outlier queues), static k0"),
+    Arm("dp-balanced", "dp-balanced",
+        description="Megatron-core dp_balanced packing (in-order fill, round-robin over DP), "
+                    "static k0"),
 )}
 """Main arms, in report order."""
+
+SIM_ONLY: Dict[str, Arm] = {a.name: a for a in (
+    Arm("dynamic-cp", "dp-balanced", dynamic_cp=True,
+        description="Megatron-core dynamic CP: dp_balanced packing, a power-of-two CP size per "
+                    "document from the L^2/cp estimate, static k0"),
+    Arm("sparsebalance+dcp", "sab", "critical-path", 0.0, dynamic_cp=True,
+        description="SAB + critical-path DST under Megatron-core's dynamic CP scheduler"),
+)}
+"""Arms the real runs cannot select (no dynamic CP in the CPU driver): simulation only."""
 
 ANCHOR_PS: Tuple[float, ...] = (0.05, 0.1, 0.2, 0.3)
 """Frontier: anchor-rule p values (mean anchor)."""

@@ -21,7 +21,7 @@ exchange) instead of a whole micro-batch's.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -34,22 +34,26 @@ from sparsebalance.tuning import anchor_indices, critical_path_indices
 from sparsebalance.tuning.from_predictor import build_instance
 from sparsebalance.tuning.instance import Instance
 from sparsebalance.tuning.plan import timeline_at
-from .arms import ARMS, FRONTIER, Arm
+from .arms import ARMS, FRONTIER, SIM_ONLY, Arm
+from .dynamic_cp import dynamic_cp_instance
 
 MODELS: Dict[str, Dict[str, object]] = {
     "llama7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
                     ffn_hidden_size=11008, vocab_size=32000),
     "qwen05b": {},
+    "qwen3b": dict(num_layers=36, hidden_size=2048, num_attention_heads=16, num_query_groups=2,
+                   ffn_hidden_size=11008, vocab_size=151936),
     "profile": {},
 }
 """Simulated model shapes. ``llama7b`` is the layer h100-analytic was fitted on (no FLOP
 rescaling; 4 layers per stage at PP=8); ``qwen05b`` is the predictor's default
 (Qwen2.5-0.5B-like: 3 layers per stage at PP=8 plus a 151,936-token output layer on
-the last stage); ``profile`` adds no overrides (with a profile JSON as cost model: the
+the last stage); ``qwen3b`` is Qwen2.5-3B's shape (36 layers: PP 4, 6, 9, 12 or 18;
+GQA with 2 K/V groups; tied 151,936-token vocabulary), its layer rescaled by FLOPs; ``profile`` adds no overrides (with a profile JSON as cost model: the
 profiled model itself)."""
 
 SIM_ARMS: Tuple[str, ...] = ("megatron", "sab", "dst", "sparsebalance", "sparsebalance-anchor",
-                             "wlb")
+                             "wlb", "dp-balanced", "dynamic-cp", "sparsebalance+dcp")
 """Main arms of the simulation (no dense arm: no loss, and dense is not the question)."""
 
 
@@ -171,7 +175,8 @@ class SimResult:
     table: dict
     """JSON-able results: arms, frontier, dominance, consistency."""
     gantt: Dict[str, PipelineTimeline]
-    """Step 0 of the megatron arm and of sparsebalance (for the Gantt figure)."""
+    """Step 0 of the megatron arm and of sparsebalance, times in ms per 1,000 real
+    tokens of the step (for the Gantt figure)."""
 
 
 def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
@@ -179,11 +184,12 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
     """Simulate every arm (and the frontier points) on one length file at one seq-length."""
     if "megatron" not in arms:
         raise ValueError("arms must include 'megatron' (the reference of every ratio)")
-    todo: Dict[str, Arm] = {n: ARMS[n] for n in arms}
+    todo: Dict[str, Arm] = {n: ARMS[n] if n in ARMS else SIM_ONLY[n] for n in arms}
     if frontier:
         todo.update(FRONTIER)
     lengths = np.asarray(lengths, dtype=np.int64)
     predictor = cfg.predictor()
+    cp_predictors = {c: replace(cfg, cp=c).predictor() for c in (1, 2, 4, 8, 16) if c <= cfg.cp}
     strategies = sorted({a.batching for a in todo.values()})
     packed_steps = {s: _packed_steps(lengths, s, seq_length, cfg, predictor) for s in strategies}
     acc = {n: _Acc() for n in todo}
@@ -203,18 +209,34 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
             causal = float(causal_pairs(np.concatenate([np.asarray(m) for r in nested
                                                         for m in r])).sum()) * layers
             lb = lower_bound_ms(inst)
-            cache: Dict[Tuple[str, float], Tuple[np.ndarray, float]] = {}
+            insts = {False: (inst, static)}
+            if any(a.dynamic_cp and a.batching == s for a in todo.values()):
+                dcp = lambda keep: dynamic_cp_instance(  # noqa: E731
+                    cp_predictors, nested, seq_length, cfg.cp, pp=cfg.pp, k0=cfg.topk,
+                    keep_microbatches=keep, static=inst)
+                if s == "dp-balanced":  # Megatron's scheduler owns the grouping
+                    dinst = dcp(False)
+                elif cfg.cp == 1:
+                    dinst = inst
+                else:
+                    # SparseBalance has the predictor: per step, SAB's micro-batches with the
+                    # CP scheduler placing documents inside them, or the scheduler's
+                    # regrouping, whichever it predicts faster at k0.
+                    dinst = min((dcp(True), dcp(False)), key=lambda x: timeline_at(x, k0).step_ms)
+                insts[True] = (dinst, timeline_at(dinst, k0))
+            cache: Dict[Tuple[bool, str, float], Tuple[np.ndarray, float]] = {}
             for name, arm in todo.items():
                 if arm.batching != s:
                     continue
-                key = (arm.dst, arm.param)
+                ainst, astatic = insts[arm.dynamic_cp]
+                key = (arm.dynamic_cp, arm.dst, arm.param)
                 if key not in cache:
                     t0 = time.process_time()
-                    idx = _indices(inst, arm)
+                    idx = _indices(ainst, arm)
                     cache[key] = (idx, 1e3 * (time.process_time() - t0))
                 idx, plan_ms = cache[key]
-                res = timeline_at(inst, idx) if arm.dst != "off" else static
-                f, b, a = inst.at(idx)
+                res = timeline_at(ainst, idx) if arm.dst != "off" else astatic
+                f, b, a = ainst.at(idx)
                 r = acc[name]
                 r.step_ms.append(res.step_ms)
                 r.tokens += packed.tokens
@@ -227,7 +249,11 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
                 r.bubble.append(res.bubble_ms / res.step_ms)
                 r.plan_ms.append(plan_ms)
                 if step == 0 and name in ("megatron", "sparsebalance"):
-                    gantt[name] = res
+                    # Per 1,000 real tokens: the arms pack different token counts, so
+                    # equal tokens put the picture on the throughput table's footing.
+                    sc = 1e3 / packed.tokens
+                    gantt[name] = simulate(f * sc, b * sc, schedule=ainst.schedule, vpp=ainst.vpp,
+                                           p2p_ms=ainst.p2p_ms * sc, group=ainst.group)
     table = {"seq_length": int(seq_length), "steps": cfg.steps,
              "packer_vs_instance_max_rel_err": consistency,
              "arms": {n: _summarise(acc[n]) for n in arms}}

@@ -133,3 +133,109 @@ def last_timeline(directory: str, kind: str = "measured") -> Optional[dict]:
         doc = json.load(fh)
     doc["file"] = files[-1]
     return doc
+
+
+def _sweep(cells: list) -> tuple:
+    """The context-sweep cells (the most common (pp, dp, cp)) and the others."""
+    from collections import Counter
+
+    base = Counter((c["pp"], c["dp"], c["cp"]) for c in cells).most_common(1)[0][0]
+    sweep = [c for c in cells if (c["pp"], c["dp"], c["cp"]) == base]
+    return base, sweep, [c for c in cells if c not in sweep]
+
+
+def scaling_heatmap(path: str, cells: list, cost_model: str) -> None:
+    """sb_vs_best per cell: a model x context heatmap of the context sweep, and bars
+    for the PP / DP / CP cells."""
+    plt = _plt()
+    (pp, dp, cp), sweep, rest = _sweep(cells)
+    models = sorted({c["model"] for c in sweep})
+    ctx = sorted({c["context"] for c in sweep})
+    grid = np.full((len(models), len(ctx)), np.nan)
+    for c in sweep:
+        grid[models.index(c["model"]), ctx.index(c["context"])] = c["sb_vs_best"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    ax = axes[0]
+    lim = max(abs(np.nanmax(grid) - 1), abs(1 - np.nanmin(grid)), 0.05)
+    im = ax.imshow(grid, cmap="RdBu", vmin=1 - lim, vmax=1 + lim)
+    for i in range(len(models)):
+        for j in range(len(ctx)):
+            if np.isfinite(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.3f}", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(ctx)), [f"{c // 1024}K" for c in ctx])
+    ax.set_yticks(range(len(models)), models)
+    ax.set_title(f"best SparseBalance / best baseline\n(PP {pp}, DP {dp}, CP {cp})")
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    ax = axes[1]
+    labels = [f"{c['model']} {c['context'] // 1024}K\npp{c['pp']} dp{c['dp']} cp{c['cp']}"
+              for c in rest]
+    vals = [c["sb_vs_best"] for c in rest]
+    ax.bar(range(len(rest)), vals, color=["tab:blue" if v >= 1 else "tab:red" for v in vals])
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1.05, color="red", lw=0.8, ls="--", label="target 1.05x")
+    ax.set_xticks(range(len(rest)), labels, fontsize=7, rotation=60, ha="right")
+    ax.set_ylim(min(vals + [1.0]) - 0.05, max(vals + [1.05]) + 0.05)
+    ax.set_title("other PP / DP / CP cells")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"simulated, cost model {cost_model}", fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def scaling_lines(path: str, cells: list, cost_model: str) -> None:
+    """Every arm's tokens/s over megatron's vs context, one panel per model (context sweep)."""
+    plt = _plt()
+    (pp, dp, cp), sweep, _ = _sweep(cells)
+    models = sorted({c["model"] for c in sweep})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        cs = sorted((c for c in sweep if c["model"] == m), key=lambda c: c["context"])
+        for arm in cs[0]["arms"]:
+            y = [c["arms"][arm] / c["arms"]["megatron"] for c in cs]
+            ax.plot([c["context"] // 1024 for c in cs], y, marker="o", label=arm,
+                    ls="-" if arm.startswith("sparsebalance") else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([c["context"] // 1024 for c in cs], [f"{c['context'] // 1024}K" for c in cs])
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_title(f"{m} (PP {pp}, DP {dp}, CP {cp})")
+        ax.set_xlabel("context")
+        ax.set_ylabel("tokens/s vs megatron")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    fig.suptitle(f"simulated, cost model {cost_model} (at CP 1 sparsebalance+dcp = "
+                 "sparsebalance)", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
+    _save(fig, path)
+
+
+def real_gantt(d: str, arms: dict, tl: dict, figs: dict) -> Optional[dict]:
+    """Gantt and Chrome trace of each arm's last step, time in ms per 1,000 real tokens:
+    the arms pack different token counts per step, so equal tokens put the picture on
+    the table's footing (shorter = higher throughput). Returns each arm's replayed step
+    in ms per 1,000 tokens (None when an arm's tokens are unknown)."""
+    from sparsebalance.pipeline import simulate
+    from sparsebalance.pipeline.trace import write_chrome_trace, write_gantt
+
+    from .timelines import step_tokens
+
+    results, per_ktok = {}, {}
+    for n, t in tl.items():
+        mean_tok = arms[n]["tokens_per_s"] * arms[n]["step_ms"] / 1e3 if n in arms else 0.0
+        tokens, src = step_tokens(t, mean_tok)
+        if tokens <= 0:
+            return None
+        scale = 1e3 / tokens
+        res = simulate(np.asarray(t["fwd_ms"]) * scale, np.asarray(t["bwd_ms"]) * scale)
+        results[f"{n} ({tokens:.0f} tokens{'' if src == 'step' else ', arm mean'})"] = res
+        per_ktok[n] = res.step_ms
+    picture = per_ktok["megatron"] / per_ktok["sparsebalance"]
+    table = (arms["sparsebalance"]["tokens_per_s"] / arms["megatron"]["tokens_per_s"]
+             if "megatron" in arms and "sparsebalance" in arms else float("nan"))
+    write_gantt(os.path.join(d, "real_gantt.png"), results, unit="ms per 1,000 tokens",
+                title=f"last step, measured op times replayed in megatron's 1F1B order, per "
+                      f"1,000 tokens\nsparsebalance {picture:.3f}x megatron's throughput in "
+                      f"this step ({table:.3f}x over all measured steps)")
+    figs["real_gantt"] = "real_gantt.png"
+    write_chrome_trace(os.path.join(d, "real_trace.json"), results)
+    figs["real_trace"] = "real_trace.json"
+    return per_ktok

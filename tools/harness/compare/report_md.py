@@ -320,3 +320,53 @@ def build_report(real: Optional[dict], sim: Optional[dict], figs: dict, header: 
     if sim:
         out += sim_section(sim, figs)
     return "\n".join(out) + "\n"
+
+
+TARGET_SCALING_MEDIAN = 1.05
+"""Scaling study: median over cells of best SparseBalance / best baseline."""
+MOONSHOT_SCALING_MEDIAN = 1.15
+"""Its moonshot."""
+TARGET_3B_128K = 1.25
+"""Best SparseBalance over megatron at 128K for the qwen3b shape (the paper: 1.33x)."""
+
+
+def scaling_report(res: dict) -> str:
+    """scaling.md: targets (met or missed), one row per cell, the figures."""
+    cells = res["cells"]
+    g = np.array([c["sb_vs_best"] for c in cells])
+    med = float(np.median(g))
+    lines = ["# Scaling study (simulated)", "",
+             f"Command: `{res.get('command', '?')}`. Cost model: `{res['cost_model']}`. "
+             f"{res['config']['steps']} steps per cell and length file, 32 micro-batches per "
+             "replica, block top-k k0 = "
+             f"{res['config']['topk']}; throughput = real tokens per second of the whole "
+             "cluster, pooled over the length files.", "",
+             "`sb_vs_best` = fastest of sparsebalance, sparsebalance-anchor, sparsebalance+dcp "
+             "over the fastest baseline (every arm that is not SparseBalance or one of its "
+             "parts: megatron, dp-balanced, wlb, dynamic-cp).", "", "## Targets", "",
+             f"- median cell: {med:.3f}x the best baseline (target >= {TARGET_SCALING_MEDIAN}x, "
+             f"moonshot {MOONSHOT_SCALING_MEDIAN}x): "
+             + ("**met**" if med >= TARGET_SCALING_MEDIAN else
+                f"**missed** by {TARGET_SCALING_MEDIAN - med:.3f}x")
+             + (", moonshot met" if med >= MOONSHOT_SCALING_MEDIAN else "")]
+    for c in cells:
+        if c["model"] == "qwen3b" and c["context"] == 128 * 1024:
+            sb = max(v for a, v in c["arms"].items() if a.startswith("sparsebalance"))
+            r = sb / c["arms"]["megatron"]
+            lines.append(f"- qwen3b 128K PP {c['pp']} DP {c['dp']} CP {c['cp']}: {r:.3f}x "
+                         f"megatron (target >= {TARGET_3B_128K}x, the paper 1.33x): "
+                         + ("**met**" if r >= TARGET_3B_128K else
+                            f"**missed** by {TARGET_3B_128K - r:.3f}x"))
+    arms = list(dict.fromkeys(a for c in cells for a in c["arms"]))
+    lines += ["", "## Cells (tokens/s relative to megatron)", "",
+              "| model | context | PP | DP | CP | " + " | ".join(arms)
+              + " | best baseline | sb_vs_best |",
+              "|---|---|---|---|---|" + "---|" * len(arms) + "---|---|"]
+    for c in cells:
+        lines.append(f"| {c['model']} | {c['context'] // 1024}K | {c['pp']} | {c['dp']} | "
+                     f"{c['cp']} | " + " | ".join(f"{c['arms'][a] / c['arms']['megatron']:.3f}"
+                                               if a in c["arms"] else "n/a" for a in arms)
+                     + f" | {c['best_baseline']} | {c['sb_vs_best']:.3f} |")
+    lines += ["", "![sb_vs_best](scaling_sb_vs_best.png)", "",
+              "![vs context](scaling_vs_context.png)", ""]
+    return "\n".join(lines)

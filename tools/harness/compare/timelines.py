@@ -111,3 +111,23 @@ def noise_penalty(directory: str, skip: int, draws: int = 30, seed: int = 0) -> 
         grow.append(float(np.mean(noisy)) / base)
     return {"op_scatter": float(np.std(ratios)), "penalty": float(np.mean(grow)) - 1.0,
             "steps": len(pairs)}
+
+
+def step_tokens(timeline: dict, fallback: float) -> Tuple[float, str]:
+    """Real tokens of the step a ``last_timeline`` document holds, from its run's
+    summary JSON (``step_tokens_all``, beside the timeline directory); ``fallback``
+    (the arm's mean tokens per step) when the summary cannot say. Returns
+    ``(tokens, source)``, source "step" or "mean"."""
+    f = timeline.get("file", "")
+    summary = os.path.join(os.path.dirname(os.path.dirname(f)), "summary.json")
+    try:
+        with open(summary) as fh:
+            s = json.load(fh)
+        it = int(os.path.basename(f).split("_")[1].split(".")[0])
+        toks, last = s["step_tokens_all"], int(s["last_iteration"])
+        idx = len(toks) - 1 - (last - it)
+        if 0 <= idx < len(toks) and toks[idx] > 0:
+            return float(toks[idx]), "step"
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        pass
+    return float(fallback), "mean"
