@@ -62,11 +62,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tools"))
 
-import gpu_report  # noqa: E402
-import gpu_stages  # noqa: E402
-from gpu_report import OPTIONAL_PARTS, PARTS  # noqa: E402
+from tools.harness.gpu import report as gpu_report  # noqa: E402
+from tools.harness.gpu import stages as gpu_stages  # noqa: E402
+from tools.harness.gpu.report import OPTIONAL_PARTS, PARTS  # noqa: E402
 
 PART_BUDGET_S = {"deps": 60, "build": 240, "tests": 400, "bench": 480, "train": 330,
                  "profile": 150, "accuracy": 1800}
@@ -534,7 +533,7 @@ def run_parts(a, runners: Dict[str, Callable] = RUNNERS,
 
 
 def write_report(out_dir: str, parts: List[Part], device: str, dry_run: bool = False) -> dict:
-    """gpu_check.json and gpu_check.md (see tools/gpu_report.py)."""
+    """gpu_check.json and gpu_check.md (see tools/harness/gpu/report.py)."""
     return gpu_report.write_report(out_dir, [p.as_dict() for p in parts], device, dry_run)
 
 

@@ -4,7 +4,7 @@
 Subcommands:
 
 * ``synth``: write a seeded synthetic planning instance (documents packed into
-  micro-batches, exact block top-k pair counts, see sparsebalance.tuning.synthetic).
+  micro-batches, exact block top-k pair counts, see tools/harness/synthetic_instances.py).
 * ``from-lengths``: write an instance from a document-lengths file (a JSON list, in
   dataset order, packed whole into micro-batches of at most ``--seq-length`` tokens
   as Megatron's sequential packing does) and a latency predictor.
@@ -51,7 +51,7 @@ from sparsebalance.pipeline.trace import write_chrome_trace, write_gantt  # noqa
 from sparsebalance.tuning import (anchor_indices, critical_path_indices,  # noqa: E402
                                   instance_from_json, instance_to_json)
 from sparsebalance.tuning.plan import make_plan, timeline_at  # noqa: E402
-from sparsebalance.tuning.synthetic import random_instance  # noqa: E402
+from tools.harness.synthetic_instances import random_instance  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):

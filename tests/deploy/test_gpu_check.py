@@ -114,7 +114,7 @@ def test_cuda_test_modules_are_found():
 
 
 def test_train_verdict():
-    import gpu_stages as st
+    from tools.harness.gpu import stages as st
 
     def summ(losses, tps, dens=None):
         return {"losses": losses, "tokens_per_s": tps, "peak_memory_mb_max": 9000.0, "step_ms_median": 900.0,
@@ -354,7 +354,7 @@ def _row(backend, eff, share, density=0.12, seq=65536, block=128):
 
 
 def test_targets_met_not_met_and_not_measured():
-    import gpu_report as gr
+    from tools.harness.gpu import report as gr
 
     def p(name, status="pass", detail="", data=None):
         return {"name": name, "status": status, "seconds": 1.0, "detail": detail, "data": data or {}}
@@ -512,7 +512,7 @@ def test_dry_run_on_the_cpu_writes_the_report(tmp_path):
 
 
 def test_last_json_reads_one_line_and_indented_objects():
-    import gpu_stages as st
+    from tools.harness.gpu import stages as st
 
     assert st.last_json('noise\n{"a": 1}\n') == {"a": 1}
     assert st.last_json('warn\n{\n "mape": 0.03,\n "b": [\n  1\n ]\n}\n') == {"mape": 0.03, "b": [1]}
@@ -563,7 +563,7 @@ def test_bench_attention_picks_the_fastest_dense_kernel_that_runs(tmp_path):
 
 
 def test_best_backend_comes_from_this_run_or_an_earlier_piece(tmp_path):
-    import gpu_report as gr
+    from tools.harness.gpu import report as gr
 
     bench = gc.Part("bench", True, data={"rows": [_row("triton", 0.3, 0.02), _row("flex", 0.5, 0.03),
                                                    _row("cuda", 0.9, 0.01, density=0.05)]})

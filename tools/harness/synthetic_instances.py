@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..attention.routing import kept_pairs
-from .instance import Instance
+from sparsebalance.attention.routing import kept_pairs
+from sparsebalance.tuning.instance import Instance
 
 
 def pack_documents(rng: np.random.Generator, seq_length: int, mean_len: float,

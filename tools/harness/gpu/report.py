@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import List, Optional
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PARTS = ("deps", "build", "tests", "bench", "train", "profile", "accuracy")
 """The evidence chain, in order."""

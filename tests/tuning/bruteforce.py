@@ -14,8 +14,8 @@ from typing import List
 
 import numpy as np
 
-from ..pipeline.graph import build_graph, earliest
-from .instance import Instance
+from sparsebalance.pipeline.graph import build_graph, earliest
+from sparsebalance.tuning.instance import Instance
 
 MAX_TABLES = 2_000_000
 CHUNK = 65536
