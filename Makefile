@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 2
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test build venv clean gpu-check gpu-prep
+.PHONY: demo test lint build venv clean gpu-check gpu-prep
 
 venv: $(STAMP)
 
@@ -24,7 +24,10 @@ build: $(STAMP)
 demo: build
 	bash examples/cpu_demo.sh
 
-test: build
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: build lint
 	$(PY) -m pytest -q tests
 
 # On a CUDA machine whose python3 has torch + triton (no venv, no internet): the evidence

@@ -24,7 +24,8 @@ once with the same model flags and thread count (``--quick``: a small grid, < 1 
 (Untied embeddings: tied ones, Megatron-LM's default, need CUDA with PP > 1. A
 Megatron-LM launch script runs unchanged; ``tools/check_launch_script.py SCRIPT`` says
 what each of its flags does here. ``--sb-cost-model h100-analytic`` instead of
-``--sb-profile`` plans with the analytic H100 model; ``--sb-dst anchor --sb-anchor mean --sb-p 0.1`` is the paper's policy.)
+``--sb-profile`` plans with the analytic H100 model; ``--sb-dst anchor --sb-anchor mean
+--sb-p 0.1`` is the paper's policy.)
 
 GPU cluster run (per node; see examples/ for Slurm)::
 

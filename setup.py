@@ -18,7 +18,6 @@ Environment switches:
 import os
 
 from setuptools import find_packages, setup
-
 from torch.utils import cpp_extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -61,6 +61,7 @@ def attention_backend_choice(attention: AttentionConfig, parallel: ParallelConfi
         return {"backend": "sdpa", "reason": "dense attention", "timings_ms": {}, "failed": {},
                 "key": None, "source": "flag"}
     import torch
+
     from sparsebalance.ops.autoselect import backend_choice
 
     cuda = torch.cuda.is_available() and not parallel.cpu

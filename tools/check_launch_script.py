@@ -16,7 +16,6 @@ Exit code 0 when every flag is honoured or ignored (after dropping hardware-boun
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys

@@ -408,8 +408,7 @@ def _real_frontier(arms: dict) -> dict:
 
 
 def _real_figures(d: str, res: dict, figs: dict) -> None:
-    from tools.harness.compare.figures import (frontier, last_timeline, real_gantt, speedup_bars,
-                                               validation_scatter)
+    from tools.harness.compare.figures import frontier, last_timeline, real_gantt, speedup_bars, validation_scatter
     arms = res["arms"]
     if "megatron" in arms:
         base = arms["megatron"]["tokens_per_s"]

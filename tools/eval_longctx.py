@@ -164,6 +164,7 @@ def build_eval_model(train_args, load_weights, **attention) -> EvalModel:
 def stored_train_args(root: str, iteration: int):
     """The argparse Namespace saved in the checkpoint's common state, or None."""
     from megatron.core import dist_checkpointing
+
     from megatron.training.checkpointing import iter_dir
 
     common = dist_checkpointing.load_common_state_dict(iter_dir(root, iteration))

@@ -55,9 +55,8 @@ from typing import Dict, List, NoReturn, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
-
 from megatron.training.arguments import OneLineParser, _non_negative, _positive, usage_error  # noqa: E402
+from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 
 PROG = "fault_trials.py"
 WORKER = os.path.join(REPO, "tests", "training", "_fault_worker.py")
@@ -206,7 +205,7 @@ def read_dump(dump: str) -> tuple:
 
 
 def error_lines(stderr: str) -> List[str]:
-    return [l for l in stderr.splitlines() if l.startswith("pretrain_gpt.py: error:")]
+    return [ln for ln in stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
 
 
 # ---- trials ----------------------------------------------------------------------------
@@ -339,7 +338,7 @@ def main(argv=None) -> int:
         ref = run_pair([*base, "--save", ref_save, "--save-interval", str(args.save_interval)],
                        os.path.join(work, "reference"), {}, limit_s=600)
         if ref["rc"] != [0, 0]:
-            lines = [l for e in ref["stderr"] for l in e.splitlines() if "error" in l.lower()]
+            lines = [ln for e in ref["stderr"] for ln in e.splitlines() if "error" in ln.lower()]
             fail(f"the reference run failed (rc {ref['rc']}): {(lines or ['see ' + work])[0]}", 1)
         ref_steps, _ = read_dump(ref["dump"])
         ref_s = max(ref["ended_s"])

@@ -287,8 +287,8 @@ def heldout_loss(load: str, train_flags: str, prefix: str, doc_ids: list, thread
     """Summed next-token cross entropy of the documents ``doc_ids`` under the checkpoint
     in ``load`` with dense attention: ``{"loss", "tokens", "iteration"}``."""
     import torch
-
     from eval_longctx import EvalModelError, open_eval_model
+
     from megatron.training.indexed_io import open_dataset
 
     def raise_(message, code=2):

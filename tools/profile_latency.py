@@ -170,8 +170,7 @@ class Bench:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
-        from megatron.core.models.common.embeddings.language_model_embedding import (
-            LanguageModelEmbedding)
+        from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
         from megatron.core.transformer.spec_utils import build_module
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -362,6 +361,7 @@ def model_fingerprint(args) -> dict:
     backend = "sdpa"
     if args.sparse_attention:  # record the kernel "auto" resolves to, not "auto"
         import torch
+
         from sparsebalance.ops import resolve_backend
 
         cuda = torch.cuda.is_available() and not args.cpu
@@ -446,6 +446,7 @@ def _samples(items, times):
 def _report(predictor, held, held_times, stage_items, stage_times, args) -> dict:
     """Held-out layer error and whole-stage error of ``predictor`` (JSON-ready)."""
     import numpy as np
+
     from sparsebalance.predictor.fitting import mape, spearman
 
     meas = {p: np.array([_median(t[i]) for t in held_times]) for i, p in enumerate(("fwd", "bwd"))}
@@ -482,6 +483,7 @@ def run(args, threads: int, command: str, t0: float) -> int:
     import json
 
     import numpy as np
+
     from sparsebalance.predictor import ModelShape
     from sparsebalance.predictor.fitted import FittedPredictor
     from sparsebalance.predictor.grid import GridSpec, heldout_set, training_grid

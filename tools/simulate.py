@@ -48,8 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparsebalance.io import atomic_write_text  # noqa: E402
 from sparsebalance.pipeline.trace import write_chrome_trace, write_gantt  # noqa: E402
-from sparsebalance.tuning import (anchor_indices, critical_path_indices,  # noqa: E402
-                                  instance_from_json, instance_to_json)
+from sparsebalance.tuning import anchor_indices, critical_path_indices, instance_from_json, instance_to_json  # noqa: E402
 from sparsebalance.tuning.plan import make_plan, timeline_at  # noqa: E402
 from tools.harness.synthetic_instances import random_instance  # noqa: E402
 

@@ -428,7 +428,9 @@ def _write_state(state: dict, path: str, cpu: bool) -> Optional[str]:
     ``metadata.json``. Returns the first failure (same on every rank) or None."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.serialization import (
-        get_default_save_common_strategy, get_default_save_sharded_strategy)
+        get_default_save_common_strategy,
+        get_default_save_sharded_strategy,
+    )
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     rank = _rank_world()[0]
@@ -555,6 +557,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
     match the model, or its schedule differs and no rule flag says which one to use.
     """
     from megatron.core import dist_checkpointing
+
     from megatron.training.lr_schedule import resume_schedule
 
     path = iter_dir(root, choose_checkpoint(root, warn))

@@ -106,7 +106,8 @@ def flags_from_hf_config(cfg: dict) -> List[str]:
     flags = ["--num-layers", str(s.layers), "--hidden-size", str(s.hidden), "--ffn-hidden-size", str(s.ffn),
              "--num-attention-heads", str(s.heads), "--group-query-attention", "--num-query-groups", str(s.groups),
              "--normalization", "RMSNorm", "--norm-epsilon", repr(float(cfg.get("rms_norm_eps", 1e-6))),
-             "--swiglu", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--rotary-base", str(int(theta)),
+             "--swiglu", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+             "--rotary-base", str(int(theta)),
              "--disable-bias-linear", "--vocab-size", str(s.vocab), "--make-vocab-size-divisible-by", "1",
              "--init-method-std", repr(float(cfg.get("initializer_range", 0.02))),
              "--max-position-embeddings", str(int(cfg.get("max_position_embeddings", 4096)))]

@@ -31,6 +31,7 @@ def use_cpu(args) -> bool:
 def initialize(args) -> None:
     """Init torch.distributed + megatron parallel_state, install the CPU bridge, seed RNGs."""
     from megatron.core import parallel_state as ps
+
     from megatron.training.cpu_bridge import install_cpu_bridge
 
     cpu = use_cpu(args)

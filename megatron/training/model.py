@@ -155,6 +155,7 @@ def build_gpt_chunks(args, config, vocab_size: int) -> List[torch.nn.Module]:
     """``GPTModel`` chunks of this pipeline rank (one per virtual stage), unwrapped."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+
     from megatron.training.initialize import use_cpu
 
     if config.recompute_granularity is not None and use_cpu(args):
@@ -215,6 +216,7 @@ def build_optimizer(args, model: List[torch.nn.Module]):
     """megatron-core Adam (``get_megatron_optimizer``) and ``OptimizerParamScheduler``."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from megatron.training.lr_schedule import scheduler_kwargs
 
     fp16 = getattr(args, "fp16", False)

@@ -6,8 +6,15 @@ defaults); the library only ever sees the typed config.
 
 from __future__ import annotations
 
-from sparsebalance.config import (AttentionConfig, DSTConfig, ModelConfig, PackingConfig,
-                                  ParallelConfig, PredictorConfig, SparseBalanceConfig)
+from sparsebalance.config import (
+    AttentionConfig,
+    DSTConfig,
+    ModelConfig,
+    PackingConfig,
+    ParallelConfig,
+    PredictorConfig,
+    SparseBalanceConfig,
+)
 
 
 def attention_config(args) -> AttentionConfig:

@@ -103,6 +103,7 @@ def _context_parallel_params(batch, device) -> dict:
     holds the real document lengths, ``cu_seqlens_q_padded`` the padded ones (what
     megatron-core's THD RoPE splits per rank); plus this rank's layout for attention."""
     from megatron.core import parallel_state as ps
+
     from sparsebalance.attention.context_parallel import layout_from_cu
 
     padded = batch["cu_seqlens_padded"]

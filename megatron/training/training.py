@@ -27,9 +27,8 @@ import torch
 
 from megatron.training.failsafe import strict_json
 from megatron.training.run_log import RunLogger, StepLog
+from megatron.training.step_metrics import GatheredStep, RankStep, comm_device, gather_floats, rank_step_row
 from sparsebalance.io import atomic_write_text
-from megatron.training.step_metrics import (GatheredStep, RankStep, comm_device, gather_floats,
-                                            rank_step_row)
 
 
 @dataclass
@@ -111,6 +110,7 @@ def setup(args) -> TrainState:
     """Initialise distributed state and build model, optimizer, scheduler, data loaders."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
+
     from megatron.training.balance import BatchBalancer
     from megatron.training.data import PackedDataLoader, split_documents
     from megatron.training.data_sources import open_data
@@ -209,6 +209,7 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
 def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
     """The steps of :func:`pretrain` from ``state.iteration`` on, its saves and its summary."""
     from megatron.core import parallel_state as ps
+
     from megatron.training.failsafe import check_step_finite, should_exit
     from megatron.training.step import evaluate, train_step
 

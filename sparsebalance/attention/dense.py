@@ -30,7 +30,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig

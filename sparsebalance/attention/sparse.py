@@ -25,15 +25,13 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
-
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sparsebalance import runtime
-from sparsebalance.attention.dense import (CausalVarlenAttention, causal_local_attention,
-                                           causal_varlen_attention)
+from sparsebalance.attention.dense import CausalVarlenAttention, causal_local_attention, causal_varlen_attention
 from sparsebalance.attention.packed import budget_of
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention

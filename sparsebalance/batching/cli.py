@@ -28,7 +28,6 @@ from sparsebalance.batching.sampler import PackingSampler, check_lengths
 from sparsebalance.batching.strategies import STRATEGIES
 
 
-
 class UsageError(Exception):
     """Bad command-line input (exit 2)."""
 

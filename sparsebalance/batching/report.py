@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsebalance.pipeline import step_ms
 from sparsebalance.batching.packing import StepPacking
+from sparsebalance.pipeline import step_ms
 
 
 def _ratio(x: np.ndarray) -> float:

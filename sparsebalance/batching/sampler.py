@@ -25,8 +25,8 @@ from typing import Iterator, Optional
 import numpy as np
 
 from sparsebalance.batching.packing import Carried, PackContext, StepPacking
-from sparsebalance.batching.stream import EpochItems, StreamCursor, epoch_permutation
 from sparsebalance.batching.strategies import get_strategy
+from sparsebalance.batching.stream import EpochItems, StreamCursor, epoch_permutation
 
 _DEFAULT = object()
 

@@ -132,4 +132,5 @@ register_fakes(triton_sparse_attn_fwd, triton_sparse_attn_bwd)
 
 triton_sparse_attention = make_attention_function(
     triton_sparse_attn_fwd, triton_sparse_attn_bwd, '_TritonSparseAttention', reverse=False)
-triton_sparse_attention.__doc__ = 'Sparse attention of ``q [T, H, D]``, ``k, v [T, Hkv, D]`` along ``plan`` with Triton.'
+triton_sparse_attention.__doc__ = ('Sparse attention of ``q [T, H, D]``, ``k, v [T, Hkv, D]`` along ``plan`` '
+                                   'with Triton.')

@@ -67,7 +67,7 @@ def _mm(a, b, F32: tl.constexpr):
 
 @_autotune
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, QB_START, QB_LEN, KV_IDX, KV_CNT, qk_scale,
+def _fwd_kernel(Q, K, V, Out, LSE, QB_START, QB_LEN, KV_IDX, KV_CNT, qk_scale,
                 s_qt, s_qh, s_kt, s_kh, T, NB, W, REP, D,
                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, F32: tl.constexpr,
                 SPLIT: tl.constexpr):
@@ -106,7 +106,7 @@ def _fwd_kernel(Q, K, V, O, LSE, QB_START, QB_LEN, KV_IDX, KV_CNT, qk_scale,
             acc = acc * alpha[:, None] + _mm(p, v, F32)
             m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(O + (s0 + rm)[:, None] * s_qt + h * s_qh + rd[None, :], out.to(O.dtype.element_ty), mask=qmask)
+    tl.store(Out + (s0 + rm)[:, None] * s_qt + h * s_qh + rd[None, :], out.to(Out.dtype.element_ty), mask=qmask)
     tl.store(LSE + h * T + s0 + rm, m_i + tl.log2(l_i), mask=rm < ql)
 
 

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from density_estimator import DensityEstimator
 
 from sparsebalance.attention.routing import causal_pairs, kept_pairs
-from density_estimator import DensityEstimator
 from sparsebalance.runtime import AttentionRecord
 
 B, K = 64, 4

@@ -1,8 +1,8 @@
 """``dp-balanced``: Megatron-core's in-order fill dealt round-robin over DP ranks."""
 
-from sparsebalance.batching import PackingSampler
-
 from conftest import SEQ
+
+from sparsebalance.batching import PackingSampler
 
 DP, M = 2, 4
 

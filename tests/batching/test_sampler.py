@@ -5,11 +5,10 @@ import json
 
 import numpy as np
 import pytest
+from conftest import SEQ
 
 from sparsebalance.batching import STRATEGIES, PackingSampler
 from sparsebalance.batching.sampler import check_lengths
-
-from conftest import SEQ
 
 DP, M = 2, 3
 

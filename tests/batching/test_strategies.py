@@ -2,13 +2,12 @@
 
 import numpy as np
 import pytest
+from conftest import SEQ, make_lengths
 
 from sparsebalance.batching import PackingSampler
 from sparsebalance.batching.cost import CostModel
-from sparsebalance.pipeline import step_ms
 from sparsebalance.batching.stream import EpochItems, epoch_permutation
-
-from conftest import SEQ, make_lengths
+from sparsebalance.pipeline import step_ms
 
 DP, M = 2, 4
 
@@ -158,8 +157,8 @@ def test_pipeline_profile_beats_equal_micro_batches(M_, pp):
 @pytest.mark.parametrize("profile", ["pipeline", "flat"])
 def test_sab_moves_never_slow_the_step(lengths, predictor, profile):
     from sparsebalance.batching.packing import Carried, PackContext
-    from sparsebalance.batching.stream import StreamCursor
     from sparsebalance.batching.strategies.sab import pack_sab
+    from sparsebalance.batching.stream import StreamCursor
 
     items = EpochItems.build(lengths, epoch_permutation(lengths.size, 0, 0, True), SEQ)
     cost = CostModel(predictor, topk=4, pp=2)

@@ -17,8 +17,8 @@ sys.path.insert(0, ROOT)
 def main():
     import numpy as np
     import torch
-
     from megatron.core.packed_seq_params import PackedSeqParams
+
     from megatron.training import quiet_optional_extras
 
     quiet_optional_extras()

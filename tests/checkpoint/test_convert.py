@@ -149,11 +149,12 @@ def test_finetune_starts_from_converted(converted, tmp_path, name, pp, tie, vpp,
             "--global-batch-size", gbs, "--train-iters", "1", "--lr", "0", "--no-progress-bar",
             "--pipeline-model-parallel-size", str(pp), "--tensor-model-parallel-size", str(tp), nproc=pp * tp)
     assert p.returncode == 0, p.stderr[-3000:]
-    line = [l for l in p.stdout.splitlines() if "SUMMARY_JSON " in l]
+    line = [ln for ln in p.stdout.splitlines() if "SUMMARY_JSON " in ln]
     assert len(line) == 1, p.stdout[-2000:]
     loss = json.loads(line[0].split("SUMMARY_JSON ", 1)[1])["losses"][0]
     ref = _hf_loss(model, docs)
-    print(f"{name} TP={tp} PP={pp} VPP={vpp} tied={tie}: first-step loss {loss:.7f}, transformers {ref:.7f}, diff {abs(loss - ref):.3g}")
+    print(f"{name} TP={tp} PP={pp} VPP={vpp} tied={tie}: first-step loss {loss:.7f}, "
+          f"transformers {ref:.7f}, diff {abs(loss - ref):.3g}")
     assert abs(loss - ref) <= 1e-4
 
 
@@ -224,6 +225,6 @@ def test_recipe_with_the_models_hf_tokenizer(converted, tmp_path):
             "--seq-length", "128", "--global-batch-size", "1", "--train-iters", "1", "--lr", "0",
             "--no-progress-bar")
     assert p.returncode == 0, p.stderr[-3000:]
-    line = [l for l in p.stdout.splitlines() if "SUMMARY_JSON " in l]
+    line = [ln for ln in p.stdout.splitlines() if "SUMMARY_JSON " in ln]
     loss = json.loads(line[0].split("SUMMARY_JSON ", 1)[1])["losses"][0]
     assert abs(loss - _hf_loss(model, docs)) <= 1e-4

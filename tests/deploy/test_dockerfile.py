@@ -76,7 +76,8 @@ def arch_problems(instrs: list[tuple[str, str]]) -> list[str]:
         problems.append(f"default arch list {sorted(archs)} lacks {sorted(REQUIRED_ARCHS)}")
     envs = " ".join(a for i, a in instrs if i == "ENV")
     if not re.search(r"TORCH_CUDA_ARCH_LIST=\$\{?TORCH_CUDA_ARCH_LIST\}?", envs):
-        problems.append("the ARG is not exported (ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}): setup.py would not see it")
+        problems.append("the ARG is not exported (ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}): "
+                        "setup.py would not see it")
     build = [k for k, (i, a) in enumerate(instrs) if i == "RUN" and "setup.py" in a and "build_ext" in a]
     if not build:
         problems.append("no RUN builds the extension (setup.py build_ext)")

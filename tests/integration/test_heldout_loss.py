@@ -17,8 +17,13 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 
-from tools.harness.compare.heldout import (heldout_documents, interleaved_order,  # noqa: E402
-                                           mean_interval, paired_difference, t_quantile)
+from tools.harness.compare.heldout import (  # noqa: E402
+    heldout_documents,
+    interleaved_order,
+    mean_interval,
+    paired_difference,
+    t_quantile,
+)
 
 
 def test_t_interval_on_known_input():
@@ -94,6 +99,7 @@ def test_arms_option_flags_and_differences():
     """--arms picks arms (report order); the sab arm is SAB with the static top-k; its
     differences split sparsebalance - static into packing and budgets."""
     import heldout_loss as H
+
     from megatron.training.arguments import build_parser
 
     p = H.build_parser()

@@ -39,7 +39,8 @@ if not os.path.isfile(PRETRAIN):
 
 
 def model_args(data: str) -> list[str]:
-    return [*PROJECT_RUN_FLAGS, "--cpu", "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+    return [*PROJECT_RUN_FLAGS, "--cpu", "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size",
+            "32",
             "--num-attention-heads", "2", "--seq-length", "128", "--global-batch-size", "4",
             "--train-iters", str(ITERS), "--lr", "1e-3", "--log-interval", "1", "--no-progress-bar",
             "--data-path", data, "--tokenizer-type", "ByteTokenizer", "--seed", "7"]
@@ -247,5 +248,6 @@ def test_dead_rank_makes_the_other_exit_with_a_clear_error(data, tmp_path):
     assert waited <= timeout_min * 60 + 30, f"survivor took {waited:.0f} s (timeout {timeout_min} min)"
     assert "Traceback" not in err0, err0[-3000:]
     error_lines = [ln for ln in err0.splitlines() if re.search(r"error", ln, re.I)]
-    assert error_lines and re.search(r"rank|peer|timeout|timed out|connection|closed", error_lines[-1], re.I), err0[-3000:]
+    assert error_lines and re.search(r"rank|peer|timeout|timed out|connection|closed", error_lines[-1],
+                                     re.I), err0[-3000:]
     assert_only_complete_checkpoints(ck, crashed=True)

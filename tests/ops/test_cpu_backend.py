@@ -3,11 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from _cases import CASES, expects_selection, make_inputs, run
 
 from sparsebalance.attention.routing import density as exact_density
 from sparsebalance.ops import HAS_CPU_EXT
-
-from _cases import CASES, expects_selection, make_inputs, run
 
 # `make test` builds the extension first, so a missing build is a failure, not a skip.
 assert HAS_CPU_EXT, "sparsebalance._C is not built: run `make build`"

@@ -5,12 +5,10 @@ exactly the plan's. (FlexAttention has no CPU backward: fwd+bwd is in test_flex_
 import numpy as np
 import pytest
 import torch
-
-from sparsebalance.ops import build_plan, sparse_attention
-from sparsebalance.ops import flex
-from sparsebalance.ops.reference import _doc_mask
-
 from _cases import CASES, expects_selection, make_inputs
+
+from sparsebalance.ops import build_plan, flex, sparse_attention
+from sparsebalance.ops.reference import _doc_mask
 
 # name -> (doc lengths, H, Hkv, D, block_size, topk): blocks 16 and 32, ragged documents,
 # GQA, per-document budgets, and budgets past the block count (dense causal).

@@ -8,9 +8,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("CUDA not available", allow_module_level=True)
 
-from sparsebalance.ops import flex
-
 from _cases import expects_selection, make_inputs, run
+
+from sparsebalance.ops import flex
 
 # name -> (doc lengths, H, Hkv, D, block_size, topk)
 FP32_CASES = {

@@ -6,9 +6,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("CUDA not available", allow_module_level=True)
 
-from sparsebalance.ops import HAS_CUDA_EXT, HAS_TRITON
-
 from _cases import CASES, make_inputs, run
+
+from sparsebalance.ops import HAS_CUDA_EXT, HAS_TRITON
 
 BACKENDS = [b for b, ok in (("cuda", HAS_CUDA_EXT), ("triton", HAS_TRITON)) if ok]
 

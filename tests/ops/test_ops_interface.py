@@ -5,11 +5,10 @@ import sys
 
 import pytest
 import torch
+from _cases import make_inputs
 
 from sparsebalance import ops
 from sparsebalance.ops import override_backend, resolve_backend, sparse_attention
-
-from _cases import make_inputs
 
 
 def _good():

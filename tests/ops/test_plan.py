@@ -3,13 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from _cases import make_inputs
 
 import sparsebalance.ops.plan as plan_mod
 from sparsebalance.attention.routing import kept_pairs
 from sparsebalance.ops.plan import _per_doc_topk, _select_rows, build_plan, reverse_index, select_topk
 from sparsebalance.ops.reference import _doc_mask
-
-from _cases import make_inputs
 
 LENS = [1, 63, 64, 65, 300, 1000, 17]
 

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from _cases import make_inputs, run
 
 # name -> (doc lengths, H, Hkv, D, block_size, topk)

@@ -63,6 +63,7 @@ def _run(rank: int, world: int, vpp: int, M: int) -> dict:
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
+
     from sparsebalance.tuning.hook import wrap_data_iterators
 
     parallel_state.initialize_model_parallel(
@@ -135,9 +136,10 @@ def main() -> None:
     runs = [tuple(int(x) for x in r.split(":")) for r in a.runs.split(",")]
     sys.path.insert(0, ROOT)
     # Import and patch once in the parent; the forked ranks inherit it.
-    from megatron.training.cpu_bridge import install_cpu_bridge
     import megatron.core.pipeline_parallel  # noqa: F401
     import megatron.core.transformer  # noqa: F401
+
+    from megatron.training.cpu_bridge import install_cpu_bridge
     install_cpu_bridge(force_cpu=True)
     fd, store = tempfile.mkstemp(prefix="gloo-")
     os.close(fd)

@@ -5,9 +5,13 @@ import pytest
 
 from sparsebalance.attention.routing import causal_pairs, kept_pairs
 from sparsebalance.predictor import ModelShape, get_predictor
-from sparsebalance.predictor.analytic import (BYTESCALE_ATTN_MS, BYTESCALE_LENGTHS,
-                                              BYTESCALE_MLP_MS, REFERENCE_SHAPE,
-                                              reference_coefficients)
+from sparsebalance.predictor.analytic import (
+    BYTESCALE_ATTN_MS,
+    BYTESCALE_LENGTHS,
+    BYTESCALE_MLP_MS,
+    REFERENCE_SHAPE,
+    reference_coefficients,
+)
 
 REF_CFG = {k: getattr(REFERENCE_SHAPE, k) for k in ModelShape.__dataclass_fields__}
 

@@ -4,14 +4,13 @@ and the packers / planners built on it."""
 import numpy as np
 import pytest
 import torch
+from test_predictor_interface import COEF
 
 from sparsebalance.attention.routing import kept_pairs
 from sparsebalance.predictor import LINKS, ContextParallel, get_predictor
 from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.context_parallel import GLOO_CPU, NVLINK, rank_kept_pairs
 from sparsebalance.predictor.fitted import FittedPredictor
-
-from test_predictor_interface import COEF
 
 SHAPE = dict(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=2,
              ffn_hidden_size=2048, vocab_size=32000, block_size=64, topk=4)

@@ -6,8 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from sparsebalance.predictor.grid import (GridSpec, heldout_set, load_length_pool,
-                                          sample_pack, training_grid)
+from sparsebalance.predictor.grid import GridSpec, heldout_set, load_length_pool, sample_pack, training_grid
 
 FILES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared",
                                       "data", "lengths", "*.json")))

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from sparsebalance.predictor import LatencyPredictor, get_predictor
-from sparsebalance.predictor.fitted import FittedPredictor
 from sparsebalance.predictor.config import ModelShape
+from sparsebalance.predictor.fitted import FittedPredictor
 
 COEF = {"layer": {"fwd": {"pairs": 1e-6, "dense_pairs": 6e-7, "tokens": 1e-3, "docs": 0.02,
                           "dense_docs": 0.05, "const": 0.3},

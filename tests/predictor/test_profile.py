@@ -9,8 +9,7 @@ import pytest
 
 from sparsebalance.predictor import get_predictor
 from sparsebalance.predictor.fitted import FittedPredictor, layer_features
-from sparsebalance.predictor.profile import (hardware_fingerprint, make_profile, read_profile,
-                                             save_profile)
+from sparsebalance.predictor.profile import hardware_fingerprint, make_profile, read_profile, save_profile
 
 MODEL = {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 4,
          "kv_channels": None, "ffn_hidden_size": 512, "vocab_size": 256, "swiglu": False,

@@ -35,7 +35,7 @@ def test_usage_errors_are_one_line_exit_2(args, needle, tmp_path):
     r = _run(args + ["--output", str(tmp_path / "p.json")] if needle != "--output is required"
              else args)
     assert r.returncode == 2, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
     assert not (tmp_path / "p.json").exists()
 

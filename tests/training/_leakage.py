@@ -22,6 +22,7 @@ def main() -> None:
 
     quiet_optional_extras()
     from megatron.core.packed_seq_params import PackedSeqParams
+
     from megatron.training import data as D
     from megatron.training import initialize as init
     from megatron.training import model as M

@@ -15,8 +15,8 @@ sys.path.insert(0, ROOT)
 
 def main() -> None:
     import torch
-
     from megatron.core import parallel_state as ps
+
     from megatron.training import quiet_optional_extras
 
     quiet_optional_extras()

@@ -46,7 +46,7 @@ def launch(script, args, nproc=1, timeout=240, extra_env=None):
 def summary_of(proc):
     """The SUMMARY_JSON line rank 0 prints."""
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [l for l in proc.stdout.splitlines() if "SUMMARY_JSON " in l]
+    lines = [ln for ln in proc.stdout.splitlines() if "SUMMARY_JSON " in ln]
     assert len(lines) == 1, proc.stdout[-2000:]
     return json.loads(lines[0].split("SUMMARY_JSON ", 1)[1])
 
@@ -70,8 +70,7 @@ def corpus(tmp_path_factory):
 def balancer_config(pp=2, policy="critical-path", plan_ahead=True, topk=4, topk_min=2, topk_max=8,
                     **dst):
     """A SparseBalanceConfig with what a Balancer reads (sparse attention, DST, layout)."""
-    from sparsebalance.config import (AttentionConfig, DSTConfig, ModelConfig, ParallelConfig,
-                                      SparseBalanceConfig)
+    from sparsebalance.config import AttentionConfig, DSTConfig, ModelConfig, ParallelConfig, SparseBalanceConfig
 
     model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                         ffn_hidden_size=128, vocab_size=256)

@@ -7,8 +7,8 @@ import pickle
 
 import numpy as np
 import pytest
-
 from conftest import balancer_config
+
 from sparsebalance.balancer import Balancer
 from sparsebalance.predictor import get_predictor
 from sparsebalance.predictor.recalibration import Recalibrator

@@ -27,7 +27,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import PRETRAIN, PY, ROOT, TINY, env, launch, summary_of
 
 sys.path.insert(0, ROOT)
@@ -86,13 +85,13 @@ def _two_ranks(script, args, extra_env=None, timeout=180):
 
 
 def _losses(stdout):
-    line = next(l for l in stdout.splitlines() if "SUMMARY_JSON " in l)
+    line = next(ln for ln in stdout.splitlines() if "SUMMARY_JSON " in ln)
     return json.loads(line.split("SUMMARY_JSON ", 1)[1])["losses"]
 
 
 def _one_line(stderr, word):
     """The only line of ``stderr`` containing ``word`` (there must be exactly one)."""
-    lines = [l for l in stderr.splitlines() if word in l]
+    lines = [ln for ln in stderr.splitlines() if word in ln]
     assert len(lines) == 1, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     return lines[0]

@@ -26,7 +26,6 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import HARNESS, TINY, launch
 
 STEPS = 2
@@ -114,6 +113,7 @@ def split_report(data_path: str, seq_length: int, steps: int, cp: int, seed: int
     micro-batch a step, megatron packing): tokens held (padding included), real tokens
     and causal work (sum over its real queries of the keys they attend to, dense)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     from megatron.training.data import PackedDataLoader, split_documents
     from sparsebalance.attention.context_parallel import layout_from_cu
 

@@ -43,6 +43,6 @@ def test_survivor_fails_fast_with_one_line(corpus):
                 p.kill()
     assert procs[0].returncode == 1
     assert waited < 120  # well inside --distributed-timeout-minutes
-    lines = [l for l in err.splitlines() if l.startswith("pretrain_gpt.py: error:")]
+    lines = [ln for ln in err.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
     assert len(lines) == 1 and "lost contact with another rank" in lines[0], err[-2000:]
     assert "Traceback" not in err

@@ -148,7 +148,6 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("worker", "m
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
 from conftest import launch, make_test_corpus  # noqa: E402
 
 RUNS = {

@@ -8,7 +8,6 @@ import re
 import subprocess
 
 import pytest
-
 from conftest import PRETRAIN, PY, ROOT, TINY, env
 
 ISSUE_FLAGS = """--num-layers --hidden-size --ffn-hidden-size --num-attention-heads --num-query-groups
@@ -57,7 +56,8 @@ CASES = {
     "truncated bin": (lambda c, k: ["--data-path", k["short_bin"]], None, "bytes but the index"),
     "seq-length < 2": (lambda c, k: ["--data-path", c, "--seq-length", "1"], None, "--seq-length"),
     "gbs not divisible": (lambda c, k: ["--data-path", c, "--global-batch-size", "3"], 2, "not divisible"),
-    "pp > layers": (lambda c, k: ["--data-path", c, "--pipeline-model-parallel-size", "8"], 8, "larger than --num-layers"),
+    "pp > layers": (lambda c, k: ["--data-path", c, "--pipeline-model-parallel-size", "8"], 8,
+                    "larger than --num-layers"),
     "rotary percent > 1": (lambda c, k: ["--data-path", c, "--rotary-percent", "1.5"], None, "--rotary-percent"),
     "odd rotary dims": (lambda c, k: ["--data-path", c, "--rotary-percent", "0.1875"], None, "even number"),
     "unknown flag": (lambda c, k: ["--data-path", c, "--no-such-flag", "3"], None, "--no-such-flag"),
@@ -81,19 +81,20 @@ def test_bad_input_one_line(name, corpus, corrupt, tmp_path):
     proc = run([*TINY, *build(corpus, corrupt), "--save", str(save)], world_size=world)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("pretrain_gpt.py: error: ") and expect in lines[0], lines[0]
     assert not save.exists() or not any(save.iterdir()), "something was written"
 
 
 def test_tools_bad_input(tmp_path):
-    for tool, args in (("preprocess_data.py", ["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "o")]),
+    for tool, args in (("preprocess_data.py", ["--input", str(tmp_path / "nope.jsonl"), "--output-prefix",
+                                               str(tmp_path / "o")]),
                        ("make_corpus.py", ["--output-prefix", str(tmp_path / "o"), "--lengths", "no_such_file"])):
         proc = subprocess.run([PY, os.path.join(ROOT, "tools", tool), *args], cwd=ROOT, env=env(),
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2
-        lines = [l for l in proc.stderr.splitlines() if l.strip()]
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
         assert not list(tmp_path.glob("o*"))
     bad = tmp_path / "bad.jsonl"
@@ -111,7 +112,8 @@ def test_tools_bad_input(tmp_path):
 PARSE_CASES = {
     "moe family refused with the reason": (["--num-experts", "8"], None, "--num-experts: mixture of experts"),
     "mla family refused with the reason": (["--multi-latent-attention"], None, "multi-latent attention"),
-    "fp8 needs transformer engine on a gpu": (["--fp8-format", "hybrid"], None, "--fp8-format: needs Transformer Engine"),
+    "fp8 needs transformer engine on a gpu": (["--fp8-format", "hybrid"], None,
+                                              "--fp8-format: needs Transformer Engine"),
     "tp comm overlap needs userbuffers": (["--tp-comm-overlap"], None, "--tp-comm-overlap: needs Transformer Engine"),
     "bf16 on cpu names cuda": (["--bf16", "--cpu"], None, "--bf16 needs CUDA"),
     "fp16 on cpu names cuda": (["--fp16", "--cpu"], None, "--fp16 needs CUDA"),
@@ -122,7 +124,8 @@ PARSE_CASES = {
                                               "--attention-backend flash is Transformer Engine's"),
     "sequence parallel with tp 2 refused": (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2,
                                             "--sequence-parallel with --tensor-model-parallel-size > 1"),
-    "dropout above zero refused": (["--hidden-dropout", "0.1"], None, "--hidden-dropout 0.1: this driver trains without dropout"),
+    "dropout above zero refused": (["--hidden-dropout", "0.1"], None,
+                                   "--hidden-dropout 0.1: this driver trains without dropout"),
     "ckpt format other than torch_dist refused": (["--ckpt-format", "torch"], None, "--ckpt-format torch"),
     "rampup batch size refused": (["--rampup-batch-size", "16", "16", "1000"], None, "batch-size ramp-up"),
     "legacy models refused": (["--use-legacy-models"], None, "only megatron-core models"),
@@ -130,7 +133,8 @@ PARSE_CASES = {
                                           "--train-iters or --train-samples, not both"),
     "iters decay flag with samples refused": (["--train-samples", "8", "--lr-decay-iters", "2"], None,
                                               "--lr-decay-iters goes with --train-iters"),
-    "samples warmup with iters refused": (["--lr-warmup-samples", "4"], None, "--lr-warmup-samples goes with --train-samples"),
+    "samples warmup with iters refused": (["--lr-warmup-samples", "4"], None,
+                                          "--lr-warmup-samples goes with --train-samples"),
     "warmup fraction and iters exclusive": (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], None,
                                             "--lr-warmup-fraction or --lr-warmup-iters"),
     "both scheduler resume flags refused": (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, launch, make_test_corpus
+
 from megatron.training.presets import PROJECT_RUN_FLAGS
 
 WORKER = os.path.join(ROOT, "tests", "training", "_sb_worker.py")
@@ -59,8 +59,8 @@ def test_attention_used_the_planned_budget(run):
     plans = []
     for rank in run["ranks"]:
         assert len(rank["steps"]) == STEPS
-        my_layers = [l for l in range(1, LAYERS + 1)
-                     if ((l - 1) // per_stage) % PP == rank["pp_rank"]]
+        my_layers = [layer for layer in range(1, LAYERS + 1)
+                     if ((layer - 1) // per_stage) % PP == rank["pp_rank"]]
         for step in rank["steps"]:
             budget = np.array(step["budget"])
             assert budget.shape == (1, M, PP * vpp)
@@ -72,7 +72,7 @@ def test_attention_used_the_planned_budget(run):
                 assert topk == budget[rank["dp_rank"], mb, stage], (step["iteration"], layer, mb)
                 seen[(layer, mb)] = seen.get((layer, mb), 0) + 1
             # every layer of this rank ran every micro-batch exactly once
-            assert seen == {(l, m): 1 for l in my_layers for m in range(M)}
+            assert seen == {(layer, m): 1 for layer in my_layers for m in range(M)}
     # both ranks planned the same table without communicating
     for a, b in zip(run["ranks"][0]["steps"], run["ranks"][1]["steps"]):
         assert a["budget"] == b["budget"]
@@ -95,8 +95,8 @@ def test_summary_json_has_the_metrics(run):
     assert s["args"]["sb_batching"] == "sab" and s["args"]["sb_dst"] == "critical-path"
     assert s["args"]["sparse_attention"] is True
     assert np.isfinite([s["loss_first"], s["loss_last"]]).all()
-    log = [l for l in run["proc"].stdout.splitlines() if l.startswith("iter ")]
-    assert len(log) == STEPS and all("plan" in l and "pack" in l and "imbalance" in l for l in log)
+    log = [ln for ln in run["proc"].stdout.splitlines() if ln.startswith("iter ")]
+    assert len(log) == STEPS and all("plan" in ln and "pack" in ln and "imbalance" in ln for ln in log)
 
 
 def test_timeline_files_replay(run):

@@ -10,8 +10,8 @@ trained exactly once, and the real driver (PP=1 and PP=2) trains across the boun
 
 import numpy as np
 import pytest
-
 from conftest import PRETRAIN, launch, summary_of
+
 from megatron.training.presets import PROJECT_RUN_FLAGS
 
 M, SEQ, SEED = 4, 256, 7

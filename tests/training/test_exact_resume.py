@@ -29,7 +29,7 @@ def read_dump(dump):
     steps, loaded = {}, {}
     for name in sorted(os.listdir(dump)):
         rank = int(name[len("rank"):-len(".jsonl")])
-        rows = [json.loads(l) for l in open(os.path.join(dump, name))]
+        rows = [json.loads(ln) for ln in open(os.path.join(dump, name))]
         steps[rank] = [r for r in rows if "iteration" in r]
         loaded[rank] = next((r["loaded"] for r in rows if "loaded" in r), None)
     return steps, loaded
@@ -76,7 +76,7 @@ def test_resume_reproduces_losses_packing_and_budgets(corpus, tmp_path):
     assert [s["budget"] for s in ctl[0]] != [s["budget"] for s in full[0][AT:]]
     assert [s["packing"] for s in ctl[0]] == [s["packing"] for s in full[0][AT:]]  # SAB order is not
     # a checkpoint without the state (older format) still loads, with one warning
-    warned = [l for l in proc_ctl.stderr.splitlines() if "no SparseBalance predictor state" in l]
+    warned = [ln for ln in proc_ctl.stderr.splitlines() if "no SparseBalance predictor state" in ln]
     assert len(warned) == 1 and warned[0].startswith("pretrain_gpt.py: warning:"), proc_ctl.stderr[-2000:]
 
 

@@ -14,7 +14,6 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import PRETRAIN, PY, ROOT, env, summary_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))

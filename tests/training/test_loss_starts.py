@@ -6,7 +6,6 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from conftest import PY, ROOT, env
 
 PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
@@ -73,7 +72,7 @@ def test_mask_of_a_chunk_uses_document_positions(dataset):
 def test_bad_loss_start_is_one_line_and_writes_nothing(tmp_path):
     proc = preprocess(tmp_path, [("short\n", 3), ("also short\n", 99)], "--loss-start-key", "loss_start")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "in.jsonl:2" in lines[0] and "loss_start" in lines[0], proc.stderr
     assert not list(tmp_path.glob("docs*")), "half-written output left behind"
 

@@ -45,7 +45,6 @@ if __name__ != "__main__":
     import numpy as np
     import pytest
     import torch
-
     from conftest import TINY, launch, summary_of
 
     @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ if __name__ != "__main__":
                 "measured": np.array(measured)}  # [rank, step]
 
     def test_every_log_line_has_each_ranks_peak(run):
-        lines = [l for l in run["proc"].stdout.splitlines() if l.startswith("iter ")]
+        lines = [ln for ln in run["proc"].stdout.splitlines() if ln.startswith("iter ")]
         assert len(lines) == STEPS
         for step, line in enumerate(lines):
             m = re.search(r"\| peak mem MB \[([0-9 ]+)\]", line)

@@ -7,7 +7,6 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-
 from conftest import PY, ROOT, env
 
 

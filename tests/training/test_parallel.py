@@ -12,7 +12,6 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import HARNESS, PRETRAIN, TINY, launch, summary_of
 
 STEPS = 3

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from conftest import balancer_config
+
 from megatron.training.balance import BatchBalancer
 from megatron.training.data import PackedDataLoader
 from sparsebalance.predictor import get_predictor

@@ -78,8 +78,9 @@ def _worker(argv) -> None:
     from megatron.training import quiet_optional_extras
 
     quiet_optional_extras()
-    import sparsebalance.attention.sparse as S
     from megatron.core import parallel_state as ps
+
+    import sparsebalance.attention.sparse as S
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import shutdown
     from megatron.training.model import global_param_names
@@ -296,7 +297,6 @@ def _memory_main(argv) -> None:
 if __name__ != "__main__":
     import numpy as np
     import pytest
-
     from conftest import launch, make_test_corpus
 
     @pytest.fixture(scope="module")
@@ -351,7 +351,7 @@ if __name__ != "__main__":
         if name == "full_block":  # the first layer of the rank's chunk
             return {1 + pp_rank * LAYERS // PP}
         per_stage = 1 if name.startswith("vpp") else LAYERS // PP
-        return {l for l in range(1, LAYERS + 1) if ((l - 1) // per_stage) % PP == pp_rank}
+        return {layer for layer in range(1, LAYERS + 1) if ((layer - 1) // per_stage) % PP == pp_rank}
 
     @pytest.mark.parametrize("name", ["full_uniform", "full_block", "selective", "vpp_full_uniform"])
     def test_recomputed_attention_uses_its_microbatch_budget(name, long_corpus, tmp_path_factory):
@@ -367,9 +367,9 @@ if __name__ != "__main__":
                         assert (layer, mb) not in first
                         first[(layer, mb)] = topk
                 # each recomputation re-ran one original call, with that call's budget
-                assert sorted((l, m) for l, m, _ in recomputed) == sorted(
-                    (l, m) for l in _expected_recomputed(name, rank["pp_rank"]) for m in range(M))
-                assert all(first[(l, m)] == k for l, m, k in recomputed), (recomputed, first)
+                assert sorted((layer, m) for layer, m, _ in recomputed) == sorted(
+                    (layer, m) for layer in _expected_recomputed(name, rank["pp_rank"]) for m in range(M))
+                assert all(first[(layer, m)] == k for layer, m, k in recomputed), (recomputed, first)
 
     def test_budgets_differ_so_capture_matters(long_corpus, tmp_path_factory):
         """The budgets vary between micro-batches in these runs, and recomputing with

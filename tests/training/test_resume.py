@@ -14,7 +14,6 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from conftest import PRETRAIN, PY, ROOT, TINY, env, launch, summary_of
 
 PP2 = ["--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant"]
@@ -72,7 +71,7 @@ def test_signal_saves_and_resumes(corpus, full_run, tmp_path):
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
     stdout = "".join(lines) + out
-    summary = [l for l in stdout.splitlines() if "SUMMARY_JSON" in l]
+    summary = [ln for ln in stdout.splitlines() if "SUMMARY_JSON" in ln]
     s = json.loads(summary[0].split("SUMMARY_JSON ", 1)[1])
     stop = s["last_iteration"]
     # the flag is agreed on by an all-reduce after every step: it stops after the step the

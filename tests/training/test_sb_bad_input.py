@@ -5,7 +5,6 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import PRETRAIN, PY, ROOT, TINY, env
 
 SB = ["--sb-block-size", "32", "--sb-topk", "4"]
@@ -49,7 +48,7 @@ CASES = {
 def _check_one_line(code, stderr, expect, tmp_path):
     assert code == 2, (code, stderr[-2000:])
     assert "Traceback" not in stderr
-    lines = [l for l in stderr.splitlines() if l.strip()]
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, stderr
     assert lines[0].startswith("pretrain_gpt.py: error: ") and expect in lines[0], lines[0]
     assert not (tmp_path / "save").exists() and not (tmp_path / "summary.json").exists()

@@ -13,7 +13,6 @@ import os
 import shutil
 
 import numpy as np
-
 from conftest import ROOT, TINY, launch
 
 WORKER = os.path.join(ROOT, "tests", "training", "_sb_worker.py")

@@ -53,7 +53,7 @@ def test_stuck_rank_is_named_and_every_rank_exits(corpus):
     assert [p.returncode for p in procs] == [1, 1], errs
     assert waited < TIMEOUT_MIN * 60 + MARGIN_S, waited
     for rank, err in enumerate(errs):
-        lines = [l for l in err.splitlines() if l.startswith("pretrain_gpt.py: error:")]
+        lines = [ln for ln in err.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
         assert len(lines) == 1, err[-2000:]
         assert lines[0].startswith(f"pretrain_gpt.py: error: [rank {rank}] rank 1 made no progress for "), lines
         assert "(stuck in step 3); exiting (--step-timeout-minutes 0.1)" in lines[0], lines

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
+from bruteforce import frontier
 from tuning_cases import SEEDS, SMALL, make
 
 from sparsebalance.tuning import anchor_indices, critical_path_indices, raise_indices
-from bruteforce import frontier
 from sparsebalance.tuning.critical_path import objective
 from tools.harness.synthetic_instances import random_instance
 

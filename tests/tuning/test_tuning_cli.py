@@ -28,18 +28,21 @@ def inst_json():
 
 
 def _bad(d):
-    out = []
-    a = copy.deepcopy(d); a["ops"][0].pop(); out.append(("ragged", a, "micro-batches"))
-    a = copy.deepcopy(d); a["ops"][1][0].append(a["ops"][1][0][0])
-    out.append(("ragged", a, "stages"))
-    a = copy.deepcopy(d); a["ops"][0][1][0]["fwd"] = [[14, 3.0], [20, 2.0]]
-    out.append(("monotone", a, "non-decreasing"))
-    a = copy.deepcopy(d); del a["ops"][0][0][1]["attn"]; out.append(("attn", a, "missing 'attn'"))
-    a = copy.deepcopy(d); a["k0"] = 40; out.append(("k0", a, "outside"))
-    a = copy.deepcopy(d); a["levels"] = [10, 20]; out.append(("levels", a, "levels"))
-    a = copy.deepcopy(d); del a["pp"]; out.append(("missing", a, "missing 'pp'"))
-    a = copy.deepcopy(d); a["schedule"] = "interleaved"; out.append(("sched", a, "pp"))
-    return out
+    def case(name, mutate, expect):
+        a = copy.deepcopy(d)
+        mutate(a)
+        return (name, a, expect)
+
+    return [
+        case("ragged", lambda a: a["ops"][0].pop(), "micro-batches"),
+        case("ragged", lambda a: a["ops"][1][0].append(a["ops"][1][0][0]), "stages"),
+        case("monotone", lambda a: a["ops"][0][1][0].update(fwd=[[14, 3.0], [20, 2.0]]), "non-decreasing"),
+        case("attn", lambda a: a["ops"][0][0][1].pop("attn"), "missing 'attn'"),
+        case("k0", lambda a: a.update(k0=40), "outside"),
+        case("levels", lambda a: a.update(levels=[10, 20]), "levels"),
+        case("missing", lambda a: a.pop("pp"), "missing 'pp'"),
+        case("sched", lambda a: a.update(schedule="interleaved"), "pp"),
+    ]
 
 
 def test_round_trip(inst_json):

@@ -144,6 +144,7 @@ def _progress(total: int, desc: str, quiet: bool):
 def hf_to_megatron(a) -> None:
     import torch
     from megatron.core import dist_checkpointing
+
     from megatron.training import hf_checkpoint as H
     from megatron.training.checkpointing import TRACKER, _sync_strategy, iter_dir, seal_checkpoint
     from megatron.training.initialize import shutdown
@@ -242,6 +243,7 @@ def _write_shards(tensors, out_dir: str, max_bytes: int, total: int, quiet: bool
 
 def megatron_to_hf(a) -> None:
     import torch
+
     from megatron.training import hf_checkpoint as H
     from megatron.training.checkpointing import load_weights
     from megatron.training.initialize import shutdown

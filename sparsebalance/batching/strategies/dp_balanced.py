@@ -18,9 +18,9 @@ sequences be a multiple of ``dp`` holds by construction. Never defers.
 from __future__ import annotations
 
 from sparsebalance.batching.packing import Carried, PackContext, Packing
-from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.batching.strategies.common import finish, rank_interleaved
 from sparsebalance.batching.strategies.sequential import fill_in_order
+from sparsebalance.batching.stream import StreamCursor
 
 
 def pack_dp_balanced(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packing:

@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from sparsebalance.batching.packing import Carried, PackContext, Packing
+from sparsebalance.batching.strategies.common import Window, build_window, finish, rank_interleaved, settle
 from sparsebalance.batching.stream import StreamCursor
-from sparsebalance.batching.strategies.common import (Window, build_window, finish,
-                                                      rank_interleaved, settle)
 
 
 def lpt_assign(win: Window, ctx: PackContext, cost: np.ndarray, assign: np.ndarray,

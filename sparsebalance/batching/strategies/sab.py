@@ -37,11 +37,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from sparsebalance.pipeline import step_ms
 from sparsebalance.batching.packing import Carried, PackContext, Packing
+from sparsebalance.batching.strategies.common import build_window, finish, rank_interleaved, settle
 from sparsebalance.batching.stream import StreamCursor
-from sparsebalance.batching.strategies.common import (build_window, finish, rank_interleaved,
-                                                      settle)
+from sparsebalance.pipeline import step_ms
 
 
 @lru_cache(maxsize=64)
@@ -262,7 +261,8 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
         cand_item, dst_bin = cand_item[ok], dst_bin[ok]
         if cand_item.size == 0:
             break
-        dst_bin_fwd, dst_bin_bwd = cost.stage_times(layer[dst_bin] + li[:, items[cand_item]].T, tok[dst_bin] + length[items[cand_item]])
+        dst_bin_fwd, dst_bin_bwd = cost.stage_times(layer[dst_bin] + li[:, items[cand_item]].T,
+                                                    tok[dst_bin] + length[items[cand_item]])
         q = dst_bin // M
         same = q == r
         # Destination rank's [candidate, M, pp] times; for a move inside rank r both bins change.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from sparsebalance.batching.packing import Carried, PackContext, Packing
-from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.batching.strategies.common import Window, build_window, finish, settle
+from sparsebalance.batching.stream import StreamCursor
 
 
 def _next_fit(lengths: np.ndarray, num_bins: int, cap: int) -> np.ndarray:

@@ -24,10 +24,9 @@ from __future__ import annotations
 import numpy as np
 
 from sparsebalance.batching.packing import Carried, PackContext, Packing
-from sparsebalance.batching.stream import StreamCursor
-from sparsebalance.batching.strategies.common import (build_window, extend_window, finish,
-                                                      rank_interleaved, settle)
+from sparsebalance.batching.strategies.common import build_window, extend_window, finish, rank_interleaved, settle
 from sparsebalance.batching.strategies.greedy import lpt_assign
+from sparsebalance.batching.stream import StreamCursor
 
 
 def _hold_outliers(win, ctx: PackContext, levels) -> np.ndarray:

@@ -4,8 +4,7 @@ import copy
 
 import pytest
 
-from tools.harness.compare.cells import (check_cells, is_baseline, make_cell,
-                                         pooled_tokens_per_s)
+from tools.harness.compare.cells import check_cells, is_baseline, make_cell, pooled_tokens_per_s
 
 ARMS = {"megatron": 100.0, "dp-balanced": 101.0, "wlb": 104.0, "dynamic-cp": 103.0,
         "sab": 120.0, "dst": 119.0, "sparsebalance": 108.0, "sparsebalance-anchor": 106.0,

@@ -4,8 +4,7 @@ import itertools
 
 import pytest
 
-from tools.harness.compare.machine_load import (LoadSample, idle_window, other_cores, sample,
-                                                verdict)
+from tools.harness.compare.machine_load import LoadSample, idle_window, other_cores, sample, verdict
 
 
 def S(t, busy, own, load=0.5):

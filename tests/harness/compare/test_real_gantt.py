@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from tools.harness.compare.figures import real_gantt as _real_gantt
 from tools.harness.compare.figures import last_timeline
+from tools.harness.compare.figures import real_gantt as _real_gantt
 from tools.harness.compare.timelines import step_tokens
 
 

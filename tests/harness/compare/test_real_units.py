@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tools.harness.compare.arms import ABLATIONS, ARMS, FRONTIER, SIM_ONLY, get_arm
-from tools.harness.compare.real import RealConfig, measured_steps, pool, run_order, RunResult
+from tools.harness.compare.real import RealConfig, RunResult, measured_steps, pool, run_order
 from tools.harness.compare.summary import build_summary, check_summary
 
 

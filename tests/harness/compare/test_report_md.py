@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from tools.harness.compare.cluster_sim import SimConfig, simulate_cell
 from tools.harness.compare.real import RunResult, pool
 from tools.harness.compare.report_md import build_report
-from tools.harness.compare.cluster_sim import SimConfig, simulate_cell
 
 SMALL = (("num_layers", 4), ("hidden_size", 256), ("num_attention_heads", 4),
          ("num_query_groups", 4), ("ffn_hidden_size", 1024), ("vocab_size", 1000))

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from tools.harness.compare.timelines import noise_penalty, paired_ops, timeline_stats
 from sparsebalance.pipeline import simulate
+from tools.harness.compare.timelines import noise_penalty, paired_ops, timeline_stats
 
 
 def _write(d, it, kind, f, b):

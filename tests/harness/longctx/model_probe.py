@@ -12,13 +12,14 @@ from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 
 
 def main() -> None:
+    import eval_longctx as E
     import torch
 
-    import eval_longctx as E
     from megatron.training.arguments import build_parser
 
     torch.set_num_threads(1)
-    args = build_parser().parse_args([*PROJECT_RUN_FLAGS, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    args = build_parser().parse_args([*PROJECT_RUN_FLAGS, "--num-layers", "2", "--hidden-size", "32",
+                                      "--num-attention-heads", "4",
                                       "--seq-length", "512", "--cpu"])
     args.virtual_pipeline_model_parallel_size = None
     args.max_position_embeddings, args.ffn_hidden_size = 512, 128

@@ -65,7 +65,7 @@ def test_recipe_with_curriculum_end_to_end(tmp_path):
     assert arm_meta["init_from"] == str(cur / "needles" / "ckpt") and arm_meta["iterations"] >= 1
     logs = {n: (cur / n / "train.log").read_text() for n in ("copy", "needles")}
     logs["arm"] = (runs / "dense" / "seed1" / "train.log").read_text()
-    summary = {n: json.loads([l for l in log.splitlines() if l.startswith("SUMMARY_JSON ")][-1].split(" ", 1)[1])
+    summary = {n: json.loads([ln for ln in log.splitlines() if ln.startswith("SUMMARY_JSON ")][-1].split(" ", 1)[1])
                for n, log in logs.items()}
     assert summary["copy"]["args"]["mask_prompt_loss"] is True and "| lr 3.000e-03 |" in logs["copy"]
     assert summary["needles"]["args"]["mask_prompt_loss"] is False and "| lr 1.000e-03 |" in logs["needles"]
@@ -82,7 +82,8 @@ def test_recipe_with_curriculum_end_to_end(tmp_path):
     # Where inside the answers the last stage goes wrong: one row per cell, one number per
     # answer token (a needle's 7 digits and the terminator).
     ev = subprocess.run([sys.executable, "tools/eval_longctx.py", "--load",
-                         str(cur / "needles" / "ckpt"), "--train-args", (cur / "needles" / "model_flags.txt").read_text(),
+                         str(cur / "needles" / "ckpt"),
+                         "--train-args", (cur / "needles" / "model_flags.txt").read_text(),
                          "--tasks", "niah_single", "--lengths", "512",
                          "--num-samples", "2", "--seed", "86", "--per-position", "--quiet"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

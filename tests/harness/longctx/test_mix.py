@@ -8,8 +8,15 @@ import os
 import numpy as np
 import pytest
 
-from tools.harness.longctx.mix import (MixConfig, filler_lengths, load_lengths, read_eval_set,
-                                    training_documents, write_eval_set, write_training_mix)
+from tools.harness.longctx.mix import (
+    MixConfig,
+    filler_lengths,
+    load_lengths,
+    read_eval_set,
+    training_documents,
+    write_eval_set,
+    write_training_mix,
+)
 from tools.harness.longctx.tasks import TASKS, generate, generate_set
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data", "lengths")

@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from tools.harness.longctx.recall import Recall, block_topk_recall, pool
 from megatron.training.presets import PROJECT_RUN_FLAGS
 from sparsebalance.ops.plan import _per_doc_topk
 from sparsebalance.ops.reference import _doc_mask
+from tools.harness.longctx.recall import Recall, block_topk_recall, pool
 
 
 def brute_force(q, k, cu, topk, B, scale):
@@ -108,7 +108,8 @@ def test_bad_inputs():
 
 # --- tools/attention_recall.py end to end on a 1-step pretrain_gpt.py checkpoint ---------
 
-MODEL = [*PROJECT_RUN_FLAGS, "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+MODEL = [*PROJECT_RUN_FLAGS, "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
+         "--num-attention-heads", "4",
          "--seq-length", "256", "--seed", "7", "--split", "80,20,0"]
 
 

@@ -15,9 +15,17 @@ import pytest
 import torch
 
 from tools.harness.longctx.runner import evaluate
-from tools.harness.longctx.scoring import (Result, accuracy_table, answer_span, chance_level,
-                                        choice_correct, exact_match, format_table, mean_accuracy,
-                                        mean_token_accuracy)
+from tools.harness.longctx.scoring import (
+    Result,
+    accuracy_table,
+    answer_span,
+    chance_level,
+    choice_correct,
+    exact_match,
+    format_table,
+    mean_accuracy,
+    mean_token_accuracy,
+)
 from tools.harness.longctx.tasks import ANSWER_END, TASKS, generate_set
 from tools.harness.longctx.tokenizer import ByteTokenizer
 

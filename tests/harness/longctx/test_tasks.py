@@ -8,8 +8,17 @@ from collections import Counter
 import pytest
 
 from tools.harness.longctx import text as T
-from tools.harness.longctx.tasks import (ALL_TASKS, ANSWER_END, LENGTH_TOLERANCE, MIN_LENGTH, TASKS, Sample,
-                                      TaskConfig, generate, generate_set)
+from tools.harness.longctx.tasks import (
+    ALL_TASKS,
+    ANSWER_END,
+    LENGTH_TOLERANCE,
+    MIN_LENGTH,
+    TASKS,
+    Sample,
+    TaskConfig,
+    generate,
+    generate_set,
+)
 
 LENGTHS = (1024, 2048, 4096, 16384)
 

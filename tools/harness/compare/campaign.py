@@ -24,11 +24,9 @@ import numpy as np
 from sparsebalance.io import atomic_write_text
 
 from .arms import get_arm
-from .corpus import (corpus_stats, describe, make_corpus_quantile, realised_scale,
-                     source_lengths)
+from .corpus import corpus_stats, describe, make_corpus_quantile, realised_scale, source_lengths
+from .real import RealConfig, RunResult, driver_command, launch, measured_steps, pool, python_exe, run_order
 from .timelines import noise_penalty, timeline_stats
-from .real import (RealConfig, RunResult, driver_command, launch, measured_steps, pool,
-                   python_exe, run_order)
 
 
 def _run_tool(cmd: List[str], cfg: RealConfig, log: Callable, what: str) -> str:

@@ -34,6 +34,7 @@ from sparsebalance.tuning import anchor_indices, critical_path_indices
 from sparsebalance.tuning.from_predictor import build_instance
 from sparsebalance.tuning.instance import Instance
 from sparsebalance.tuning.plan import timeline_at
+
 from .arms import ARMS, FRONTIER, SIM_ONLY, Arm
 from .dynamic_cp import dynamic_cp_instance
 
@@ -49,8 +50,8 @@ MODELS: Dict[str, Dict[str, object]] = {
 rescaling; 4 layers per stage at PP=8); ``qwen05b`` is the predictor's default
 (Qwen2.5-0.5B-like: 3 layers per stage at PP=8 plus a 151,936-token output layer on
 the last stage); ``qwen3b`` is Qwen2.5-3B's shape (36 layers: PP 4, 6, 9, 12 or 18;
-GQA with 2 K/V groups; tied 151,936-token vocabulary), its layer rescaled by FLOPs; ``profile`` adds no overrides (with a profile JSON as cost model: the
-profiled model itself)."""
+GQA with 2 K/V groups; tied 151,936-token vocabulary), its layer rescaled by FLOPs;
+``profile`` adds no overrides (with a profile JSON as cost model: the profiled model itself)."""
 
 SIM_ARMS: Tuple[str, ...] = ("megatron", "sab", "dst", "sparsebalance", "sparsebalance-anchor",
                              "wlb", "dp-balanced", "dynamic-cp", "sparsebalance+dcp")

@@ -26,8 +26,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .arms import Arm
 from megatron.training.presets import PROJECT_RUN_FLAGS
+
+from .arms import Arm
 from .corpus import CorpusRecipe
 
 

@@ -21,6 +21,7 @@ from sparsebalance.io import atomic_path
 from tools.harness.longctx import text as T
 from tools.harness.longctx.tasks import ALL_TASKS, MIN_LENGTH, TASKS, Sample, TaskConfig, generate
 
+
 @dataclass(frozen=True)
 class MixConfig:
     """What goes into the training mix."""
