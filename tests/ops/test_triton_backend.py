@@ -70,7 +70,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         scalars = lambda *names: {n: i32 for n in names}
         ce = {"BLOCK": 128, "BLOCK_D": 128, "F32": False, "SPLIT": 2}
         sigs = {
-            tk._fwd_kernel: {**{n: ptr for n in "Q K V O".split()}, "LSE": "*fp32",
+            tk._fwd_kernel: {**{n: ptr for n in "Q K V Out".split()}, "LSE": "*fp32",
                              **tables("QB_START", "QB_LEN", "KV_IDX", "KV_CNT"), "qk_scale": f32,
                              **scalars("s_qt", "s_qh", "s_kt", "s_kh", "T", "NB", "W", "REP", "D")},
             tk._bwd_dq_kernel: {**{n: ptr for n in "Q K V DO DQ".split()}, "LSE": "*fp32",
