@@ -51,8 +51,8 @@ Lengths = List[List[List[int]]]
 """Segment token counts ``[dp][microbatch][segment]`` of one step."""
 
 
-def attention_backend_choice(attention: AttentionConfig, parallel: ParallelConfig,
-                             model: Optional[ModelConfig] = None) -> dict:
+def attention_backend_choice(attention: AttentionConfig, parallel: ParallelConfig, head_dim: int,
+                             bf16: bool) -> dict:
     """The kernel backend a run resolves to and why: ``{"backend", "reason", ...}``
     (:func:`sparsebalance.ops.autoselect.backend_choice`: on CUDA, ``auto`` is the fastest
     backend that passed verification on this device, measured once and cached; on CPU the
@@ -65,16 +65,14 @@ def attention_backend_choice(attention: AttentionConfig, parallel: ParallelConfi
     from sparsebalance.ops.autoselect import backend_choice
 
     cuda = torch.cuda.is_available() and not parallel.cpu
-    head_dim = model.hidden_size // model.num_attention_heads if model is not None else 128
-    dtype = torch.bfloat16 if model is not None and model.bf16 else torch.float32
     return backend_choice(attention.backend, torch.device("cuda" if cuda else "cpu"), head_dim,
-                          attention.block_size, dtype)
+                          attention.block_size, torch.bfloat16 if bf16 else torch.float32)
 
 
-def attention_backend(attention: AttentionConfig, parallel: ParallelConfig,
-                      model: Optional[ModelConfig] = None) -> str:
-    """The kernel backend name a run resolves to (what profiles record)."""
-    return attention_backend_choice(attention, parallel, model)["backend"]
+def attention_backend(attention: AttentionConfig, parallel: ParallelConfig, model: ModelConfig) -> str:
+    """The kernel backend name a run of ``model`` resolves to (what profiles record)."""
+    return attention_backend_choice(attention, parallel, model.hidden_size // model.num_attention_heads,
+                                    model.bf16)["backend"]
 
 
 def build_predictor(config: SparseBalanceConfig, warn=None):

@@ -33,17 +33,12 @@ def build_predictor(args, vocab_size: int, warn=None):
 def attention_backend_choice(args) -> dict:
     """The kernel backend this run's attention resolves to and why (``{"backend", "reason",
     ...}``): the training log line and the summary JSON's ``attention_backend`` /
-    ``attention_backend_reason``. The choice depends on head dim, block size and dtype, not
-    on the vocabulary, so the model config is built with a placeholder vocabulary size."""
-    from megatron.training.sb_config import attention_config, model_config, parallel_config
+    ``attention_backend_reason``."""
+    from megatron.training.sb_config import attention_config, parallel_config
     from sparsebalance.balancer import attention_backend_choice as choose
 
-    return choose(attention_config(args), parallel_config(args), model_config(args, vocab_size=1))
-
-
-def attention_backend(args) -> str:
-    """The kernel backend name this run resolves to (what profiles record)."""
-    return attention_backend_choice(args)["backend"]
+    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    return choose(attention_config(args), parallel_config(args), head_dim, bool(args.bf16))
 
 
 class BatchBalancer:

@@ -43,30 +43,22 @@ def validate_schedule(args: argparse.Namespace, usage_error: Callable[[str], Exc
     if args.train_iters is not None and args.train_samples is not None:
         raise usage_error("give --train-iters or --train-samples, not both")
     by_samples = args.train_samples is not None
+    # Each schedule length is counted in the unit of the training length: with --train-samples
+    # the --lr-*-iters flags are refused (and the reverse), naming the flag to use instead.
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    for name in ("lr_decay", "lr_wsd_decay", "lr_warmup"):
+        value = getattr(args, f"{name}_{other}")
+        if value is not None and not (name == "lr_warmup" and value == 0):  # warm-up's default is 0
+            flag = "--" + name.replace("_", "-")
+            raise usage_error(f"{flag}-{other} goes with --train-{other}; with --train-{unit} use "
+                              f"{flag}-{unit}")
     if by_samples:
-        for flag, value in (("--lr-decay-iters", args.lr_decay_iters), ("--lr-wsd-decay-iters",
-                                                                         args.lr_wsd_decay_iters)):
-            if value is not None:
-                raise usage_error(f"{flag} goes with --train-iters; with --train-samples use "
-                                  f"{flag.replace('iters', 'samples')}")
-        if args.lr_warmup_iters:
-            raise usage_error("--lr-warmup-iters goes with --train-iters; with --train-samples use "
-                              "--lr-warmup-samples")
         if args.train_samples < gbs:
             raise usage_error(f"--train-samples {args.train_samples} is less than one global batch "
                               f"({gbs} samples)")
         args.train_iters = args.train_samples // gbs
-    else:
-        for flag, value in (("--lr-decay-samples", args.lr_decay_samples),
-                            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)):
-            if value is not None:
-                raise usage_error(f"{flag} goes with --train-samples; with --train-iters use "
-                                  f"{flag.replace('samples', 'iters')}")
-        if args.lr_warmup_samples:
-            raise usage_error("--lr-warmup-samples goes with --train-samples; with --train-iters use "
-                              "--lr-warmup-iters")
-        if args.train_iters is None:
-            args.train_iters = DEFAULT_TRAIN_ITERS
+    elif args.train_iters is None:
+        args.train_iters = DEFAULT_TRAIN_ITERS
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters or args.lr_warmup_samples:
             raise usage_error("give --lr-warmup-fraction or --lr-warmup-iters/--lr-warmup-samples, not both")
