@@ -119,6 +119,11 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
                "--global-batch-size", "2", "--lr", "3e-4", "--train-iters",
                str(4 if a.dry_run else TRAIN_ITERS), "--log-interval", "1", "--no-progress-bar",
                "--summary-json", summary]
+        if not a.dry_run:
+            # 24 layers at 64K tokens keep ~3 GB of activations per layer: whole-layer
+            # recompute in both arms (the fp32 logits over 152K words stay the big block)
+            cmd += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                    "--recompute-num-layers", "1"]
         if mode == "sparse":
             cmd += ["--sparse-balance", "--sb-block-size", "64" if a.dry_run else "128",
                     "--sb-topk", str(TRAIN_TOPK), "--sb-attention-backend", best_backend,
