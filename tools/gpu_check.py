@@ -14,8 +14,9 @@ the next; each has a time cap, :data:`PART_BUDGET_S`, inside the run's ``--budge
                kernel of the same process (flash or cuDNN, named per row): fwd and
                fwd+bwd, bf16, head dim 128, GQA 16:2, 16K-128K, block 64 and 128,
                densities ~5/12/25%: ms, TFLOP/s on kept pairs, efficiency = speedup x
-               density, routing share. One process per backend; the target point (64K,
-               block 128, ~12%) runs first; finished points are kept when a worker dies;
+               density, routing share. Every backend's 64K / block 128 points (the
+               target point, ~12%, first) run before any backend's other points, one
+               process per backend and tier; finished points are kept when a worker dies;
 * ``train``    --model-preset qwen2.5-0.5b (24 layers, random init, bf16, one GPU), 32K
                and 64K micro-batches of packed documents resampled from --lengths:
                dense (SDPA) and sparse (--sparse-balance, the bench's best backend) over
@@ -116,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "path; default gpudata/prolong.json if present, else prolong)")
     p.add_argument("--budget-s", type=float, default=1500.0,
                    help="wall-clock budget of all parts; a part that would start after it is failed")
+    p.add_argument("--part-budgets", dest="part_budgets_arg", default="",
+                   help="NAME=SECONDS,... overriding a part's time cap (defaults: "
+                        + ", ".join(f"{k} {v}" for k, v in PART_BUDGET_S.items()) + ")")
     p.add_argument("--dry-run", action="store_true",
                    help="the chain with tiny sizes on the CPU (tests the orchestration)")
     # Internal: the bench part's per-backend process (see bench_worker).
@@ -159,6 +163,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.dry_run:  # tiny sizes: the CPU kernel, 1K tokens; a shared CPU is slow to profile
         a.seq_lens, a.backends, a.bench_reps = [1024], ["cpu"], 1
         a.part_budgets.update(train=400, profile=400)
+    for item in [x for x in a.part_budgets_arg.split(",") if x]:
+        name, _, sec = item.partition("=")
+        try:
+            val = float(sec)
+        except ValueError:
+            val = -1.0
+        if name not in PARTS or val <= 0:
+            p.error(f"--part-budgets takes NAME=SECONDS with NAME from {','.join(PARTS)} and "
+                    f"SECONDS > 0, got {item!r}")
+        a.part_budgets[name] = val
     return a
 
 
@@ -220,16 +234,24 @@ def part_build(a, left: float) -> Part:
     return Part("build", True, detail=f"sm_{major}{minor}", data={"arch": arch})
 
 
+TEST_MODULES_FIRST = ("test_flex_gpu.py", "test_gpu_backends.py")
+"""CUDA test modules run first, in this order (the kernels' correctness); the others
+(the measured ``auto``, which times every backend) follow alphabetically."""
+
+
 def cuda_test_modules() -> List[str]:
     """Test modules that need CUDA: the GPU backends test and every module that skips
-    itself without CUDA (``torch.cuda.is_available()`` at module level)."""
+    itself without CUDA (``torch.cuda.is_available()`` at module level), in run order
+    (:data:`TEST_MODULES_FIRST` first)."""
     out = []
     for path in sorted(glob.glob(os.path.join(REPO, "tests", "**", "test_*.py"), recursive=True)):
         with open(path) as fh:
             text = fh.read()
         if "allow_module_level=True" in text and "cuda.is_available()" in text:
             out.append(os.path.relpath(path, REPO))
-    return out
+    rank = lambda m: (TEST_MODULES_FIRST.index(os.path.basename(m)) if os.path.basename(m) in TEST_MODULES_FIRST
+                      else len(TEST_MODULES_FIRST), m)
+    return sorted(out, key=rank)
 
 
 def junit_summary(path: str, module: str = "?") -> dict:
@@ -437,14 +459,34 @@ def collect_backend(points: List[dict], lines: List[dict],
     return rows, failed
 
 
+def bench_workers(points: List[dict], backends) -> List[Tuple[bool, List[dict]]]:
+    """The bench's worker processes in run order, ``(first_tier, points)``: every
+    backend's points at the target length and block (its target point first) before any
+    backend's other points, so that one backend's slow secondary compilations (flex's
+    block-64 autotuning, say) cannot take the time of another backend's target point."""
+    tp = gpu_report.TARGET_POINT
+    first = lambda pt: pt["seq_len"] == tp["seq_len"] and pt["block"] == tp["block"]
+    out = []
+    for tier in (True, False):
+        for b in backends:
+            mine = [pt for pt in points if pt["backend"] == b and first(pt) == tier]
+            if mine:
+                out.append((tier, mine))
+    return out
+
+
 def part_bench(a, left: float) -> Part:
     rows, failed = [], []
     t0 = time.time()
-    points = bench_points(a.seq_lens, a.backends)
-    for i, backend in enumerate(a.backends):
-        mine = [pt for pt in points if pt["backend"] == backend]
-        # A fair share of the time left; the last backend gets all of it.
-        cap = (left - (time.time() - t0)) / (len(a.backends) - i)
+    workers = bench_workers(bench_points(a.seq_lens, a.backends), a.backends)
+    for i, (tier, mine) in enumerate(workers):
+        # A fair share of the time left: a first-tier worker shares with the first-tier
+        # workers still to come and one share for all the second tier; a second-tier
+        # worker with every worker still to come; the last gets all of it.
+        todo = workers[i:]
+        n_first = sum(1 for t, _ in todo if t)
+        shares = n_first + (1 if len(todo) > n_first else 0) if tier else len(todo)
+        cap = (left - (time.time() - t0)) / shares
         if cap < 20:
             failed += [f"{point_key(pt)}: no time left" for pt in mine]
             continue

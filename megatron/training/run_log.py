@@ -82,6 +82,12 @@ def warmup_steps(n: int) -> int:
     return skip if n > skip else 0
 
 
+def flex_compile_count() -> int:
+    """Graphs the flex backend compiled in this process (0 when it never ran)."""
+    flex = sys.modules.get("sparsebalance.ops.flex")
+    return int(flex.compile_count()) if flex is not None else 0
+
+
 _PEAK_RANKS_SHOWN = 16
 """Log lines list every rank's peak memory up to this many ranks, else the max and its rank."""
 
@@ -247,6 +253,7 @@ class RunLogger:
             "plan_wait_ms_median": med([s.plan_wait_ms for s in counted]) if preds else None,
             "attention_backend": backend["backend"],
             "attention_backend_reason": backend["reason"],
+            "flex_compiles": flex_compile_count(),
             "peak_memory_mb": peaks.tolist(),
             "peak_memory_mb_max": float(peaks.max()) if len(peaks) else None,
             "peak_memory_source": peak_memory_source(use_cpu(self.args)),

@@ -24,7 +24,16 @@ Compilation. On CUDA ``flex_attention`` runs through one ``torch.compile`` calla
 (``dynamic=False``). The index tensors have full width (the bucket's block count) and
 the token count is the bucket's, so a step with new budgets or new documents in the same
 bucket reuses the compiled kernels; :func:`compile_count` counts the graphs compiled by
-our calls so a test can fail on a recompilation.
+our calls so a test can fail on a recompilation. A compiled call also reuses a bucket it
+compiled before when that costs at most :data:`REUSE_PAD` x the blocks it needs (padding
+blocks cost one diagonal block each): SAB packs micro-batches of unequal token counts,
+which would otherwise reach a new bucket, and compile for tens of seconds, every few
+steps (measured on an H200, docs/gpu.md).
+
+Layout cache. The layout depends only on ``cu_seqlens`` and the block size, and every
+layer of a micro-batch gets the same ``cu_seqlens`` tensor: the last layout is kept and
+reused while that tensor object is unchanged (same object, same in-place version), so
+its host copy and index upload happen once per micro-batch, not once per layer.
 
 Eager (the CPU). Eager ``flex_attention`` applies the ``mask_mod`` to every score (it
 materialises them) and ignores the block lists, so the eager path's ``mask_mod`` also
@@ -47,6 +56,14 @@ from sparsebalance.ops.plan import RoutingPlan, TopK, build_plan
 
 _compiled: dict = {}
 _compiles = 0
+_buckets_used: dict = {}
+"""(block size, device type) -> padded block counts compiled calls have used."""
+_layout_cache: list = []
+"""[(cu_seqlens tensor, its _version, (block size, device, reuse), layout)]: the last one."""
+REUSE_PAD = 4.0
+"""A compiled bucket is reused for a batch needing at least 1 / REUSE_PAD of its blocks: a
+padding block costs one diagonal block of compute and its rows of the gather, against
+tens of seconds of compilation for a new shape."""
 
 
 def bucket_blocks(n: int) -> int:
@@ -100,13 +117,35 @@ def padding_ratio(cu_seqlens: torch.Tensor, block_size: int) -> float:
     return bucket_blocks(NB) * block_size / T if T else 1.0
 
 
-def flex_layout(cu_seqlens: torch.Tensor, block_size: int, device: torch.device) -> FlexLayout:
-    """The block-aligned buffer of these documents, index tensors on ``device``."""
+def reused_bucket(blocks: int, key) -> int:
+    """The padded block count of a compiled call needing ``blocks``: the smallest bucket
+    used before under ``key`` that holds them within :data:`REUSE_PAD`, else their own
+    :func:`bucket_blocks` (recorded for the next calls)."""
+    own = bucket_blocks(blocks)
+    used = _buckets_used.setdefault(key, set())
+    fits = [b for b in used if own <= b <= REUSE_PAD * max(blocks, 1)]
+    if fits:
+        return min(fits)
+    used.add(own)
+    return own
+
+
+def reset_buckets() -> None:
+    """Forget the buckets used so far and the cached layout (tests)."""
+    _buckets_used.clear()
+    _layout_cache.clear()
+
+
+def flex_layout(cu_seqlens: torch.Tensor, block_size: int, device: torch.device,
+                reuse: bool = False) -> FlexLayout:
+    """The block-aligned buffer of these documents, index tensors on ``device``.
+    ``reuse``: pad to a bucket used before when it fits (:func:`reused_bucket`; the
+    compiled path), else to this batch's own bucket."""
     cu, lens, nb, NB = _host_layout(cu_seqlens, block_size)
     T, B = int(cu[-1]), int(block_size)
     first_block = np.cumsum(nb) - nb
     pos = np.arange(T, dtype=np.int64) + np.repeat(first_block * B - cu[:-1], lens)
-    NBp = bucket_blocks(NB)
+    NBp = reused_bucket(NB, (B, torch.device(device).type)) if reuse else bucket_blocks(NB)
     src = np.full(NBp * B, T, dtype=np.int64)
     src[pos] = np.arange(T)
     both = torch.from_numpy(np.concatenate([pos, src])).to(device)
@@ -229,8 +268,23 @@ def flex_prepare(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, top
                  block_size: int, scale: float, compiled: bool):
     """Routing and everything FlexAttention needs before the kernel: ``(plan, layout, mask)``."""
     plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)
-    layout = flex_layout(cu_seqlens, block_size, q.device)
+    layout = cached_layout(cu_seqlens, block_size, q.device, reuse=compiled)
     return plan, layout, flex_block_mask(plan, layout, exact_mask_mod=not compiled)
+
+
+def cached_layout(cu_seqlens: torch.Tensor, block_size: int, device: torch.device,
+                  reuse: bool) -> FlexLayout:
+    """:func:`flex_layout`, reused while ``cu_seqlens`` is the same tensor object with the
+    same in-place version (the layers of one micro-batch); the cache holds that tensor, so
+    its memory cannot be handed to another tensor meanwhile."""
+    key = (int(block_size), torch.device(device), bool(reuse))
+    if _layout_cache:
+        t, version, k, layout = _layout_cache[0]
+        if t is cu_seqlens and version == cu_seqlens._version and k == key:
+            return layout
+    layout = flex_layout(cu_seqlens, block_size, device, reuse=reuse)
+    _layout_cache[:] = [(cu_seqlens, cu_seqlens._version, key, layout)]
+    return layout
 
 
 def flex_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayout, mask,

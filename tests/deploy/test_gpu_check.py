@@ -133,6 +133,27 @@ def test_train_verdict():
     ok, detail, data = st.train_verdict([runs[0], {"name": "sparse 65536", "error": "CUDA out of memory"}], [65536])
     assert not ok and "speedup_64k" not in data and "sparse 65536: CUDA out of memory" in detail
     assert not st.train_verdict([], [65536])[0]
+    # steps that compiled (two slow ones after the skipped warm-up) weigh on tokens/s but
+    # not on the median step; both are reported
+    d = {**summ(down, 1e4), "step_ms_all": [9e3] * 8, "step_tokens_all": [131072] * 8, "warmup_steps_skipped": 2}
+    sp = {**summ(down, 1.6e4, 0.17), "step_ms_all": [40e3, 30e3, 2.6e3, 25e3, 2.6e3, 20e3, 2.6e3, 2.6e3],
+          "step_tokens_all": [131072] * 8, "warmup_steps_skipped": 2, "flex_compiles": 6}
+    runs = [st.train_run_record("dense 65536", d), st.train_run_record("sparse 65536", sp)]
+    assert runs[1]["ms_per_1k_tokens_median"] == pytest.approx(2.6e3 / 131.072)
+    assert runs[1]["flex_compiles"] == 6 and runs[0]["flex_compiles"] is None
+    ok, detail, data = st.train_verdict(runs, [65536])
+    assert data["median_step_speedup_64k"] == pytest.approx(9e3 / 2.6e3) and data["speedup_64k"] == 1.6
+    assert "median_step_speedup_64k 3.46x" in detail
+
+
+def test_part_budgets_argument():
+    a = gc.parse_args(["--part-budgets", "profile=240,train=300"])
+    assert a.part_budgets["profile"] == 240.0 and a.part_budgets["train"] == 300.0
+    assert a.part_budgets["bench"] == gc.PART_BUDGET_S["bench"]
+    for bad in ("profile", "nope=3", "train=-1", "train=x"):
+        with pytest.raises(SystemExit) as e:
+            gc.parse_args(["--part-budgets", bad])
+        assert e.value.code == 2
 
 
 def _res(pt, dense_ms=40.0, sparse_ms=5.0):
@@ -272,12 +293,42 @@ def test_bench_no_time_left_and_all_points_passing(monkeypatch):
     part = gc.part_bench(a, 100.0)
     assert part.passed and len(part.data["rows"]) == 12 and part.data["failed"] == []
     assert part.data["best_efficiency_64k_b128"] == {"cuda": pytest.approx(2.0), "triton": pytest.approx(2.0)}
-    # 30 s left: a 15 s share is below the 20 s a worker needs, so cuda is skipped and
-    # triton, the last backend, gets all 30 s.
+    # 64K / block 128 of both backends first, then the rest (block 64) of both
+    assert [(r["backend"], r["block"]) for r in part.data["rows"]][::3] == [
+        ("cuda", 128), ("triton", 128), ("cuda", 64), ("triton", 64)]
+    # 30 s left: the first-tier shares (10 s, then 15 s) and cuda's second-tier share
+    # (15 s) are below the 20 s a worker needs; the last worker gets all 30 s.
     short = gc.part_bench(a, 30.0)
-    assert not short.passed and {r["backend"] for r in short.data["rows"]} == {"triton"}
-    assert short.data["failed"][0] == "cuda 65536/128/0.12: no time left" and len(short.data["failed"]) == 6
-    assert short.detail.startswith("6 points, 6 failed")
+    assert not short.passed and [(r["backend"], r["block"]) for r in short.data["rows"]] == [("triton", 64)] * 3
+    assert short.data["failed"][0] == "cuda 65536/128/0.12: no time left" and len(short.data["failed"]) == 9
+    assert short.detail.startswith("3 points, 9 failed")
+
+
+def test_bench_first_tier_shares_leave_one_share_to_the_second(monkeypatch):
+    """Three backends at 64K: each first-tier worker gets what is left over the first-tier
+    workers to come plus one share for the whole second tier; second-tier workers split
+    what is left evenly; time a worker does not use goes to the next."""
+    a = SimpleNamespace(seq_lens=[65536], backends=["flex", "triton", "cuda"], bench_reps=3)
+    seen = []
+
+    def fake_run(cmd, timeout, env=None):
+        i = cmd.index("--bench-worker")
+        with open(cmd[i + 1]) as fh:
+            pts = json.load(fh)
+        seen.append((pts[0]["backend"], pts[0]["block"], len(pts), round(timeout)))
+        with open(cmd[i + 2], "w") as fh:
+            for pt in pts:
+                fh.write(json.dumps({"point": pt, "result": _res(pt)}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gc, "_run", fake_run)
+    part = gc.part_bench(a, 240.0)
+    assert part.passed
+    assert seen == [("flex", 128, 3, 60), ("triton", 128, 3, 80), ("cuda", 128, 3, 120),
+                    ("flex", 64, 3, 80), ("triton", 64, 3, 120), ("cuda", 64, 3, 240)]
+    workers = gc.bench_workers(gc.bench_points([16384, 65536], ["flex"]), ["flex"])
+    assert [(t, len(p)) for t, p in workers] == [(True, 3), (False, 9)]
+    assert workers[0][1][0]["density"] == 0.12  # the target point first
 
 
 def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):

@@ -134,17 +134,72 @@ def test_compiled_forward_and_no_recompile_on_new_budgets_and_lengths(monkeypatc
     equal to the reference; a second step with new budgets and new document lengths in
     the same bucket compiles nothing."""
     monkeypatch.setenv("SPARSEBALANCE_FLEX_COMPILE", "1")
-    steps = [([300, 100, 250], 2), ([280, 200, 170], torch.tensor([1, 0, 3]))]
+    flex.reset_buckets()
+    # the third step needs 18 blocks, its own bucket, and reuses the first's 22 (SAB's
+    # micro-batches of unequal token counts)
+    steps = [([300, 100, 250], 2), ([280, 200, 170], torch.tensor([1, 0, 3])), ([200, 150, 180], 3)]
     counts = []
     for lens, topk in steps:
-        assert flex.bucket_blocks(sum(-(-L // 32) for L in lens)) == 22  # one bucket
+        assert flex.bucket_blocks(sum(-(-L // 32) for L in lens)) == (22 if len(counts) < 2 else 18)
         q, k, v, cu, _ = make_inputs(lens, 4, 2, 32, seed=len(counts))
         ref, dens_ref = _fwd("reference", q, k, v, cu, topk, 32)
         out, dens = _fwd("flex", q, k, v, cu, topk, 32)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
         assert dens == dens_ref < 1.0
         counts.append(flex.compile_count())
-    assert counts[0] >= 1 and counts[1] == counts[0], counts
+    assert counts[0] >= 1 and counts[2] == counts[1] == counts[0], counts
+    assert flex._layout_cache[0][3].padded_blocks == 22
+
+
+def test_reused_bucket_within_the_padding_limit():
+    flex.reset_buckets()
+    key = (128, "cuda")
+    assert flex.REUSE_PAD == 4.0
+    assert flex.reused_bucket(540, key) == 576  # first use: its own bucket
+    assert flex.reused_bucket(512, key) == 576  # own bucket 512, but 576 is compiled
+    assert flex.reused_bucket(150, key) == 576  # 576 <= 4 x 150
+    assert flex.reused_bucket(140, key) == 144  # 576 > 4 x 140: its own bucket, recorded
+    assert flex.reused_bucket(130, key) == 144
+    assert flex.reused_bucket(600, key) == 640  # larger than every bucket used
+    assert flex.reused_bucket(540, (64, "cuda")) == 576 and flex.reused_bucket(100, (64, "cuda")) == 104
+    flex.reset_buckets()
+    assert flex.reused_bucket(300, key) == 320
+
+
+def test_layout_is_cached_per_cu_seqlens_object():
+    flex.reset_buckets()
+    cu = torch.tensor([0, 300, 400, 650], dtype=torch.int32)
+    dev = torch.device("cpu")
+    a = flex.cached_layout(cu, 32, dev, reuse=False)
+    assert flex.cached_layout(cu, 32, dev, reuse=False) is a  # the next layer
+    assert flex.cached_layout(cu.clone(), 32, dev, reuse=False) is not a  # another micro-batch
+    b = flex.cached_layout(cu, 32, dev, reuse=False)
+    assert b is not a and torch.equal(b.pos, a.pos)
+    cu[1] = 200  # changed in place: the version moves, the layout is rebuilt
+    c = flex.cached_layout(cu, 32, dev, reuse=False)
+    assert c is not b and c.blocks == 7 + 7 + 8
+    assert flex.cached_layout(cu, 64, dev, reuse=False) is not c  # another block size
+
+
+def test_forward_on_a_reused_larger_bucket_matches_reference():
+    """Padding to a bigger bucket than the batch needs (a reused compiled shape) changes
+    nothing: the padding blocks see only their own zero diagonal."""
+    from sparsebalance.ops.plan import build_plan
+
+    flex.reset_buckets()
+    lens, topk, B = [300, 100, 250], 2, 32
+    flex.reused_bucket(40, (B, "cpu"))  # a bucket of 40 blocks compiled earlier
+    q, k, v, cu, _ = make_inputs(lens, 4, 2, 32, seed=3)
+    scale = 32 ** -0.5
+    lay = flex.flex_layout(cu, B, q.device, reuse=True)
+    assert (lay.blocks, lay.padded_blocks) == (22, 40)
+    plan = build_plan(q, k, cu, topk, B, scale)
+    mask = flex.flex_block_mask(plan, lay, exact_mask_mod=True)
+    with torch.no_grad():
+        out = flex.flex_run(q, k, v, lay, mask, scale, compiled=False)
+    ref, _ = _fwd("reference", q, k, v, cu, topk, B)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
+    flex.reset_buckets()
 
 
 def test_compiled_flex_rejects_block_sizes_without_a_16_tile(monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Callable, List, Optional, Tuple
@@ -66,7 +67,13 @@ def train_run_record(name: str, s: dict) -> dict:
     """One run's row from the driver's summary JSON."""
     losses = [float(x) for x in s.get("losses") or []]
     first, last, down = loss_trend(losses) if losses else (None, None, False)
+    ms, tokens = s.get("step_ms_all") or [], s.get("step_tokens_all") or []
+    skip = int(s.get("warmup_steps_skipped") or 0)
+    per_1k = [m / t * 1e3 for m, t in zip(ms[skip:], tokens[skip:]) if t]
     return {"name": name, "tokens_per_s": s.get("tokens_per_s"),
+            "step_ms_all": ms, "step_tokens_all": tokens, "warmup_steps_skipped": skip,
+            "ms_per_1k_tokens_median": statistics.median(per_1k) if per_1k else None,
+            "flex_compiles": s.get("flex_compiles"),
             "peak_memory_mb_max": s.get("peak_memory_mb_max"), "step_ms_median": s.get("step_ms_median"),
             "density_mean": s.get("density_mean"), "plan_ms_median": s.get("plan_ms_median"),
             "attention_backend": s.get("attention_backend"), "losses": losses,
@@ -83,9 +90,13 @@ def train_verdict(runs: List[dict], seq_lens: List[int]) -> Result:
         if d and s and d.get("tokens_per_s") and s.get("tokens_per_s"):
             data[f"speedup_{n // 1024}k"] = s["tokens_per_s"] / d["tokens_per_s"]
             data[f"density_{n // 1024}k"] = s.get("density_mean")
+        # the median step (per 1,000 tokens): what a long run converges to once every
+        # shape is compiled; tokens/s above counts the steps that compiled too
+        if d and s and d.get("ms_per_1k_tokens_median") and s.get("ms_per_1k_tokens_median"):
+            data[f"median_step_speedup_{n // 1024}k"] = d["ms_per_1k_tokens_median"] / s["ms_per_1k_tokens_median"]
     bad = [r["name"] + (f": {r['error']}" if r.get("error") else ": loss did not decrease")
            for r in runs if r.get("error") or not r.get("loss_down")]
-    speed = ", ".join(f"{k} {v:.2f}x" for k, v in data.items() if k.startswith("speedup_"))
+    speed = ", ".join(f"{k} {v:.2f}x" for k, v in data.items() if "speedup_" in k)
     detail = (f"{len(runs) - len(bad)}/{len(runs)} runs ok; sparse/dense tokens/s: {speed or 'n/a'}"
               + (f"; failed: {'; '.join(bad)}" if bad else ""))
     return bool(runs) and not bad, detail, data
