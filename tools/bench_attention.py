@@ -133,6 +133,18 @@ def doc_lengths(a: argparse.Namespace) -> list[int]:
     return lens
 
 
+def flex_gate_parts(q, k, cu, topk, block_size: int, scale: float, compiled: bool, timed):
+    """ms of the flex gate's three parts, each alone: ``(plan, layout, block_mask)``;
+    ``timed(fn) -> (result, ms)`` synchronises the device around ``fn``."""
+    from sparsebalance.ops import build_plan
+    from sparsebalance.ops.flex import flex_block_mask, flex_layout
+
+    plan, t_plan = timed(lambda: build_plan(q, k, cu, topk, block_size, scale))
+    lay, t_lay = timed(lambda: flex_layout(cu, block_size, q.device, reuse=compiled))
+    _, t_mask = timed(lambda: flex_block_mask(plan, lay, exact_mask_mod=not compiled))
+    return t_plan, t_lay, t_mask
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
@@ -203,6 +215,9 @@ def main(argv=None) -> int:
         return t, t
 
     runs = {"sparse": run_sparse, "gate": run_gate}
+    if backend == "flex":  # where the gate's time goes: routing plan, buffer layout, block mask
+        runs["gate_parts"] = lambda: flex_gate_parts(q, k, cu, a.topk, a.block_size, scale,
+                                                     use_compiled(dev), timed)
     dense_failed = {}
     for name, ctx in dense_kernels(a.dense_backends, dev.type == "cuda").items():
         try:  # a kernel this GPU / shape / dtype does not support is left out, and said so
@@ -242,6 +257,10 @@ def main(argv=None) -> int:
         "density_exact": round(exact_density(lens, a.topk, a.block_size), 5),
         "speedup": round(speedup, 3), "efficiency": round(speedup * run_sparse.density, 3),
         "gate_ms": round(gate_ms, 2), "gate_share": round(gate_ms / sparse_ms, 4),
+        # flex: the gate's parts, each timed alone (the layout is built once per micro-batch
+        # in training, where every layer reuses it; the plan and the mask once per layer)
+        "gate_parts_ms": {n: round(statistics.median(t[i] for t in times["gate_parts"]), 2)
+                          for i, n in enumerate(("plan", "layout", "block_mask"))} if "gate_parts" in times else None,
         # best-of-reps view: less sensitive to other load on a shared machine
         "speedup_min": round(min(t[1] for t in times["dense"]) / min(t[1] for t in times["sparse"]), 3),
         "sparse_ms_all": [round(t[1], 1) for t in times["sparse"]],

@@ -431,6 +431,7 @@ def bench_row(pt: dict, res: dict) -> dict:
             "sparse_ms": res["sparse_ms"], "speedup_fwd": fwd_speedup,
             "speedup": res["speedup"], "efficiency_fwd": fwd_speedup * res["density"],
             "efficiency": res["efficiency"], "gate_share": res["gate_share"],
+            "gate_parts_ms": res.get("gate_parts_ms"),
             "dense_backend": res.get("dense_backend", "sdpa"),
             "padding_ratio": res.get("padding_ratio", 1.0), **kept_tflops(res)}
 

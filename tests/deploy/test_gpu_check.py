@@ -67,8 +67,10 @@ def test_report_files(tmp_path):
                dense_fwd_ms=10.0, sparse_fwd_ms=1.0, dense_ms=40.0, sparse_ms=5.0, speedup_fwd=10.0,
                speedup=8.0, efficiency_fwd=0.52, efficiency=0.416, gate_share=0.02,
                fwd_tflops=300.0, fwd_bwd_tflops=250.0, dense_backend="flash")
+    flex_row = dict(row, backend="flex", gate_share=0.178,
+                    gate_parts_ms={"plan": 3.04, "layout": 1.0, "block_mask": 4.5})
     parts = [gc.Part("tests", True, 12.0, "10 passed"),
-             gc.Part("bench", False, 30.0, "1 points, 1 failed", {"rows": [row], "failed": ["x"]})]
+             gc.Part("bench", False, 30.0, "1 points, 1 failed", {"rows": [row, flex_row], "failed": ["x"]})]
     gc.write_report(str(tmp_path), parts, "NVIDIA H100")
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert doc["device"] == "NVIDIA H100" and doc["passed"] is False
@@ -76,6 +78,7 @@ def test_report_files(tmp_path):
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| bench | **FAIL** | 30 | 1 points, 1 failed |" in md
     assert "| cuda | 65536 | 128 | 0.052 | 1.00 (10.00) | 5.00 (40.00) | flash | 250 | 0.52 | 0.42 | 2.0% |" in md
+    assert "| 0.42 | 17.8% (plan 3.0, layout 1.0, mask 4.5 ms) |" in md
     assert "- x" in md  # the failed point is listed
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
 
@@ -625,3 +628,29 @@ def test_best_backend_comes_from_this_run_or_an_earlier_piece(tmp_path):
     earlier = gr.read_report(str(tmp_path), "NVIDIA H200")
     assert gc.best_backend([gc.Part("deps", True)], earlier) == "flex"
     assert gr.read_report(str(tmp_path), "NVIDIA H100") is None
+
+
+def test_flex_gate_parts_times_plan_layout_and_mask():
+    """bench_attention's breakdown of flex's gate, on the CPU's eager path: three timings,
+    each of the function it names (the timer sees the plan, the layout, the mask)."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_attention", os.path.join(REPO, "tools", "bench_attention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from sparsebalance.ops.flex import FlexLayout
+    from sparsebalance.ops.plan import RoutingPlan
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(650, 4, 32, generator=g), torch.randn(650, 2, 32, generator=g)
+    cu = torch.tensor([0, 300, 400, 650], dtype=torch.int32)
+    seen = []
+
+    def timed(fn):
+        out = fn()
+        seen.append(type(out).__name__)
+        return out, float(len(seen))
+
+    got = mod.flex_gate_parts(q, k, cu, 2, 32, 32 ** -0.5, False, timed)
+    assert got == (1.0, 2.0, 3.0)
+    assert seen[:2] == [RoutingPlan.__name__, FlexLayout.__name__] and seen[2] == "BlockMask"

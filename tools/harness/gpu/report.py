@@ -98,6 +98,14 @@ def _fmt(v, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def _gate_parts(row: dict) -> str:
+    """`` (plan a, layout b, mask c ms)`` for a flex row that timed them, else ``""``."""
+    parts = row.get("gate_parts_ms")
+    if not parts:
+        return ""
+    return " (plan {plan:.1f}, layout {layout:.1f}, mask {block_mask:.1f} ms)".format(**parts)
+
+
 def render_markdown(doc: dict) -> str:
     """gpu_check.md: parts, targets, and the bench / train tables."""
     md = [f"# gpu-check on {doc['device']}", ""]
@@ -119,7 +127,7 @@ def render_markdown(doc: dict) -> str:
         md += [f"| {r['backend']} | {r['seq_len']} | {r['block']} | {r['density_measured']:.3f} | "
                f"{r['sparse_fwd_ms']:.2f} ({r['dense_fwd_ms']:.2f}) | {r['sparse_ms']:.2f} "
                f"({r['dense_ms']:.2f}) | {r.get('dense_backend', 'sdpa')} | {r['fwd_bwd_tflops']:.0f} | "
-               f"{r['efficiency_fwd']:.2f} | {r['efficiency']:.2f} | {r['gate_share']:.1%} |"
+               f"{r['efficiency_fwd']:.2f} | {r['efficiency']:.2f} | {r['gate_share']:.1%}{_gate_parts(r)} |"
                for r in bench["data"]["rows"]]
         if bench["data"].get("failed"):
             md += ["", "Points that did not finish:", ""] + [f"- {f}" for f in bench["data"]["failed"]]
