@@ -277,6 +277,36 @@ def junit_summary(path: str, module: str = "?") -> dict:
     return {"by_module": mods, "failed_tests": failed}
 
 
+_VERBOSE_RESULT = None
+
+
+def stdout_summary(text: str, module: str) -> dict:
+    """:func:`junit_summary`'s shape from ``pytest -v`` output (one ``path::test RESULT``
+    line per finished test), for a module killed before pytest wrote its junit file: the
+    tests that finished before the cut still count."""
+    import re
+
+    global _VERBOSE_RESULT
+    if _VERBOSE_RESULT is None:
+        _VERBOSE_RESULT = re.compile(r"^(\S+?\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+    mods, failed = {}, []
+    for line in (text or "").splitlines():
+        m = _VERBOSE_RESULT.match(line.strip())
+        if not m:
+            continue
+        path, name, result = m.groups()
+        key = path[:-3].replace("/", ".") if path.endswith(".py") else module
+        counts = mods.setdefault(key, {"passed": 0, "failed": 0, "skipped": 0})
+        if result in ("FAILED", "ERROR"):
+            counts["failed"] += 1
+            failed.append(f"{key}::{name}")
+        elif result in ("SKIPPED", "XFAIL"):
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return {"by_module": mods, "failed_tests": failed} if mods else {}
+
+
 def part_tests(a, left: float) -> Part:
     """Each CUDA test module in its own pytest (a module that hangs or runs out of time
     does not hide the others' results); a module may use what is left of the part's time
@@ -293,13 +323,18 @@ def part_tests(a, left: float) -> Part:
         if os.path.exists(junit):
             os.unlink(junit)
         # Correctness, not speed: one Triton launch config, no autotuning over every test shape.
-        proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        # -v: one line per finished test, so a module cut at its cap still reports those
+        proc = _run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
                      f"--junitxml={junit}", mod], cap, env={"SPARSEBALANCE_TRITON_AUTOTUNE": "0"})
-        got = junit_summary(junit, mod)
+        got = junit_summary(junit, mod) or stdout_summary(proc.stdout, mod)
         by_module.update(got.get("by_module", {}))
         failed_tests += got.get("failed_tests", [])
         tail = (proc.stdout or "").strip().splitlines()
-        said = tail[-1] if tail and proc.returncode != 124 else _last_line(proc)
+        said = tail[-1].strip("= ") if tail and proc.returncode != 124 else _last_line(proc)
+        if proc.returncode == 124:
+            done = got.get("by_module", {}).values()
+            said += (f" ({sum(m['passed'] for m in done)} passed, {sum(m['failed'] for m in done)} failed "
+                     f"before the cut)")
         lines.append(f"{os.path.basename(mod)}: {said}")
         mod_ok = proc.returncode == 0 or (getattr(a, "dry_run", False) and proc.returncode == 5)
         ok &= mod_ok  # exit 5 (nothing collected: every module skips itself) only in a dry run

@@ -343,8 +343,10 @@ def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):
         calls.append((cmd, timeout, env))
         junit = next(c for c in cmd if c.startswith("--junitxml="))[len("--junitxml="):]
         mod = cmd[-1]
-        if len(calls) == 1:  # the first module hangs: killed, no junit file
-            return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout:.0f} s")
+        if len(calls) == 1:  # the first module is killed after two tests: no junit file
+            said = (f"{mod}::test_a[x] PASSED   [ 10%]\n{mod}::test_b FAILED   [ 20%]\n"
+                    f"{mod}::test_c SKIPPED (no)   [ 30%]\n")
+            return subprocess.CompletedProcess(cmd, 124, said, f"timed out after {timeout:.0f} s")
         with open(junit, "w") as fh:
             fh.write(f'<testsuite><testcase classname="{mod}" name="t1"/>'
                      f'<testcase classname="{mod}" name="t2"/></testsuite>')
@@ -358,8 +360,16 @@ def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):
     assert calls[0][1] == pytest.approx(300.0 - 45.0 * (len(mods) - 1), abs=1.0)
     assert calls[-1][1] == pytest.approx(300.0, abs=2.0)  # the last may use all that is left
     assert not part.passed  # the hung module fails the part
-    assert part.detail == f"{2 * (len(mods) - 1)} passed, 0 failed, 0 skipped"
-    assert part.data["per_module"][0].endswith("timed out after " + f"{calls[0][1]:.0f} s")
+    # the killed module's finished tests count, from its -v lines
+    assert "-v" in calls[0][0]
+    assert part.detail == f"{2 * (len(mods) - 1) + 1} passed, 1 failed, 1 skipped"
+    first = mods[0][:-3].replace("/", ".")
+    assert part.data["by_module"][first] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert part.data["failed_tests"][0] == f"{first}::test_b"
+    assert part.data["per_module"][0].endswith(f"timed out after {calls[0][1]:.0f} s (1 passed, 1 failed "
+                                               "before the cut)")
+    assert part.data["per_module"][1].endswith(": 2 passed in 1.0s")
+    assert gc.stdout_summary("no tests ran\n", "m") == {}
 
 
 
