@@ -13,6 +13,9 @@ from sparsebalance.ops import triton_kernels as tk
 from sparsebalance.ops.autograd_factory import make_attention_function, register_fakes
 
 _LOG2E = 1.4426950408889634
+_RED_WARPS = 8
+"""Warps of _reduce_kernel: its two fp32 [BLOCK, BLOCK_D] sums spill with 4 (sm_90, bf16,
+block 128, D 128: 568 bytes of spill stores at 255 registers), not with 8 (255 registers)."""
 DKDV_CHUNK = 0
 """Visits per dk/dv work item (0: twice the mean per segment); tests set it small."""
 
@@ -124,7 +127,7 @@ def triton_sparse_attn_bwd(
             tk._reduce_kernel[(wk["red_seg"].numel(),)](dk, dv, *ws, qb_start, qb_len, wk["red_seg"],
                                                         wk["red_first"], wk["red_n"], scale,
                                                         k.stride(0), k.stride(1), NB, D,
-                                                        BLOCK=BLOCK, BLOCK_D=BLOCK_D)
+                                                        BLOCK=BLOCK, BLOCK_D=BLOCK_D, num_warps=_RED_WARPS)
     return dq, dk, dv
 
 

@@ -28,21 +28,36 @@ import triton.language as tl
 def _configs():
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"SPLIT": 2}, num_warps=4, num_stages=1)]
-    if os.environ.get("SPARSEBALANCE_TRITON_AUTOTUNE", "1") == "0":
-        return [triton.Config({"SPLIT": 2}, num_warps=4, num_stages=2)]
+    if os.environ.get("SPARSEBALANCE_TRITON_AUTOTUNE", "1") == "0":  # 8 warps: no spills at bf16/128/128
+        return [triton.Config({"SPLIT": 2}, num_warps=8, num_stages=2)]
     return [triton.Config({"SPLIT": sp}, num_warps=w, num_stages=s)
             for sp, w, s in GPU_CONFIGS]
 
 
 GPU_CONFIGS = ((1, 4, 2), (1, 8, 2), (2, 4, 2), (2, 4, 3), (2, 8, 2))
 """(SPLIT, num_warps, num_stages) tried by the autotuner on a GPU: five, since each is
-compiled for every (block, head dim, precision) key a process meets."""
+compiled for every (block, head dim, precision) key a process meets; ``_prune`` keeps
+the two 8-warp ones for 16-bit inputs at block 128."""
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop sub-tiles under 16 rows (tl.dot's minimum); keep at least one config."""
+    """Drop sub-tiles under 16 rows (tl.dot's minimum), and 4-warp configs for 16-bit
+    inputs at a 128 routing block with head dim >= 64 (they spill); keep at least one config.
+
+    Spills per thread (ptxas -v, sm_90, bf16, bytes of spill stores; from
+    tools/triton_resource_audit.py), 4 warps vs 8 warps over the SPLIT/stage configs:
+        block 128, D 128: fwd 520-780 vs 0, dq 1128-2812 vs 0-20, dkdv 4312-5088 vs 1340-1572;
+        block 128, D 64:  fwd 76-144 vs 0, dq 128-1356 vs 0, dkdv 1216-1848 vs 228-312.
+    All run at 255 registers and 160-209 KB of shared memory there (1 CTA/SM), so 4 warps
+    also halves the warps/SM; (1, 4, 2) even gets its wgmma serialized for lack of registers. At
+    block 64 fwd/dq do not spill with 4 warps and fit more CTAs/SM, so all configs stay.
+    """
     block = kwargs.get("BLOCK", named_args.get("BLOCK"))
+    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    f32 = kwargs.get("F32", named_args.get("F32", True))
     kept = [c for c in configs if block // c.kwargs["SPLIT"] >= 16]
+    if block >= 128 and block_d is not None and block_d >= 64 and not f32:
+        kept = [c for c in kept if c.num_warps >= 8] or kept
     if kept:
         return kept
     c = configs[0]

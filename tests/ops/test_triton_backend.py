@@ -43,8 +43,13 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         assert sorted((c.kwargs["SPLIT"], c.num_warps, c.num_stages) for c in gpu) == sorted(
             tk.GPU_CONFIGS)
         assert {c.kwargs["SPLIT"] for c in gpu} == {1, 2} and {c.num_warps for c in gpu} == {4, 8}
+        # 16-bit inputs at block 128, head dim >= 64: only the 8-warp configs (4 spill)
+        kept = tk._prune(gpu, {"BLOCK": 128, "BLOCK_D": 128, "F32": False})
+        assert sorted((c.kwargs["SPLIT"], c.num_warps) for c in kept) == [(1, 8), (2, 8)]
+        assert len(tk._prune(gpu, {"BLOCK": 128, "BLOCK_D": 128, "F32": True})) == 5  # fp32: all
+        assert len(tk._prune(gpu, {"BLOCK": 64, "BLOCK_D": 128, "F32": False})) == 5  # block 64: all
         monkeypatch.setenv("SPARSEBALANCE_TRITON_AUTOTUNE", "0")
-        assert len(tk._configs()) == 1
+        assert [(c.kwargs["SPLIT"], c.num_warps, c.num_stages) for c in tk._configs()] == [(2, 8, 2)]
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert [(c.kwargs["SPLIT"], c.num_warps, c.num_stages) for c in tk._configs()] == [(2, 4, 1)]
         # sub-tiles under 16 rows are pruned; a 16-row block still gets one config
