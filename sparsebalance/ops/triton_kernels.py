@@ -46,9 +46,9 @@ def _prune(configs, named_args, **kwargs):
 
     Spills per thread (ptxas -v, sm_90, bf16, bytes of spill stores; from
     tools/triton_resource_audit.py), 4 warps vs 8 warps over the SPLIT/stage configs:
-        block 128, D 128: fwd 520-780 vs 0, dq 1128-2812 vs 0-20, dkdv 4312-5088 vs 1340-1572;
-        block 128, D 64:  fwd 76-144 vs 0, dq 128-1356 vs 0, dkdv 1216-1848 vs 228-312.
-    All run at 255 registers and 160-209 KB of shared memory there (1 CTA/SM), so 4 warps
+        block 128, D 128: fwd 520-780 vs 0, dq 1128-2812 vs 0-20, dkdv 3360-4056 vs 168-932;
+        block 128, D 64:  fwd 76-144 vs 0, dq 128-1356 vs 0, dkdv 1048-1248 vs 0-324.
+    All run at 255 registers and 160-193 KB of shared memory there (1 CTA/SM), so 4 warps
     also halves the warps/SM; (1, 4, 2) even gets its wgmma serialized for lack of registers. At
     block 64 fwd/dq do not spill with 4 warps and fit more CTAs/SM, so all configs stay.
     """
@@ -207,13 +207,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, WS_DK, WS_DV, LSE, DELTA, QB_START, QB
             do = tl.load(DO + qoff, mask=qmask, other=0.0)
             lse = tl.load(LSE + h * T + s0 + rm, mask=rm < ql, other=0.0)
             delta = tl.load(DELTA + h * T + s0 + rm, mask=rm < ql, other=0.0)
-            s = _mm(q, tl.trans(k), F32) * qk_scale  # [query, key]
-            valid = (rn[None, :] < kl) & ((rn[None, :] <= rm[:, None]) | (j != b)) & (rm[:, None] < ql)
-            p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-            dv += _mm(tl.trans(p), do, F32)
-            dp = _mm(do, tl.trans(v), F32)
-            ds = p * (dp - delta[:, None])
-            dk += _mm(tl.trans(ds), q, F32)
+            # Transposed scores S^T = K Q^T [key, query]: P^T and dS^T come out in the
+            # accumulator layout and are the A operands of the dv/dk dots as they are
+            # (trans(p) / trans(ds) went through shared memory and spilled registers).
+            sT = _mm(k, tl.trans(q), F32) * qk_scale
+            validT = (rn[:, None] < kl) & ((rn[:, None] <= rm[None, :]) | (j != b)) & (rm[None, :] < ql)
+            pT = tl.where(validT, tl.exp2(sT - lse[None, :]), 0.0)
+            dv += _mm(pT, do, F32)
+            dpT = _mm(v, tl.trans(do), F32)
+            dsT = pT * (dpT - delta[None, :])
+            dk += _mm(dsT, q, F32)
     if slot < 0:  # the segment's only item: final values
         tl.store(DK + koff, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask)
         tl.store(DV + koff, dv.to(DV.dtype.element_ty), mask=kmask)
