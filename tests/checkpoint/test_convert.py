@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -47,20 +48,48 @@ def run(*argv, nproc=1):
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
 
 
+def run_together(*argvs):
+    """``run(*argv)`` of each single-process command, all at once: each is one thread of
+    start-up (imports) and tiny tensors, so on the 2-core machine they overlap instead of
+    queueing. Results in order, as ``subprocess.CompletedProcess``."""
+    procs = []
+    for argv in argvs:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # no pipe to fill
+        procs.append((subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env(), stdout=out, stderr=err,
+                                       text=True), out, err))
+    results = []
+    try:
+        for proc, out, err in procs:
+            proc.wait(timeout=240)
+            out.seek(0)
+            err.seek(0)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
+    finally:  # a timeout: none is left running
+        for proc, out, err in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+            err.close()
+    return results
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """name -> (HF model, HF dir, converted checkpoint dir)."""
-    out = {}
+    from megatron.training.checkpointing import check_checkpoint, iter_dir
+
+    out, made = {}, {}
     for name, (arch, tied, shard_kb, layers) in CONFIGS.items():
         d = tmp_path_factory.mktemp(name)
-        model = make_hf(str(d / "hf"), arch, tied=tied, vocab=VOCAB, shard_kb=shard_kb, layers=layers)
+        made[name] = (d, make_hf(str(d / "hf"), arch, tied=tied, vocab=VOCAB, shard_kb=shard_kb, layers=layers))
         if shard_kb:
             assert os.path.isfile(d / "hf" / "model.safetensors.index.json")
-        p = run(CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt"),
-                "--no-progress-bar")
+    procs = run_together(*([CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt"),
+                            "--no-progress-bar"] for d, _ in made.values()))
+    for (name, (d, model)), p in zip(made.items(), procs):
+        arch = CONFIGS[name][0]
         assert p.returncode == 0, p.stderr[-3000:]
-        from megatron.training.checkpointing import check_checkpoint, iter_dir
-
         assert check_checkpoint(iter_dir(str(d / "ckpt"), 0), 0) is None  # sealed with a manifest
         flags = open(d / "ckpt" / "model_flags.txt").read().split()
         assert ("--use-rope-scaling" in flags) == (arch == "llama")
@@ -92,14 +121,26 @@ def test_logits_match_transformers(converted, tmp_path):
         assert np.abs(ours - whole).max() > 1e-2  # documents really are separate (no vacuous pass)
 
 
-@pytest.mark.parametrize("name,shard_mb", [("qwen2-tied-sharded", 0.05), ("llama-untied-sharded", None)])
-def test_round_trip_bit_exact(converted, tmp_path, name, shard_mb):
+ROUND_TRIPS = {"qwen2-tied-sharded": 0.05, "llama-untied-sharded": None}  # name -> --max-shard-size-mb
+
+
+@pytest.fixture(scope="module")
+def converted_back(converted, tmp_path_factory):
+    """name -> (HF directory written by ``convert.py megatron-to-hf`` from its converted
+    checkpoint, the result of that command), the conversions run at once."""
+    outs = {name: tmp_path_factory.mktemp("back-" + name) / "back" for name in ROUND_TRIPS}
+    procs = run_together(*([CONVERT, "megatron-to-hf", "--load", converted[name][2], "--output", str(outs[name]),
+                            "--no-progress-bar", *(["--max-shard-size-mb", str(mb)] if mb else [])]
+                           for name, mb in ROUND_TRIPS.items()))
+    return {name: (outs[name], p) for name, p in zip(ROUND_TRIPS, procs)}
+
+
+@pytest.mark.parametrize("name,shard_mb", ROUND_TRIPS.items())
+def test_round_trip_bit_exact(converted, converted_back, name, shard_mb):
     from transformers import AutoModelForCausalLM
 
-    model, _, ckpt = converted[name]
-    out = tmp_path / "back"
-    extra = ["--max-shard-size-mb", str(shard_mb)] if shard_mb else []
-    p = run(CONVERT, "megatron-to-hf", "--load", ckpt, "--output", str(out), "--no-progress-bar", *extra)
+    model = converted[name][0]
+    out, p = converted_back[name]
     assert p.returncode == 0, p.stderr[-3000:]
     assert os.path.isfile(out / ("model.safetensors.index.json" if shard_mb else "model.safetensors"))
     assert os.path.isfile(out / "generation_config.json")
@@ -158,16 +199,33 @@ def test_finetune_starts_from_converted(converted, tmp_path, name, pp, tie, vpp,
     assert abs(loss - ref) <= 1e-4
 
 
-@pytest.mark.parametrize("defect,mention", [
+BAD_INPUTS = [
     (dict(architectures=["MistralForCausalLM"]), "architecture 'MistralForCausalLM' is not supported"),
     (dict(drop=("model.layers.0.self_attn.k_proj.bias",)), "missing tensor model.layers.0.self_attn.k_proj.bias"),
     (dict(tensors_of={"num_key_value_heads": 2}), "k_proj.weight has shape [16, 16], config.json implies [8, 16]"),
-])
-def test_bad_input_one_line_exit_2(tmp_path, defect, mention):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """Case index -> (its directory, holding only ``hf/`` before the conversion; the result
+    of ``convert.py hf-to-megatron`` on it), the cases converted at once."""
     from _hf_models import write_plain_hf
 
-    write_plain_hf(str(tmp_path / "hf"), **defect)
-    p = run(CONVERT, "hf-to-megatron", "--hf-dir", str(tmp_path / "hf"), "--output", str(tmp_path / "out"))
+    dirs = []
+    for defect, _ in BAD_INPUTS:
+        d = tmp_path_factory.mktemp("bad")
+        write_plain_hf(str(d / "hf"), **defect)
+        dirs.append(d)
+    procs = run_together(*([CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "out")]
+                           for d in dirs))
+    return list(zip(dirs, procs))
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)), ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_one_line_exit_2(bad_input_runs, case):
+    mention = BAD_INPUTS[case][1]
+    tmp_path, p = bad_input_runs[case]
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
     assert lines[0].startswith("convert.py: error: ") and mention in lines[0], lines[0]

@@ -322,6 +322,8 @@ CASES = [
     Case("gpu-check-bad-seq-lens", "tools/gpu_check.py", _p("--seq-lens", "16k", "--out", "{d}/gc2"),
          r"--seq-lens", _p("{d}/gc2")),
     Case("gpu-check-out-is-file", "tools/gpu_check.py", _p("--out", "{d}/good.idx"), r"--out"),
+    Case("triton-audit-unknown-kernel", "tools/triton_resource_audit.py", _p("--kernels", "fwd,nope"), r"kernels"),
+    Case("triton-audit-zero-head-dim", "tools/triton_resource_audit.py", _p("--head-dim", "0"), r"head-dim"),
     Case("bench-negative-seq", "tools/bench_attention.py", _p("--seq-len", "-4"), r"seq-len"),
     Case("bench-unknown-backend", "tools/bench_attention.py", _p("--seq-len", "256", "--backend", "nope"),
          r"nope"),

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -117,9 +118,28 @@ def test_status_lists_every_stage_with_its_state_and_probe(tmp_path):
     assert "to do" in lines[2]
 
 
-def test_stage_data_holds_every_mix_shuffled_with_loss_starts(tmp_path):
-    (st,) = cur.parse_stages({"stages": [STAGE]})
-    prefix = cur.build_data(st, str(tmp_path), sys.executable)
+KNOBS_STAGE = dict(STAGE, mixes=[{"tasks": "niah_single", "lengths": "512", "docs": 6, "seed": 7, "value_digits": 20},
+                                  {"tasks": "niah_single", "lengths": "512", "docs": 6, "seed": 8}])
+
+
+@pytest.fixture(scope="module")
+def first_builds(tmp_path_factory):
+    """The first ``build_data`` of each stage below, each in its own empty directory, run at
+    once: a build is a chain of single-threaded generator and tokenizer processes, so on
+    the 2-core machine two chains overlap. Name -> (stage, directory, future of the prefix)."""
+    stages = {"mixes": STAGE, "knobs": KNOBS_STAGE}
+    out = {}
+    with ThreadPoolExecutor(len(stages)) as pool:
+        for name, spec in stages.items():
+            (st,) = cur.parse_stages({"stages": [spec]})
+            d = tmp_path_factory.mktemp(name)
+            out[name] = (st, d, pool.submit(cur.build_data, st, str(d), sys.executable))
+    return out
+
+
+def test_stage_data_holds_every_mix_shuffled_with_loss_starts(first_builds):
+    st, tmp_path, built = first_builds["mixes"]
+    prefix = built.result()
     assert prefix == str(tmp_path / "s1" / "train_text_document")
     assert sorted(os.listdir(tmp_path)) == ["s1"]  # built under a temporary name, then renamed
     docs = [json.loads(x) for x in (tmp_path / "s1" / "train.jsonl").open()]
@@ -137,12 +157,10 @@ def test_stage_data_holds_every_mix_shuffled_with_loss_starts(tmp_path):
     assert os.path.getmtime(prefix + ".idx") == mtime
 
 
-def test_task_knobs_of_a_mix_reach_its_documents(tmp_path):
-    st = dict(STAGE, mixes=[{"tasks": "niah_single", "lengths": "512", "docs": 6, "seed": 7, "value_digits": 20},
-                            {"tasks": "niah_single", "lengths": "512", "docs": 6, "seed": 8}])
-    (st,) = cur.parse_stages({"stages": [st]})
+def test_task_knobs_of_a_mix_reach_its_documents(first_builds):
+    st, tmp_path, built = first_builds["knobs"]
     assert st["mixes"][0]["value_digits"] == 20 and "value_digits" not in st["mixes"][1]
-    cur.build_data(st, str(tmp_path), sys.executable)
+    built.result()
     docs = [json.loads(x) for x in (tmp_path / "s1" / "train.jsonl").open()]
     answers = collections.Counter(len(d["text"][d["loss_start"]:].strip()) for d in docs)
     assert answers == {20: 6, 7: 6}  # RULER's 7 digits unless the mix says otherwise
