@@ -52,6 +52,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -277,18 +278,14 @@ def junit_summary(path: str, module: str = "?") -> dict:
     return {"by_module": mods, "failed_tests": failed}
 
 
-_VERBOSE_RESULT = None
+_VERBOSE_RESULT = re.compile(r"^(\S+?\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+"""One finished test in ``pytest -v`` output: path, test id, result."""
 
 
 def stdout_summary(text: str, module: str) -> dict:
     """:func:`junit_summary`'s shape from ``pytest -v`` output (one ``path::test RESULT``
     line per finished test), for a module killed before pytest wrote its junit file: the
     tests that finished before the cut still count."""
-    import re
-
-    global _VERBOSE_RESULT
-    if _VERBOSE_RESULT is None:
-        _VERBOSE_RESULT = re.compile(r"^(\S+?\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
     mods, failed = {}, []
     for line in (text or "").splitlines():
         m = _VERBOSE_RESULT.match(line.strip())

@@ -29,12 +29,6 @@ KERNELS = ("fwd", "dq", "dkdv", "reduce")
 _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
-        sys.stderr.write(f"triton_resource_audit.py: error: {message}\n")
-        sys.exit(2)
-
-
 def _ints(s: str) -> list[int]:
     try:
         vals = [int(x) for x in s.split(",") if x]
@@ -46,7 +40,9 @@ def _ints(s: str) -> list[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.split("\n")[0])
+    from megatron.training.arguments import OneLineParser
+
+    p = OneLineParser(prog="triton_resource_audit.py", description=__doc__.split("\n")[0])
     p.add_argument("--head-dim", type=_ints, default=[128, 64], help="comma list (default 128,64)")
     p.add_argument("--block-size", type=_ints, default=[128, 64], help="comma list (default 128,64)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")

@@ -21,10 +21,12 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _kept_configs():
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     from sparsebalance.ops import triton_kernels as tk
 
-    configs = [triton.Config({"SPLIT": sp}, num_warps=w, num_stages=s) for sp, w, s in tk.GPU_CONFIGS]
+    with pytest.MonkeyPatch.context() as mp:  # the autotuner's list, not the test-only single config
+        mp.delenv("SPARSEBALANCE_TRITON_AUTOTUNE", raising=False)
+        configs = tk._configs()
     kept = tk._prune(configs, {}, BLOCK=128, BLOCK_D=128, F32=False)
     return [(c.kwargs["SPLIT"], c.num_warps, c.num_stages) for c in kept]
 
