@@ -2,9 +2,9 @@
 random point, resume it, and check that nothing hung, no damaged checkpoint was
 loaded, and the resumed steps equal an uninterrupted run's bit for bit.
 
-Tiny CPU run (what CI runs; about a minute per trial on 2 cores)::
+Tiny CPU run (what CI runs: two trials side by side; about a minute per trial on 2 cores)::
 
-    .venv/bin/python tools/fault_trials.py --trials 3 --seed 0 --json
+    .venv/bin/python tools/fault_trials.py --trials 2 --seed 0 --jobs 2 --json
 
 The 30-trial run behind results/fault_trials.json::
 

@@ -161,7 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         local = os.path.join(REPO, "gpudata", "prolong.json")
         a.lengths = local if os.path.isfile(local) else "prolong"
     a.part_budgets = dict(PART_BUDGET_S)
-    if a.dry_run:  # tiny sizes: the CPU kernel, 1K tokens; a shared CPU is slow to profile
+    if a.dry_run:  # tiny sizes: the CPU kernel, 1K tokens, a small layer (DRY_RUN_BENCH_SHAPE);
+        # a shared CPU is slow to profile
         a.seq_lens, a.backends, a.bench_reps = [1024], ["cpu"], 1
         a.part_budgets.update(train=400, profile=400)
     for item in [x for x in a.part_budgets_arg.split(",") if x]:
@@ -384,10 +385,19 @@ def point_key(pt: dict) -> str:
     return f"{pt['backend']} {pt['seq_len']}/{pt['block']}/{pt['density']}"
 
 
+BENCH_SHAPE = {"heads": 16, "kv_heads": 2, "head_dim": 128}
+"""The attention layer the bench times (Qwen2.5-0.5B's shape per tensor-parallel rank)."""
+DRY_RUN_BENCH_SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 64}
+"""``--dry-run``: a tiny layer of the same kind (grouped queries), so a CPU times it in
+about a second a point; the orchestration around it is the same."""
+
+
 def bench_argv(pt: dict, reps: int, out: str) -> List[str]:
-    """tools/bench_attention.py's arguments for one grid point."""
-    return ["--seq-len", str(pt["seq_len"]), "--heads", "16", "--kv-heads", "2",
-            "--head-dim", "128", "--block-size", str(pt["block"]), "--topk", str(pt["topk"]),
+    """tools/bench_attention.py's arguments for one grid point (the layer's shape:
+    :data:`BENCH_SHAPE`, unless the point names its own, as a dry run's do)."""
+    shape = {k: pt.get(k, v) for k, v in BENCH_SHAPE.items()}
+    return ["--seq-len", str(pt["seq_len"]), "--heads", str(shape["heads"]), "--kv-heads", str(shape["kv_heads"]),
+            "--head-dim", str(shape["head_dim"]), "--block-size", str(pt["block"]), "--topk", str(pt["topk"]),
             "--backend", pt["backend"], "--dtype", "bf16", "--reps", str(reps),
             "--json", "--out", out]
 
@@ -511,7 +521,10 @@ def bench_workers(points: List[dict], backends) -> List[Tuple[bool, List[dict]]]
 def part_bench(a, left: float) -> Part:
     rows, failed = [], []
     t0 = time.time()
-    workers = bench_workers(bench_points(a.seq_lens, a.backends), a.backends)
+    points = bench_points(a.seq_lens, a.backends)
+    if getattr(a, "dry_run", False):
+        points = [dict(pt, **DRY_RUN_BENCH_SHAPE) for pt in points]
+    workers = bench_workers(points, a.backends)
     for i, (tier, mine) in enumerate(workers):
         # A fair share of the time left: a first-tier worker shares with the first-tier
         # workers still to come and one share for all the second tier; a second-tier

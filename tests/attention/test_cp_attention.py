@@ -107,7 +107,30 @@ def test_restricted_plan_counts_only_its_tokens_and_keeps_diagonals():
 
 
 @pytest.fixture(scope="module")
-def cp_dump(tmp_path_factory):
+def triton_snippet():
+    """:data:`_TRITON_SNIPPET` in the Triton interpreter, started in the background (None
+    without triton or the cpu extension, where its test skips): requested by
+    :func:`cp_dump` so that it runs alongside the torchrun launch; its test waits for it."""
+    import importlib.util
+
+    from sparsebalance.ops.backends import HAS_CPU_EXT
+
+    if importlib.util.find_spec("triton") is None or not HAS_CPU_EXT:
+        yield None
+        return
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", _TRITON_SNIPPET], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def cp_dump(triton_snippet, tmp_path_factory):
     dump = str(tmp_path_factory.mktemp("cp_attention"))
     env = dict(os.environ, OMP_NUM_THREADS="1", SB_TEST_DUMP=dump, PYTHONDONTWRITEBYTECODE="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -168,14 +191,12 @@ print("OK")
 """
 
 
-def test_triton_kernel_runs_a_restricted_plan():
+def test_triton_kernel_runs_a_restricted_plan(triton_snippet):
     """The GPU kernel takes the CP rank's restricted plan unchanged (Triton interpreter)."""
     pytest.importorskip("triton")
     from sparsebalance.ops.backends import HAS_CPU_EXT
 
     if not HAS_CPU_EXT:
         pytest.skip("needs the cpu extension as the comparison")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _TRITON_SNIPPET], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    stdout, stderr = triton_snippet.communicate(timeout=300)
+    assert triton_snippet.returncode == 0 and "OK" in stdout, stderr[-3000:]

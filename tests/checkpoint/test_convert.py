@@ -43,24 +43,30 @@ def env():
 
 
 def run(*argv, nproc=1):
-    cmd = [sys.executable, *argv] if nproc == 1 else [
+    return subprocess.run(_command(argv, nproc), cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=240)
+
+
+def _command(argv, nproc=1):
+    return [sys.executable, *argv] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *argv]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
 
 
-def run_together(*argvs):
-    """``run(*argv)`` of each single-process command, all at once: each is one thread of
-    start-up (imports) and tiny tensors, so on the 2-core machine they overlap instead of
-    queueing. Results in order, as ``subprocess.CompletedProcess``."""
+def run_together(*argvs, nprocs=None, timeout=240):
+    """``run(*argv, nproc=n)`` of each command, all at once: start-up (imports) is one
+    thread a process and the tensors are tiny, so on the 2-core machine the commands
+    overlap instead of queueing (a single process, or a launcher importing torch before
+    its workers start, leaves a core idle). Results in order, as
+    ``subprocess.CompletedProcess``."""
     procs = []
-    for argv in argvs:
+    for argv, nproc in zip(argvs, nprocs or [1] * len(argvs)):
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # no pipe to fill
-        procs.append((subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env(), stdout=out, stderr=err,
+        procs.append((subprocess.Popen(_command(argv, nproc), cwd=ROOT, env=env(), stdout=out, stderr=err,
                                        text=True), out, err))
     results = []
     try:
         for proc, out, err in procs:
-            proc.wait(timeout=240)
+            proc.wait(timeout=timeout)
             out.seek(0)
             err.seek(0)
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
@@ -75,19 +81,39 @@ def run_together(*argvs):
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """name -> (HF model, HF dir, converted checkpoint dir)."""
-    from megatron.training.checkpointing import check_checkpoint, iter_dir
+def conversions(tmp_path_factory):
+    """Every ``convert.py hf-to-megatron`` of the module but the recipe's, run at once: the
+    tiny models of :data:`CONFIGS` (``"models"``: name -> (its directory, holding ``hf/``
+    and the ``ckpt/`` written, the HF model, the result)) and the defective inputs of
+    :data:`BAD_INPUTS` (``"bad"``: a list of (its directory, holding only ``hf/`` before
+    the conversion; the result))."""
+    from _hf_models import write_plain_hf
 
-    out, made = {}, {}
+    made, bad = {}, []
     for name, (arch, tied, shard_kb, layers) in CONFIGS.items():
         d = tmp_path_factory.mktemp(name)
         made[name] = (d, make_hf(str(d / "hf"), arch, tied=tied, vocab=VOCAB, shard_kb=shard_kb, layers=layers))
         if shard_kb:
             assert os.path.isfile(d / "hf" / "model.safetensors.index.json")
+    for defect, _ in BAD_INPUTS:
+        d = tmp_path_factory.mktemp("bad")
+        write_plain_hf(str(d / "hf"), **defect)
+        bad.append(d)
     procs = run_together(*([CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt"),
-                            "--no-progress-bar"] for d, _ in made.values()))
-    for (name, (d, model)), p in zip(made.items(), procs):
+                            "--no-progress-bar"] for d, _ in made.values()),
+                         *([CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "out")]
+                           for d in bad), timeout=480)
+    return {"models": {name: (d, model, p) for (name, (d, model)), p in zip(made.items(), procs)},
+            "bad": list(zip(bad, procs[len(made):]))}
+
+
+@pytest.fixture(scope="module")
+def converted(conversions):
+    """name -> (HF model, HF dir, converted checkpoint dir)."""
+    from megatron.training.checkpointing import check_checkpoint, iter_dir
+
+    out = {}
+    for name, (d, model, p) in conversions["models"].items():
         arch = CONFIGS[name][0]
         assert p.returncode == 0, p.stderr[-3000:]
         assert check_checkpoint(iter_dir(str(d / "ckpt"), 0), 0) is None  # sealed with a manifest
@@ -101,17 +127,12 @@ def _tokens():
     return np.random.RandomState(0).randint(0, VOCAB, size=DOCS[-1][1])
 
 
-def test_logits_match_transformers(converted, tmp_path):
+def test_logits_match_transformers(converted, from_converted):
     toks = _tokens()
-    np.save(tmp_path / "tokens.npy", toks)
-    np.save(tmp_path / "cu.npy", np.array([0] + [b for _, b in DOCS]))
-    jobs = []
-    for name, (_, _, ckpt) in converted.items():
-        jobs += [ckpt, str(tmp_path / f"{name}.npy")]
-    p = run(WORKER, str(tmp_path / "tokens.npy"), str(tmp_path / "cu.npy"), *jobs)
+    out, p = from_converted["logits"]
     assert p.returncode == 0, p.stderr[-3000:]
     for name, (model, _, _) in converted.items():
-        ours = np.load(tmp_path / f"{name}.npy")
+        ours = np.load(out / f"{name}.npy")
         with torch.no_grad():
             ref = torch.cat([model(torch.tensor(toks[a:b])[None]).logits[0] for a, b in DOCS]).double().numpy()
         whole = model(torch.tensor(toks)[None]).logits[0].detach().double().numpy()
@@ -125,14 +146,10 @@ ROUND_TRIPS = {"qwen2-tied-sharded": 0.05, "llama-untied-sharded": None}  # name
 
 
 @pytest.fixture(scope="module")
-def converted_back(converted, tmp_path_factory):
+def converted_back(from_converted):
     """name -> (HF directory written by ``convert.py megatron-to-hf`` from its converted
-    checkpoint, the result of that command), the conversions run at once."""
-    outs = {name: tmp_path_factory.mktemp("back-" + name) / "back" for name in ROUND_TRIPS}
-    procs = run_together(*([CONVERT, "megatron-to-hf", "--load", converted[name][2], "--output", str(outs[name]),
-                            "--no-progress-bar", *(["--max-shard-size-mb", str(mb)] if mb else [])]
-                           for name, mb in ROUND_TRIPS.items()))
-    return {name: (outs[name], p) for name, p in zip(ROUND_TRIPS, procs)}
+    checkpoint, the result of that command)."""
+    return from_converted["back"]
 
 
 @pytest.mark.parametrize("name,shard_mb", ROUND_TRIPS.items())
@@ -163,32 +180,74 @@ def _hf_loss(model, docs):
     return total / count
 
 
-@pytest.mark.parametrize("name,pp,tie,vpp,tp", [
-    ("qwen2-untied", 2, False, None, 1), ("qwen2-tied-sharded", 1, True, None, 1),
-    ("llama-4-layers", 2, False, 2, 1), ("qwen2-untied", 1, False, None, 2)])
-def test_finetune_starts_from_converted(converted, tmp_path, name, pp, tie, vpp, tp):
+FINETUNES = [("qwen2-untied", 2, False, None, 1), ("qwen2-tied-sharded", 1, True, None, 1),
+             ("llama-4-layers", 2, False, 2, 1), ("qwen2-untied", 1, False, None, 2)]
+"""(checkpoint name, PP, tied, VPP, TP) of each ``--finetune`` launch."""
+
+
+@pytest.fixture(scope="module")
+def from_converted(converted, tmp_path_factory):
+    """Every command that needs only the converted checkpoints, run at once (their
+    start-ups overlap): the logits worker on all four checkpoints (``"logits"``: its
+    output directory, its result), ``convert.py megatron-to-hf`` of each of
+    :data:`ROUND_TRIPS` (``"back"``: name -> (HF directory it wrote, its result)) and the
+    one-step ``pretrain_gpt.py --load CKPT --finetune`` launch of each of
+    :data:`FINETUNES`, on the same documents (``"finetune"``: case -> (the documents,
+    its result))."""
+    from megatron.training.indexed_io import write_documents
+
+    toks = _tokens()
+    docs = [toks[a:b] for a, b in DOCS]
+    tmp = tmp_path_factory.mktemp("from-converted")
+    np.save(tmp / "tokens.npy", toks)
+    np.save(tmp / "cu.npy", np.array([0] + [b for _, b in DOCS]))
+    prefix = str(tmp / "data")
+    write_documents(prefix, docs, VOCAB)
+    jobs = []
+    for name, (_, _, ckpt) in converted.items():
+        jobs += [ckpt, str(tmp / f"{name}.npy")]
+    argvs, nprocs = [[WORKER, str(tmp / "tokens.npy"), str(tmp / "cu.npy"), *jobs]], [1]
+    backs = {name: tmp_path_factory.mktemp("back-" + name) / "back" for name in ROUND_TRIPS}
+    for name, mb in ROUND_TRIPS.items():
+        argvs.append([CONVERT, "megatron-to-hf", "--load", converted[name][2], "--output", str(backs[name]),
+                      "--no-progress-bar", *(["--max-shard-size-mb", str(mb)] if mb else [])])
+        nprocs.append(1)
+    for name, pp, tie, vpp, tp in FINETUNES:
+        model, _, ckpt = converted[name]
+        flags = open(os.path.join(ckpt, "model_flags.txt")).read().split()
+        if tie:
+            flags += ["--model-preset", "qwen2.5-0.5b"]
+        seq, gbs = "128", "1"
+        if vpp:  # the interleaved schedule needs micro-batches divisible by PP: two of 64 tokens
+            flags += ["--num-layers-per-virtual-pipeline-stage", str(len(model.model.layers) // (pp * vpp))]
+            seq, gbs = "64", "2"
+        argvs.append([os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--load", ckpt, "--finetune",
+                      "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--split", "1,0,0",
+                      "--seq-length", seq, "--global-batch-size", gbs, "--train-iters", "1", "--lr", "0",
+                      "--no-progress-bar", "--pipeline-model-parallel-size", str(pp),
+                      "--tensor-model-parallel-size", str(tp)])
+        nprocs.append(pp * tp)
+    procs = run_together(*argvs, nprocs=nprocs, timeout=600)
+    back = procs[1:1 + len(ROUND_TRIPS)]
+    return {"logits": (tmp, procs[0]),
+            "back": {name: (backs[name], p) for name, p in zip(ROUND_TRIPS, back)},
+            "finetune": {case: (docs, p) for case, p in zip(FINETUNES, procs[1 + len(ROUND_TRIPS):])}}
+
+
+@pytest.fixture(scope="module")
+def finetuned(from_converted):
+    """Case -> (the documents, the result of its one-step ``--finetune`` launch)."""
+    return from_converted["finetune"]
+
+
+@pytest.mark.parametrize("name,pp,tie,vpp,tp", FINETUNES)
+def test_finetune_starts_from_converted(converted, finetuned, name, pp, tie, vpp, tp):
     """The driver's first step (dense attention) reproduces transformers' loss; ``tie``:
     trained with tied embeddings (a preset's tie, every shape flag overriding it);
     ``vpp``: interleaved virtual stages (4 layers over PP=2 x VPP=2, one layer a chunk);
     ``tp``: tensor parallel (megatron-core splits the converted tensors over the ranks)."""
-    from megatron.training.indexed_io import write_documents
-
-    model, _, ckpt = converted[name]
-    toks = _tokens()
-    docs = [toks[a:b] for a, b in DOCS]
-    prefix = str(tmp_path / "data")
-    write_documents(prefix, docs, VOCAB)
-    flags = open(os.path.join(ckpt, "model_flags.txt")).read().split()
-    if tie:
-        flags += ["--model-preset", "qwen2.5-0.5b"]
-    seq, gbs = "128", "1"
-    if vpp:  # the interleaved schedule needs micro-batches divisible by PP: two of 64 tokens
-        flags += ["--num-layers-per-virtual-pipeline-stage", str(len(model.model.layers) // (pp * vpp))]
-        seq, gbs = "64", "2"
-    p = run(os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--load", ckpt, "--finetune", "--data-path", prefix,
-            "--tokenizer-type", "NullTokenizer", "--split", "1,0,0", "--seq-length", seq,
-            "--global-batch-size", gbs, "--train-iters", "1", "--lr", "0", "--no-progress-bar",
-            "--pipeline-model-parallel-size", str(pp), "--tensor-model-parallel-size", str(tp), nproc=pp * tp)
+    model = converted[name][0]
+    docs, p = finetuned[(name, pp, tie, vpp, tp)]
     assert p.returncode == 0, p.stderr[-3000:]
     line = [ln for ln in p.stdout.splitlines() if "SUMMARY_JSON " in ln]
     assert len(line) == 1, p.stdout[-2000:]
@@ -207,19 +266,10 @@ BAD_INPUTS = [
 
 
 @pytest.fixture(scope="module")
-def bad_input_runs(tmp_path_factory):
+def bad_input_runs(conversions):
     """Case index -> (its directory, holding only ``hf/`` before the conversion; the result
-    of ``convert.py hf-to-megatron`` on it), the cases converted at once."""
-    from _hf_models import write_plain_hf
-
-    dirs = []
-    for defect, _ in BAD_INPUTS:
-        d = tmp_path_factory.mktemp("bad")
-        write_plain_hf(str(d / "hf"), **defect)
-        dirs.append(d)
-    procs = run_together(*([CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "out")]
-                           for d in dirs))
-    return list(zip(dirs, procs))
+    of ``convert.py hf-to-megatron`` on it)."""
+    return conversions["bad"]
 
 
 @pytest.mark.parametrize("case", range(len(BAD_INPUTS)), ids=[m for _, m in BAD_INPUTS])

@@ -216,11 +216,12 @@ def test_bench_worker_keeps_going_after_a_failed_point(tmp_path, capsys):
 
 
 def test_bench_worker_runs_bench_attention_in_one_process(tmp_path):
-    """The real worker process on CPU: bench_attention.py's main per point, a bad point
-    recorded as an error and the next one still run."""
-    pts = [dict(backend="cpu", seq_len=1024, block=64, density=0.4, topk=2),
-           dict(backend="cpu", seq_len=1024, block=0, density=0.4, topk=2),
-           dict(backend="cpu", seq_len=1024, block=128, density=0.5, topk=1)]
+    """The real worker process on CPU: bench_attention.py's main per point (the dry run's
+    small layer, which the points name), a bad point recorded as an error and the next one
+    still run."""
+    pts = [dict(backend="cpu", seq_len=1024, block=64, density=0.4, topk=2, **gc.DRY_RUN_BENCH_SHAPE),
+           dict(backend="cpu", seq_len=1024, block=0, density=0.4, topk=2, **gc.DRY_RUN_BENCH_SHAPE),
+           dict(backend="cpu", seq_len=1024, block=128, density=0.5, topk=1, **gc.DRY_RUN_BENCH_SHAPE)]
     (tmp_path / "pts.json").write_text(json.dumps(pts))
     out = tmp_path / "out.jsonl"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--bench-worker",
@@ -232,6 +233,7 @@ def test_bench_worker_runs_bench_attention_in_one_process(tmp_path):
     assert [x["point"] for x in lines] == pts
     assert lines[0]["result"]["block_size"] == 64 and lines[0]["result"]["reps"] == 1
     assert lines[0]["result"]["dtype"] == "bf16" and lines[0]["result"]["kv_heads"] == 2
+    assert (lines[0]["result"]["heads"], lines[0]["result"]["head_dim"]) == (4, 64)  # the points' own shape
     assert "exit code 2" in lines[1]["error"] and "block-size" in lines[1]["error"]
     assert lines[2]["result"]["block_size"] == 128
     rows, failed = gc.collect_backend(pts, lines, subprocess.CompletedProcess([], 0, "", ""))
@@ -558,7 +560,8 @@ def test_train_fails_when_a_run_breaks_and_accuracy_needs_time(monkeypatch, tmp_
 
 def test_dry_run_on_the_cpu_writes_the_report(tmp_path):
     """The real chain's code paths with tiny sizes on the CPU: deps, build probe, bench with
-    the cpu kernel at 1K tokens, accuracy skipped."""
+    the cpu kernel at 1K tokens on a small layer (gpu_check.DRY_RUN_BENCH_SHAPE), accuracy
+    skipped."""
     out = tmp_path / "dry"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--dry-run",
                            "--parts", "deps,build,bench,accuracy", "--out", str(out)], cwd=REPO,
@@ -570,6 +573,7 @@ def test_dry_run_on_the_cpu_writes_the_report(tmp_path):
         ("deps", "pass"), ("build", "pass"), ("bench", "pass"), ("accuracy", "skip")]
     rows = doc["parts"][2]["data"]["rows"]
     assert len(rows) == 6 and {r["backend"] for r in rows} == {"cpu"} and all(r["seq_len"] == 1024 for r in rows)
+    assert all({k: r[k] for k in gc.DRY_RUN_BENCH_SHAPE} == gc.DRY_RUN_BENCH_SHAPE for r in rows)
     assert [t["target"] for t in doc["targets"]][:2] == ["every GPU test passes", "best backend efficiency"]
     md = (out / "gpu_check.md").read_text()
     assert "**Dry run**" in md and "## Targets" in md and "| cpu | 1024 |" in md

@@ -5,9 +5,14 @@ and files (a latency profile that is stale, malformed or missing included).
 The contract (project standard for CLIs): a non-zero exit, exactly one line on stderr
 that names the problem, no traceback anywhere, and no output file left behind.
 
-All cases run as real subprocesses, two at a time, once per module (a fixture); each
-case is then checked in its own parametrized test so a failure names the tool and the
-input. ``test_every_tool_has_cases`` fails when a tool in tools/ has no row here.
+All cases run once per module (a fixture), two at a time; each case is then checked in its
+own parametrized test so a failure names the tool and the input. Each script has one cold
+case, a fresh interpreter (its import-time output counts); the others fork from a warm
+process that has imported torch and megatron-core once (``tests/_warm_runner.py``: the case's
+own cwd, environment, argv, stdout, stderr and exit status; ~0.5 s a case instead of ~6).
+``test_warm_runner_behaves_like_python`` holds the warm runner to a fresh interpreter.
+``test_every_tool_has_cases`` fails when a tool in tools/ has no row here, or a script no
+cold case.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
 import shutil
 import subprocess
@@ -25,6 +31,8 @@ from typing import Callable
 
 import numpy as np
 import pytest
+
+from tests._warm_runner import WarmRunner
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
@@ -40,6 +48,7 @@ class Case:
     argv: Callable[[str], list[str]]  # tmp dir -> arguments
     mention: str  # regex the error line must match (case-insensitive)
     no_outputs: Callable[[str], list[str]] = field(default=lambda d: [])  # paths that must not exist
+    cold: bool = False  # run in a fresh interpreter (each script has one); else forked warm
 
 
 def _p(*parts):
@@ -211,7 +220,7 @@ CASES = [
     Case("pretrain-load-truncated-shard", "pretrain_gpt.py", _pretrain("--load", "{d}/ck_truncated"),
          r"no intact checkpoint in .*ck_truncated: iter_0000001 is damaged \(__0_0\.distcp has 100 bytes"),
     Case("pretrain-load-all-damaged", "pretrain_gpt.py", _pretrain("--load", "{d}/ck_all_damaged"),
-         r"iter_0000002 is damaged \(no manifest\.json\); iter_0000001 is damaged \(.*fails its sha256"),
+         r"iter_0000002 is damaged \(no manifest\.json\); iter_0000001 is damaged \(.*fails its sha256", cold=True),
     Case("pretrain-load-garbage-manifest", "pretrain_gpt.py", _pretrain("--load", "{d}/ck_bad_manifest"),
          r"ck_bad_manifest.*manifest\.json unreadable"),
     Case("pretrain-save-unwritable", "pretrain_gpt.py", _pretrain("--save", "{d}/good.idx/ck"),
@@ -273,7 +282,7 @@ CASES = [
     Case("check-launch-missing-script", "tools/check_launch_script.py", _p("{d}/none.sh"), r"none\.sh"),
     Case("check-launch-not-utf8", "tools/check_launch_script.py", _p("{d}/latin1.jsonl"),
          r"latin1\.jsonl.*UTF-8"),
-    Case("check-launch-no-flags", "tools/check_launch_script.py", _p("{d}/blank.jsonl"), r"no --flags"),
+    Case("check-launch-no-flags", "tools/check_launch_script.py", _p("{d}/blank.jsonl"), r"no --flags", cold=True),
     # preprocess_data.py: bad JSONL
     Case("preprocess-missing-input", "tools/preprocess_data.py",
          _p("--input", "{d}/none.jsonl", "--output-prefix", "{d}/pp0"), r"none\.jsonl",
@@ -286,7 +295,7 @@ CASES = [
          _p("{d}/pp2.bin", "{d}/pp2.idx")),
     Case("preprocess-non-utf8", "tools/preprocess_data.py",
          _p("--input", "{d}/latin1.jsonl", "--output-prefix", "{d}/pp3"), r"utf-?8|decode",
-         _p("{d}/pp3.bin", "{d}/pp3.idx")),
+         _p("{d}/pp3.bin", "{d}/pp3.idx"), cold=True),
     Case("preprocess-bad-json", "tools/preprocess_data.py",
          _p("--input", "{d}/notjson.jsonl", "--output-prefix", "{d}/pp4"), r"notjson\.jsonl:2",
          _p("{d}/pp4.bin", "{d}/pp4.idx")),
@@ -301,7 +310,8 @@ CASES = [
             "HuggingFaceTokenizer"), r"tokenizer-model", _p("{d}/pp7.bin", "{d}/pp7.idx")),
     # make_corpus.py: negative sizes, unknown length file
     Case("corpus-negative-docs", "tools/make_corpus.py",
-         _p("--output-prefix", "{d}/mc1", "--num-docs", "-5"), r"num-docs", _p("{d}/mc1.bin", "{d}/mc1.idx")),
+         _p("--output-prefix", "{d}/mc1", "--num-docs", "-5"), r"num-docs", _p("{d}/mc1.bin", "{d}/mc1.idx"),
+         cold=True),
     Case("corpus-tiny-length", "tools/make_corpus.py",
          _p("--output-prefix", "{d}/mc2", "--max-length", "1"), r"max-length", _p("{d}/mc2.bin", "{d}/mc2.idx")),
     Case("corpus-bad-quantile", "tools/make_corpus.py",
@@ -315,18 +325,20 @@ CASES = [
     Case("longctx-zero-tokens", "tools/make_longctx_data.py",
          _p("--output-dir", "{d}/lc2", "--max-tokens", "0"), r"max.tokens", _p("{d}/lc2/train.jsonl")),
     Case("longctx-unknown-task", "tools/make_longctx_data.py",
-         _p("--output-dir", "{d}/lc3", "--train-tasks", "no_such_task"), r"no_such_task", _p("{d}/lc3/train.jsonl")),
+         _p("--output-dir", "{d}/lc3", "--train-tasks", "no_such_task"), r"no_such_task", _p("{d}/lc3/train.jsonl"),
+         cold=True),
     # bench_attention.py
     Case("gpu-check-unknown-part", "tools/gpu_check.py", _p("--parts", "tests,nope", "--out", "{d}/gc1"),
          r"--parts", _p("{d}/gc1")),
     Case("gpu-check-bad-seq-lens", "tools/gpu_check.py", _p("--seq-lens", "16k", "--out", "{d}/gc2"),
          r"--seq-lens", _p("{d}/gc2")),
-    Case("gpu-check-out-is-file", "tools/gpu_check.py", _p("--out", "{d}/good.idx"), r"--out"),
-    Case("triton-audit-unknown-kernel", "tools/triton_resource_audit.py", _p("--kernels", "fwd,nope"), r"kernels"),
+    Case("gpu-check-out-is-file", "tools/gpu_check.py", _p("--out", "{d}/good.idx"), r"--out", cold=True),
+    Case("triton-audit-unknown-kernel", "tools/triton_resource_audit.py", _p("--kernels", "fwd,nope"), r"kernels",
+         cold=True),
     Case("triton-audit-zero-head-dim", "tools/triton_resource_audit.py", _p("--head-dim", "0"), r"head-dim"),
     Case("bench-negative-seq", "tools/bench_attention.py", _p("--seq-len", "-4"), r"seq-len"),
     Case("bench-unknown-backend", "tools/bench_attention.py", _p("--seq-len", "256", "--backend", "nope"),
-         r"nope"),
+         r"nope", cold=True),
     Case("bench-zero-block", "tools/bench_attention.py", _p("--seq-len", "256", "--block-size", "0"),
          r"block-size"),
     Case("bench-missing-docmix", "tools/bench_attention.py",
@@ -342,7 +354,7 @@ CASES = [
     Case("profile-negative-threads", "tools/profile_latency.py",
          _p("--output", "{d}/prof1.json", "--quick", "--threads", "-1"), r"threads", _p("{d}/prof1.json")),
     Case("profile-output-is-dir", "tools/profile_latency.py",
-         _p("--output", "{d}/a_dir", "--quick"), r"a_dir"),
+         _p("--output", "{d}/a_dir", "--quick"), r"a_dir", cold=True),
     Case("profile-no-output", "tools/profile_latency.py", _p("--quick"), r"--output"),
     Case("profile-heads-vs-hidden", "tools/profile_latency.py",
          _p("--output", "{d}/prof2.json", "--quick", "--hidden-size", "100", "--num-attention-heads", "3"),
@@ -373,7 +385,7 @@ CASES = [
          r"wrong_schema\.json.*not a sparsebalance-latency-profile", _p("{d}/fl4.json")),
     Case("simulate-profile-missing", "tools/simulate.py",
          _sim_profile("{d}/no_profile.json", "{d}/fl5.json"), r"no_profile\.json does not exist",
-         _p("{d}/fl5.json", "{d}/no_profile.json")),
+         _p("{d}/fl5.json", "{d}/no_profile.json"), cold=True),
     Case("simulate-binary-instance", "tools/simulate.py",
          _p("run", "--instance", "{d}/good.idx", "--trace", "{d}/sim4.trace.json"), r"good\.idx",
          _p("{d}/sim4.trace.json")),
@@ -383,7 +395,7 @@ CASES = [
     Case("timeline-binary-file", "tools/timeline.py", _p("--timeline", "a={d}/good.idx", "--trace", "{d}/tl0.json"),
          r"good\.idx", _p("{d}/tl0.json")),
     Case("timeline-missing-file", "tools/timeline.py",
-         _p("--timeline", "a={d}/none.json", "--trace", "{d}/tl1.json"), r"none\.json", _p("{d}/tl1.json")),
+         _p("--timeline", "a={d}/none.json", "--trace", "{d}/tl1.json"), r"none\.json", _p("{d}/tl1.json"), cold=True),
     Case("timeline-empty-file", "tools/timeline.py",
          _p("--timeline", "a={d}/empty.json", "--gantt", "{d}/tl2.png"), r"empty\.json", _p("{d}/tl2.png")),
     # compare.py
@@ -397,10 +409,10 @@ CASES = [
     Case("compare-profile-bad-types", "tools/compare.py", _compare_sim("{d}/bad_types_profile.json", 4),
          r"bad_types_profile\.json: 'hardware' must be a JSON dict", _p("{d}/cmp4/report.md")),
     Case("compare-profile-missing", "tools/compare.py", _compare_sim("{d}/no_profile.json", 5),
-         r"no_profile\.json does not exist", _p("{d}/no_profile.json", "{d}/cmp5/report.md")),
+         r"no_profile\.json does not exist", _p("{d}/no_profile.json", "{d}/cmp5/report.md"), cold=True),
     # python -m sparsebalance.batching pack --cost-model PROFILE
     Case("batching-profile-other-threads", "-m sparsebalance.batching", _pack("{d}/threads_profile.json"),
-         STALE_THREADS),
+         STALE_THREADS, cold=True),
     Case("batching-profile-of-another-model", "-m sparsebalance.batching",
          _pack("{d}/other_model_profile.json", ("hidden_size", 64)),
          r"other_model_profile\.json.*model\.block_size: profile 128, now 32"),
@@ -426,7 +438,7 @@ CASES = [
          r"unknown key.*warmup", _p("{d}/cur4", "{d}/curd4")),
     Case("curriculum-until-unknown", "examples/longctx/curriculum.py",
          _p("--stages", "{d}/stages_ok.json", "--until", "zz", "--runs-dir", "{d}/cur5", "--data-dir", "{d}/curd5"),
-         r"--until.*zz", _p("{d}/cur5", "{d}/curd5")),
+         r"--until.*zz", _p("{d}/cur5", "{d}/curd5"), cold=True),
     # checkpoint/convert.py
     Case("convert-wrong-architecture", "tools/checkpoint/convert.py",
          _p("hf-to-megatron", "--hf-dir", "{d}/hf_mistral", "--output", "{d}/cv1"), r"MistralForCausalLM",
@@ -436,7 +448,7 @@ CASES = [
          _p("{d}/cv2")),
     Case("convert-shape-mismatch", "tools/checkpoint/convert.py",
          _p("hf-to-megatron", "--hf-dir", "{d}/hf_shape", "--output", "{d}/cv3"), r"shape \[20, 16\].*\[24, 16\]",
-         _p("{d}/cv3")),
+         _p("{d}/cv3"), cold=True),
     Case("convert-vocab-does-not-fit", "tools/checkpoint/convert.py",
          _p("hf-to-megatron", "--hf-dir", "{d}/hf_vocab", "--output", "{d}/cv4"), r"40 tokens.*vocab_size is 32",
          _p("{d}/cv4")),
@@ -458,7 +470,7 @@ CASES = [
          _p("{d}/rc1.png")),
     Case("recall-load-empty-dir", "tools/attention_recall.py",
          _p("--load", "{d}/empty_ckpt", "--data-path", "{d}/good", "--plot", "{d}/rc2.png"), r"empty_ckpt",
-         _p("{d}/rc2.png")),
+         _p("{d}/rc2.png"), cold=True),
     Case("recall-data-missing", "tools/attention_recall.py",
          _p("--load", "{d}/empty_ckpt", "--data-path", "{d}/no_data"), r"no_data"),
     Case("recall-budget-not-json", "tools/attention_recall.py",
@@ -476,14 +488,15 @@ CASES = [
     Case("eval-load-missing", "tools/eval_longctx.py",
          _p("--load", "{d}/no_ckpt", "--output", "{d}/ev1.json"), r"no_ckpt", _p("{d}/ev1.json")),
     Case("eval-load-empty-dir", "tools/eval_longctx.py",
-         _p("--load", "{d}/empty_ckpt", "--output", "{d}/ev2.json"), r"empty_ckpt|checkpoint", _p("{d}/ev2.json")),
+         _p("--load", "{d}/empty_ckpt", "--output", "{d}/ev2.json"), r"empty_ckpt|checkpoint", _p("{d}/ev2.json"),
+         cold=True),
     Case("eval-empty-data", "tools/eval_longctx.py",
          _p("--load", "{d}/empty_ckpt", "--data", "{d}/empty.jsonl", "--output", "{d}/ev3.json"),
          r"empty|checkpoint", _p("{d}/ev3.json")),
     # fault_trials.py (all rejected before any corpus or training run)
     Case("faults-trials-zero", "tools/fault_trials.py", _p("--trials", "0"), r"--trials"),
     Case("faults-trials-missing", "tools/fault_trials.py", _p("--seed", "1"), r"--trials"),
-    Case("faults-seed-negative", "tools/fault_trials.py", _p("--trials", "1", "--seed", "-1"), r"--seed"),
+    Case("faults-seed-negative", "tools/fault_trials.py", _p("--trials", "1", "--seed", "-1"), r"--seed", cold=True),
     Case("faults-data-missing", "tools/fault_trials.py", _p("--trials", "1", "--data-path", "{d}/nope"),
          r"nope\.bin"),
     Case("faults-output-no-dir", "tools/fault_trials.py",
@@ -505,37 +518,69 @@ CASES = [
     Case("heldout-out-no-dir", "tools/heldout_loss.py",
          _p("--out", "{d}/no_dir/hl.json", "--workdir", "{d}/hl5"), r"no_dir", _p("{d}/hl5")),
     Case("heldout-workdir-is-file", "tools/heldout_loss.py",
-         _p("--workdir", "{d}/lengths.json", "--plot", "{d}/hl6.png"), r"lengths\.json", _p("{d}/hl6.png")),
+         _p("--workdir", "{d}/lengths.json", "--plot", "{d}/hl6.png"), r"lengths\.json", _p("{d}/hl6.png"), cold=True),
     Case("heldout-unknown-arm", "tools/heldout_loss.py",
          _p("--arms", "static,nope", "--workdir", "{d}/hl7"), r"arms.*nope", _p("{d}/hl7")),
 ]
 
 
-def run_case(case: Case, d: str) -> subprocess.CompletedProcess | None:
+def case_env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", WORLD_SIZE="1")
-    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH"):
         env.pop(k, None)
+    return env
+
+
+def run_case(case: Case, d: str, warm: WarmRunner | None = None) -> subprocess.CompletedProcess | None:
+    """Run ``case`` cold (a fresh interpreter) or, given ``warm``, forked from a warm one."""
+    env = case_env()
     if case.script.startswith("-m "):
         module = case.script[3:]
         if not os.path.isdir(os.path.join(REPO, *module.split("."))):
             return None
         cmd = [PY, "-m", module]
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = REPO
     else:
         script = os.path.join(REPO, case.script)
         if not os.path.isfile(script):
             return None
         cmd = [PY, script]
-    return subprocess.run([*cmd, *case.argv(d)], capture_output=True, text=True,
-                          timeout=TIMEOUT_S, cwd=d, env=env, stdin=subprocess.DEVNULL)
+    cmd = [*cmd, *case.argv(d)]
+    if warm is not None and not case.cold:
+        return warm.run(cmd, d, env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=d, env=env,
+                          stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def runners(tmp_path_factory):
+    """Two warm runners, shared by the module's tests."""
+    io_dir = str(tmp_path_factory.mktemp("bad_input_io"))
+    pool = queue.Queue()
+    for _ in range(2):
+        pool.put(WarmRunner(io_dir, case_env(), TIMEOUT_S))
+    yield pool
+    while not pool.empty():
+        pool.get().close()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, runners):
+    """Every case's CompletedProcess: cold cases first (fresh interpreters), then the rest
+    forked from the warm runners, two at a time."""
     d = str(tmp_path_factory.mktemp("bad_input"))
     make_bad_files(d)
+
+    def run(case):
+        warm = runners.get()
+        try:
+            return run_case(case, d, warm)
+        finally:
+            runners.put(warm)
+
     with ThreadPoolExecutor(2) as pool:
-        done = dict(zip((c.id for c in CASES), pool.map(lambda c: run_case(c, d), CASES)))
+        ordered = sorted(CASES, key=lambda c: not c.cold)
+        done = dict(zip((c.id for c in ordered), pool.map(run, ordered)))
     return d, done
 
 
@@ -570,3 +615,47 @@ def test_every_tool_has_cases():
              if f.endswith(".py") and not f.startswith("_")}
     assert tools - covered == set(), f"tools without bad-input cases: {sorted(tools - covered)}"
     assert "pretrain_gpt.py" in covered
+    cold = [c.script for c in CASES if c.cold]
+    assert sorted(cold) == sorted(covered), "each script needs exactly one cold case"
+
+
+PROBE = """
+import os, sys
+print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()), "env", os.environ.get("PROBE"))
+print("path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+what = sys.argv[1]
+if what == "raise":
+    raise ValueError("boom")
+if what == "message":
+    sys.exit("one line on stderr")
+if what == "code":
+    sys.exit(3)
+if what == "kill":
+    os.kill(os.getpid(), 9)
+print("fine", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("what", ["raise", "message", "code", "kill", "ok"])
+def test_warm_runner_behaves_like_python(what, tmp_path, runners):
+    """Exit status, stdout, stderr (a traceback included), argv, cwd, env and sys.path[0]
+    of a forked case are those of ``python SCRIPT ARGS``."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = dict(case_env(), PROBE="seen")
+    cold = subprocess.run([PY, str(script), what], capture_output=True, text=True, cwd=work, env=env,
+                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    runner = runners.get()
+    try:
+        warm = runner.run([PY, str(script), what], work, env)
+    finally:
+        runners.put(runner)
+    assert (warm.returncode, warm.stdout) == (cold.returncode, cold.stdout)
+    assert cold.stdout.startswith(f"argv ['{what}'] cwd work env seen\npath0 True")
+    if what == "raise":  # the same traceback but for the runner's frames
+        assert warm.stderr.startswith("Traceback") and warm.stderr.endswith("ValueError: boom\n")
+    else:
+        assert warm.stderr == cold.stderr
+    assert cold.returncode == {"raise": 1, "message": 1, "code": 3, "kill": -9, "ok": 0}[what]

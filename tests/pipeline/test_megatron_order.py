@@ -24,16 +24,37 @@ CASES = {2: [(1, 4), (1, 1), (2, 4), (2, 6)],
          4: [(1, 6), (1, 2), (2, 4), (2, 8)]}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES), ids=lambda p: f"pp{p}")
-def recorded(request, tmp_path_factory):
-    pp = request.param
-    out = tmp_path_factory.mktemp("order") / f"pp{pp}.json"
-    runs = ",".join(f"{v}:{m}" for v, m in CASES[pp])
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """pp -> (the worker recording every case of ``CASES[pp]``, its output JSON, its stderr
+    file): both workers start at once, so that one's imports overlap the other's."""
+    d = tmp_path_factory.mktemp("order")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "megatron_order_worker.py"),
-                           "--pp", str(pp), "--runs", runs, "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    procs = {}
+    try:
+        for pp in sorted(CASES):
+            runs = ",".join(f"{v}:{m}" for v, m in CASES[pp])
+            err = open(d / f"pp{pp}.err", "w+")
+            procs[pp] = (subprocess.Popen([sys.executable, os.path.join(HERE, "megatron_order_worker.py"),
+                                           "--pp", str(pp), "--runs", runs, "--out", str(d / f"pp{pp}.json")],
+                                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err),
+                         d / f"pp{pp}.json", err)
+        yield procs
+    finally:
+        for proc, _, err in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            err.close()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES), ids=lambda p: f"pp{p}")
+def recorded(request, launched):
+    pp = request.param
+    proc, out, err = launched[pp]
+    rc = proc.wait(timeout=400)
+    err.seek(0)
+    assert rc == 0, err.read()[-3000:]
     with open(out) as fh:
         return pp, json.load(fh)
 

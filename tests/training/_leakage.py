@@ -1,9 +1,11 @@
 """Logits of a packed micro-batch before/after changing one document's tokens.
 
-Builds the driver's model (world of one) and a real packed micro-batch from
-``argv[1]`` (dataset prefix); writes ``argv[2]`` (npz): logits before/after,
-cu_seqlens, which segment was changed, and how many head dims RoPE rotates.
-``argv[3:]``: more driver flags (position embedding variants).
+``_leakage.py PREFIX OUT_DIR VARIANT...``: for each VARIANT (more driver flags in one
+string, split on spaces, e.g. position embedding variants; "" for none) builds the
+driver's model (world of one, seeded afresh) and a real packed micro-batch from the
+dataset PREFIX, and writes ``OUT_DIR/variant<i>.npz``: logits before/after,
+cu_seqlens, which segment was changed, and how many head dims RoPE rotates. The
+variants share one process (and its start-up); each gets its own model.
 """
 
 import os
@@ -16,23 +18,33 @@ from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 
 def main() -> None:
     import numpy as np
-    import torch
 
     from megatron.training import quiet_optional_extras
 
     quiet_optional_extras()
+    from megatron.training import initialize as init
+    from megatron.training.arguments import parse_args
+
+    prefix, out_dir, variants = sys.argv[1], sys.argv[2], sys.argv[3:]
+    for i, variant in enumerate(variants):
+        args = parse_args([*PROJECT_RUN_FLAGS, "--data-path", prefix, "--num-layers", "2", "--hidden-size", "64",
+                           "--num-attention-heads", "4", "--seq-length", "256", *variant.split()])
+        if i == 0:
+            init.initialize(args)
+        init.set_seeds(args.seed, cpu=True)
+        np.savez(os.path.join(out_dir, f"variant{i}.npz"), **_leakage(args, prefix))
+    init.shutdown()
+
+
+def _leakage(args, prefix: str) -> dict:
+    import numpy as np
+    import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron.training import data as D
-    from megatron.training import initialize as init
     from megatron.training import model as M
-    from megatron.training.arguments import parse_args
     from megatron.training.indexed_io import open_dataset
 
-    prefix, out = sys.argv[1], sys.argv[2]
-    args = parse_args([*PROJECT_RUN_FLAGS, "--data-path", prefix, "--num-layers", "2", "--hidden-size", "64",
-                       "--num-attention-heads", "4", "--seq-length", "256", *sys.argv[3:]])
-    init.initialize(args)
     config = M.transformer_config(args, use_cpu=True)
     model = M.build_model(args, config, 256)[0].module.eval()
     ds = open_dataset(prefix)
@@ -61,8 +73,7 @@ def main() -> None:
     after = logits(tokens)
     rope = getattr(model, "rotary_pos_emb", None)
     rotary_dim = 2 * rope.inv_freq.numel() if rope is not None else 0
-    np.savez(out, before=before, after=after, cu=cu.numpy(), changed=changed, rotary_dim=rotary_dim)
-    init.shutdown()
+    return dict(before=before, after=after, cu=cu.numpy(), changed=changed, rotary_dim=rotary_dim)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Fixtures for the driver tests: a tiny corpus and launch helpers.
 
-Every launch uses OMP_NUM_THREADS=1 and the tiny GPT of :data:`TINY`.
+Every launch uses OMP_NUM_THREADS=1 and the tiny GPT of :data:`TINY`, and runs its
+script through ``_fast_start.py`` (:func:`command`: the script runs unchanged, with
+megatron-core's import-time ``torch.compile`` wrappers built on first use).
 """
 
 import json
@@ -18,6 +20,7 @@ from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
 PY = sys.executable
 HARNESS = os.path.join(ROOT, "tests", "training", "_harness.py")
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
+FAST_START = os.path.join(ROOT, "tests", "training", "_fast_start.py")
 
 TINY = [*PROJECT_RUN_FLAGS, "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
         "--num-attention-heads", "4", "--seq-length", "256", "--global-batch-size", "4",
@@ -31,13 +34,20 @@ def env():
     return e
 
 
+def command(script, args=()):
+    """``python SCRIPT ARGS`` through ``_fast_start.py`` (same run, cheaper start-up)."""
+    return [PY, FAST_START, script, *args]
+
+
+def torchrun(script, args=(), nproc=2):
+    """``torchrun --nproc-per-node NPROC --standalone SCRIPT ARGS`` (each rank as :func:`command`)."""
+    return [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+            *command(script, args)[1:]]
+
+
 def launch(script, args, nproc=1, timeout=240, extra_env=None):
     """Run ``script`` with ``args`` under python (nproc=1) or torchrun; returns CompletedProcess."""
-    if nproc == 1:
-        cmd = [PY, script, *args]
-    else:
-        cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--standalone", script, *args]
+    cmd = command(script, args) if nproc == 1 else torchrun(script, args, nproc)
     e = env()
     e.update(extra_env or {})
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
@@ -53,9 +63,9 @@ def summary_of(proc):
 
 def make_test_corpus(prefix: str, num_docs: int, max_length: int) -> str:
     """Write a synthetic corpus (prolong lengths scaled to <= max_length) at ``prefix``."""
-    proc = subprocess.run([PY, os.path.join(ROOT, "tools", "make_corpus.py"), "--output-prefix", prefix,
-                           "--num-docs", str(num_docs), "--max-length", str(max_length),
-                           "--quantile", "0.99"],
+    proc = subprocess.run(command(os.path.join(ROOT, "tools", "make_corpus.py"),
+                                  ["--output-prefix", prefix, "--num-docs", str(num_docs),
+                                   "--max-length", str(max_length), "--quantile", "0.99"]),
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return prefix

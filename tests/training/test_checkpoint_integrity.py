@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import PRETRAIN, PY, ROOT, TINY, env, launch, summary_of
+from conftest import PRETRAIN, ROOT, TINY, command, env, launch, summary_of
 
 sys.path.insert(0, ROOT)
 from megatron.training import checkpointing as ckpt  # noqa: E402
@@ -73,7 +73,7 @@ def _two_ranks(script, args, extra_env=None, timeout=180):
         e = env()
         e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), **(extra_env or {}))
-        procs.append(subprocess.Popen([PY, script, *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(command(script, args), cwd=ROOT, env=e, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import time
 
-from conftest import PRETRAIN, PY, ROOT, TINY, env
+from conftest import PRETRAIN, ROOT, TINY, command, env
 
 
 def _port():
@@ -26,8 +26,8 @@ def test_survivor_fails_fast_with_one_line(corpus):
         e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
-            [PY, PRETRAIN, *TINY, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
-             "--train-iters", "100000", "--distributed-timeout-minutes", "2"],
+            command(PRETRAIN, [*TINY, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
+                               "--train-iters", "100000", "--distributed-timeout-minutes", "2"]),
             cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         for line in procs[0].stdout:  # training is under way

@@ -1,6 +1,9 @@
 """Bad input: one clear error line on stderr, non-zero exit, no traceback, nothing written;
 Megatron-LM flags this driver refuses (one line with the reason); runs that fail safe
-(non-finite loss, a --save in use, a changed schedule on resume, a full disk)."""
+(non-finite loss, a --save in use, a changed schedule on resume, a full disk).
+
+The one-line cases fork from a warm process (tests/_warm_runner.py); pretrain_gpt.py's
+cold start is checked in tests/integration/test_bad_input.py."""
 
 import json
 import os
@@ -9,6 +12,8 @@ import subprocess
 
 import pytest
 from conftest import PRETRAIN, PY, ROOT, TINY, env
+
+from tests._warm_runner import WarmRunner
 
 ISSUE_FLAGS = """--num-layers --hidden-size --ffn-hidden-size --num-attention-heads --num-query-groups
 --seq-length --max-position-embeddings --micro-batch-size --global-batch-size
@@ -21,11 +26,22 @@ ISSUE_FLAGS = """--num-layers --hidden-size --ffn-hidden-size --num-attention-he
 --sb-batching""".split()
 
 
-def run(args, world_size=None):
+def run(args, world_size=None, warm=None):
+    """pretrain_gpt.py with ``args``: a fresh interpreter, or forked from ``warm`` (a
+    :class:`WarmRunner` with torch and megatron-core imported; the same exit, stdout, stderr)."""
     e = env()
     if world_size:
         e["WORLD_SIZE"] = str(world_size)  # what torchrun would set; checks run before init
+    if warm is not None:
+        return warm.run([PY, PRETRAIN, *args], ROOT, e)
     return subprocess.run([PY, PRETRAIN, *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    runner = WarmRunner(str(tmp_path_factory.mktemp("warm_io")), env())
+    yield runner
+    runner.close()
 
 
 def test_help_lists_every_flag():
@@ -75,10 +91,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_one_line(name, corpus, corrupt, tmp_path):
+def test_bad_input_one_line(name, corpus, corrupt, tmp_path, warm):
     build, world, expect = CASES[name]
     save = tmp_path / "save"
-    proc = run([*TINY, *build(corpus, corrupt), "--save", str(save)], world_size=world)
+    proc = run([*TINY, *build(corpus, corrupt), "--save", str(save)], world_size=world, warm=warm)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

@@ -7,13 +7,15 @@ replaces them with a deterministic function of (iteration, stage, micro-batch): 
 online correction then evolves identically in every run and budgets are comparable.
 The control resumes the same checkpoint as if it had been written before the
 predictor state was saved: it must load (with one warning) and its budgets must
-differ, so the comparison can fail.
+differ, so the comparison can fail. Both tests compare with one uninterrupted run
+(module fixture; its periodic saves are the first test's checkpoints).
 """
 
 import json
 import os
 import shutil
 
+import pytest
 from conftest import ROOT, TINY, launch
 
 WORKER = os.path.join(ROOT, "tests", "training", "_fault_worker.py")
@@ -52,9 +54,17 @@ def run(corpus, tmp_path, name, more, extra_env):
     return read_dump(dump), proc
 
 
-def test_resume_reproduces_losses_packing_and_budgets(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    """The uninterrupted TOTAL-step run, saving every AT steps: ({rank: steps}, save dir)."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
     save = str(tmp_path / "full")
     (full, _), _ = run(corpus, tmp_path, "full", ["--save", save, "--save-interval", str(AT)], {})
+    return full, save
+
+
+def test_resume_reproduces_losses_packing_and_budgets(corpus, uninterrupted, tmp_path):
+    full, save = uninterrupted
     ck = keep_only(save, AT, str(tmp_path / "ck"))
     (res, loaded), proc = run(corpus, tmp_path, "res", ["--load", ck], {})
     (ctl, _), proc_ctl = run(corpus, tmp_path, "ctl", ["--load", ck], {"SB_TEST_DROP_SB_STATE": "1"})
@@ -80,10 +90,10 @@ def test_resume_reproduces_losses_packing_and_budgets(corpus, tmp_path):
     assert len(warned) == 1 and warned[0].startswith("pretrain_gpt.py: warning:"), proc_ctl.stderr[-2000:]
 
 
-def test_sigterm_preemption_resumes_exactly(corpus, tmp_path):
+def test_sigterm_preemption_resumes_exactly(corpus, uninterrupted, tmp_path):
     """SIGTERM on rank 0 as step 3 starts (``--exit-signal-handler``): the run finishes
     step 3, saves, exits 0; the resumed steps 4-5 equal the uninterrupted run's."""
-    (full, _), _ = run(corpus, tmp_path, "full", [], {})
+    full, _ = uninterrupted
     save = str(tmp_path / "pre")
     (pre, _), proc_pre = run(corpus, tmp_path, "pre", ["--save", save, "--exit-signal-handler"],
                              {"SB_TEST_TERM": "0:3"})

@@ -6,15 +6,17 @@ to a CPU run) are classified by ``megatron.training.launch_check`` (what
 ``tools/check_launch_script.py`` prints) and then trained for 2 iterations on CPU with
 the flags refused for missing hardware dropped. Measured per script: the share of flags
 honoured (target >= 95% of the flags not refused for hardware), 0 "unrecognized" for
-Megatron-LM flags, 0 tracebacks, 2 iterations trained.
+Megatron-LM flags, 0 tracebacks, 2 iterations trained. The three CPU runs are single
+processes of one thread each, so they run two at a time (module fixture).
 """
 
 import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import PRETRAIN, PY, ROOT, env, summary_of
+from conftest import PRETRAIN, PY, ROOT, command, env, summary_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = sorted(f for f in os.listdir(os.path.join(HERE, "launch_scripts")) if f.endswith(".sh"))
@@ -59,25 +61,38 @@ def script_text(name: str, variables: dict, run_dir: str) -> str:
     return text
 
 
+@pytest.fixture(scope="module")
+def runs(paths):
+    """Per script: its classified flags and the CPU run of its runnable argv (2 at a time)."""
+    from megatron.training.launch_check import classify, runnable_argv, script_flags
+
+    d, variables = paths
+    rows = {name: classify(script_flags(script_text(name, variables, os.path.join(d, name[:-3]))))
+            for name in SCRIPTS}
+
+    def train(name):
+        return subprocess.run(command(PRETRAIN, [*runnable_argv(rows[name]), "--no-progress-bar"]), cwd=ROOT,
+                              env=env(), capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = dict(zip(SCRIPTS, pool.map(train, SCRIPTS)))
+    return {name: (rows[name], procs[name]) for name in SCRIPTS}
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_launch_script_runs_unchanged(name, paths):
+def test_launch_script_runs_unchanged(name, runs):
     """>= 95% of its flags honoured (of those not refused for missing hardware), no
     Megatron-LM flag "unrecognized", none unsupported, and 2 iterations train on CPU
     with exactly the hardware-refused flags dropped."""
-    from megatron.training.launch_check import classify, runnable_argv, script_flags, summarize
+    from megatron.training.launch_check import summarize
 
-    d, variables = paths
-    run_dir = os.path.join(d, name[:-3])
-    rows = classify(script_flags(script_text(name, variables, run_dir)))
+    rows, proc = runs[name]
     s = summarize(rows)
     print(f"{name}: {json.dumps({k: s[k] for k in ('flags', 'counts', 'honoured_fraction')})}")
     assert s["flags"] >= 30, "the script's flags were not read"
     assert s["megatron_lm_flags_unrecognized"] == 0, [r for r in rows if r["status"] == "unrecognized"]
     assert s["counts"].get("unsupported", 0) == 0, [r for r in rows if r["status"] == "unsupported"]
     assert s["honoured_fraction"] >= 0.95, s
-    argv = runnable_argv(rows)
-    proc = subprocess.run([PY, PRETRAIN, *argv, "--no-progress-bar"], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300)
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     summary = summary_of(proc)
     assert summary["iterations"] == 2

@@ -6,7 +6,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import PY, ROOT, env
+from conftest import ROOT, command, env
 
 PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
 # (text, loss_start in characters; None: the field is absent)
@@ -17,8 +17,8 @@ DOCS = [("What is 2+2? Answer: 4\n", 21), ("plain filler text\n", 0), ("no field
 def preprocess(tmp_path, docs, *extra):
     lines = [json.dumps({"text": t, **({} if s is None else {"loss_start": s})}) for t, s in docs]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    return subprocess.run([PY, PREPROCESS, "--input", str(tmp_path / "in.jsonl"),
-                           "--output-prefix", str(tmp_path / "docs"), *extra],
+    return subprocess.run(command(PREPROCESS, ["--input", str(tmp_path / "in.jsonl"),
+                                               "--output-prefix", str(tmp_path / "docs"), *extra]),
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
 
 

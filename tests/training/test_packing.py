@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import PY, ROOT, env
+from conftest import ROOT, command, env
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +16,9 @@ def dataset(tmp_path_factory):
     d = tmp_path_factory.mktemp("pre")
     texts = ["hello world", "a", "the quick brown fox jumps", "x" * 40]
     (d / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts) + "\n")
-    proc = subprocess.run([PY, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(d / "in.jsonl"),
-                           "--output-prefix", str(d / "docs")], cwd=ROOT, env=env(),
+    proc = subprocess.run(command(os.path.join(ROOT, "tools", "preprocess_data.py"),
+                                  ["--input", str(d / "in.jsonl"), "--output-prefix", str(d / "docs")]),
+                          cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     from megatron.training.indexed_io import open_dataset
@@ -67,17 +68,27 @@ def test_padding_segment_is_masked(dataset):
     assert empty["tokens"].shape == (1, 1) and float(empty["loss_mask"].sum()) == 0
 
 
-@pytest.mark.parametrize("flags,rotary_dim", [
+LEAKAGE = [  # (more driver flags, head dims RoPE rotates)
     ((), 16),                                         # head dim 64 / 4 = 16, all rotated
     (("--rotary-percent", "0.5", "--rotary-base", "500000"), 8),  # GPT-NeoX style partial rotary
     (("--position-embedding-type", "none"), 0),      # NoPE: the causal mask is the only order signal
-])
-def test_no_cross_document_leakage(corpus, tmp_path, flags, rotary_dim):
-    out = str(tmp_path / "leak.npz")
-    proc = subprocess.run([PY, os.path.join(ROOT, "tests", "training", "_leakage.py"), corpus, out, *flags],
+]
+
+
+@pytest.fixture(scope="module")
+def leakage(corpus, tmp_path_factory):
+    """_leakage.py's npz of every LEAKAGE variant (one process, one model per variant)."""
+    out = tmp_path_factory.mktemp("leak")
+    proc = subprocess.run(command(os.path.join(ROOT, "tests", "training", "_leakage.py"),
+                                  [corpus, str(out), *(" ".join(flags) for flags, _ in LEAKAGE)]),
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    z = np.load(out)
+    return {flags: str(out / f"variant{i}.npz") for i, (flags, _) in enumerate(LEAKAGE)}
+
+
+@pytest.mark.parametrize("flags,rotary_dim", LEAKAGE)
+def test_no_cross_document_leakage(leakage, flags, rotary_dim):
+    z = np.load(leakage[flags])
     assert int(z["rotary_dim"]) == rotary_dim
     cu, changed = z["cu"], int(z["changed"])
     before, after = z["before"].reshape(-1, z["before"].shape[-1]), z["after"].reshape(-1, z["after"].shape[-1])

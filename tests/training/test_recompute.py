@@ -252,24 +252,32 @@ def _measure(argv) -> dict:
             "saved_left_mb": counter.live / 2**20}
 
 
-def measure_configs(tokens: int, docs: int = 1, configs=("none", "full"), model=MEMORY_MODEL) -> dict:
-    """:func:`_measure` of each recompute config, each in a fresh process (1 thread).
+def measure_configs(tokens: int, docs: int = 1, configs=("none", "full"), model=MEMORY_MODEL,
+                    side_by_side: int = 1) -> dict:
+    """:func:`_measure` of each recompute config, each in a fresh process (1 thread),
+    ``side_by_side`` of them at a time (each process measures only itself).
 
     ``MALLOC_MMAP_THRESHOLD_`` makes glibc hand every allocation above 128 KiB back to
     the system when freed, so the peak RSS follows the live tensors instead of what
-    malloc's arenas kept from earlier ones.
+    malloc's arenas kept from earlier ones. The processes start through
+    ``_fast_start.py`` (same run, cheaper megatron-core import; see that file).
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072", PYTHONDONTWRITEBYTECODE="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    out = {}
-    for name in configs:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "measure", *model,
-                               *MEMORY_CONFIGS[name], "--tokens", str(tokens), "--docs", str(docs)],
+
+    def measure(name):
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "_fast_start.py"), os.path.abspath(__file__),
+                               "measure", *model, *MEMORY_CONFIGS[name], "--tokens", str(tokens),
+                               "--docs", str(docs)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(max_workers=side_by_side) as pool:
+        return dict(zip(configs, pool.map(measure, configs)))
 
 
 def _memory_main(argv) -> None:
@@ -390,7 +398,7 @@ if __name__ != "__main__":
         small = [*PROJECT_RUN_FLAGS, "--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "256",
                  "--num-attention-heads", "4", "--sparse-attention", "--sb-block-size", "64",
                  "--sb-topk", "8", "--cpu", "--seed", "1"]
-        res = measure_configs(4096, 2, ("none", "full"), model=small)
+        res = measure_configs(4096, 2, ("none", "full"), model=small, side_by_side=2)  # 2 cores
         none, full = res["none"], res["full"]
         assert none["saved_left_mb"] == 0 and full["saved_left_mb"] == 0  # backward freed all
         # without recompute: ~20 hidden-sized tensors per layer; with it: each layer's input,

@@ -14,7 +14,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import PRETRAIN, PY, ROOT, TINY, env, launch, summary_of
+from conftest import PRETRAIN, ROOT, TINY, env, launch, summary_of, torchrun
 
 PP2 = ["--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant"]
 TOTAL = 6
@@ -53,8 +53,7 @@ def test_signal_saves_and_resumes(corpus, full_run, tmp_path):
     save = str(tmp_path / "ck")
     args = [*TINY, *PP2, "--data-path", corpus, "--train-iters", "200", "--save", save,
             "--exit-signal-handler"]
-    proc = subprocess.Popen([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                             PRETRAIN, *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(torchrun(PRETRAIN, args), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         lines = []

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import time
 
-from conftest import PY, ROOT, TINY, env
+from conftest import ROOT, TINY, command, env
 
 WORKER = os.path.join(ROOT, "tests", "training", "_fault_worker.py")
 TIMEOUT_MIN = 0.1  # 6 s
@@ -33,9 +33,9 @@ def test_stuck_rank_is_named_and_every_rank_exits(corpus):
         e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), SB_TEST_HANG="1:3")
         procs.append(subprocess.Popen(
-            [PY, WORKER, *TINY, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
-             "--train-iters", "50", "--distributed-timeout-minutes", "5",
-             "--step-timeout-minutes", str(TIMEOUT_MIN)],
+            command(WORKER, [*TINY, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
+                             "--train-iters", "50", "--distributed-timeout-minutes", "5",
+                             "--step-timeout-minutes", str(TIMEOUT_MIN)]),
             cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         for line in procs[0].stdout:  # step 2 done: step 3 (where rank 1 hangs) starts now
