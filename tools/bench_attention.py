@@ -49,12 +49,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--backend", default="cpu", help="auto, reference, cpu, triton, cuda, flex")
+    p.add_argument("--backend", default="cpu", help="auto, reference, cpu, triton, cuda, flex, fa4")
     p.add_argument("--dense-backends", default="auto",
-                   help="dense SDPA kernels to time, comma list from flash,cudnn,efficient,math "
-                        "(the fastest is the baseline); auto: flash,cudnn on CUDA, torch's "
+                   help="dense kernels to time, comma list from flash,cudnn,efficient,math (SDPA "
+                        "per document) and fa4 (FlashAttention-4 varlen, one call); the fastest is "
+                        "the baseline; auto: flash,cudnn (+fa4 when installed) on CUDA, torch's "
                         "own choice on the CPU")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--threads", type=int, default=None, help="default: $OMP_NUM_THREADS or 2")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (medians reported)")
     p.add_argument("--warmup", type=int, default=1)
@@ -84,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-_SDPA_NAMES = ("flash", "cudnn", "efficient", "math")
+_SDPA_NAMES = ("flash", "cudnn", "efficient", "math", "fa4")
 
 
 def dense_kernels(names, on_cuda: bool) -> dict:
@@ -94,12 +95,16 @@ def dense_kernels(names, on_cuda: bool) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if names == ["auto"]:
-        names = ["flash", "cudnn"] if on_cuda else []
+        from sparsebalance.ops.fa4 import HAS_FA4
+
+        names = (["flash", "cudnn"] + (["fa4"] if HAS_FA4 else [])) if on_cuda else []
     kinds = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     if not names:
         return {"sdpa": contextlib.nullcontext}
-    return {n: (lambda b=kinds[n]: sdpa_kernel([b])) for n in names}
+    # fa4 is not an SDPA kernel: causal_varlen_attention calls it directly (see dense_run)
+    return {n: (contextlib.nullcontext if n == "fa4" else (lambda b=kinds[n]: sdpa_kernel([b])))
+            for n in names}
 
 
 def _read_doc_mix(path: str, p: argparse.ArgumentParser) -> list[int]:
@@ -133,6 +138,18 @@ def doc_lengths(a: argparse.Namespace) -> list[int]:
     return lens
 
 
+def fa4_gate_parts(q, k, cu, topk, block_size: int, scale: float, timed):
+    """ms of the fa4 gate's three parts, each alone: ``(plan, layout, descriptors)``."""
+    from sparsebalance.ops import build_plan
+    from sparsebalance.ops.fa4 import fa4_descriptors
+    from sparsebalance.ops.flex import flex_layout
+
+    plan, t_plan = timed(lambda: build_plan(q, k, cu, topk, block_size, scale))
+    _, t_lay = timed(lambda: flex_layout(cu, block_size, q.device, bucket=False))
+    _, t_desc = timed(lambda: fa4_descriptors(plan))
+    return t_plan, t_lay, t_desc
+
+
 def flex_gate_parts(q, k, cu, topk, block_size: int, scale: float, compiled: bool, timed):
     """ms of the flex gate's three parts, each alone: ``(plan, layout, block_mask)``;
     ``timed(fn) -> (result, ms)`` synchronises the device around ``fn``."""
@@ -159,13 +176,13 @@ def main(argv=None) -> int:
     from sparsebalance.ops import build_plan, resolve_backend, sparse_attention
 
     torch.set_num_threads(a.threads)
-    gpu_names = ("cuda", "triton", "flex") if torch.cuda.is_available() else ("cuda", "triton")
+    gpu_names = ("cuda", "triton", "flex", "fa4") if torch.cuda.is_available() else ("cuda", "triton", "fa4")
     dev = torch.device("cuda" if a.backend in gpu_names else "cpu")
     if a.backend == "flex" and dev.type == "cpu":
         sys.stderr.write("bench_attention.py: error: flex has no CPU backward (FlexAttention); "
                          "bench it on CUDA\n")
         return 2
-    dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     try:
         backend = resolve_backend(a.backend, dev, a.head_dim, a.block_size, dtype)
     except ValueError as exc:
@@ -187,10 +204,12 @@ def main(argv=None) -> int:
         sync()
         return out, (time.perf_counter() - t0) * 1e3
 
-    def dense_run(ctx):
+    def dense_run(ctx, name):
+        kernel = "fa4" if name == "fa4" else "sdpa"
+
         def run_dense():
             with ctx():
-                out, f = timed(lambda: causal_varlen_attention(q, k, v, cu, scale))
+                out, f = timed(lambda: causal_varlen_attention(q, k, v, cu, scale, backend=kernel))
             _, b = timed(lambda: torch.autograd.grad(out, (q, k, v), dout))
             return f, f + b
 
@@ -207,6 +226,10 @@ def main(argv=None) -> int:
         from sparsebalance.ops.flex import flex_prepare, padding_ratio, use_compiled
 
         route = lambda: flex_prepare(q, k, cu, a.topk, a.block_size, scale, use_compiled(dev))
+    elif backend == "fa4":
+        from sparsebalance.ops.fa4 import fa4_prepare
+
+        route = lambda: fa4_prepare(q, k, cu, a.topk, a.block_size, scale)
     else:
         route = lambda: build_plan(q, k, cu, a.topk, a.block_size, scale)
 
@@ -218,12 +241,18 @@ def main(argv=None) -> int:
     if backend == "flex":  # where the gate's time goes: routing plan, buffer layout, block mask
         runs["gate_parts"] = lambda: flex_gate_parts(q, k, cu, a.topk, a.block_size, scale,
                                                      use_compiled(dev), timed)
+    elif backend == "fa4":  # routing plan, buffer layout, FA4's descriptors
+        runs["gate_parts"] = lambda: fa4_gate_parts(q, k, cu, a.topk, a.block_size, scale, timed)
+    fa4_padding = 1.0
+    if backend == "fa4":  # rows of the block-aligned buffer (no bucket) / tokens
+        lb = [-(-L // a.block_size) for L in lens]
+        fa4_padding = sum(lb) * a.block_size / a.seq_len
     dense_failed = {}
     for name, ctx in dense_kernels(a.dense_backends, dev.type == "cuda").items():
         try:  # a kernel this GPU / shape / dtype does not support is left out, and said so
-            dense_run(ctx)()
-            runs["dense:" + name] = dense_run(ctx)
-        except RuntimeError as exc:
+            dense_run(ctx, name)()
+            runs["dense:" + name] = dense_run(ctx, name)
+        except (RuntimeError, ValueError) as exc:
             dense_failed[name] = str(exc).splitlines()[0][:200] if str(exc) else "RuntimeError"
     if not any(n.startswith("dense:") for n in runs):
         sys.stderr.write(f"bench_attention.py: error: no dense kernel ran: {dense_failed}\n")
@@ -250,7 +279,8 @@ def main(argv=None) -> int:
         "dense_ms_by_backend": {n.split(":", 1)[1]: [round(med(n, 0), 2), round(med(n, 1), 2)]
                                 for n in dense_names},
         "dense_failed": dense_failed,
-        "padding_ratio": round(padding_ratio(cu, a.block_size), 4) if backend == "flex" else 1.0,
+        "padding_ratio": round(padding_ratio(cu, a.block_size), 4) if backend == "flex"
+        else round(fa4_padding, 4) if backend == "fa4" else 1.0,
         "dense_ms": round(dense_ms, 2), "sparse_ms": round(sparse_ms, 2),
         "dense_fwd_ms": round(med("dense", 0), 2), "sparse_fwd_ms": round(med("sparse", 0), 2),
         "density": round(run_sparse.density, 5),
@@ -260,7 +290,8 @@ def main(argv=None) -> int:
         # flex: the gate's parts, each timed alone (the layout is built once per micro-batch
         # in training, where every layer reuses it; the plan and the mask once per layer)
         "gate_parts_ms": {n: round(statistics.median(t[i] for t in times["gate_parts"]), 2)
-                          for i, n in enumerate(("plan", "layout", "block_mask"))} if "gate_parts" in times else None,
+                          for i, n in enumerate(("plan", "layout", "descriptors" if backend == "fa4"
+                                                 else "block_mask"))} if "gate_parts" in times else None,
         # best-of-reps view: less sensitive to other load on a shared machine
         "speedup_min": round(min(t[1] for t in times["dense"]) / min(t[1] for t in times["sparse"]), 3),
         "sparse_ms_all": [round(t[1], 1) for t in times["sparse"]],

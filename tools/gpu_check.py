@@ -72,7 +72,7 @@ from tools.harness.gpu.report import OPTIONAL_PARTS, PARTS  # noqa: E402
 PART_BUDGET_S = {"deps": 60, "build": 240, "tests": 400, "bench": 480, "train": 330,
                  "profile": 150, "accuracy": 1800}
 """Most seconds each part may take (also capped by what is left of --budget-s)."""
-BENCH_BACKENDS = ("flex", "triton", "cuda")
+BENCH_BACKENDS = ("fa4", "flex", "triton", "cuda")
 SKIP_WHEELS = ("torch-", "triton-", "nvidia_", "nvidia-")
 """Wheels never installed over the machine's own CUDA stack."""
 
@@ -113,6 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bench-reps", type=int, default=3,
                    help="bench: timed repetitions per point (bench_attention.py --reps)")
     p.add_argument("--train-seq-lens", default="32768,65536", help="train: micro-batch tokens")
+    p.add_argument("--test-modules", default="",
+                   help="tests: only these CUDA test modules (comma list of file names)")
+    p.add_argument("--train-backend", default=None,
+                   help="train/profile: the sparse backend (default: the bench's most efficient, "
+                        "else auto)")
     p.add_argument("--lengths", default=None,
                    help="train: document lengths for make_corpus.py (a shared/ name or a .json "
                         "path; default gpudata/prolong.json if present, else prolong)")
@@ -139,6 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--seq-lens and --train-seq-lens must be comma-separated integers, got "
                 f"{a.seq_lens!r}, {a.train_seq_lens!r}")
     a.backends = [x for x in a.backends.split(",") if x]
+    a.test_modules = [x for x in a.test_modules.split(",") if x]
     if not a.backends or set(a.backends) - set(BENCH_BACKENDS):
         p.error(f"--backends must be a comma list from {','.join(BENCH_BACKENDS)}, got {a.backends}")
     if not a.seq_lens or min(a.seq_lens) < 1024:
@@ -201,10 +207,12 @@ def part_deps(a, left: float) -> Part:
     proc = _run([sys.executable, "-c", "import megatron.core, torch, triton; "
                  "print(megatron.core.__version__, torch.__version__, triton.__version__)"], left)
     ok = proc.returncode == 0
-    detail = (f"megatron-core, torch, triton: {proc.stdout.strip()}" if ok else
+    fa4 = _run([sys.executable, "-c", "import flash_attn.cute, cutlass; print(cutlass.__version__)"], left)
+    fa4_said = f"cutlass-dsl {fa4.stdout.strip()}" if fa4.returncode == 0 else "not importable: " + _last_line(fa4)
+    detail = (f"megatron-core, torch, triton: {proc.stdout.strip()}; flash-attn-4: {fa4_said}" if ok else
               "import failed: " + _last_line(proc) + f" (run `make gpu-prep` on a connected "
               f"machine and carry {os.path.relpath(a.wheels, REPO)}/)")
-    return Part("deps", ok, detail=detail, data={"wheels": wheels,
+    return Part("deps", ok, detail=detail, data={"wheels": wheels, "fa4": fa4_said,
                                                  "pythonpath": os.environ.get("PYTHONPATH", "")})
 
 
@@ -236,7 +244,7 @@ def part_build(a, left: float) -> Part:
     return Part("build", True, detail=f"sm_{major}{minor}", data={"arch": arch})
 
 
-TEST_MODULES_FIRST = ("test_flex_gpu.py", "test_gpu_backends.py")
+TEST_MODULES_FIRST = ("test_fa4_gpu.py", "test_flex_gpu.py", "test_gpu_backends.py")
 """CUDA test modules run first, in this order (the kernels' correctness); the others
 (the measured ``auto``, which times every backend) follow alphabetically."""
 
@@ -310,8 +318,12 @@ def part_tests(a, left: float) -> Part:
     does not hide the others' results); a module may use what is left of the part's time
     but 45 s for each module after it."""
     mods = cuda_test_modules()
+    only = getattr(a, "test_modules", None)
+    if only:
+        mods = [m for m in mods if os.path.basename(m) in only]
     if not mods:
-        return Part("tests", False, detail="no CUDA test module found under tests/")
+        return Part("tests", False, detail="no CUDA test module found under tests/"
+                    + (f" named {','.join(only)}" if only else ""))
     os.makedirs(a.work, exist_ok=True)
     t0, by_module, failed_tests, lines, ok = time.time(), {}, [], [], True
     for i, mod in enumerate(mods):
@@ -367,8 +379,16 @@ def bench_points(seq_lens: List[int], backends=BENCH_BACKENDS) -> List[dict]:
                               blk != tp["block"], d != tp["density"])
     grid = sorted(((s, blk, d) for s in seq_lens for blk in (128, 64) for d in (0.12, 0.05, 0.25)),
                   key=lambda p: (rank(*p), seq_lens.index(p[0])))
-    return [dict(backend=b, seq_len=s, block=blk, density=d, topk=topk_for_density(s, blk, d))
-            for b in backends for s, blk, d in grid]
+    pts = []
+    for b in backends:
+        for s, blk, d in grid:
+            if b == "fa4" and blk != 128:  # FA4's Hopper key tile is the routing block
+                continue
+            pts.append(dict(backend=b, seq_len=s, block=blk, density=d, topk=topk_for_density(s, blk, d)))
+            if b == "fa4" and (s, blk, d) == (tp["seq_len"], tp["block"], tp["density"]):
+                # the Qwen2.5-0.5B preset's own attention shape, right after the target
+                pts.append(dict(pts[-1], **PRESET_SHAPE))
+    return pts
 
 
 def kept_tflops(res: dict) -> Dict[str, float]:
@@ -382,11 +402,14 @@ def kept_tflops(res: dict) -> Dict[str, float]:
 
 def point_key(pt: dict) -> str:
     """A grid point in one line, as the ``failed`` entries name it."""
-    return f"{pt['backend']} {pt['seq_len']}/{pt['block']}/{pt['density']}"
+    return f"{pt['backend']} {pt['seq_len']}/{pt['block']}/{pt['density']}" + (
+        f" {pt['shape']}" if pt.get("shape") else "")
 
 
 BENCH_SHAPE = {"heads": 16, "kv_heads": 2, "head_dim": 128}
-"""The attention layer the bench times (Qwen2.5-0.5B's shape per tensor-parallel rank)."""
+"""The attention layer the bench times (Qwen2.5-3B's: 16 query heads, 2 KV groups, hd128)."""
+PRESET_SHAPE = {"heads": 14, "kv_heads": 2, "head_dim": 64, "shape": "qwen2.5-0.5b"}
+"""Qwen2.5-0.5B's attention layer (the train part's model), timed at the target point too."""
 DRY_RUN_BENCH_SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 64}
 """``--dry-run``: a tiny layer of the same kind (grouped queries), so a CPU times it in
 about a second a point; the orchestration around it is the same."""
@@ -576,7 +599,8 @@ def _staged(name: str, fn: Callable) -> Callable:
 
     def runner(a, left: float) -> Part:
         ok, detail, data = fn(a, left, lambda *x, **k: _run(*x, **k),
-                              best_backend(getattr(a, "done", []), getattr(a, "earlier", None)))
+                              getattr(a, "train_backend", None)
+                              or best_backend(getattr(a, "done", []), getattr(a, "earlier", None)))
         return Part(name, bool(ok), detail=detail, data=data, skipped=ok is None)
 
     return runner

@@ -1,38 +1,61 @@
 #!/usr/bin/env bash
 # `make gpu-check` cut to one short GPU lease (the device tool lends 15 minutes in all,
-# at most 10 per command): the parts that answer issue 32's targets, in an order where
-# the CUDA build (one nvcc file, ~90 s of CPU) runs niced in the background while the GPU
-# benches flex and triton. Each step appends to the same report (--out); the report and
-# logs are copied to $OUT after every step, so a command killed at its limit keeps them.
+# at most 10 per command), ordered by value; every step appends to the same report
+# (--out) and the report and logs are copied to $OUT after every step, so a command
+# killed at its limit keeps what finished:
+#   fa4tests   FlashAttention-4 block-sparse backend vs the reference, no recompilation
+#   fa4bench   fa4 at 64K / block 128 (densities 0.12, 0.05, 0.25) and the 0.5B preset's shape
+#   train      64K training of the 0.5B preset: sparse (fa4) first, then dense (FA4 varlen)
+#   flexbench  flex and triton at 64K / block 128
+#   tests      the other CUDA test modules (flex, triton, cuda kernels)
+#   profile    the GPU latency profile (held-out MAPE) and the simulated comparison
 #
-#   bash tools/gpu_lease.sh                    # bench, tests, train: ~8.5 minutes
-#   STEPS=profile bash tools/gpu_lease.sh      # a second call on the warm machine: ~4 minutes
-#   BENCH_S=150 TESTS_S=190 TRAIN_S=220 PROFILE_S=230 STEPS="bench tests" bash tools/gpu_lease.sh
-#
-# The first lease (H200, 2026-11-27, docs/gpu.md) ran the whole chain this way with the
-# build at full parallelism beside the bench: its compiles slowed flex's and starved
-# triton's. The bench here skips cuda (0.01-0.02 efficiency there); its tests still run.
+# flash-attn-4 comes from `make gpu-prep`'s two bundles (tools/gpu_fa4_install.sh):
+#   command 1 (carry .gpu1):                bash tools/gpu_fa4_install.sh stash
+#   command 2 (carry .gpu2 .whl gpudata):   set -o pipefail; bash tools/gpu_lease.sh 2>&1 | tee $OUT/log
+#   STEPS="flexbench profile" bash tools/gpu_lease.sh      # a later call on the warm machine
+#   bash tools/gpu_lease.sh --dry-run                      # the plan, printed (runs in CI)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 R=${GPU_CHECK_OUT:-runs/gpu_check}
 DEST=${OUT:-runs/gpu_lease_out}
-STEPS=${STEPS:-bench tests train}
-mkdir -p runs "$R" "$DEST"
-save() { cp -f "$R"/*.json "$R"/*.md "$DEST"/ 2>/dev/null; cp -f runs/gpu_build.log "$DEST"/ 2>/dev/null; true; }
-has() { [[ " $STEPS " == *" $1 "* ]]; }
-check() { bash tools/gpu_check.sh --out "$R" "$@"; save; }
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
-build=""
-if has tests && ! python3 -c "import sparsebalance._C_cuda" 2>/dev/null; then
-    arch=$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
-    ( t0=$(date +%s); TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=2 nice -n 19 python3 setup.py -q build_ext --inplace \
-        > runs/gpu_build.log 2>&1; echo "build exit $? in $(( $(date +%s) - t0 )) s" >> runs/gpu_build.log ) &
-    build=$!
+STEPS=${STEPS:-fa4tests fa4bench train flexbench tests profile}
+DRY=0
+[[ ${1:-} == --dry-run ]] && DRY=1
+plan() {  # step name, then gpu_check.sh's arguments
+    case $1 in
+    fa4tests)  echo "--parts deps,tests --test-modules test_fa4_gpu.py --budget-s ${FA4TESTS_S:-170}" ;;
+    fa4bench)  echo "--parts bench --backends fa4 --seq-lens 65536,131072 --budget-s ${FA4BENCH_S:-130}" ;;
+    train)     echo "--parts train --train-seq-lens 65536 --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${TRAIN_S:-230}" ;;
+    flexbench) echo "--parts bench --backends flex,triton --seq-lens 65536 --budget-s ${FLEXBENCH_S:-150}" ;;
+    tests)     echo "--parts build,tests --test-modules test_flex_gpu.py,test_gpu_backends.py --budget-s ${TESTS_S:-200}" ;;
+    profile)   echo "--parts profile --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${PROFILE_S:-230}" ;;
+    *)         echo "gpu_lease.sh: error: unknown step '$1' (fa4tests fa4bench train flexbench tests profile)" >&2
+               return 1 ;;
+    esac
+}
+for s in $STEPS; do plan "$s" > /dev/null || exit 2; done
+if (( DRY )); then
+    for s in $STEPS; do echo "$s: bash tools/gpu_check.sh --out $R $(plan "$s")"; done
+    exit 0
 fi
-has bench && check --parts deps,bench --seq-lens 65536 --backends flex,triton --budget-s "${BENCH_S:-150}"
-[[ -n $build ]] && { wait "$build"; tail -1 runs/gpu_build.log; }
-has tests && check --parts build,tests --part-budgets tests=190 --budget-s "${TESTS_S:-210}"
-has train && check --parts train --train-seq-lens 65536 --budget-s "${TRAIN_S:-220}"
-has profile && check --parts profile --part-budgets profile=230 --budget-s "${PROFILE_S:-230}"
+mkdir -p runs "$R" "$DEST"
+save() { cp -f "$R"/*.json "$R"/*.md runs/gpu_check_work/gpu_tests_0.xml "$DEST"/ 2>/dev/null; true; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+if [[ -d .gpu2 ]] && ! python3 -c "import flash_attn.cute" 2>/dev/null; then
+    line=$(bash tools/gpu_fa4_install.sh install | tail -1) || exit 1
+    eval "$line"
+    echo "flash-attn-4 installed: $PYTHONPATH"
+fi
+# one fa4 call, forward and backward, its whole traceback in the log if it fails (the
+# tests part keeps only summaries); its compiled kernels land in FA4's persistent cache
+timeout 150 python3 tools/harness/gpu/fa4_smoke.py 2>&1 | tail -40
+for s in $STEPS; do
+    t0=$(date +%s)
+    # shellcheck disable=SC2046
+    bash tools/gpu_check.sh --out "$R" $(plan "$s")
+    echo "== $s: exit $? in $(( $(date +%s) - t0 )) s"
+    save
+done
 exit 0

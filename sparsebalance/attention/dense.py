@@ -18,14 +18,18 @@ K and V of whole documents over the CP group and attends with this rank's querie
 only, causal by their position in the document (see
 :mod:`sparsebalance.attention.context_parallel`).
 
-Attention runs per document through ``torch.nn.functional.scaled_dot_product_attention``
-(whose CPU kernel is torch's optimised flash path), so its speed is the honest
-"dense" baseline for the sparse kernels.
+On the CPU, and on CUDA without ``flash-attn-4``, attention runs per document through
+``torch.nn.functional.scaled_dot_product_attention`` (whose CPU kernel is torch's
+optimised flash path). On CUDA with 16-bit inputs and ``flash-attn-4`` installed, the
+whole packed batch runs in one FlashAttention-4 varlen causal call (no per-document loop,
+no host sync): the strong dense baseline the sparse kernels are measured against.
+``SPARSEBALANCE_DENSE_BACKEND=sdpa`` keeps the per-document SDPA path.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -34,6 +38,36 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+DENSE_BACKENDS = ("auto", "sdpa", "fa4")
+"""Dense varlen kernels: per-document SDPA, or FlashAttention-4's varlen call."""
+
+
+def dense_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
+    """The dense kernel for ``q``: ``backend`` or ``$SPARSEBALANCE_DENSE_BACKEND`` (default
+    auto: ``fa4`` on CUDA for 16-bit inputs when flash-attn-4 is installed, else ``sdpa``)."""
+    name = backend or os.environ.get("SPARSEBALANCE_DENSE_BACKEND") or "auto"
+    if name not in DENSE_BACKENDS:
+        raise ValueError(f"dense backend must be one of {', '.join(DENSE_BACKENDS)}, got {name!r}")
+    fa4_ok = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if fa4_ok:
+        from sparsebalance.ops.fa4 import fa4_importable
+
+        fa4_ok = fa4_importable()
+    if name == "fa4" and not fa4_ok:
+        raise ValueError("dense backend 'fa4' needs CUDA, 16-bit inputs and flash-attn-4")
+    return "fa4" if name == "fa4" or (name == "auto" and fa4_ok) else "sdpa"
+
+
+def _fa4_varlen(q, k, v, cu_seqlens, scale: float) -> torch.Tensor:
+    """One FlashAttention-4 varlen causal call over every document (cu_seqlens on q's
+    device, int32; the maximum length is left to FA4's bound, so no host sync)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    cu = cu_seqlens.to(q.device, torch.int32, non_blocking=True)
+    res = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, softmax_scale=scale,
+                                 causal=True)
+    return res[0] if isinstance(res, tuple) else res
+
 
 def causal_varlen_attention(
     q: torch.Tensor,
@@ -41,6 +75,7 @@ def causal_varlen_attention(
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
     softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Causal attention per document of a packed batch.
 
@@ -48,6 +83,7 @@ def causal_varlen_attention(
         q: ``[T, H, D]``; k, v: ``[T, Hkv, D]`` with ``H % Hkv == 0``.
         cu_seqlens: int ``[n_docs + 1]`` document boundaries (0 .. T).
         softmax_scale: defaults to ``1 / sqrt(D)``.
+        backend: :data:`DENSE_BACKENDS` name (default: :func:`dense_backend`'s choice).
 
     Returns:
         ``[T, H, D]``.
@@ -57,6 +93,8 @@ def causal_varlen_attention(
     if H % hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({hkv})")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    if dense_backend(q, backend) == "fa4":
+        return _fa4_varlen(q, k, v, cu_seqlens, scale)
     bounds = cu_seqlens.tolist()
     out = torch.empty_like(q)
     for s, e in zip(bounds[:-1], bounds[1:]):

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-CANDIDATES = ("flex", "triton", "cuda")
+CANDIDATES = ("fa4", "flex", "triton", "cuda")
 """Backends ``auto`` may pick on CUDA."""
 MEASURE_SHAPE = {"tokens": 16384, "heads": 16, "kv_heads": 2, "density": 0.12, "reps": 3}
 """The timed case: one document of 16K tokens, GQA 16:2, top-k for ~12% density."""

@@ -7,7 +7,9 @@ on an H100 the Triton kernels ran far faster than the SIMT CUDA extension, see
 docs/gpu.md) and ``cpu`` > ``reference`` for CPU tensors; :func:`sparse_attention`
 refines CUDA's choice by measurement (:mod:`sparsebalance.ops.autoselect`). ``flex`` is
 PyTorch's FlexAttention fed the same plan (:mod:`sparsebalance.ops.flex`; forward only
-on the CPU). Tests steer ``"auto"`` with :func:`override_backend`.
+on the CPU); ``fa4`` is FlashAttention-4's block-sparse kernels fed the same plan
+(:mod:`sparsebalance.ops.fa4`; CUDA only, needs the optional ``flash-attn-4``). Tests
+steer ``"auto"`` with :func:`override_backend`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ HAS_CPU_EXT = _ext.HAS_CPU_EXT
 HAS_CUDA_EXT = _ext.HAS_CUDA_EXT
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLEX = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def _fa4_installed() -> bool:
+    from sparsebalance.ops.fa4 import HAS_FA4
+
+    return HAS_FA4
+
+
+HAS_FA4 = _fa4_installed()
 
 
 def _reference(q, k, v, cu_seqlens, topk, block_size, scale):
@@ -64,12 +75,19 @@ def _flex(q, k, v, cu_seqlens, topk, block_size, scale):
     return flex_sparse_attention(q, k, v, cu_seqlens, topk, block_size, scale)
 
 
+def _fa4(q, k, v, cu_seqlens, topk, block_size, scale):
+    from sparsebalance.ops.fa4 import fa4_sparse_attention
+
+    return fa4_sparse_attention(q, k, v, cu_seqlens, topk, block_size, scale)
+
+
 BACKENDS: dict[str, Callable] = {
     "reference": _reference,
     "cpu": _planned("cpu"),
     "triton": _planned("triton"),
     "cuda": _planned("cuda"),
     "flex": _flex,
+    "fa4": _fa4,
 }
 
 _override: Optional[str] = None
@@ -86,6 +104,12 @@ def is_available(name: str, device: torch.device) -> bool:
         return HAS_CUDA_EXT and on_cuda
     if name == "flex":  # CPU: eager, forward only
         return HAS_FLEX
+    if name == "fa4":  # FlashAttention-4 (flash-attn-4), CUDA only
+        if not (HAS_FA4 and on_cuda):
+            return False
+        from sparsebalance.ops.fa4 import fa4_importable
+
+        return fa4_importable()
     if name == "triton":  # CPU tensors only through Triton's interpreter (tests)
         return HAS_TRITON and (on_cuda or os.environ.get("TRITON_INTERPRET") == "1")
     return False
@@ -112,7 +136,9 @@ def resolve_backend(name: str, device: torch.device, head_dim: Optional[int] = N
     if not is_available(name, device):
         raise ValueError(f"backend {name!r} is not available for {device.type} tensors "
                          f"(cpu ext: {HAS_CPU_EXT}, cuda ext: {HAS_CUDA_EXT}, triton: {HAS_TRITON}, "
-                         f"flex: {HAS_FLEX})")
+                         f"flex: {HAS_FLEX}, fa4: {HAS_FA4}"
+                         + ("; install flash-attn-4: pip install -r requirements-gpu.txt" if name == "fa4"
+                            and not HAS_FA4 else "") + ")")
     return name
 
 

@@ -137,15 +137,19 @@ def reset_buckets() -> None:
 
 
 def flex_layout(cu_seqlens: torch.Tensor, block_size: int, device: torch.device,
-                reuse: bool = False) -> FlexLayout:
+                reuse: bool = False, bucket: bool = True) -> FlexLayout:
     """The block-aligned buffer of these documents, index tensors on ``device``.
     ``reuse``: pad to a bucket used before when it fits (:func:`reused_bucket`; the
-    compiled path), else to this batch's own bucket."""
+    compiled path), else to this batch's own bucket. ``bucket=False``: no bucket padding
+    (the buffer is exactly the blocks; the fa4 backend, whose kernels take any length)."""
     cu, lens, nb, NB = _host_layout(cu_seqlens, block_size)
     T, B = int(cu[-1]), int(block_size)
     first_block = np.cumsum(nb) - nb
     pos = np.arange(T, dtype=np.int64) + np.repeat(first_block * B - cu[:-1], lens)
-    NBp = reused_bucket(NB, (B, torch.device(device).type)) if reuse else bucket_blocks(NB)
+    if not bucket:
+        NBp = max(NB, 1)
+    else:
+        NBp = reused_bucket(NB, (B, torch.device(device).type)) if reuse else bucket_blocks(NB)
     src = np.full(NBp * B, T, dtype=np.int64)
     src[pos] = np.arange(T)
     both = torch.from_numpy(np.concatenate([pos, src])).to(device)
@@ -273,16 +277,16 @@ def flex_prepare(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, top
 
 
 def cached_layout(cu_seqlens: torch.Tensor, block_size: int, device: torch.device,
-                  reuse: bool) -> FlexLayout:
+                  reuse: bool, bucket: bool = True) -> FlexLayout:
     """:func:`flex_layout`, reused while ``cu_seqlens`` is the same tensor object with the
     same in-place version (the layers of one micro-batch); the cache holds that tensor, so
     its memory cannot be handed to another tensor meanwhile."""
-    key = (int(block_size), torch.device(device), bool(reuse))
+    key = (int(block_size), torch.device(device), bool(reuse), bool(bucket))
     if _layout_cache:
         t, version, k, layout = _layout_cache[0]
         if t is cu_seqlens and version == cu_seqlens._version and k == key:
             return layout
-    layout = flex_layout(cu_seqlens, block_size, device, reuse=reuse)
+    layout = flex_layout(cu_seqlens, block_size, device, reuse=reuse, bucket=bucket)
     _layout_cache[:] = [(cu_seqlens, cu_seqlens._version, key, layout)]
     return layout
 

@@ -10,7 +10,9 @@ import torch
 from sparsebalance.ops.backends import BACKENDS, resolve_backend
 from sparsebalance.ops.plan import default_scale
 
-_DTYPES = (torch.float32, torch.bfloat16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP16_BACKENDS = ("fa4", "reference")
+"""Backends that take float16 (the others: float32 and bfloat16)."""
 
 
 def _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale) -> None:
@@ -19,7 +21,7 @@ def _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale) -> None:
             raise ValueError(f"{name} must be a 3-D tensor [T, heads, head_dim], got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
         if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} must be float32 or bfloat16, got {t.dtype}")
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"k and v must have q's dtype {q.dtype}, got {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -76,7 +78,8 @@ def sparse_attention(
 
     Shapes: ``q [T, H, D]``; ``k, v [T, Hkv, D]`` with ``H % Hkv == 0`` (GQA: query
     head ``h`` uses kv head ``h // (H // Hkv)``); ``cu_seqlens`` int32 ``[n_docs + 1]``
-    (0 = first entry <= ... <= last = T). float32 or bfloat16 (fp32 accumulation).
+    (0 = first entry <= ... <= last = T). float32 or bfloat16 (fp32 accumulation);
+    float16 on the ``fa4`` and ``reference`` backends.
 
     Mask: per document, head and query block ``i`` (blocks of ``block_size`` tokens
     from the document start; the last may be partial), the gate is
@@ -93,7 +96,7 @@ def sparse_attention(
         block_size: routing block size in tokens.
         softmax_scale: logit (and gate) scale, default ``1 / sqrt(D)``.
         backend: "auto" or a name of :data:`~sparsebalance.ops.backends.BACKENDS`
-            ("reference", "cpu", "triton", "cuda", "flex"); "auto" on CUDA is the fastest
+            ("reference", "cpu", "triton", "cuda", "flex", "fa4"); "auto" on CUDA is the fastest
             verified backend for this head dim, block size and dtype
             (:mod:`sparsebalance.ops.autoselect`).
         return_density: also return kept (query, key) pairs / causal pairs (float).
@@ -106,6 +109,9 @@ def sparse_attention(
     """
     _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale)
     name = resolve_backend(backend, q.device, q.shape[2], block_size, q.dtype)
+    if q.dtype == torch.float16 and name not in _FP16_BACKENDS:
+        raise ValueError(f"float16 runs on backends {', '.join(_FP16_BACKENDS)} only, not {name!r}: "
+                         f"use bfloat16 or float32")
     scale = default_scale(q.shape[2], softmax_scale)
     out, kept = BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
     if not return_density:

@@ -85,8 +85,15 @@ def test_report_files(tmp_path):
 
 def test_bench_grid_and_flops():
     pts = gc.bench_points([16384, 65536])
-    assert len(pts) == 3 * 2 * 2 * 3
-    assert pts[0]["backend"] == "flex" and pts[-1]["backend"] == "cuda"
+    # fa4 runs block 128 only, and adds the 0.5B preset's shape after the target
+    assert len(pts) == 3 * 2 * 2 * 3 + 2 * 3 + 1
+    assert pts[0]["backend"] == "fa4" and pts[-1]["backend"] == "cuda"
+    assert {p["block"] for p in pts if p["backend"] == "fa4"} == {128}
+    preset = [p for p in pts if p.get("shape")]
+    assert [p["backend"] for p in preset] == ["fa4"] and pts[1] == preset[0]
+    assert all((p["heads"], p["kv_heads"], p["head_dim"], p["seq_len"], p["block"], p["density"])
+               == (14, 2, 64, 65536, 128, 0.12) for p in preset)
+    pts = [p for p in pts if not p.get("shape") and p["backend"] != "fa4"]
     # inside a backend: the target point first, then its length at block 128, its length
     # at block 64, then the other lengths
     key = lambda p: (p["seq_len"], p["block"], p["density"])
@@ -524,11 +531,18 @@ def test_train_and_profile_use_the_bench_best_backend(monkeypatch, tmp_path):
     train = gc.RUNNERS["train"](a, 600.0)
     assert train.passed and train.data["speedup_64k"] == pytest.approx(3.0)
     runs = [c for c in calls if c[1] == "pretrain_gpt.py"]
+    # sparse first: a lease cut short has run the arm that carries the claim
     assert [("--sparse-balance" in c, c[c.index("--seq-length") + 1]) for c in runs] == [
-        (False, "32768"), (True, "32768"), (False, "65536"), (True, "65536")]
+        (True, "32768"), (False, "32768"), (True, "65536"), (False, "65536")]
     for c in runs:
         assert c[c.index("--model-preset") + 1] == "qwen2.5-0.5b" and "--bf16" in c and "--cpu" not in c
-    assert runs[1][runs[1].index("--sb-attention-backend") + 1] == "flex"  # the bench's best
+    assert runs[0][runs[0].index("--sb-attention-backend") + 1] == "flex"  # the bench's best
+    a.train_backend = "fa4"  # --train-backend overrides the bench's choice
+    calls.clear()
+    gc.RUNNERS["train"](a, 600.0)
+    sparse = [c for c in calls if c[1] == "pretrain_gpt.py" and "--sparse-balance" in c]
+    assert {c[c.index("--sb-attention-backend") + 1] for c in sparse} == {"fa4"}
+    a.train_backend = None
     profile = gc.RUNNERS["profile"](a, 200.0)
     assert profile.passed and profile.data["mape"] == 0.03 and profile.data["compare_sim"] == {"sab_speedup": 1.3}
     prof_cmd = next(c for c in calls if c[1] == "tools/profile_latency.py")
@@ -553,7 +567,8 @@ def test_train_fails_when_a_run_breaks_and_accuracy_needs_time(monkeypatch, tmp_
                         train_seq_lens=[65536], done=[])
     part = gc.RUNNERS["train"](a, 600.0)
     assert not part.passed and "sparse 65536: pretrain_gpt.py: torch.OutOfMemoryError" in part.detail
-    assert calls[-1][calls[-1].index("--sb-attention-backend") + 1] == "auto"  # no bench: auto
+    sparse = next(c for c in calls if "--sparse-balance" in c)
+    assert sparse[sparse.index("--sb-attention-backend") + 1] == "auto"  # no bench: auto
     acc = gc.RUNNERS["accuracy"](a, 300.0)
     assert acc.status == "skip" and "300 s left" in acc.detail
 

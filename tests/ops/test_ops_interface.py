@@ -69,7 +69,7 @@ def test_empty_documents_allowed():
 
 
 def test_registry_and_override_hook():
-    assert set(ops.BACKENDS) == {"reference", "cpu", "triton", "cuda", "flex"}
+    assert set(ops.BACKENDS) == {"reference", "cpu", "triton", "cuda", "flex", "fa4"}
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == ("cpu" if ops.HAS_CPU_EXT else "reference")
     with override_backend("reference"):

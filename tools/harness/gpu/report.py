@@ -29,7 +29,7 @@ def _target(name: str, value, threshold: str, met: Optional[bool], note: str = "
 
 def target_rows(rows: List[dict]) -> List[dict]:
     """Bench rows at :data:`TARGET_POINT`."""
-    return [r for r in rows if all(r.get(k) == v for k, v in TARGET_POINT.items())]
+    return [r for r in rows if all(r.get(k) == v for k, v in TARGET_POINT.items()) and not r.get("shape")]
 
 
 def evaluate_targets(parts: List[dict]) -> List[dict]:
