@@ -57,10 +57,17 @@ def attention_backend_choice(attention: AttentionConfig, parallel: ParallelConfi
     (:func:`sparsebalance.ops.autoselect.backend_choice`: on CUDA, ``auto`` is the fastest
     backend that passed verification on this device, measured once and cached; on CPU the
     rule cpu > reference). Dense attention is ``sdpa`` (tools/profile_latency.py's name)."""
-    if not attention.sparse:
-        return {"backend": "sdpa", "reason": "dense attention", "timings_ms": {}, "failed": {},
-                "key": None, "source": "flag"}
     import torch
+
+    if not attention.sparse:
+        from sparsebalance.attention.dense import dense_backend_for
+
+        cuda = torch.cuda.is_available() and not parallel.cpu
+        kernel = dense_backend_for(torch.device("cuda" if cuda else "cpu"),
+                                   torch.bfloat16 if bf16 else torch.float32)
+        said = "FlashAttention-4 varlen, one call per layer" if kernel == "fa4" else "SDPA per document"
+        return {"backend": "sdpa", "reason": f"dense attention ({said})", "dense_kernel": kernel,
+                "timings_ms": {}, "failed": {}, "key": None, "source": "flag"}
 
     from sparsebalance.ops.autoselect import backend_choice
 

@@ -494,6 +494,7 @@ def bench_row(pt: dict, res: dict) -> dict:
     return {**pt, "density_measured": res["density"], "dense_fwd_ms": res["dense_fwd_ms"],
             "sparse_fwd_ms": res["sparse_fwd_ms"], "dense_ms": res["dense_ms"],
             "sparse_ms": res["sparse_ms"], "speedup_fwd": fwd_speedup,
+            "dense_ms_by_backend": res.get("dense_ms_by_backend"),
             "speedup": res["speedup"], "efficiency_fwd": fwd_speedup * res["density"],
             "efficiency": res["efficiency"], "gate_share": res["gate_share"],
             "gate_parts_ms": res.get("gate_parts_ms"),
@@ -664,6 +665,7 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(a.out, exist_ok=True)
     device = "cpu (dry run)" if a.dry_run else torch.cuda.get_device_name(0)
+    a.device_name = device
     a.earlier = gpu_report.read_report(a.out, device)
     parts = run_parts(a, on_part=lambda done: write_report(a.out, done, device, a.dry_run))
     doc = write_report(a.out, parts, device, a.dry_run)

@@ -26,7 +26,7 @@ install)
     [[ $(sha256sum "$whl" | cut -d' ' -f1) == $(cat .gpu2/libs.sha256) ]] || die "assembled $whl has the wrong sha256"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         "$whl" .gpu2/*.whl
-    echo "export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages\${PYTHONPATH:+:\$PYTHONPATH}" ;;
+    echo "export PYTHONPATH=$SITE/nvidia_cutlass_dsl/dsl_packages:$SITE\${PYTHONPATH:+:\$PYTHONPATH}" ;;
 *)
     die "usage: gpu_fa4_install.sh stash|install" ;;
 esac

@@ -20,7 +20,8 @@ WHEELS=${WHEELS:-.whl}
 DATA=${DATA:-gpudata}
 PKGS=(megatron-core==0.16.1)
 FA4_PKGS=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
-          nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2
+          nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5
+          apache-tvm-ffi==0.1.15.post2
           torch-c-dlpack-ext==0.1.5)
 PART_MB=${PART_MB:-50}
 LENGTHS=${LENGTHS:-../shared/data/lengths}

@@ -253,6 +253,7 @@ class RunLogger:
             "plan_wait_ms_median": med([s.plan_wait_ms for s in counted]) if preds else None,
             "attention_backend": backend["backend"],
             "attention_backend_reason": backend["reason"],
+            "dense_kernel": backend.get("dense_kernel"),
             "flex_compiles": flex_compile_count(),
             "peak_memory_mb": peaks.tolist(),
             "peak_memory_mb_max": float(peaks.max()) if len(peaks) else None,

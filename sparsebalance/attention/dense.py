@@ -45,10 +45,15 @@ DENSE_BACKENDS = ("auto", "sdpa", "fa4")
 def dense_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
     """The dense kernel for ``q``: ``backend`` or ``$SPARSEBALANCE_DENSE_BACKEND`` (default
     auto: ``fa4`` on CUDA for 16-bit inputs when flash-attn-4 is installed, else ``sdpa``)."""
+    return dense_backend_for(q.device, q.dtype, backend)
+
+
+def dense_backend_for(device: torch.device, dtype: torch.dtype, backend: Optional[str] = None) -> str:
+    """:func:`dense_backend` for tensors of ``device`` and ``dtype``."""
     name = backend or os.environ.get("SPARSEBALANCE_DENSE_BACKEND") or "auto"
     if name not in DENSE_BACKENDS:
         raise ValueError(f"dense backend must be one of {', '.join(DENSE_BACKENDS)}, got {name!r}")
-    fa4_ok = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    fa4_ok = torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
     if fa4_ok:
         from sparsebalance.ops.fa4 import fa4_importable
 

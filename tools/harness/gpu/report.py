@@ -99,11 +99,13 @@ def _fmt(v, spec: str) -> str:
 
 
 def _gate_parts(row: dict) -> str:
-    """`` (plan a, layout b, mask c ms)`` for a flex row that timed them, else ``""``."""
+    """`` (plan a, layout b, mask c ms)`` for a flex row that timed them (fa4: descriptors
+    instead of the mask), else ``""``."""
     parts = row.get("gate_parts_ms")
     if not parts:
         return ""
-    return " (plan {plan:.1f}, layout {layout:.1f}, mask {block_mask:.1f} ms)".format(**parts)
+    names = {"plan": "plan", "layout": "layout", "block_mask": "mask", "descriptors": "descriptors"}
+    return " (" + ", ".join(f"{names.get(k, k)} {v:.1f}" for k, v in parts.items()) + " ms)"
 
 
 def render_markdown(doc: dict) -> str:
@@ -120,11 +122,13 @@ def render_markdown(doc: dict) -> str:
            f"{yes[t['met']]} | {t['note']} |" for t in doc["targets"]]
     bench = next((p for p in doc["parts"] if p["name"] == "bench" and p["data"].get("rows")), None)
     if bench:
-        md += ["", "## Bench (bf16, head dim 128, GQA 16:2; dense = fastest SDPA kernel)", "",
+        md += ["", "## Bench (bf16, head dim 128, GQA 16:2 unless the row names a shape; dense = the "
+               "fastest of SDPA's flash and cuDNN kernels and FA4's varlen call)", "",
                "| backend | tokens | block | density | fwd ms (dense) | fwd+bwd ms (dense) | dense kernel | "
                "fwd+bwd TFLOP/s kept | efficiency fwd | efficiency fwd+bwd | routing share |",
                "|---|---|---|---|---|---|---|---|---|---|---|"]
-        md += [f"| {r['backend']} | {r['seq_len']} | {r['block']} | {r['density_measured']:.3f} | "
+        md += [f"| {r['backend']}{' (' + r['shape'] + ')' if r.get('shape') else ''} | {r['seq_len']} | "
+               f"{r['block']} | {r['density_measured']:.3f} | "
                f"{r['sparse_fwd_ms']:.2f} ({r['dense_fwd_ms']:.2f}) | {r['sparse_ms']:.2f} "
                f"({r['dense_ms']:.2f}) | {r.get('dense_backend', 'sdpa')} | {r['fwd_bwd_tflops']:.0f} | "
                f"{r['efficiency_fwd']:.2f} | {r['efficiency']:.2f} | {r['gate_share']:.1%}{_gate_parts(r)} |"
@@ -134,15 +138,18 @@ def render_markdown(doc: dict) -> str:
     train = next((p for p in doc["parts"] if p["name"] == "train" and p["data"].get("runs")), None)
     if train:
         md += ["", "## Train (Qwen2.5-0.5B shape, 24 layers, random init, bf16, one GPU)", "",
-               "| run | tokens/s | ms per 1K tokens (median step) | peak memory MB | loss first -> last | "
-               "density | backend | flex compiles |",
-               "|---|---|---|---|---|---|---|---|"]
+               "| run | tokens/s | ms per 1K tokens (median step) | MFU (weight matmuls) | peak memory MB | "
+               "loss first -> last | density | backend | flex compiles |",
+               "|---|---|---|---|---|---|---|---|---|"]
         for r in train["data"]["runs"]:
+            backend = r.get("attention_backend") or r.get("error", "")
+            if r.get("dense_kernel") and r.get("name", "").startswith("dense"):
+                backend = {"fa4": "FA4 varlen", "sdpa": "SDPA per document"}.get(r["dense_kernel"], r["dense_kernel"])
             md.append(f"| {r['name']} | {_fmt(r.get('tokens_per_s'), '.0f')} | "
-                      f"{_fmt(r.get('ms_per_1k_tokens_median'), '.1f')} | "
+                      f"{_fmt(r.get('ms_per_1k_tokens_median'), '.1f')} | {_fmt(r.get('mfu_matmul'), '.1%')} | "
                       f"{_fmt(r.get('peak_memory_mb_max'), '.0f')} | {_fmt(r.get('loss_first'), '.3f')} -> "
                       f"{_fmt(r.get('loss_last'), '.3f')} | {_fmt(r.get('density_mean'), '.3f')} | "
-                      f"{r.get('attention_backend') or r.get('error', '')} | "
+                      f"{backend} | "
                       f"{_fmt(r.get('flex_compiles'), 'd')} |")
     return "\n".join(md) + "\n"
 

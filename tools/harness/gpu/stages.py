@@ -63,8 +63,25 @@ def loss_trend(losses: List[float]) -> Tuple[float, float, bool]:
     return first, last, len(losses) >= 4 and last < first
 
 
-def train_run_record(name: str, s: dict) -> dict:
-    """One run's row from the driver's summary JSON."""
+PRESET_MATMUL_PARAMS = 24 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864) + 896 * 151936
+"""Qwen2.5-0.5B's weights that multiply every token (layers' projections and MLPs, and the
+output layer; biases, norms and the embedding lookup left out): ~494M."""
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+"""Dense bf16 tensor-core peak (SXM) of the cards gpu-check has run on."""
+
+
+def matmul_mfu(tokens_per_s: Optional[float], device: Optional[str]) -> Optional[float]:
+    """Model FLOPs utilisation counting the weight matmuls only: 6 x matmul params x
+    tokens/s over the card's bf16 peak (attention FLOPs and recompute left out, so both
+    arms are judged by the same work; a lower bound of the usual MFU). None off a known card."""
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if device and k in device), None)
+    if not tokens_per_s or peak is None:
+        return None
+    return 6.0 * PRESET_MATMUL_PARAMS * tokens_per_s / (peak * 1e12)
+
+
+def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
+    """One run's row from the driver's summary JSON (``device``: the card's name, for MFU)."""
     losses = [float(x) for x in s.get("losses") or []]
     first, last, down = loss_trend(losses) if losses else (None, None, False)
     ms, tokens = s.get("step_ms_all") or [], s.get("step_tokens_all") or []
@@ -76,7 +93,8 @@ def train_run_record(name: str, s: dict) -> dict:
             "flex_compiles": s.get("flex_compiles"),
             "peak_memory_mb_max": s.get("peak_memory_mb_max"), "step_ms_median": s.get("step_ms_median"),
             "density_mean": s.get("density_mean"), "plan_ms_median": s.get("plan_ms_median"),
-            "attention_backend": s.get("attention_backend"), "losses": losses,
+            "attention_backend": s.get("attention_backend"), "dense_kernel": s.get("dense_kernel"),
+            "mfu_matmul": matmul_mfu(s.get("tokens_per_s"), device), "losses": losses,
             "loss_first": first, "loss_last": last, "loss_down": down}
 
 
@@ -147,7 +165,7 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
             runs.append({"name": name, "error": "pretrain_gpt.py: " + last_line(proc)})
             continue
         with open(summary) as fh:
-            runs.append(train_run_record(name, json.load(fh)))
+            runs.append(train_run_record(name, json.load(fh), getattr(a, "device_name", None)))
     return train_verdict(runs, seq_lens)
 
 
