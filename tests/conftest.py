@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -12,3 +14,26 @@ def pytest_configure(config):
     # megatron-core warns once per module that TE/Apex are absent: expected on CPU.
     config.addinivalue_line("filterwarnings", "ignore:.*Transformer Engine and Apex are not installed.*")
     config.addinivalue_line("filterwarnings", "ignore:.*full scope is deprecated.*")
+
+
+@pytest.fixture
+def routing_counts(monkeypatch):
+    """Routing skeleton builds and host copies of document boundaries made while a test
+    runs (``counts["skeletons"]``, ``counts["copies"]()``), and ``counts["copied"]()``: the
+    tensors in the host-copy cache. Both caches start empty."""
+    from sparsebalance.ops import plan as plan_mod
+
+    plan_mod._skeletons.clear()
+    plan_mod._host_cu.clear()
+    counts = {"skeletons": 0}
+    build = plan_mod._build_skeleton
+
+    def counting_build(*a, **k):
+        counts["skeletons"] += 1
+        return build(*a, **k)
+
+    monkeypatch.setattr(plan_mod, "_build_skeleton", counting_build)
+    start = plan_mod.host_copies()
+    counts["copies"] = lambda: plan_mod.host_copies() - start
+    counts["copied"] = lambda: [e[0] for e in plan_mod._host_cu]
+    return counts

@@ -4,7 +4,9 @@ Forward+backward of both, in one process, interleaved repetitions, medians,
 fixed threads. Prints one JSON object: dense_ms, sparse_ms (gate and selection
 included), density, speedup = dense_ms / sparse_ms, efficiency = speedup x
 density (1.0 = the work saved is fully turned into time), gate_ms (routing plan:
-block means, gate, top-k; for flex also the buffer layout and the block mask),
+block means, gate, top-k, as every layer runs it: the plan's skeleton, built once per
+micro-batch, is cached; for flex also the buffer layout and the block mask, for fa4 its
+descriptors; gate_parts_ms times the parts alone, fa4's with the skeleton),
 gate_share = gate_ms / sparse_ms, and speedup_min (ratio of the fastest repetitions, a
 cross-check on a loaded machine). On CUDA the dense baseline is the fastest of SDPA's
 flash and cuDNN kernels (--dense-backends), named in dense_backend; flex also reports
@@ -139,15 +141,19 @@ def doc_lengths(a: argparse.Namespace) -> list[int]:
 
 
 def fa4_gate_parts(q, k, cu, topk, block_size: int, scale: float, timed):
-    """ms of the fa4 gate's three parts, each alone: ``(plan, layout, descriptors)``."""
+    """ms of the fa4 gate's parts, each alone: ``(plan, layout, descriptors, skeleton)``.
+    plan and descriptors run in every layer (the plan's skeleton cached); the skeleton
+    (host metadata and its upload) and the layout once per micro-batch."""
     from sparsebalance.ops import build_plan
     from sparsebalance.ops.fa4 import fa4_descriptors
     from sparsebalance.ops.flex import flex_layout
+    from sparsebalance.ops.plan import _build_skeleton, host_cu
 
     plan, t_plan = timed(lambda: build_plan(q, k, cu, topk, block_size, scale))
     _, t_lay = timed(lambda: flex_layout(cu, block_size, q.device, bucket=False))
     _, t_desc = timed(lambda: fa4_descriptors(plan))
-    return t_plan, t_lay, t_desc
+    _, t_skel = timed(lambda: _build_skeleton(host_cu(cu), topk, block_size, q.shape[1], q.device))
+    return t_plan, t_lay, t_desc, t_skel
 
 
 def flex_gate_parts(q, k, cu, topk, block_size: int, scale: float, compiled: bool, timed):
@@ -290,8 +296,9 @@ def main(argv=None) -> int:
         # flex: the gate's parts, each timed alone (the layout is built once per micro-batch
         # in training, where every layer reuses it; the plan and the mask once per layer)
         "gate_parts_ms": {n: round(statistics.median(t[i] for t in times["gate_parts"]), 2)
-                          for i, n in enumerate(("plan", "layout", "descriptors" if backend == "fa4"
-                                                 else "block_mask"))} if "gate_parts" in times else None,
+                          for i, n in enumerate(("plan", "layout", "descriptors", "skeleton") if backend == "fa4"
+                                                else ("plan", "layout", "block_mask"))}
+        if "gate_parts" in times else None,
         # best-of-reps view: less sensitive to other load on a shared machine
         "speedup_min": round(min(t[1] for t in times["dense"]) / min(t[1] for t in times["sparse"]), 3),
         "sparse_ms_all": [round(t[1], 1) for t in times["sparse"]],

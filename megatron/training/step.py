@@ -90,9 +90,12 @@ def forward_step(data_iterator, model):
     # The packed params are the budget's one carrier to the attention modules; a layer
     # recomputed in backward (--recompute-granularity) gets the same object, so it
     # routes as its original forward did although later micro-batches ran meanwhile.
+    # The host copy of the boundaries rides along: routing reads them without a device sync.
+    host = batch["cu_seqlens"].to(torch.int32) if "cu_seqlens_padded" not in batch else None
     packed = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=max_len, max_seqlen_kv=max_len,
-                                     budget=budget, microbatch=microbatch, **cp_extra)
+                                     budget=budget, microbatch=microbatch, cu_seqlens_host=host,
+                                     **cp_extra)
     output = model(get("tokens"), get("position_ids"), None, labels=get("labels"),
                    packed_seq_params=packed)
     return output, partial(loss_func, get("loss_mask"))

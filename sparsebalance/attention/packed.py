@@ -32,6 +32,10 @@ class BudgetedPackedSeqParams(PackedSeqParams):
     topk}``); None: each module's static default."""
     microbatch: Optional[int] = None
     """Micro-batch id (within the step) the budget belongs to; used in attention records."""
+    cu_seqlens_host: Optional[object] = None
+    """``cu_seqlens_q`` on the host (int32 CPU tensor), riding with the micro-batch: routing
+    reads document boundaries from it, so no layer copies the device tensor back (a host
+    sync). None: the modules copy ``cu_seqlens_q`` once per micro-batch."""
     cp_layout: Optional[object] = None
     """Context parallelism: this rank's
     :class:`~sparsebalance.attention.context_parallel.CPLayout` of the micro-batch

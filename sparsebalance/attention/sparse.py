@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.enums import AttnMaskType
@@ -35,7 +36,7 @@ from sparsebalance.attention.dense import CausalVarlenAttention, causal_local_at
 from sparsebalance.attention.packed import budget_of
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention
-from sparsebalance.ops.plan import default_scale
+from sparsebalance.ops.plan import default_scale, host_cu, plan_slot
 
 
 class SparseAttention(CausalVarlenAttention):
@@ -87,14 +88,21 @@ class SparseAttention(CausalVarlenAttention):
     def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None) -> torch.Tensor:
         """``[T, H, D]`` attention over documents of ``cu_seqlens``; records what it did."""
         topk, microbatch = self.budget_of(packed_seq_params)
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).detach().cpu().long()
+        host = getattr(packed_seq_params, "cu_seqlens_host", None)
+        if host is None or host.numel() != cu_seqlens.numel():
+            host = cu_seqlens  # copied to the host once per micro-batch (plan.host_cu)
+        lens = torch.from_numpy(np.diff(host_cu(host)))
         causal = int((lens * (lens + 1) // 2).sum()) * q.shape[1]
         if topk is None:
             out, kept = causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale), causal
         else:
-            out, dens = sparse_attention(q, k, v, cu_seqlens, topk=topk, block_size=self.block_size,
-                                         softmax_scale=self.softmax_scale, backend=self.backend,
-                                         return_density=True)
+            # under activation recompute the forward keeps its plan and the recomputation
+            # in backward takes it back: one routing per layer and micro-batch
+            mode = ("reuse" if torch.is_grad_enabled() else "store") if is_checkpointing() else None
+            with plan_slot(packed_seq_params, self.layer_number, mode if packed_seq_params is not None else None):
+                out, dens = sparse_attention(q, k, v, host, topk=topk, block_size=self.block_size,
+                                             softmax_scale=self.softmax_scale, backend=self.backend,
+                                             return_density=True)
             kept = round(dens * causal)
         if _recomputing():  # the original forward of this call was recorded already
             return out

@@ -52,7 +52,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from sparsebalance.ops.plan import RoutingPlan, TopK, build_plan
+from sparsebalance.ops.plan import RoutingPlan, TopK, build_plan, host_cu
 
 _compiled: dict = {}
 _compiles = 0
@@ -104,7 +104,7 @@ class FlexLayout:
 
 
 def _host_layout(cu_seqlens: torch.Tensor, block_size: int):
-    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    cu = host_cu(cu_seqlens)
     lens = np.diff(cu)
     nb = (lens + block_size - 1) // block_size
     return cu, lens, nb, int(nb.sum())

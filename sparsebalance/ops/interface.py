@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from sparsebalance.ops.backends import BACKENDS, resolve_backend
-from sparsebalance.ops.plan import default_scale
+from sparsebalance.ops.plan import default_scale, host_cu
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP16_BACKENDS = ("fa4", "reference")
@@ -39,11 +40,11 @@ def _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale) -> None:
         raise ValueError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
     if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on the CPU or on q's device, got {cu_seqlens.device}")
-    cu = cu_seqlens.detach().cpu()
+    cu = host_cu(cu_seqlens)  # one host copy per micro-batch, shared with the routing plan
     if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, "
-                         f"got {cu.tolist() if cu.numel() <= 8 else cu}")
-    n_docs = cu.numel() - 1
+                         f"got {cu.tolist() if cu.size <= 8 else cu}")
+    n_docs = cu.size - 1
     if isinstance(topk, torch.Tensor):
         if topk.dtype.is_floating_point or topk.dtype == torch.bool or topk.dtype.is_complex:
             raise ValueError(f"topk tensor must be an integer tensor, got {topk.dtype}")
@@ -116,6 +117,6 @@ def sparse_attention(
     out, kept = BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
     if not return_density:
         return out
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).detach().cpu().long()
+    lens = np.diff(host_cu(cu_seqlens))
     causal = int((lens * (lens + 1) // 2).sum()) * q.shape[1]
     return out, (kept / causal if causal else 1.0)

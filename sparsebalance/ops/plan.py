@@ -16,7 +16,9 @@ are referenced by the same global block id.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
 
@@ -93,6 +95,40 @@ def restrict_plan(plan: RoutingPlan, tokens: torch.Tensor, causal_pairs: int) ->
         kv_cnt[i] = 1
     return RoutingPlan(plan.block_size, plan.qb_start, plan.qb_len, kv_idx, kv_cnt, kept,
                        int(causal_pairs), int(kv_cnt.sum()))
+
+
+_HOST_CACHE_SIZE = 8
+"""Micro-batches whose host copies and routing skeletons are kept (pipeline schedules
+interleave a few micro-batches' forwards with earlier ones' recomputed forwards)."""
+_host_cu: list = []
+"""[(cu_seqlens tensor, its _version, int64 numpy copy)], most recent last."""
+
+
+_host_copies = 0
+
+
+def host_copies() -> int:
+    """Host copies :func:`host_cu` made in this process (tests: one per micro-batch)."""
+    return _host_copies
+
+
+def host_cu(cu_seqlens: torch.Tensor) -> np.ndarray:
+    """``cu_seqlens`` as an int64 numpy array, copied to the host once per tensor: a
+    tensor seen before (same object, same in-place version: the layers of one
+    micro-batch) is not copied again, so a CUDA ``cu_seqlens`` syncs the host once per
+    micro-batch, not once per layer. A CPU tensor (the host copy the driver attaches to
+    the micro-batch) never syncs. The cache holds the tensors, so their memory cannot be
+    reused by another tensor meanwhile."""
+    for i, (t, version, arr) in enumerate(_host_cu):
+        if t is cu_seqlens and version == cu_seqlens._version:
+            _host_cu.append(_host_cu.pop(i))
+            return arr
+    arr = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    global _host_copies
+    _host_copies += 1
+    _host_cu.append((cu_seqlens, cu_seqlens._version, arr))
+    del _host_cu[:-_HOST_CACHE_SIZE]
+    return arr
 
 
 def _per_doc_topk(topk: TopK, n_docs: int) -> torch.Tensor:
@@ -292,12 +328,108 @@ def _chunks(rows: np.ndarray, cols: np.ndarray, H: int, gpu: bool) -> list:
     return out
 
 
+_skeletons: list = []
+"""[(cu_seqlens tensor, its _version, key, _Skeleton)], most recent last."""
+
+
+@dataclass
+class _Skeleton:
+    """Everything of a plan that depends on the documents and budgets only, not on q and
+    k: built on the host once per micro-batch, uploaded once, reused by every layer."""
+
+    meta_d: torch.Tensor
+    kv_template: torch.Tensor
+    route: Optional["_RouteHost"]
+    sent: list
+    kept_pairs: int
+    causal_pairs: int
+    kv_nnz: int
+
+
+def _topk_key(topk: TopK):
+    if isinstance(topk, torch.Tensor):  # a budget tensor: by identity and version (held below)
+        return ("t", id(topk), topk._version)
+    return ("i", int(topk))
+
+
+def _skeleton(cu_seqlens, topk, B: int, H: int, dev: torch.device) -> _Skeleton:
+    """:func:`_build_skeleton`, cached per (cu_seqlens tensor, budget, block, heads, device)."""
+    key = (_topk_key(topk), B, H, dev)
+    for i, (t, version, k, sk, held) in enumerate(_skeletons):
+        if t is cu_seqlens and version == cu_seqlens._version and k == key:
+            _skeletons.append(_skeletons.pop(i))
+            return sk
+    sk = _build_skeleton(host_cu(cu_seqlens), topk, B, H, dev)
+    _skeletons.append((cu_seqlens, cu_seqlens._version, key, sk, topk))
+    del _skeletons[:-_HOST_CACHE_SIZE]
+    return sk
+
+
+_MEMO_SIZE = 4096
+"""Plans kept for a recomputation at most (layers x micro-batches in flight)."""
+_memo: dict = {}
+"""slot -> (owner weakref, cu_seqlens, budget key, plan): forward plans awaiting their recompute."""
+_slot: contextvars.ContextVar = contextvars.ContextVar("sparsebalance_plan_slot", default=None)
+
+
+@contextlib.contextmanager
+def plan_slot(owner, layer: int, mode: Optional[str]) -> Iterator[None]:
+    """Inside the block, :func:`build_plan` keeps (``mode="store"``: an activation-checkpointed
+    forward) or takes back (``"reuse"``: its recomputation in backward) the plan of
+    ``(owner, layer)``, so a recomputed layer attends to exactly the blocks its forward
+    chose without routing again. ``owner``: the micro-batch's packed params (held weakly);
+    ``mode=None``: no memo."""
+    token = _slot.set(None if mode is None else (id(owner), int(layer), mode, weakref.ref(owner)))
+    try:
+        yield
+    finally:
+        _slot.reset(token)
+
+
+def _memo_plan(cu_seqlens, topk, compute: Callable[[], RoutingPlan]) -> RoutingPlan:
+    slot = _slot.get()
+    if slot is None:
+        return compute()
+    key, mode, ref = slot[:2], slot[2], slot[3]
+    if mode == "reuse":
+        got = _memo.pop(key, None)
+        if got is not None and got[0]() is ref() and got[1] is cu_seqlens and got[2] == _topk_key(topk):
+            return got[3]
+        return compute()
+    plan = compute()
+    _memo[key] = (ref, cu_seqlens, _topk_key(topk), plan)
+    while len(_memo) > _MEMO_SIZE:  # a forward whose recompute never came (an aborted step)
+        del _memo[next(iter(_memo))]
+    return plan
+
+
 def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None) -> RoutingPlan:
-    dev = q.device
-    H = q.shape[1]
-    B = int(block_size)
+    """Per layer: the cached skeleton of these documents and budgets, then the gates and
+    the top-k choice on the device (no host work, no host sync on a cache hit); a
+    recomputed layer takes its forward's plan (:func:`plan_slot`)."""
+    return _memo_plan(cu_seqlens, topk, lambda: _route(q, k, cu_seqlens, topk, block_size,
+                                                       softmax_scale, reduce_q_sums))
+
+
+def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None) -> RoutingPlan:
+    sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device)
+    kv_idx = sk.kv_template.clone()
+    if sk.route:
+        sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums)
+    return RoutingPlan(
+        block_size=int(block_size),
+        qb_start=sk.meta_d[0],
+        qb_len=sk.meta_d[1],
+        kv_idx=kv_idx,
+        kv_cnt=sk.meta_d[2],
+        kept_pairs=sk.kept_pairs,
+        causal_pairs=sk.causal_pairs,
+        kv_nnz=sk.kv_nnz,
+    )
+
+
+def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device) -> _Skeleton:
     # Per-block metadata is O(blocks): numpy on the host, from cu_seqlens.
-    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
     starts, lens = cu[:-1], np.diff(cu)
     n_docs = len(lens)
     kd = _per_doc_topk(topk, n_docs).numpy()
@@ -324,19 +456,10 @@ def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums
     # Default rows (all of blocks 0..i kept) are exact wherever i <= topk + 1.
     e = torch.arange(W, device=dev, dtype=torch.int32)
     fb_d, i_d = meta_d[3].view(-1, 1), meta_d[4].view(-1, 1)
-    kv_idx = torch.where(e <= i_d, fb_d + e, -1).unsqueeze(0).expand(H, NB, W).contiguous()
-    if route:
-        route.run(q, k, kv_idx, sent[1:], float(softmax_scale), reduce_q_sums)
-    return RoutingPlan(
-        block_size=B,
-        qb_start=meta_d[0],
-        qb_len=meta_d[1],
-        kv_idx=kv_idx,
-        kv_cnt=meta_d[2],
-        kept_pairs=int(full.sum()) * H,
-        causal_pairs=int((lens * (lens + 1) // 2).sum()) * H,
-        kv_nnz=int(kv_cnt.sum()),
-    )
+    kv_template = torch.where(e <= i_d, fb_d + e, -1).unsqueeze(0).expand(H, NB, W).contiguous()
+    return _Skeleton(meta_d=meta_d, kv_template=kv_template, route=route, sent=sent,
+                     kept_pairs=int(full.sum()) * H, causal_pairs=int((lens * (lens + 1) // 2).sum()) * H,
+                     kv_nnz=int(kv_cnt.sum()))
 
 
 class _RouteHost:
