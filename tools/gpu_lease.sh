@@ -12,8 +12,11 @@
 #
 # flash-attn-4 comes from `make gpu-prep`'s two bundles (tools/gpu_fa4_install.sh):
 #   command 1 (carry .gpu1):                bash tools/gpu_fa4_install.sh stash
-#   command 2 (carry .gpu2 .whl gpudata):   set -o pipefail; bash tools/gpu_lease.sh 2>&1 | tee $OUT/log
-#   STEPS="flexbench profile" bash tools/gpu_lease.sh      # a later call on the warm machine
+#   command 2 (carry .gpu2 .whl gpudata):   set -o pipefail; STEPS="fa4tests fa4bench train flexbench" \
+#                                               bash tools/gpu_lease.sh 2>&1 | tee $OUT/log    (~8.5 min)
+#   command 3, at once on the warm machine:  STEPS="tests profile" bash tools/gpu_lease.sh    (~3.5 min)
+# The step budgets add up to 12 minutes (Run 4 on an H200: fa4 tests 95 s with the install,
+# fa4 bench 111 s, 64K train 114 s).
 #   bash tools/gpu_lease.sh --dry-run                      # the plan, printed (runs in CI)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,12 +28,12 @@ DRY=0
 [[ ${1:-} == --dry-run ]] && DRY=1
 plan() {  # step name, then gpu_check.sh's arguments
     case $1 in
-    fa4tests)  echo "--parts deps,tests --test-modules test_fa4_gpu.py --budget-s ${FA4TESTS_S:-170}" ;;
-    fa4bench)  echo "--parts bench --backends fa4 --seq-lens 65536,131072 --budget-s ${FA4BENCH_S:-130}" ;;
-    train)     echo "--parts train --train-seq-lens 65536 --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${TRAIN_S:-230}" ;;
-    flexbench) echo "--parts bench --backends flex,triton --seq-lens 65536 --budget-s ${FLEXBENCH_S:-150}" ;;
-    tests)     echo "--parts build,tests --test-modules test_flex_gpu.py,test_gpu_backends.py --budget-s ${TESTS_S:-200}" ;;
-    profile)   echo "--parts profile --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${PROFILE_S:-230}" ;;
+    fa4tests)  echo "--parts deps,tests --test-modules test_fa4_gpu.py --budget-s ${FA4TESTS_S:-120}" ;;
+    fa4bench)  echo "--parts bench --backends fa4 --seq-lens 65536,131072 --budget-s ${FA4BENCH_S:-120}" ;;
+    train)     echo "--parts train --train-seq-lens 65536 --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${TRAIN_S:-160}" ;;
+    flexbench) echo "--parts bench --backends flex,triton --seq-lens 65536 --budget-s ${FLEXBENCH_S:-110}" ;;
+    tests)     echo "--parts build,tests --test-modules test_flex_gpu.py,test_gpu_backends.py --budget-s ${TESTS_S:-100}" ;;
+    profile)   echo "--parts profile --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${PROFILE_S:-110}" ;;
     *)         echo "gpu_lease.sh: error: unknown step '$1' (fa4tests fa4bench train flexbench tests profile)" >&2
                return 1 ;;
     esac

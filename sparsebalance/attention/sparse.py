@@ -36,7 +36,7 @@ from sparsebalance.attention.dense import CausalVarlenAttention, causal_local_at
 from sparsebalance.attention.packed import budget_of
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention
-from sparsebalance.ops.plan import default_scale, host_cu, plan_slot
+from sparsebalance.ops.plan import RoutingRule, default_scale, host_cu, plan_slot, routing_rule
 
 
 class SparseAttention(CausalVarlenAttention):
@@ -46,8 +46,10 @@ class SparseAttention(CausalVarlenAttention):
         block_size: routing block size in tokens.
         topk: static budget (key blocks besides sink and diagonal) when the packed
             params carry none; ``None`` means dense.
-        backend: kernel backend name ("auto", "reference", "cpu", "triton", "cuda").
+        backend: kernel backend name ("auto", "reference", "cpu", "triton", "cuda", "flex", "fa4").
         dense_layers: 1-based global layer numbers that stay dense.
+        threshold: threshold routing's TAU (the budget is then the cap), None: top-k.
+        topk_min: threshold routing's least count of chosen blocks.
     """
 
     def __init__(
@@ -65,6 +67,8 @@ class SparseAttention(CausalVarlenAttention):
         topk: Optional[int] = 8,
         backend: str = "auto",
         dense_layers: Iterable[int] = (),
+        threshold: Optional[float] = None,
+        topk_min: int = 0,
     ):
         super().__init__(config, layer_number, attn_mask_type, attention_type,
                          attention_dropout, softmax_scale, cp_comm_type, pg_collection)
@@ -78,6 +82,7 @@ class SparseAttention(CausalVarlenAttention):
         self.topk = topk
         self.backend = backend
         self.dense_layers = frozenset(int(x) for x in dense_layers)
+        self.rule = None if threshold is None else RoutingRule(threshold=float(threshold), topk_min=int(topk_min))
 
     def budget_of(self, packed_seq_params) -> tuple:
         """(top-k or None for dense, micro-batch id) of this layer for the micro-batch
@@ -100,9 +105,11 @@ class SparseAttention(CausalVarlenAttention):
             # in backward takes it back: one routing per layer and micro-batch
             mode = ("reuse" if torch.is_grad_enabled() else "store") if is_checkpointing() else None
             with plan_slot(packed_seq_params, self.layer_number, mode if packed_seq_params is not None else None):
-                out, dens = sparse_attention(q, k, v, host, topk=topk, block_size=self.block_size,
-                                             softmax_scale=self.softmax_scale, backend=self.backend,
-                                             return_density=True)
+                out, dens = sparse_attention(
+                    q, k, v, host, topk=topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
+                    backend=self.backend, return_density=True,
+                    threshold=None if self.rule is None else self.rule.threshold,
+                    topk_min=0 if self.rule is None else self.rule.topk_min)
             kept = round(dens * causal)
         if _recomputing():  # the original forward of this call was recorded already
             return out
@@ -125,9 +132,10 @@ class SparseAttention(CausalVarlenAttention):
             out, kept = causal_local_attention(q, k_full, v_full, layout, self.softmax_scale), causal
         else:
             scale = default_scale(q.shape[2], self.softmax_scale)
-            out, kept = sparse_attention_local(q, query, k_full, v_full, layout, group, topk=topk,
-                                               block_size=self.block_size, scale=scale,
-                                               backend=self.backend)
+            with routing_rule(self.rule):
+                out, kept = sparse_attention_local(q, query, k_full, v_full, layout, group, topk=topk,
+                                                   block_size=self.block_size, scale=scale,
+                                                   backend=self.backend)
         if not _recomputing():
             lens = (layout.cu_real[1:] - layout.cu_real[:-1]).long()
             runtime.record_attention(runtime.AttentionRecord(
@@ -152,6 +160,8 @@ def get_gpt_layer_sparse_spec(
     dense_layers: Iterable[int] = (),
     use_te: Optional[bool] = None,
     normalization: str = "LayerNorm",
+    threshold: Optional[float] = None,
+    topk_min: int = 0,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec with :class:`SparseAttention` as ``core_attention``.
 
@@ -160,5 +170,5 @@ def get_gpt_layer_sparse_spec(
     passed to :func:`sparsebalance.attention.spec.get_gpt_layer_spec`.
     """
     params = dict(block_size=block_size, topk=topk, backend=backend,
-                  dense_layers=tuple(int(x) for x in dense_layers))
+                  dense_layers=tuple(int(x) for x in dense_layers), threshold=threshold, topk_min=topk_min)
     return get_gpt_layer_spec(SparseAttention, params, use_te=use_te, normalization=normalization)

@@ -305,6 +305,11 @@ def flex_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayo
         return x.index_select(0, idx).view(Tp, x.shape[1], x.shape[2]).permute(1, 0, 2).unsqueeze(0)
 
     fn = _compiled_flex(layout.block_size, q.device, q.dtype) if compiled else flex_attention
+    if expand_kv() and k.shape[1] != q.shape[1]:
+        # K/V repeated to the query heads: the backward's dk/dv kernel then owns one query
+        # head per program instead of looping over the group (the sink x GQA floor, docs/gpu.md)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     before = _graphs() if compiled else 0
     with warnings.catch_warnings(), _no_silent_eager(compiled):
         # eager is deliberate on the CPU path, not a missed compile
@@ -315,6 +320,12 @@ def flex_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayo
     if compiled:
         _compiles += _graphs() - before
     return out[0].permute(1, 0, 2).index_select(0, layout.pos)
+
+
+def expand_kv() -> bool:
+    """``SPARSEBALANCE_FLEX_EXPAND_KV=1``: flex gets K/V expanded to the query heads (a
+    measurement of the GQA backward floor; same results, more K/V memory)."""
+    return os.environ.get("SPARSEBALANCE_FLEX_EXPAND_KV") == "1"
 
 
 def use_compiled(device: torch.device) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from sparsebalance.ops.backends import BACKENDS, resolve_backend
-from sparsebalance.ops.plan import default_scale, host_cu
+from sparsebalance.ops.plan import RoutingRule, default_scale, host_cu, routing_rule
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP16_BACKENDS = ("fa4", "reference")
@@ -74,6 +74,8 @@ def sparse_attention(
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
     return_density: bool = False,
+    threshold: Optional[float] = None,
+    topk_min: int = 0,
 ):
     """Block top-k sparse causal attention over packed documents.
 
@@ -101,6 +103,10 @@ def sparse_attention(
             verified backend for this head dim, block size and dtype
             (:mod:`sparsebalance.ops.autoselect`).
         return_density: also return kept (query, key) pairs / causal pairs (float).
+        threshold: threshold routing (:class:`~sparsebalance.ops.plan.RoutingRule`): per
+            query block the smallest count of candidates holding this share of the gate
+            softmax in every head, within ``[topk_min, topk]``; None: top-k routing.
+        topk_min: threshold routing's least count (ignored by top-k routing).
 
     Returns:
         ``out [T, H, D]`` in q's dtype, or ``(out, density)``.
@@ -109,12 +115,14 @@ def sparse_attention(
         ValueError: naming the bad argument.
     """
     _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale)
+    rule = None if threshold is None else RoutingRule(threshold=float(threshold), topk_min=topk_min)
     name = resolve_backend(backend, q.device, q.shape[2], block_size, q.dtype)
     if q.dtype == torch.float16 and name not in _FP16_BACKENDS:
         raise ValueError(f"float16 runs on backends {', '.join(_FP16_BACKENDS)} only, not {name!r}: "
                          f"use bfloat16 or float32")
     scale = default_scale(q.shape[2], softmax_scale)
-    out, kept = BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
+    with routing_rule(rule):
+        out, kept = BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
     if not return_density:
         return out
     lens = np.diff(host_cu(cu_seqlens))

@@ -97,6 +97,48 @@ def restrict_plan(plan: RoutingPlan, tokens: torch.Tensor, causal_pairs: int) ->
                        int(causal_pairs), int(kv_cnt.sum()))
 
 
+@dataclass(frozen=True)
+class RoutingRule:
+    """How many key blocks a query block keeps besides its sink and diagonal.
+
+    ``threshold=None`` (top-k routing): the budget ``topk`` of its document. A threshold
+    ``TAU`` (threshold routing): per query block, the smallest count ``c`` such that in
+    every head the ``c`` candidates with the largest gates hold at least ``TAU`` of that
+    head's softmax over the candidates' gate scores, clamped to ``[topk_min, topk]`` (and
+    to the candidates there are); each head then keeps its own top ``c``. One count per
+    query block for all heads, so every kernel's tables keep their shape; the count follows
+    the content, so equal-length documents can cost differently. ``TAU = 1`` with a cap of
+    every block is dense causal attention."""
+
+    threshold: Optional[float] = None
+    topk_min: int = 0
+
+    def __post_init__(self) -> None:
+        if self.threshold is not None and not 0.0 < float(self.threshold) <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold!r}")
+        if isinstance(self.topk_min, bool) or not isinstance(self.topk_min, int) or self.topk_min < 0:
+            raise ValueError(f"topk_min must be an int >= 0, got {self.topk_min!r}")
+
+
+TOPK_RULE = RoutingRule()
+_rule: contextvars.ContextVar = contextvars.ContextVar("sparsebalance_routing_rule", default=TOPK_RULE)
+
+
+def current_rule() -> RoutingRule:
+    """The routing rule :func:`build_plan` and the reference apply here (:func:`routing_rule`)."""
+    return _rule.get()
+
+
+@contextlib.contextmanager
+def routing_rule(rule: Optional[RoutingRule]) -> Iterator[None]:
+    """Inside the block every plan (and the reference) routes by ``rule`` (None: top-k)."""
+    token = _rule.set(rule or TOPK_RULE)
+    try:
+        yield
+    finally:
+        _rule.reset(token)
+
+
 _HOST_CACHE_SIZE = 8
 """Micro-batches whose host copies and routing skeletons are kept (pipeline schedules
 interleave a few micro-batches' forwards with earlier ones' recomputed forwards)."""
@@ -352,14 +394,16 @@ def _topk_key(topk: TopK):
     return ("i", int(topk))
 
 
-def _skeleton(cu_seqlens, topk, B: int, H: int, dev: torch.device) -> _Skeleton:
-    """:func:`_build_skeleton`, cached per (cu_seqlens tensor, budget, block, heads, device)."""
-    key = (_topk_key(topk), B, H, dev)
+def _skeleton(cu_seqlens, topk, B: int, H: int, dev: torch.device,
+              kmin: Optional[int] = None) -> _Skeleton:
+    """:func:`_build_skeleton`, cached per (cu_seqlens tensor, budget, block, heads, device,
+    threshold routing's minimum)."""
+    key = (_topk_key(topk), B, H, dev, kmin)
     for i, (t, version, k, sk, held) in enumerate(_skeletons):
         if t is cu_seqlens and version == cu_seqlens._version and k == key:
             _skeletons.append(_skeletons.pop(i))
             return sk
-    sk = _build_skeleton(host_cu(cu_seqlens), topk, B, H, dev)
+    sk = _build_skeleton(host_cu(cu_seqlens), topk, B, H, dev, kmin)
     _skeletons.append((cu_seqlens, cu_seqlens._version, key, sk, topk))
     del _skeletons[:-_HOST_CACHE_SIZE]
     return sk
@@ -393,11 +437,12 @@ def _memo_plan(cu_seqlens, topk, compute: Callable[[], RoutingPlan]) -> RoutingP
     key, mode, ref = slot[:2], slot[2], slot[3]
     if mode == "reuse":
         got = _memo.pop(key, None)
-        if got is not None and got[0]() is ref() and got[1] is cu_seqlens and got[2] == _topk_key(topk):
+        same = got is not None and got[0]() is ref() and got[1] is cu_seqlens
+        if same and got[2] == (_topk_key(topk), current_rule()):
             return got[3]
         return compute()
     plan = compute()
-    _memo[key] = (ref, cu_seqlens, _topk_key(topk), plan)
+    _memo[key] = (ref, cu_seqlens, (_topk_key(topk), current_rule()), plan)
     while len(_memo) > _MEMO_SIZE:  # a forward whose recompute never came (an aborted step)
         del _memo[next(iter(_memo))]
     return plan
@@ -412,23 +457,37 @@ def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums
 
 
 def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None) -> RoutingPlan:
-    sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device)
+    rule = current_rule()
+    thr = rule.threshold
+    sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device,
+                   None if thr is None else rule.topk_min)
     kv_idx = sk.kv_template.clone()
+    kv_cnt = sk.meta_d[2] if thr is None else sk.meta_d[2].clone()
     if sk.route:
-        sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums)
+        sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums,
+                     kv_cnt=kv_cnt, threshold=thr)
+    kept, nnz = sk.kept_pairs, sk.kv_nnz
+    if thr is not None and sk.route:  # the counts were chosen on the device: one read back
+        ql = sk.meta_d[1].long()
+        per_head = ((kv_cnt.long() - 1) * int(block_size) * ql + ql * (ql + 1) // 2).sum()
+        kept, nnz = int(per_head) * q.shape[1], int(kv_cnt.sum())
     return RoutingPlan(
         block_size=int(block_size),
         qb_start=sk.meta_d[0],
         qb_len=sk.meta_d[1],
         kv_idx=kv_idx,
-        kv_cnt=sk.meta_d[2],
-        kept_pairs=sk.kept_pairs,
+        kv_cnt=kv_cnt,
+        kept_pairs=kept,
         causal_pairs=sk.causal_pairs,
-        kv_nnz=sk.kv_nnz,
+        kv_nnz=nnz,
     )
 
 
-def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device) -> _Skeleton:
+def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
+                    kmin: Optional[int] = None) -> _Skeleton:
+    """``kmin`` None: top-k routing (the counts are known here). An int: threshold routing
+    with that minimum; rows with more than ``min(kmin, topk)`` candidates are routed on
+    the device, which sets their counts (the ones here are the caps)."""
     # Per-block metadata is O(blocks): numpy on the host, from cu_seqlens.
     starts, lens = cu[:-1], np.diff(cu)
     n_docs = len(lens)
@@ -445,8 +504,9 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device) -> 
     kv_cnt = 1 + (i_in_doc > 0) + np.minimum(kd[doc_of], np.maximum(i_in_doc - 1, 0))
     W = int(kv_cnt.max()) if NB else 1
     full = (kv_cnt - 1) * B * qb_len + qb_len * (qb_len + 1) // 2
-    sel = np.flatnonzero(nb > kd + 2)  # documents with a real choice
-    route = _RouteHost(sel, nb, kd, first_block, qb_start, qb_len, doc_of, i_in_doc, H, B,
+    kr = kd if kmin is None else np.minimum(kd, kmin)  # rows past kr + 1 make a choice
+    sel = np.flatnonzero(nb > kr + 2)  # documents with a real choice
+    route = _RouteHost(sel, nb, kd, kr, first_block, qb_start, qb_len, doc_of, i_in_doc, H, B,
                        dev.type != "cpu") if len(sel) else None
 
     # Everything the device needs from the host, in one copy.
@@ -465,7 +525,7 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device) -> 
 class _RouteHost:
     """The top-k choice of the documents ``sel``: host-side index arrays, then the device work."""
 
-    def __init__(self, sel, nb, kd, first_block, qb_start, qb_len, doc_of, i_in_doc, H, B, gpu):
+    def __init__(self, sel, nb, kd, kr, first_block, qb_start, qb_len, doc_of, i_in_doc, H, B, gpu):
         self.B = B
         NB = len(doc_of)
         # fp32 block means (sum over the block's tokens, then / length, as a per-document
@@ -476,7 +536,7 @@ class _RouteHost:
         is_sel = np.zeros(len(nb), bool)
         is_sel[sel] = True
         is_sel = is_sel[doc_of]
-        qfull = np.flatnonzero(is_sel & (i_in_doc >= kd[doc_of] + 2) & (qb_len == B))
+        qfull = np.flatnonzero(is_sel & (i_in_doc >= kr[doc_of] + 2) & (qb_len == B))
         qpart = np.flatnonzero(is_sel & (qb_len < B))  # partial blocks are never candidates
         kfull = np.flatnonzero(is_sel & (i_in_doc >= 1) & (i_in_doc <= nb[doc_of] - 2))
         qslot = np.zeros(NB, np.int64)  # global block id -> row of the q means
@@ -492,15 +552,15 @@ class _RouteHost:
         # Work items: row ranges [i0, i1) of one document (a huge document is cut in several
         # so one item fits the budget); an item's gate columns are its blocks 0 .. i1 - 2
         # (block 0 is never a candidate but keeps the GEMM shaped as it was per document).
-        n_s, k_s, fb_s = nb[sel], kd[sel], first_block[sel]
-        r0 = k_s + 2  # first query block with a real choice
+        n_s, k_s, fb_s, kr_s = nb[sel], kd[sel], first_block[sel], kr[sel]
+        r0 = kr_s + 2  # first query block with a real choice
         per = np.maximum(_GATE_BUDGET // (H * (n_s - 1)), 1)
         nseg = (n_s - r0 + per - 1) // per
         it = np.repeat(np.arange(len(sel)), nseg)
         seg = np.arange(len(it)) - (np.cumsum(nseg) - nseg)[it]
         i0 = r0[it] + seg * per[it]
         i1 = np.minimum(i0 + per[it], n_s[it])
-        rows, cols, kk, fb = i1 - i0, i1 - 1, k_s[it], fb_s[it]
+        rows, cols, kk, fb, kl = i1 - i0, i1 - 1, k_s[it], fb_s[it], kr_s[it]
         self.batches = []
         for ids in _chunks(rows, cols, H, gpu):
             R, C = int(rows[ids].max()), int(cols[ids].max())
@@ -510,8 +570,8 @@ class _RouteHost:
             kcol = kslot[fb[ids, None] + np.maximum(np.minimum(np.arange(C), cols[ids, None] - 1), 1)]
             src = np.flatnonzero(a < rows[ids, None])  # padded (item, row) -> written rows
             dst = (fb[ids, None] + i0[ids, None] + a).ravel()[src]
-            info = np.stack([i0[ids], rows[ids], kk[ids], fb[ids]])
-            kmax = int(kk[ids].max())
+            info = np.stack([i0[ids], rows[ids], kk[ids], fb[ids], kl[ids]])
+            kmax = min(int(kk[ids].max()), C - 1)  # a cap past the candidates (threshold rows)
             self.batches.append((len(ids), R, C, kmax, int(kk[ids].min()) == kmax,
                                  [qrow, kcol, src, dst, info]))
 
@@ -521,8 +581,10 @@ class _RouteHost:
             out += arrays
         return out
 
-    def run(self, q, k, kv_idx, sent: list, scale: float, reduce_q_sums=None) -> None:
-        """Overwrite the routed rows of ``kv_idx`` (device ops only)."""
+    def run(self, q, k, kv_idx, sent: list, scale: float, reduce_q_sums=None,
+            kv_cnt: Optional[torch.Tensor] = None, threshold: Optional[float] = None) -> None:
+        """Overwrite the routed rows of ``kv_idx`` (device ops only); threshold routing also
+        writes their counts into ``kv_cnt``."""
         dev, B = q.device, self.B
         H, hkv, D = q.shape[1], k.shape[1], q.shape[2]
         W = kv_idx.shape[2]
@@ -552,21 +614,42 @@ class _RouteHost:
             g = torch.einsum("sihd,sjhd->hsij", qg, kg)  # [H, c, R, C]
             del qg, kg
             info = info.to(torch.int32)
-            i0, nrows, kk, fb = (t.view(1, c, 1, 1) for t in info)
+            i0, nrows, kk, fb, kl = (t.view(1, c, 1, 1) for t in info)
             i_abs = i0 + torch.arange(R, device=dev, dtype=torch.int32).view(1, 1, R, 1)  # [1, c, R, 1]
             j = torch.arange(C, device=dev, dtype=torch.int32)
             g.masked_fill_((j < 1) | (j >= i_abs) | (i_abs >= i0 + nrows), float("-inf"))
+            keep = kk  # blocks chosen per row besides sink and diagonal
+            if threshold is not None:
+                keep = _threshold_counts(g, threshold, kl, kk, i_abs - 1).clamp_(max=kmax)  # padding rows
             if kmax == 0:
                 ch = torch.empty((H, c, R, 0), dtype=torch.int32, device=dev)
-            else:
+            elif threshold is None:
                 ch = _select_rows(g, kmax if uniform else kk.long(), kmax).to(torch.int32)
+            else:
+                ch = _select_rows(g, keep.long(), kmax).to(torch.int32)
             del g
             # each row: sink, chosen ascending, diagonal, -1 padding
             out = torch.full((H, c, R, W), -1, dtype=torch.int32, device=dev)
             out[..., 0] = fb[..., 0]
             out[..., 1:1 + kmax] = torch.where(ch >= 0, ch + fb, -1)
-            out.scatter_(-1, (kk + 1).long().expand(H, c, R, 1), (fb + i_abs).expand(H, c, R, 1))
+            out.scatter_(-1, (keep + 1).long().expand(H, c, R, 1), (fb + i_abs).expand(H, c, R, 1))
             kv_idx[:, dst] = out.view(H, c * R, W)[:, src]
+            if threshold is not None:
+                kv_cnt[dst] = (keep + 2).to(kv_cnt.dtype).view(c * R)[src]
+
+
+def _threshold_counts(g: torch.Tensor, tau: float, kmin: torch.Tensor, kmax: torch.Tensor,
+                      ncand: torch.Tensor) -> torch.Tensor:
+    """Threshold routing's count per row of gates ``g [H, ..., C]`` (``-inf`` where a
+    column is not a candidate): the smallest ``c`` whose top ``c`` candidates hold at
+    least ``tau`` of the softmax over the candidates in every head, clamped to
+    ``[kmin, kmax]`` and to the ``ncand`` candidates. Returns int32 ``[1, ..., 1]``."""
+    p = torch.softmax(g, dim=-1).nan_to_num_(0.0)  # rows without candidates: padding rows
+    mass = p.sort(dim=-1, descending=True).values.cumsum_(-1)
+    need = (mass < tau).sum(-1, keepdim=True, dtype=torch.int32) + 1
+    c = need.amax(0, keepdim=True)
+    hi = torch.minimum(kmax, ncand.clamp(min=0))
+    return torch.minimum(torch.maximum(c, torch.minimum(kmin, hi)), hi).to(torch.int32)
 
 
 @torch.no_grad()

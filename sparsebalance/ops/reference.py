@@ -5,7 +5,9 @@ no shared tables with the kernels) so the tests check the shared routing plan
 too. It also supports per-token routing (``query_block_size=1``, MoBA style):
 query groups of ``query_block_size`` tokens gate against key blocks of
 ``block_size`` tokens; a query always keeps its own key block (causal) and the
-sink, plus the top-``topk`` key blocks strictly before its own block.
+sink, plus the top-``topk`` key blocks strictly before its own block. Under threshold
+routing (:func:`~sparsebalance.ops.plan.routing_rule`) ``topk`` is the cap and the count
+per query group follows :class:`~sparsebalance.ops.plan.RoutingRule`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from sparsebalance.ops.plan import TopK, _per_doc_topk
+from sparsebalance.ops.plan import TopK, _per_doc_topk, current_rule
 
 
 def _doc_mask(qd: torch.Tensor, kd: torch.Tensor, topk: int, B: int, Bq: int, scale: float) -> torch.Tensor:
@@ -39,7 +41,21 @@ def _doc_mask(qd: torch.Tensor, kd: torch.Tensor, topk: int, B: int, Bq: int, sc
     cand = (j >= 1) & (j < g_blk.view(-1, 1))  # [nq, nk]
     keep_blk = (j == 0) | (j == g_blk.view(-1, 1))
     keep_blk = keep_blk.unsqueeze(0).expand(H, nq, nk).clone()
-    if topk > 0:
+    rule = current_rule()
+    if topk > 0 and rule.threshold is not None:
+        # threshold routing, written out per query group: each head's softmax over the
+        # candidates' gates, the smallest count holding TAU of it in every head, clamped
+        g = gate.masked_fill(~cand, float("-inf"))
+        ncand = cand.sum(-1)  # [nq]
+        p = torch.softmax(g, dim=-1).nan_to_num(0.0)
+        mass = p.sort(dim=-1, descending=True).values.cumsum(-1)
+        count = ((mass < rule.threshold).sum(-1) + 1).amax(0)  # [nq]
+        hi = torch.clamp(ncand, max=topk)
+        count = torch.minimum(torch.maximum(count, torch.clamp(hi, max=rule.topk_min)), hi)
+        order = torch.sort(g, dim=-1, descending=True, stable=True).indices  # [H, nq, nk]
+        ranked = (torch.arange(nk, device=dev).view(1, 1, -1) < count.view(1, -1, 1)).expand(H, nq, nk)
+        keep_blk |= torch.zeros_like(keep_blk).scatter_(-1, order, ranked) & cand
+    elif topk > 0:
         g = gate.masked_fill(~cand, float("-inf"))
         order = torch.sort(g, dim=-1, descending=True, stable=True).indices[..., :topk]
         chosen = torch.zeros_like(keep_blk).scatter_(-1, order, True) & cand

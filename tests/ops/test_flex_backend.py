@@ -219,3 +219,16 @@ def test_backward_off_cuda_is_a_clear_error():
         sparse_attention(q.requires_grad_(), k, v, cu, topk=1, block_size=16, backend="flex")
     with torch.no_grad():  # forward only is fine
         assert sparse_attention(q, k, v, cu, topk=1, block_size=16, backend="flex").shape == q.shape
+
+
+def test_expanded_kv_gives_the_same_forward(monkeypatch):
+    """SPARSEBALANCE_FLEX_EXPAND_KV=1 (K/V repeated to the query heads, for measuring
+    flex's GQA backward floor on a GPU) changes no result."""
+    lens, H, Hkv, D, B, topk = FLEX_CASES["block16-gqa-8to2"]
+    q, k, v, cu, _ = make_inputs(lens, H, Hkv, D, seed=5)
+    grouped, dens = _fwd("flex", q, k, v, cu, topk, B)
+    monkeypatch.setenv("SPARSEBALANCE_FLEX_EXPAND_KV", "1")
+    assert flex.expand_kv()
+    expanded, dens2 = _fwd("flex", q, k, v, cu, topk, B)
+    assert dens2 == dens < 1.0
+    torch.testing.assert_close(expanded, grouped, rtol=1e-5, atol=2e-6)

@@ -1,0 +1,123 @@
+"""Threshold routing (issue 41): per query block the smallest count of candidate key
+blocks that holds TAU of each head's gate softmax, within [topk_min, topk], plus sink and
+diagonal. The reference routes on its own (the oracle); every CPU backend runs the shared
+plan and must match it, fa4's descriptors must expand to its mask, TAU = 1 with a cap of
+every block is dense, and documents of equal length get different densities when their
+content differs."""
+
+import pytest
+import torch
+from _cases import make_inputs
+
+from sparsebalance.ops import fa4, sparse_attention
+from sparsebalance.ops.flex import flex_layout
+from sparsebalance.ops.plan import RoutingRule, build_plan, routing_rule
+from sparsebalance.ops.reference import _doc_mask
+
+# name -> (doc lengths, H, Hkv, D, block_size, cap, tau, topk_min)
+CASES = {
+    "ragged-gqa-tau0.8": ([700, 1, 300, 129, 1100], 4, 2, 32, 32, 8, 0.8, 0),
+    "tau0.5-min2": ([900, 640], 4, 1, 16, 32, 12, 0.5, 2),
+    "tau0.95-cap3": ([1000, 77], 2, 2, 16, 32, 3, 0.95, 1),
+    "per-doc-caps": ([600, 600, 600], 4, 2, 16, 32, torch.tensor([0, 4, 20]), 0.9, 1),
+    "block64-min-over-cap": ([2000], 2, 1, 32, 64, 2, 0.7, 5),
+}
+
+
+def _run(backend, case, threshold=True, seed=0):
+    lens, H, Hkv, D, B, cap, tau, kmin = case
+    q, k, v, cu, _ = make_inputs(lens, H, Hkv, D, seed=seed)
+    out, dens = sparse_attention(q, k, v, cu, topk=cap, block_size=B, backend=backend, return_density=True,
+                                 threshold=tau if threshold else None, topk_min=kmin)
+    return out, dens
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("backend", ["cpu", "flex"])
+def test_backends_match_the_reference(name, backend):
+    ref, dens_ref = _run("reference", CASES[name])
+    out, dens = _run(backend, CASES[name])
+    assert dens == dens_ref
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_plan_counts_and_fa4_descriptors_follow_the_rule(name):
+    lens, H, Hkv, D, B, cap, tau, kmin = CASES[name]
+    q, k, _, cu, _ = make_inputs(lens, H, Hkv, D)
+    scale = D ** -0.5
+    with routing_rule(RoutingRule(tau, kmin)):
+        plan = build_plan(q, k, cu, cap, B, scale)
+    caps = cap.tolist() if isinstance(cap, torch.Tensor) else [cap] * len(lens)
+    i = 0
+    for L, c in zip(lens, caps):  # chosen blocks per query block within [min(kmin, cand), min(cap, cand)]
+        for b in range(-(-L // B)):
+            cand = max(b - 1, 0)
+            chosen = int(plan.kv_cnt[i]) - 1 - (b > 0)
+            assert min(kmin, c, cand) <= chosen <= min(c, cand), (L, b, chosen)
+            i += 1
+    # fa4's descriptors, expanded as FA4 reads them, equal the reference's threshold mask
+    layout = flex_layout(cu, B, q.device, bucket=False)
+    want = torch.zeros((H, layout.padded_tokens, layout.padded_tokens), dtype=torch.bool)
+    s, rep = 0, H // Hkv
+    with routing_rule(RoutingRule(tau, kmin)):
+        for L, c in zip(lens, caps):
+            m = _doc_mask(q[s:s + L], k[s:s + L].repeat_interleave(rep, dim=1), c, B, B, scale)
+            p = layout.pos[s:s + L]
+            want[:, p.view(-1, 1), p.view(1, -1)] = m
+            s += L
+    desc = fa4.fa4_descriptors(plan)
+    for direction in ("forward", "backward"):
+        got = fa4.descriptor_mask(desc, direction)
+        assert torch.equal(got[:, layout.pos], want[:, layout.pos]), direction
+
+
+def test_tau_one_with_room_for_every_block_is_dense():
+    case = ([900, 300], 4, 2, 16, 32, 10 ** 6, 1.0, 0)
+    out, dens = _run("cpu", case)
+    dense, _ = _run("reference", case[:5] + (10 ** 6, 1.0, 0), threshold=False)
+    assert dens == 1.0
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=2e-6)
+
+
+def test_lower_tau_keeps_fewer_blocks_and_topk_routing_is_unchanged():
+    case = CASES["ragged-gqa-tau0.8"]
+    dens = [_run("cpu", case[:6] + (tau, 0))[1] for tau in (0.3, 0.6, 0.9, 0.99)]
+    assert dens == sorted(dens) and dens[0] < dens[-1]
+    # the rule is scoped: after threshold calls, a top-k call routes as it always did
+    topk_out, topk_dens = _run("cpu", case, threshold=False)
+    ref_out, ref_dens = _run("reference", case, threshold=False)
+    assert topk_dens == ref_dens
+    torch.testing.assert_close(topk_out, ref_out, rtol=1e-5, atol=2e-6)
+
+
+def test_equal_lengths_different_content_different_density():
+    """Two 1,024-token documents: in one every query points at one early key block (its
+    gate softmax is peaked), in the other gates are random (flat). Threshold routing keeps
+    far fewer blocks for the first; top-k routing keeps the same number for both."""
+    L, H, D, B = 1024, 2, 32, 32
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2 * L, H, D, generator=g) * 0.1
+    q = torch.randn(2 * L, H, D, generator=g) * 0.1
+    k[3 * B:4 * B] += 3.0  # block 3 of document 0 stands out ...
+    q[:L] += 3.0  # ... and every query of document 0 looks for it
+    cu = torch.tensor([0, L, 2 * L], dtype=torch.int32)
+    dens = {}
+    for name, kw in (("threshold", dict(threshold=0.9)), ("topk", {})):
+        plan_d = []
+        for d in range(2):
+            sl = slice(d * L, (d + 1) * L)
+            _, dd = sparse_attention(q[sl], k[sl], k[sl], cu[:2], topk=16, block_size=B, backend="cpu",
+                                     return_density=True, **kw)
+            plan_d.append(dd)
+        dens[name] = plan_d
+    assert dens["topk"][0] == dens["topk"][1]
+    assert dens["threshold"][0] < 0.5 * dens["threshold"][1]
+
+
+@pytest.mark.parametrize("tau, kmin, said", [(0.0, 0, "threshold must be in"), (1.5, 0, "threshold must be in"),
+                                             (0.5, -1, "topk_min must be an int")])
+def test_bad_rule_is_one_line(tau, kmin, said):
+    with pytest.raises(ValueError, match=said) as exc:
+        _run("cpu", ([100], 2, 2, 16, 32, 2, tau, kmin))
+    assert "\n" not in str(exc.value)
