@@ -31,8 +31,17 @@ class AttentionConfig:
     """Kernel backend name (``sparsebalance.ops.BACKENDS`` key or "auto")."""
     dense_layers: Tuple[int, ...] = ()
     """1-based layer numbers that stay dense."""
+    threshold: Optional[float] = None
+    """Threshold routing's TAU (``--sb-routing threshold``; the budget is then the cap);
+    None: top-k routing."""
+    topk_min: int = 0
+    """Threshold routing's least count of chosen blocks (``--sb-topk-min``)."""
 
     def __post_init__(self) -> None:
+        _check(self.threshold is None or (isinstance(self.threshold, (int, float)) and 0 < self.threshold <= 1),
+               f"attention.threshold must be None or in (0, 1], got {self.threshold!r}")
+        _check(isinstance(self.topk_min, int) and self.topk_min >= 0,
+               f"attention.topk_min must be an int >= 0, got {self.topk_min!r}")
         _check(isinstance(self.block_size, int) and self.block_size >= 1,
                f"attention.block_size must be an int >= 1, got {self.block_size!r}")
         _check(isinstance(self.topk, int) and self.topk >= 0,

@@ -87,6 +87,14 @@ def validate_balance(args: argparse.Namespace) -> None:
     if not args.sb_topk_min <= k0 <= args.sb_topk_max:
         raise UsageError(f"need --sb-topk-min {args.sb_topk_min} <= --sb-topk {k0} <= "
                          f"--sb-topk-max {args.sb_topk_max}")
+    if args.sb_threshold is not None and args.sb_routing != "threshold":
+        raise UsageError("--sb-threshold needs --sb-routing threshold")
+    if args.sb_routing == "threshold":
+        if not args.sparse_attention:
+            raise UsageError("--sb-routing threshold needs --sparse-attention (or --sparse-balance)")
+        args.sb_threshold = 0.9 if args.sb_threshold is None else args.sb_threshold
+        if not 0.0 < args.sb_threshold <= 1.0:
+            raise UsageError(f"--sb-threshold must be in (0, 1], got {args.sb_threshold}")
     if not 0.0 < args.sb_p < 1.0:
         raise UsageError(f"--sb-p must be in (0, 1), got {args.sb_p}")
     if not 0.0 <= args.sb_attn_slack < 1.0:

@@ -205,6 +205,14 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                    help="sparse kernel backend by name (auto picks the best available)")
     g.add_argument("--sb-dense-layers", type=pos(int), nargs="*", default=[],
                    help="1-based layer numbers kept dense")
+    g.add_argument("--sb-routing", choices=("topk", "threshold"), default="topk",
+                   help="topk: every query block keeps --sb-topk key blocks (besides sink and "
+                        "diagonal); threshold: the fewest blocks holding --sb-threshold of each "
+                        "head's gate softmax, within [--sb-topk-min, --sb-topk] (content-dependent "
+                        "sparsity; DST then tunes the cap)")
+    g.add_argument("--sb-threshold", type=float, default=None, metavar="TAU",
+                   help="threshold routing's share of the gate softmax mass, 0 < TAU <= 1 "
+                        "(default 0.9; needs --sb-routing threshold)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=pos(int), default=1)

@@ -43,6 +43,9 @@ def layer_spec(args):
             backend=args.sb_attention_backend,
             dense_layers=tuple(args.sb_dense_layers),
             normalization=args.normalization,
+            # threshold routing: the budget (--sb-topk, or DST's per micro-batch) is the cap
+            threshold=args.sb_threshold if getattr(args, "sb_routing", "topk") == "threshold" else None,
+            topk_min=args.sb_topk_min or 0,
         )
     if getattr(args, "transformer_impl", "local") == "transformer_engine":  # checked: CUDA + TE present
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec

@@ -19,9 +19,11 @@ from sparsebalance.config import (
 
 def attention_config(args) -> AttentionConfig:
     """``--sparse-attention`` and ``--sb-block-size|topk|attention-backend|dense-layers``."""
+    threshold = args.sb_threshold if getattr(args, "sb_routing", "topk") == "threshold" else None
     return AttentionConfig(sparse=bool(args.sparse_attention), block_size=args.sb_block_size,
                            topk=args.sb_topk, backend=args.sb_attention_backend,
-                           dense_layers=tuple(args.sb_dense_layers))
+                           dense_layers=tuple(args.sb_dense_layers), threshold=threshold,
+                           topk_min=(args.sb_topk_min or 0) if threshold is not None else 0)
 
 
 def parallel_config(args) -> ParallelConfig:
