@@ -41,6 +41,17 @@ sys.exit('base image lacks: ' + ', '.join(missing) if missing else 0)" \
         megatron-core==0.16.1 \
         tokenizers==0.23.3
 
+# FlashAttention-4 (pure Python + CuTeDSL, JIT-compiled on first use; no CUDA build):
+# --sb-attention-backend fa4 and the dense varlen baseline. The pins of requirements-gpu.txt.
+RUN pip install --no-cache-dir \
+        flash-attn-4==4.0.0b36 \
+        "nvidia-cutlass-dsl[cu13]==4.8.1" \
+        nvidia-cutlass-dsl-libs-core==4.8.1 \
+        quack-kernels==0.6.5 \
+        apache-tvm-ffi==0.1.15.post2 \
+        torch-c-dlpack-ext==0.1.5 \
+    && python -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('flash_attn.cute') else 'flash-attn-4 not installed')"
+
 WORKDIR /workspace/sparsebalance
 
 # Extension sources first, so editing Python files does not rebuild the kernels.

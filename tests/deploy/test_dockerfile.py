@@ -301,3 +301,14 @@ def test_build_checks_the_extensions_setup_py_defines(instrs):
     assert cpu_arch and "native" not in cpu_arch[0], "set a portable SPARSEBALANCE_CPU_ARCH"
     envs = " ".join(a for i, a in instrs if i == "ENV")
     assert "SPARSEBALANCE_CPU_ARCH=${SPARSEBALANCE_CPU_ARCH}" in envs
+
+
+def test_image_installs_the_gpu_requirements_pins(instrs):
+    """The image's flash-attn-4 stack is requirements-gpu.txt's, pin for pin."""
+    with open(os.path.join(REPO, "requirements-gpu.txt")) as fh:
+        want = {ln.split("#")[0].strip() for ln in fh if ln.split("#")[0].strip()}
+    got = set()
+    for i, a in instrs:
+        if i == "RUN" and "flash-attn-4" in a:
+            got |= {w.strip('"') for w in shlex.split(a.split("&&")[0]) if "==" in w}
+    assert want and got == want, (sorted(want), sorted(got))
