@@ -98,6 +98,7 @@ class SparseAttention(CausalVarlenAttention):
             host = cu_seqlens  # copied to the host once per micro-batch (plan.host_cu)
         lens = torch.from_numpy(np.diff(host_cu(host)))
         causal = int((lens * (lens + 1) // 2).sum()) * q.shape[1]
+        doc_kept = None
         if topk is None:
             out, kept = causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale), causal
         else:
@@ -105,9 +106,9 @@ class SparseAttention(CausalVarlenAttention):
             # in backward takes it back: one routing per layer and micro-batch
             mode = ("reuse" if torch.is_grad_enabled() else "store") if is_checkpointing() else None
             with plan_slot(packed_seq_params, self.layer_number, mode if packed_seq_params is not None else None):
-                out, dens = sparse_attention(
+                out, dens, doc_kept = sparse_attention(
                     q, k, v, host, topk=topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
-                    backend=self.backend, return_density=True,
+                    backend=self.backend, return_density=True, return_doc_kept=True,
                     threshold=None if self.rule is None else self.rule.threshold,
                     topk_min=0 if self.rule is None else self.rule.topk_min)
             kept = round(dens * causal)
@@ -115,7 +116,8 @@ class SparseAttention(CausalVarlenAttention):
             return out
         runtime.record_attention(runtime.AttentionRecord(
             layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=kept,
-            causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
+            causal_pairs=causal, doc_lengths=tuple(lens.tolist()),
+            doc_kept_pairs=() if doc_kept is None else tuple(int(x) for x in doc_kept)))
         return out
 
     def _attend_cp(self, q, query, k_full, v_full, layout, group, packed_seq_params=None

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from sparsebalance.ops.backends import BACKENDS, resolve_backend
-from sparsebalance.ops.plan import RoutingRule, default_scale, host_cu, routing_rule
+from sparsebalance.ops.plan import RoutingRule, collect_plans, default_scale, host_cu, routing_rule
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP16_BACKENDS = ("fa4", "reference")
@@ -76,6 +76,7 @@ def sparse_attention(
     return_density: bool = False,
     threshold: Optional[float] = None,
     topk_min: int = 0,
+    return_doc_kept: bool = False,
 ):
     """Block top-k sparse causal attention over packed documents.
 
@@ -107,6 +108,8 @@ def sparse_attention(
             query block the smallest count of candidates holding this share of the gate
             softmax in every head, within ``[topk_min, topk]``; None: top-k routing.
         topk_min: threshold routing's least count (ignored by top-k routing).
+        return_doc_kept: also return each document's kept pairs over heads (int64 numpy
+            ``[n_docs]``; None for a backend that does not route by the shared plan).
 
     Returns:
         ``out [T, H, D]`` in q's dtype, or ``(out, density)``.
@@ -121,10 +124,12 @@ def sparse_attention(
         raise ValueError(f"float16 runs on backends {', '.join(_FP16_BACKENDS)} only, not {name!r}: "
                          f"use bfloat16 or float32")
     scale = default_scale(q.shape[2], softmax_scale)
-    with routing_rule(rule):
+    with routing_rule(rule), collect_plans() as plans:
         out, kept = BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
+    doc_kept = plans[0].doc_kept if len(plans) == 1 else None
     if not return_density:
-        return out
+        return (out, doc_kept) if return_doc_kept else out
     lens = np.diff(host_cu(cu_seqlens))
     causal = int((lens * (lens + 1) // 2).sum()) * q.shape[1]
-    return out, (kept / causal if causal else 1.0)
+    density = kept / causal if causal else 1.0
+    return (out, density, doc_kept) if return_doc_kept else (out, density)

@@ -50,6 +50,8 @@ class RoutingPlan:
     kv_nnz: Optional[int] = None
     """Valid entries of ``kv_idx`` per head (``kv_cnt.sum()``), known on the host when the
     plan is built; lets :func:`reverse_index` size its output without a device sync."""
+    doc_kept: Optional[np.ndarray] = None
+    """int64 ``[n_docs]``: kept pairs of each document, summed over heads (host)."""
 
     @property
     def density(self) -> float:
@@ -379,6 +381,9 @@ class _Skeleton:
     """Everything of a plan that depends on the documents and budgets only, not on q and
     k: built on the host once per micro-batch, uploaded once, reused by every layer."""
 
+    doc_kept: np.ndarray
+    """Kept pairs per document over heads (top-k routing; threshold: of the caps)."""
+
     meta_d: torch.Tensor
     kv_template: torch.Tensor
     route: Optional["_RouteHost"]
@@ -430,7 +435,30 @@ def plan_slot(owner, layer: int, mode: Optional[str]) -> Iterator[None]:
         _slot.reset(token)
 
 
+_sink: contextvars.ContextVar = contextvars.ContextVar("sparsebalance_plan_sink", default=None)
+
+
+@contextlib.contextmanager
+def collect_plans() -> Iterator[list]:
+    """Every plan :func:`build_plan` returns inside the block is appended to the yielded
+    list (the attention module reads per-document kept pairs from it)."""
+    got: list = []
+    token = _sink.set(got)
+    try:
+        yield got
+    finally:
+        _sink.reset(token)
+
+
 def _memo_plan(cu_seqlens, topk, compute: Callable[[], RoutingPlan]) -> RoutingPlan:
+    plan = _memo_plan_inner(cu_seqlens, topk, compute)
+    sink = _sink.get()
+    if sink is not None:
+        sink.append(plan)
+    return plan
+
+
+def _memo_plan_inner(cu_seqlens, topk, compute: Callable[[], RoutingPlan]) -> RoutingPlan:
     slot = _slot.get()
     if slot is None:
         return compute()
@@ -466,11 +494,15 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
     if sk.route:
         sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums,
                      kv_cnt=kv_cnt, threshold=thr)
-    kept, nnz = sk.kept_pairs, sk.kv_nnz
+    kept, nnz, doc_kept = sk.kept_pairs, sk.kv_nnz, sk.doc_kept
     if thr is not None and sk.route:  # the counts were chosen on the device: one read back
         ql = sk.meta_d[1].long()
-        per_head = ((kv_cnt.long() - 1) * int(block_size) * ql + ql * (ql + 1) // 2).sum()
-        kept, nnz = int(per_head) * q.shape[1], int(kv_cnt.sum())
+        per_block = (kv_cnt.long() - 1) * int(block_size) * ql + ql * (ql + 1) // 2
+        per_doc = torch.zeros(len(sk.doc_kept), dtype=torch.int64, device=q.device)
+        per_doc.scatter_add_(0, sk.meta_d[5].long(), per_block)
+        both = torch.cat([per_doc, kv_cnt.long().sum().view(1)]).cpu().numpy()
+        doc_kept, nnz = both[:-1] * q.shape[1], int(both[-1])
+        kept = int(doc_kept.sum())
     return RoutingPlan(
         block_size=int(block_size),
         qb_start=sk.meta_d[0],
@@ -480,6 +512,7 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
         kept_pairs=kept,
         causal_pairs=sk.causal_pairs,
         kv_nnz=nnz,
+        doc_kept=doc_kept,
     )
 
 
@@ -510,14 +543,15 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
                        dev.type != "cpu") if len(sel) else None
 
     # Everything the device needs from the host, in one copy.
-    meta = np.stack([qb_start, qb_len, kv_cnt, fb_of, i_in_doc])
+    meta = np.stack([qb_start, qb_len, kv_cnt, fb_of, i_in_doc, doc_of])
     sent = _send([meta] + (route.host() if route else []), dev)
     meta_d = sent[0].to(torch.int32)
     # Default rows (all of blocks 0..i kept) are exact wherever i <= topk + 1.
     e = torch.arange(W, device=dev, dtype=torch.int32)
     fb_d, i_d = meta_d[3].view(-1, 1), meta_d[4].view(-1, 1)
     kv_template = torch.where(e <= i_d, fb_d + e, -1).unsqueeze(0).expand(H, NB, W).contiguous()
-    return _Skeleton(meta_d=meta_d, kv_template=kv_template, route=route, sent=sent,
+    doc_kept = np.bincount(doc_of, weights=full, minlength=n_docs).astype(np.int64) * H
+    return _Skeleton(doc_kept=doc_kept, meta_d=meta_d, kv_template=kv_template, route=route, sent=sent,
                      kept_pairs=int(full.sum()) * H, causal_pairs=int((lens * (lens + 1) // 2).sum()) * H,
                      kv_nnz=int(kv_cnt.sum()))
 

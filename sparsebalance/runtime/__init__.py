@@ -31,6 +31,9 @@ class AttentionRecord:
     """Causal (query, key) pairs summed over documents and heads."""
     doc_lengths: tuple = field(default_factory=tuple)
     """Lengths of the documents (cu_seqlens segments) in the call, in tokens."""
+    doc_kept_pairs: tuple = field(default_factory=tuple)
+    """Kept pairs of each document (over heads), when the backend routed by the shared plan
+    (empty otherwise): what a sparsity estimator learns a document's density from."""
 
     @property
     def density(self) -> float:

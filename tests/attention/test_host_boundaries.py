@@ -68,3 +68,27 @@ def test_recomputed_layer_reuses_its_forwards_plan(routing_counts, mp, monkeypat
     torch.testing.assert_close(again, first)
     core(q, k, v, None, packed_seq_params=psp)  # nothing kept: a later call routes again
     assert len(runs) == 2
+
+
+def test_records_carry_each_documents_kept_pairs(mp):
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from sparsebalance import runtime
+    from sparsebalance.attention import SparseAttention
+    from sparsebalance.attention.packed import BudgetedPackedSeqParams
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            use_cpu_initialization=True)
+    lens = [300, 20, 200]
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(sum(lens), h, 16, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    psp = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, budget=2)
+    runtime.pop_records()
+    core = SparseAttention(cfg, 1, AttnMaskType.causal, "self", block_size=16, topk=2, backend="cpu",
+                           threshold=0.5)
+    core(q, k, v, None, packed_seq_params=psp)
+    (rec,) = runtime.pop_records()
+    assert len(rec.doc_kept_pairs) == 3 and sum(rec.doc_kept_pairs) == rec.kept_pairs
+    assert rec.doc_kept_pairs[1] == 20 * 21 // 2 * 4  # a one-block document keeps all it has

@@ -121,3 +121,25 @@ def test_bad_rule_is_one_line(tau, kmin, said):
     with pytest.raises(ValueError, match=said) as exc:
         _run("cpu", ([100], 2, 2, 16, 32, 2, tau, kmin))
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.7])
+def test_per_document_kept_pairs_add_up_and_match_each_document_alone(threshold):
+    """``return_doc_kept``: the kept pairs of each document of a packed batch equal what the
+    document alone keeps (routing never crosses documents), and they add up to the total."""
+    lens, H, Hkv, D, B = [700, 1, 300, 129, 1100], 4, 2, 32, 32
+    q, k, v, cu, _ = make_inputs(lens, H, Hkv, D)
+    out, dens, doc_kept = sparse_attention(q, k, v, cu, topk=6, block_size=B, backend="cpu", return_density=True,
+                                           return_doc_kept=True, threshold=threshold, topk_min=1)
+    causal = sum(L * (L + 1) // 2 for L in lens) * H
+    assert doc_kept.shape == (len(lens),) and int(doc_kept.sum()) == round(dens * causal)
+    s = 0
+    for L, got in zip(lens, doc_kept):
+        one = torch.tensor([0, L], dtype=torch.int32)
+        _, d1 = sparse_attention(q[s:s + L], k[s:s + L], v[s:s + L], one, topk=6, block_size=B, backend="cpu",
+                                 return_density=True, threshold=threshold, topk_min=1)
+        assert got == round(d1 * (L * (L + 1) // 2) * H)
+        s += L
+    _, _, none = sparse_attention(q, k, v, cu, topk=6, block_size=B, backend="reference", return_density=True,
+                                  return_doc_kept=True)
+    assert none is None  # the reference routes on its own: no plan to read
