@@ -174,6 +174,9 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--make-vocab-size-divisible-by", type=pos(int), default=128,
                    help="pad the vocabulary to a multiple of this x TP (presets of converted models set "
                         "1 to keep their vocabulary exact)")
+    g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", dest="pad_vocab_size", action="store_false",
+                   help="keep the vocabulary's exact size (= --make-vocab-size-divisible-by 1; TP > 1 still "
+                        "pads to a multiple of TP)")
     g.add_argument("--bf16", action="store_true", help="bf16 weights/activations (needs CUDA)")
     g.add_argument("--fp16", action="store_true",
                    help="fp16 weights/activations with dynamic loss scaling (needs CUDA)")
@@ -258,6 +261,9 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                    help="packed sequences per micro-batch (THD packing requires 1)")
     g.add_argument("--global-batch-size", type=pos(int), default=None,
                    help="micro-batches x DP per step (default: micro-batch size x DP)")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="'0:N'",
+                   help="Megatron-LM's batch-size schedule; only a constant one ('0:N' = --global-batch-size "
+                        "N) is accepted")
     g.add_argument("--sb-batching", choices=BATCHING, default=None,
                    help="packing strategy (sparsebalance.batching): megatron = whole documents in "
                         "order; sab = sparsity-aware (needs a predictor). Default: megatron, or sab "
@@ -372,11 +378,15 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                         "SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer: tokenizer.model")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                   help="NullTokenizer: targets equal to this id carry no loss (-1: no pad token)")
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log-interval", type=pos(int), default=1)
     g.add_argument("--eval-interval", type=nonneg(int), default=0, help="0: no evaluation")
     g.add_argument("--eval-iters", type=nonneg(int), default=2)
+    g.add_argument("--start-eval-at-iter", type=nonneg(int), default=None,
+                   help="evaluate only from this iteration on (default: from the first --eval-interval)")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
@@ -434,6 +444,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     from megatron.training import arg_checks
 
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size

@@ -169,6 +169,31 @@ PARSE_CASES = {
     "no load optim needs load": (["--no-load-optim"], None, "--no-load-optim needs --load"),
     "not a megatron-lm flag stays unrecognized": (["--no-such-megatron-flag"], None,
                                                   "unrecognized arguments: --no-such-megatron-flag"),
+    # issue 42: flags of Megatron-LM main and dev, and of its forks
+    "schedule with global batch size refused": (["--step-batch-size-schedule", "0:4"], None,
+                                                "--step-batch-size-schedule or --global-batch-size, not both"),
+    "null tokenizer pad id needs null tokenizer": (["--null-tokenizer-pad-id", "0"], None,
+                                                   "--null-tokenizer-pad-id is read by --tokenizer-type "
+                                                   "NullTokenizer only"),
+    "dev dynamic cp names the sparsebalance+dcp arm": (["--dynamic-context-parallel"], None,
+                                                       "--dynamic-context-parallel: dynamic (hybrid) context "
+                                                       "parallelism is not in this driver"),
+    "main hybrid cp names the sparsebalance+dcp arm": (["--hybrid-context-parallel"], None, "sparsebalance+dcp"),
+    "mindspeed flag names the fork": (["--use-fused-rmsnorm"], None,
+                                      "--use-fused-rmsnorm: a MindSpeed flag, not Megatron-LM's"),
+    "mindspeed-llm flag names what to use": (["--tokenizer-name-or-path", "qwen"], None,
+                                             "a MindSpeed-LLM flag, not Megatron-LM's: this driver does not "
+                                             "implement it; use --tokenizer-type HuggingFaceTokenizer"),
+    "mindspeed cp algorithm names context-parallel-size": (["--context-parallel-algo", "ulysses_cp_algo"], None,
+                                                           "use --context-parallel-size"),
+    "flagscale flag names the fork": (["--hetero-process-meshes", "1", "1", "1", "1", "1"], None,
+                                      "--hetero-process-meshes: a FlagScale flag"),
+    "pai flag names the fork": (["--patch-tokenizer-type", "Qwen2Tokenizer"], None,
+                                "--patch-tokenizer-type: a Pai-Megatron-Patch flag"),
+    "main architecture flag says what exists": (["--qk-layernorm"], None,
+                                                "--qk-layernorm: architecture option not implemented"),
+    "main offload flag says what to use": (["--activation-offload-fraction", "0.5"], None,
+                                           "use --recompute-granularity"),
 }
 
 
@@ -188,6 +213,40 @@ def test_megatron_lm_flag_refused_in_one_line(name, corpus, capsys):
     extra, world, expect = PARSE_CASES[name]
     line = _parse_error([*TINY, "--data-path", corpus, *extra], world, capsys)
     assert expect in line, line
+
+
+NO_GBS = [a for i, a in enumerate(TINY) if "--global-batch-size" not in TINY[max(i - 1, 0):i + 1]]
+
+
+SCHEDULES = {"0:4 100M:8": "a global batch size that changes during the run is not supported",
+             "1K:4": "the first entry must start at 0", "0:four": "'0:four' is not THRESHOLD:BATCH",
+             "0-4": "'0-4' is not THRESHOLD:BATCH"}
+
+
+def test_changing_batch_size_schedule_refused_in_one_line(corpus, capsys):
+    """Megatron-LM main's --step-batch-size-schedule: a schedule that changes the global batch
+    (or a malformed one) is one error line; a constant one is --global-batch-size."""
+    assert "--global-batch-size" not in NO_GBS
+    for schedule, expect in SCHEDULES.items():
+        line = _parse_error([*NO_GBS, "--data-path", corpus, "--step-batch-size-schedule", schedule], None, capsys)
+        assert expect in line, line
+
+
+def test_flags_of_megatron_lm_main_are_honoured(corpus):
+    """Flags Megatron-LM main has and this driver implements or documents as no-ops (the
+    issue's three included) parse, with their effect on the run's settings."""
+    from megatron.training.arguments import parse_args
+
+    args = parse_args([*NO_GBS, "--data-path", corpus, "--step-batch-size-schedule", "0:8 1B:8",
+                       "--original-max-position-embeddings", "4096", "--no-pad-vocab-size",
+                       "--start-eval-at-iter", "3", "--verify-integrity", "--eval-micro-batch-size", "1",
+                       "--null-tokenizer-eod-id", "7", "--eval-global-batch-size", "8"], world_size=2)
+    assert args.global_batch_size == 8 and args.num_microbatches == 4
+    assert args.make_vocab_size_divisible_by == 1 and args.start_eval_at_iter == 3
+    assert args.compat_warnings == []
+    pad = parse_args([*TINY, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                      "--null-tokenizer-pad-id", "99"], world_size=1)
+    assert pad.null_tokenizer_pad_id == 99
 
 
 @pytest.mark.parametrize("data, expect", [
