@@ -149,6 +149,8 @@ def _make_hf_dirs(d: str) -> None:
     write_plain_hf(f"{d}/hf_good")
     write_plain_hf(f"{d}/hf_mistral", architectures=["MistralForCausalLM"])
     write_plain_hf(f"{d}/hf_missing", drop=("model.layers.0.mlp.up_proj.weight",))
+    write_plain_hf(f"{d}/hf_shard_lacks", drop=("model.layers.0.self_attn.k_proj.weight",), indexed=True)
+    write_plain_hf(f"{d}/hf_type_mismatch", model_type="mistral")  # architectures: Qwen2ForCausalLM
     write_plain_hf(f"{d}/hf_shape", tensors_of={"intermediate_size": 20})
     write_plain_hf(f"{d}/hf_vocab", tokens=40)
     os.makedirs(f"{d}/hf_noweights", exist_ok=True)
@@ -446,6 +448,13 @@ CASES = [
     Case("convert-missing-tensor", "tools/checkpoint/convert.py",
          _p("hf-to-megatron", "--hf-dir", "{d}/hf_missing", "--output", "{d}/cv2"), r"missing tensor.*up_proj",
          _p("{d}/cv2")),
+    Case("convert-index-names-tensor-its-shard-lacks", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_shard_lacks", "--output", "{d}/cv8"),
+         r"missing tensor model\.layers\.0\.self_attn\.k_proj\.weight: the index puts it in "
+         r".*model-00001-of-00001\.safetensors, which does not hold it", _p("{d}/cv8")),
+    Case("convert-model-type-disagrees-with-architectures", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_type_mismatch", "--output", "{d}/cv9"),
+         r"model_type 'mistral' disagrees with architectures \['Qwen2ForCausalLM'\]", _p("{d}/cv9")),
     Case("convert-shape-mismatch", "tools/checkpoint/convert.py",
          _p("hf-to-megatron", "--hf-dir", "{d}/hf_shape", "--output", "{d}/cv3"), r"shape \[20, 16\].*\[24, 16\]",
          _p("{d}/cv3"), cold=True),
