@@ -397,7 +397,7 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--no-load-optim", action="store_true",
                    help="resume without loading the optimizer state and LR schedule (both start fresh)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="with --load: no checkpoint there is an error even when --load equals --save")
+                   help="with --load: no checkpoint there is an error instead of a fresh start")
     g.add_argument("--keep-last", type=pos(int), default=None, metavar="N",
                    help="after each save delete the checkpoints in --save older than the newest N "
                         "intact ones (default: keep all)")
@@ -405,7 +405,8 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                    help="a save that fails (disk full, unwritable --save) warns and training goes on "
                         "(default: error, exit 1); the run's last save must still succeed")
     g.add_argument("--load", default=None,
-                   help="resume from this directory (if equal to --save, an empty one starts fresh)")
+                   help="resume from the newest checkpoint in this directory (none there: a warning and a "
+                        "fresh start, as in Megatron-LM)")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: take only the model weights (any parallel layout); "
                         "iteration, optimizer and data order start fresh")
@@ -552,9 +553,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError("--exit-signal-handler needs --save (it saves a checkpoint before exiting)")
     if args.finetune and args.load is None:
         raise UsageError("--finetune needs --load")
-    fresh = args.save and args.load and not os.path.exists(args.load) and \
-        os.path.realpath(args.save) == os.path.realpath(args.load)  # Megatron-LM's --save X --load X
-    if args.load is not None and not os.path.isdir(args.load) and not fresh:
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise UsageError(f"--load: {args.load} is not a directory")
     if args.exit_on_missing_checkpoint and args.load is None:
         raise UsageError("--exit-on-missing-checkpoint needs --load")

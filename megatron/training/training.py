@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megatron.training.failsafe import strict_json
+from megatron.training.preflight import run_settings
 from megatron.training.run_log import RunLogger, StepLog
 from megatron.training.step_metrics import GatheredStep, RankStep, comm_device, gather_floats, rank_step_row
 from sparsebalance.io import atomic_write_text
@@ -185,7 +186,8 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
         else:
             state.iteration = ckpt.load_checkpoint(args.load, state.model, state.optimizer, state.scheduler,
                                                    state.loader, warn=warn, balancer=state.balancer,
-                                                   load_optim=not args.no_load_optim)
+                                                   load_optim=not args.no_load_optim,
+                                                   settings=run_settings(args))
     log = RunLogger(args, rank, start=state.iteration)
     if args.sparse_attention:
         from megatron.training.balance import attention_backend_choice
@@ -323,7 +325,7 @@ def _save(args, state: TrainState, hooks: RunHooks, last: bool) -> None:
     try:
         ckpt.save_checkpoint(args.save, iteration, state.model, state.optimizer, state.scheduler,
                              state.loader, state.cpu, balancer=state.balancer,
-                             save_optim=not args.no_save_optim)
+                             save_optim=not args.no_save_optim, settings=run_settings(args))
     except ckpt.SaveError as e:
         if last or not args.continue_on_save_failure:
             raise
