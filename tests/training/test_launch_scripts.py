@@ -137,6 +137,27 @@ def test_every_megatron_lm_flag_is_recognised():
     assert not generic, generic
 
 
+def test_fork_flags_are_refused_naming_the_fork():
+    """Each training flag of MindSpeed, MindSpeed-LLM, FlagScale and Pai-Megatron-Patch that
+    Megatron-LM lacks is registered (never "unrecognized") and refused with a reason that names
+    its fork; none shadows a Megatron-LM flag. (tests/training/test_driver_bad_input.py runs a
+    few through pretrain_gpt.py's parser: one line each.)"""
+    from megatron.training import compat
+    from megatron.training.arguments import build_parser
+
+    forks = json.load(open(os.path.join(ROOT, "megatron", "training", "fork_flags.json")))["forks"]
+    assert set(forks) == {"MindSpeed", "MindSpeed-LLM", "FlagScale", "Pai-Megatron-Patch"}
+    options = {s for a in build_parser(megatron_lm_flags=True)._actions for s in a.option_strings}
+    megatron = set(compat.megatron_lm_flags())
+    for fork, entry in forks.items():
+        assert len(entry["flags"]) > 40 and len(entry["commit"]) == 12, fork
+        for flag in entry["flags"]:
+            assert flag in options and flag not in megatron, flag
+            t = compat.treatment(flag)
+            assert t.kind == "unsupported" and f"a {compat.fork_flags()[flag]} flag, not Megatron-LM's" in t.reason
+    assert "use --num-query-groups" in compat.treatment("--n-head-kv").reason
+
+
 def test_each_megatron_lm_flag_parses_or_fails_in_one_line(corpus, capsys):
     """Every Megatron-LM flag alone (with a value "1" where it takes values): parsed, or one
     error line naming it; never a traceback, never "unrecognized arguments"."""
