@@ -3,7 +3,10 @@
 A Megatron-LM launch script must run unchanged or stop with ONE line saying why; a bare
 "unrecognized arguments" is left for flags Megatron-LM does not have either. The names
 (and how many values each takes) are data, in ``megatron_lm_flags.json`` (read from
-Megatron-LM's own parser; see its ``source`` field). Every Megatron-LM flag that
+Megatron-LM's own parser; see its ``source`` field: to refresh it, build the parser of a
+Megatron-LM checkout, ``add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))``
+(main needs Python >= 3.12, or ``typing.override`` shimmed on 3.11), and list each option
+string with its nargs, 0 for the store_true/false/const ones). Every Megatron-LM flag that
 :func:`megatron.training.arguments.build_parser` does not define itself is registered
 by :func:`add_megatron_lm_flags` under a private dest and treated by :func:`treatment`:
 

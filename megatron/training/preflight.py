@@ -103,7 +103,7 @@ def check_save_dir(path: str, need_bytes: int) -> None:
             raise ValueError(f"--save {path}: cannot write there ({e.strerror or e})") from None
         st = os.statvfs(path)
         free = st.f_bavail * st.f_frsize
-        if free < need_bytes:
+        if st.f_blocks and free < need_bytes:  # a file system reporting no size at all is not judged
             raise ValueError(f"--save {path}: {_size(free)} free on its file system; a checkpoint of this "
                              f"model needs at least {_size(need_bytes)} (ENOSPC at the first save otherwise)")
     except ValueError:

@@ -356,8 +356,8 @@ def test_save_without_room_for_a_checkpoint_is_refused_before_step_1(corpus, tmp
     process group or training; the directory the check created is removed again."""
     from megatron.training.preflight import checkpoint_bytes
 
-    class Tiny:  # 64 KB free
-        f_bavail, f_frsize = 16, 4096
+    class Tiny:  # 64 KB free of 4 GB
+        f_bavail, f_frsize, f_blocks = 16, 4096, 1 << 20
 
     save = tmp_path / "new" / "ck"
     monkeypatch.setattr(os, "statvfs", lambda p: Tiny())
