@@ -232,6 +232,9 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                         "naming it) instead of waiting for --distributed-timeout-minutes. "
                         "Default: off")
     g.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is available")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bit-reproducible runs: the CPU path is already (same flags and seed, same losses and "
+                        "weights); refused on CUDA, whose sparse-attention backward accumulates with atomics")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state (fp32 main params, Adam moments) over "
                         "data-parallel ranks (megatron-core's DistributedOptimizer)")

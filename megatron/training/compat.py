@@ -35,7 +35,16 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron.training.compat_table import FAMILIES, FORK_INSTEAD, HARDWARE, IGNORED, NEUTRAL, NOOP, REFUSED
+from megatron.training.compat_table import (
+    FAMILIES,
+    FORK_INSTEAD,
+    HARDWARE,
+    IGNORED,
+    NEUTRAL,
+    NOOP,
+    NOOP_FAMILIES,
+    REFUSED,
+)
 
 DEST_PREFIX = "mlm__"
 """argparse dest prefix of the flags registered from the table (never read elsewhere)."""
@@ -104,6 +113,9 @@ def treatment(flag: str, value: Optional[str] = None) -> Treatment:
     fork = fork_flags().get(flag)
     if fork is not None and flag not in megatron_lm_flags():
         return Treatment("unsupported", _fork_reason(flag, fork))
+    for prefix, reason in NOOP_FAMILIES:
+        if flag.startswith(prefix):
+            return Treatment("noop", reason)
     for prefix, reason in FAMILIES:
         if flag.startswith(prefix):
             return Treatment("unsupported", reason)
@@ -216,6 +228,9 @@ def check_hardware(args: argparse.Namespace, cuda: bool) -> None:
         if on and not cuda:
             raise ValueError(f"{flag} needs CUDA (the CPU path trains in fp32; drop {flag} or "
                              "run on a GPU without --cpu)")
+    if args.deterministic_mode and cuda:
+        raise ValueError("--deterministic-mode on CUDA: this driver's GPU attention kernels are not deterministic "
+                         "(their backward accumulates with atomics); drop it, or train with --cpu")
     if args.distributed_backend == "nccl" and not cuda:
         raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
     te = args.transformer_impl == "transformer_engine"

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
+INFERENCE = "read only by Megatron-LM's inference engine, which a training run never builds"
+NOOP_FAMILIES: List[Tuple[str, str]] = [("--inference-", INFERENCE), ("--no-inference-", INFERENCE)]
+"""Accepted by name prefix: settings of a part of Megatron-LM that training does not use."""
 NOOP = {
     "always megatron-core models": "--use-mcore-models",
     "data is read in-process by the packed sampler (no worker processes, no index cache)":
@@ -80,6 +83,9 @@ NOOP = {
     "every rank keeps its own data order here (the packing is a function of --seed and the step)":
         "--no-data-sharding --use-same-sampling-seed-across-dp-ranks",
     "the CPU/GPU synchronisation interval only paces the host (same results)": "--train-sync-interval",
+    INFERENCE: "--decode-only-cuda-graphs --enable-chunked-prefill --flash-decode --mlp-chunks-for-prefill "
+               "--use-legacy-static-engine --num-speculative-tokens --nccl-all-reduce-for-prefill "
+               "--disable-chunked-prefill --max-tokens-to-oom",
     "read only by YaRN / multi-latent attention positions, which this driver never builds "
     "(--position-embedding-type is rope, learned_absolute or none)":
         "--original-max-position-embeddings --yarn-original-max-position-embeddings --yarn-beta-fast "
@@ -157,9 +163,12 @@ REFUSED = {
         "--main-params-dtype --use-precision-aware-optimizer --grad-reduce-in-bf16 --no-weight-decay-cond-type "
         "--apply-wd-to-qk-layernorm --ddp-reduce-scatter-with-fp32-accumulation "
         "--ddp-param-name-patterns-for-fp32-local-accumulation --num-distributed-optimizer-instances "
-        "--optimizer-cuda-graph --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient "
+        "--optimizer-cuda-graph "
         "--load-main-params-from-ckpt --freeze-all-layers --qk-clip --qk-clip-alpha --qk-clip-threshold "
         "--disable-bf16-reduced-precision-matmul --fp16-lm-cross-entropy --output-logit-dtype",
+    "the distributed optimizer's state is saved dp_reshardable (Megatron-LM's default): a resume keeps the "
+    "model-parallel layout, --finetune takes the weights into any layout":
+        "--dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient",
     "optimizer CPU offload is not supported": "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload "
                                               "--overlap-cpu-optimizer-d2h-h2d --disable-grad-buffers-cpu-backup "
                                               "--disable-param-buffers-cpu-backup",
@@ -188,9 +197,9 @@ REFUSED = {
     "Megatron-LM's re-run state machine and result checks are not supported "
     "(--check-for-nan-in-loss-and-grad is)": "--check-for-large-grads --check-for-spiky-loss --rerun-mode "
                                              "--error-injection-rate --error-injection-type "
-                                             "--result-rejected-tracker-filename --deterministic-mode "
+                                             "--result-rejected-tracker-filename "
                                              "--check-weight-hash-across-dp-replicas-interval",
-    "debugging / initialisation switches not implemented here": "--fake-process-group --max-tokens-to-oom "
+    "debugging / initialisation switches not implemented here": "--fake-process-group "
                                                                 "--dump-param-to-param-group-map "
                                                                 "--run-workload-inspector-server --enable-experimental "
                                                                 "--init-model-with-meta-device --lazy-mpu-init "
@@ -198,10 +207,6 @@ REFUSED = {
                                                                 "--save-wgrads-interval --enable-msc",
     "ADLR autoresume is not supported (use --exit-signal-handler with --save/--load)":
         "--adlr-autoresume --adlr-autoresume-interval",
-    "inference options do not apply to pretrain_gpt.py": "--decode-only-cuda-graphs --enable-chunked-prefill "
-                                                         "--flash-decode --mlp-chunks-for-prefill "
-                                                         "--use-legacy-static-engine --num-speculative-tokens "
-                                                         "--nccl-all-reduce-for-prefill --disable-chunked-prefill",
     "NVIDIA Kitchen / batch-invariant kernels are not supported": "--kitchen-attention-backend --use-kitchen-attention "
                                                                   "--kitchen-config-file --kitchen-recipe-number "
                                                                   "--batch-invariant-mode --batch-invariant-backend",
@@ -258,8 +263,6 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--dsa-", "DeepSeek sparse attention is not supported (use --sparse-attention)"),
     ("--disable-dsa-", "DeepSeek sparse attention is not supported (use --sparse-attention)"),
     ("--no-dsa-", "DeepSeek sparse attention is not supported (use --sparse-attention)"),
-    ("--inference-", "inference options do not apply to pretrain_gpt.py"),
-    ("--no-inference-", "inference options do not apply to pretrain_gpt.py"),
     ("--rl-", "reinforcement learning is not supported"),
     ("--no-rl-", "reinforcement learning is not supported"),
     ("--grpo-", "reinforcement learning is not supported"),

@@ -241,10 +241,17 @@ def test_flags_of_megatron_lm_main_are_honoured(corpus):
     args = parse_args([*NO_GBS, "--data-path", corpus, "--step-batch-size-schedule", "0:8 1B:8",
                        "--original-max-position-embeddings", "4096", "--no-pad-vocab-size",
                        "--start-eval-at-iter", "3", "--verify-integrity", "--eval-micro-batch-size", "1",
-                       "--null-tokenizer-eod-id", "7", "--eval-global-batch-size", "8"], world_size=2)
+                       "--null-tokenizer-eod-id", "7", "--eval-global-batch-size", "8", "--deterministic-mode",
+                       "--inference-max-seq-length", "256", "--max-tokens-to-oom", "100"], world_size=2)
     assert args.global_batch_size == 8 and args.num_microbatches == 4
     assert args.make_vocab_size_divisible_by == 1 and args.start_eval_at_iter == 3
     assert args.compat_warnings == []
+    from megatron.training import compat
+
+    # --deterministic-mode: the CPU path is deterministic already; on CUDA it is refused
+    compat.check_hardware(args, cuda=False)
+    with pytest.raises(ValueError, match="--deterministic-mode on CUDA: this driver's GPU attention kernels"):
+        compat.check_hardware(args, cuda=True)
     pad = parse_args([*TINY, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
                       "--null-tokenizer-pad-id", "99"], world_size=1)
     assert pad.null_tokenizer_pad_id == 99
