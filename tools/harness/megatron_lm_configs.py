@@ -13,7 +13,6 @@ hardware, per-config shares, and the most frequent refusals::
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
@@ -65,7 +64,9 @@ def measure(root: str, cuda: bool) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from megatron.training.arguments import OneLineParser
+
+    p = OneLineParser(prog="megatron_lm_configs.py", description=__doc__.splitlines()[0])
     p.add_argument("--megatron-lm", required=True, metavar="DIR", help="a Megatron-LM checkout")
     p.add_argument("--cuda", action="store_true", help="classify as on a GPU node with Transformer Engine")
     a = p.parse_args(argv)
