@@ -64,11 +64,14 @@ def _warn(message: str) -> None:
 
 def _check_inputs(args) -> None:
     """Input checks that need no process group: tokenizer files, dataset readable (or
-    --mock-data written), --load has a checkpoint, --save not in use by a live run."""
+    --mock-data written), --load has a checkpoint (none: a warning and a fresh start, as in
+    Megatron-LM, unless --finetune or --exit-on-missing-checkpoint), --save writable with room
+    for a checkpoint and not in use by a live run."""
     from megatron.training.checkpointing import read_tracker
     from megatron.training.data import split_documents
     from megatron.training.data_sources import open_data, write_mock_data
     from megatron.training.failsafe import SaveDirLock
+    from megatron.training.preflight import check_save_dir, checkpoint_bytes
     from megatron.training.tokenizer import args_vocab_size
 
     try:
@@ -84,17 +87,21 @@ def _check_inputs(args) -> None:
             except UnicodeDecodeError as e:
                 raise ValueError(f"--sb-profile {args.sb_profile}: not UTF-8 text ({e.reason} at byte "
                                  f"{e.start})") from None
-        if args.load is not None and read_tracker(args.load) is None:
-            same_as_save = args.save and os.path.realpath(args.save) == os.path.realpath(args.load)
-            if args.exit_on_missing_checkpoint or not same_as_save:
-                # --load == --save on an empty dir: a fresh start that can resume
-                raise ValueError(f"--load: no checkpoint in {args.load}")
+        fresh = args.load is not None and read_tracker(args.load) is None
+        if fresh and (args.finetune or args.exit_on_missing_checkpoint):
+            why = "--finetune" if args.finetune else "--exit-on-missing-checkpoint"
+            raise ValueError(f"--load: no checkpoint in {args.load} ({why} needs one)")
+        if args.save and os.environ.get("LOCAL_RANK", "0") == "0":  # each node's view of the file system
+            check_save_dir(args.save, checkpoint_bytes(args, vocab))
         if args.save and os.environ.get("RANK", "0") == "0":
             SaveDirLock(args.save).acquire()  # released at exit; a killed run's lock is stale
     except (ValueError, OSError) as e:  # OSError: a profile or dataset that cannot be read
         _fail(" ".join(str(e).split()), 2)
     for line in args.compat_warnings:
         _warn(line)
+    if fresh:
+        _warn(f"--load {args.load}: no checkpoint there; training starts from scratch (as in Megatron-LM; "
+              "--exit-on-missing-checkpoint makes this an error)")
     if args.eval_interval and args.eval_iters and not len(split_documents(documents, args.split_fractions)[1]):
         _warn(f"--eval-interval {args.eval_interval}: the validation split of --split {args.split} holds no "
               f"document of the {documents}; no evaluation will run")

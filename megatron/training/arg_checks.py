@@ -64,10 +64,48 @@ def validate_tokenizer(args: argparse.Namespace) -> None:
                          "--merge-file (merges.txt)")
     if t == "NullTokenizer" and args.vocab_size is None:
         raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.null_tokenizer_pad_id != -1:
+        if t != "NullTokenizer":
+            raise UsageError(f"--null-tokenizer-pad-id is read by --tokenizer-type NullTokenizer only, not {t}")
+        if not 0 <= args.null_tokenizer_pad_id < args.vocab_size:
+            raise UsageError(f"--null-tokenizer-pad-id {args.null_tokenizer_pad_id} is not a token id of "
+                             f"--vocab-size {args.vocab_size} (or -1: no pad token)")
     unused = unused_tokenizer_files(t, args.tokenizer_model, args.vocab_file, args.merge_file)
     if unused:
         raise UsageError(f"{unused[0]} is not read by --tokenizer-type {t}: give the --tokenizer-type that "
                          f"reads it (HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, ...)")
+
+
+_SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def validate_batch_schedule(args: argparse.Namespace) -> None:
+    """Megatron-LM's ``--step-batch-size-schedule "THRESHOLD:BS ..."``: a constant schedule
+    (one entry from 0) is ``--global-batch-size BS``; one that changes the batch is refused.
+    ``--no-pad-vocab-size`` is resolved here too (it sets the padding multiple to 1)."""
+    if not args.pad_vocab_size:
+        args.make_vocab_size_divisible_by = 1
+    text = args.step_batch_size_schedule
+    if text is None:
+        return
+    if args.global_batch_size is not None:
+        raise UsageError("give --step-batch-size-schedule or --global-batch-size, not both (as in Megatron-LM)")
+    entries = []
+    for word in text.split():
+        at, colon, size = word.partition(":")
+        unit = at[-1:].upper() if at[-1:].isalpha() else ""
+        try:
+            entries.append((float(at[:len(at) - len(unit)]) * _SUFFIX[unit], int(size)))
+        except (KeyError, ValueError):
+            colon = ""
+        if not colon or entries[-1][1] <= 0:
+            raise UsageError(f"--step-batch-size-schedule: {word!r} is not THRESHOLD:BATCH (e.g. 0:256 or 250B:512)")
+    if not entries or entries[0][0] != 0:
+        raise UsageError(f"--step-batch-size-schedule {text!r}: the first entry must start at 0")
+    if len({bs for _, bs in entries}) > 1:
+        raise UsageError(f"--step-batch-size-schedule {text!r}: a global batch size that changes during the run "
+                         "is not supported; give one size (0:N or --global-batch-size N)")
+    args.global_batch_size = entries[0][1]
 
 
 def validate_balance(args: argparse.Namespace) -> None:

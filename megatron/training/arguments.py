@@ -174,6 +174,9 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--make-vocab-size-divisible-by", type=pos(int), default=128,
                    help="pad the vocabulary to a multiple of this x TP (presets of converted models set "
                         "1 to keep their vocabulary exact)")
+    g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", dest="pad_vocab_size", action="store_false",
+                   help="keep the vocabulary's exact size (= --make-vocab-size-divisible-by 1; TP > 1 still "
+                        "pads to a multiple of TP)")
     g.add_argument("--bf16", action="store_true", help="bf16 weights/activations (needs CUDA)")
     g.add_argument("--fp16", action="store_true",
                    help="fp16 weights/activations with dynamic loss scaling (needs CUDA)")
@@ -237,6 +240,9 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                         "naming it) instead of waiting for --distributed-timeout-minutes. "
                         "Default: off")
     g.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is available")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bit-reproducible runs: the CPU path is already (same flags and seed, same losses and "
+                        "weights); refused on CUDA, whose sparse-attention backward accumulates with atomics")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state (fp32 main params, Adam moments) over "
                         "data-parallel ranks (megatron-core's DistributedOptimizer)")
@@ -266,6 +272,9 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                    help="packed sequences per micro-batch (THD packing requires 1)")
     g.add_argument("--global-batch-size", type=pos(int), default=None,
                    help="micro-batches x DP per step (default: micro-batch size x DP)")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="'0:N'",
+                   help="Megatron-LM's batch-size schedule; only a constant one ('0:N' = --global-batch-size "
+                        "N) is accepted")
     g.add_argument("--sb-batching", choices=BATCHING, default=None,
                    help="packing strategy (sparsebalance.batching): megatron = whole documents in "
                         "order; sab = sparsity-aware (needs a predictor). Default: megatron, or sab "
@@ -380,11 +389,15 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                         "SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer: tokenizer.model")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                   help="NullTokenizer: targets equal to this id carry no loss (-1: no pad token)")
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log-interval", type=pos(int), default=1)
     g.add_argument("--eval-interval", type=nonneg(int), default=0, help="0: no evaluation")
     g.add_argument("--eval-iters", type=nonneg(int), default=2)
+    g.add_argument("--start-eval-at-iter", type=nonneg(int), default=None,
+                   help="evaluate only from this iteration on (default: from the first --eval-interval)")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
@@ -395,7 +408,7 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--no-load-optim", action="store_true",
                    help="resume without loading the optimizer state and LR schedule (both start fresh)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="with --load: no checkpoint there is an error even when --load equals --save")
+                   help="with --load: no checkpoint there is an error instead of a fresh start")
     g.add_argument("--keep-last", type=pos(int), default=None, metavar="N",
                    help="after each save delete the checkpoints in --save older than the newest N "
                         "intact ones (default: keep all)")
@@ -403,7 +416,8 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                    help="a save that fails (disk full, unwritable --save) warns and training goes on "
                         "(default: error, exit 1); the run's last save must still succeed")
     g.add_argument("--load", default=None,
-                   help="resume from this directory (if equal to --save, an empty one starts fresh)")
+                   help="resume from the newest checkpoint in this directory (none there: a warning and a "
+                        "fresh start, as in Megatron-LM)")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: take only the model weights (any parallel layout); "
                         "iteration, optimizer and data order start fresh")
@@ -442,6 +456,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     from megatron.training import arg_checks
 
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size
@@ -549,9 +564,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError("--exit-signal-handler needs --save (it saves a checkpoint before exiting)")
     if args.finetune and args.load is None:
         raise UsageError("--finetune needs --load")
-    fresh = args.save and args.load and not os.path.exists(args.load) and \
-        os.path.realpath(args.save) == os.path.realpath(args.load)  # Megatron-LM's --save X --load X
-    if args.load is not None and not os.path.isdir(args.load) and not fresh:
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise UsageError(f"--load: {args.load} is not a directory")
     if args.exit_on_missing_checkpoint and args.load is None:
         raise UsageError("--exit-on-missing-checkpoint needs --load")

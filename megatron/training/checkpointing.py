@@ -452,12 +452,14 @@ def _write_state(state: dict, path: str, cpu: bool) -> Optional[str]:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, loader, cpu: bool,
-                    balancer=None, save_optim: bool = True) -> str:
+                    balancer=None, save_optim: bool = True, settings: Optional[dict] = None) -> str:
     """Write iteration ``iteration`` under ``root`` (all ranks call this); returns its path.
 
     ``balancer``: the run's :class:`megatron.training.balance.Balancer` (None: no
     predictor); its online state goes into the common state as ``sparsebalance``.
     ``save_optim`` False (``--no-save-optim``): no optimizer state and no LR schedule.
+    ``settings``: the run's sparse-attention / SparseBalance settings
+    (:func:`megatron.training.preflight.run_settings`), compared on resume.
 
     Raises :class:`SaveError` on every rank if any rank failed to write, or if any rank's
     weights hold a NaN / Inf (nothing is written then); the partial directory is removed
@@ -492,6 +494,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
     else:
         state = _sharded_state(model, None, is_loading=False)
     state.update(iteration=iteration, sampler=loader.state_dict(), optimizer_saved=save_optim)
+    if settings is not None:
+        state["settings"] = settings
     if balancer is not None:  # identical on every rank: rank 0's common.pt holds it
         state["sparsebalance"] = balancer.state_dict()
     error = _write_state(state, tmp, cpu)
@@ -542,11 +546,13 @@ def _load(state: dict, path: str, what: str) -> dict:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn = None,
-                    balancer=None, load_optim: bool = True) -> int:
+                    balancer=None, load_optim: bool = True, settings: Optional[dict] = None) -> int:
     """Load the newest intact checkpoint under ``root`` (:func:`choose_checkpoint`) into
     everything (``balancer``: the SparseBalance predictor state, when the run has one);
     returns its iteration. ``load_optim`` False (``--no-load-optim``): the optimizer state
-    and LR schedule start fresh (Megatron-LM's meaning).
+    and LR schedule start fresh (Megatron-LM's meaning). ``settings``: this run's
+    (:func:`megatron.training.preflight.run_settings`): ``warn`` gets one line per setting
+    that differs from the checkpoint's.
 
     The LR schedule follows Megatron-LM's resume rule
     (:func:`megatron.training.lr_schedule.resume_schedule`, with the scheduler's
@@ -565,6 +571,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
         common = dist_checkpointing.load_common_state_dict(path)
     except _errors() as e:
         raise ValueError(f"--load: checkpoint {path} is unreadable: {_cause(e)}") from None
+    if warn is not None and settings is not None:
+        from megatron.training.preflight import changed_settings
+
+        for line in changed_settings(common.get("settings"), settings):
+            warn(line)
     if load_optim and common.get("optimizer_saved", True) is False:
         raise ValueError(f"--load: checkpoint {path} was saved with --no-save-optim (no optimizer state): "
                          "resume with --no-load-optim, or --finetune")

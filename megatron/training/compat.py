@@ -3,7 +3,10 @@
 A Megatron-LM launch script must run unchanged or stop with ONE line saying why; a bare
 "unrecognized arguments" is left for flags Megatron-LM does not have either. The names
 (and how many values each takes) are data, in ``megatron_lm_flags.json`` (read from
-Megatron-LM's own parser; see its ``source`` field). Every Megatron-LM flag that
+Megatron-LM's own parser; see its ``source`` field: to refresh it, build the parser of a
+Megatron-LM checkout, ``add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))``
+(main needs Python >= 3.12, or ``typing.override`` shimmed on 3.11), and list each option
+string with its nargs, 0 for the store_true/false/const ones). Every Megatron-LM flag that
 :func:`megatron.training.arguments.build_parser` does not define itself is registered
 by :func:`add_megatron_lm_flags` under a private dest and treated by :func:`treatment`:
 
@@ -17,15 +20,31 @@ by :func:`add_megatron_lm_flags` under a private dest and treated by :func:`trea
 
 A flag given with its neutral value (``NEUTRAL``, e.g. ``--expert-model-parallel-size 1``)
 is honoured whatever its family.
+
+Flags of Megatron-LM's forks (MindSpeed, MindSpeed-LLM, FlagScale, Pai-Megatron-Patch; names
+in ``fork_flags.json``) are registered too and refused in one line that names the fork and,
+where this driver has one, the flag to use instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron.training.compat_table import (
+    FAMILIES,
+    FORK_INSTEAD,
+    HARDWARE,
+    IGNORED,
+    NEUTRAL,
+    NOOP,
+    NOOP_FAMILIES,
+    REFUSED,
+)
 
 DEST_PREFIX = "mlm__"
 """argparse dest prefix of the flags registered from the table (never read elsewhere)."""
@@ -41,170 +60,10 @@ class Treatment:
     """Why (one clause, shown to the user)."""
 
 
-_NOOP = {
-    "always megatron-core models": "--use-mcore-models",
-    "data is read in-process by the packed sampler (no worker processes, no index cache)":
-        "--num-workers --num-dataset-builder-threads --no-mmap-bin-files "
-        "--dataloader-fast-cache-load --dataloader-defer-npy-index-mmap --object-storage-cache-path "
-        "--dataloader-type --mid-level-dataset-surplus",
-    "packed THD micro-batches always restart positions and attention at each document":
-        "--reset-position-ids --reset-attention-mask --no-create-attention-mask-in-dataloader",
-    "the loss is always per token (sum over the global batch's target tokens / their number)":
-        "--calculate-per-token-loss",
-    "a document's last token never has a target (the packer ends every document there)": "--eod-mask-loss",
-    "the same attention (the scaling only guards fp16 softmax; this driver's softmax is fp32)":
-        "--apply-query-key-layer-scaling",
-    "throughput is always in the log line (tokens/s)": "--log-throughput",
-    "stage forward/backward times are always logged to tensorboard": "--log-timers-to-tensorboard",
-    "tensorboard buffering only changes when events reach disk": "--tensorboard-queue-size",
-    "peak memory is always logged (and to tensorboard)":
-        "--log-memory-to-tensorboard --log-device-memory-used --log-memory-interval",
-    "no RNG state exists to save or load: training draws no random numbers":
-        "--no-save-rng --no-load-rng --data-parallel-random-init --te-rng-tracker --inference-rng-tracker",
-    "gradients are always reduced in fp32": "--accumulate-allreduce-grads-in-fp32",
-    "attention softmax is always computed in fp32": "--attention-softmax-in-fp32",
-    "fusion switches: results are the same fused or not (the CPU path never fuses)":
-        "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion "
-        "--no-rope-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion --cross-entropy-loss-fusion "
-        "--cross-entropy-fusion-impl --disable-jit-fuser --no-async-tensor-model-parallel-allreduce "
-        "--disable-async-tensor-model-parallel-allreduce --use-fused-weighted-squared-relu "
-        "--no-gradient-reduce-div-fusion --moe-permute-fusion",
-    "communication / memory tuning that does not change results":
-        "--ddp-bucket-size --ddp-num-buckets --ddp-pad-buckets-for-high-nccl-busbw --ddp-average-in-collective "
-        "--no-align-grad-reduce --no-align-param-gather --overlap-p2p-communication-warmup-flush "
-        "--no-overlap-p2p-communication --no-scatter-gather-tensors-in-pipeline --use-cpu-initialization "
-        "--manual-gc --manual-gc-interval --no-manual-gc-eval --disable-manual-gc-eval --empty-unused-memory-level "
-        "--nccl-communicator-config-path --use-tp-pp-dp-mapping --disable-gloo-process-groups "
-        "--distributed-timeout-seconds-after-init --local-rank --high-priority-stream-groups "
-        "--tp-comm-bootstrap-backend --use-sharp --sharp-enabled-group --create-all-gather-group "
-        "--microbatch-group-size-per-virtual-pipeline-stage --no-pin-cpu-grads --no-pin-cpu-params "
-        "--overlap-param-gather-with-optimizer-step",
-    "checkpoints are always torch_dist, written synchronously and loaded by every rank":
-        "--use-dist-ckpt --dist-ckpt-format --async-save --use-persistent-ckpt-worker --ckpt-fully-parallel-save "
-        "--no-ckpt-fully-parallel-save --disable-ckpt-fully-parallel-save --ckpt-fully-parallel-load "
-        "--ckpt-assume-constant-structure --dist-ckpt-strictness --auto-detect-ckpt-format "
-        "--dist-ckpt-workers --dist-ckpt-save-pre-mcore-014",
-    "context parallelism always all-gathers keys/values (same results as p2p/a2a)": "--cp-comm-type",
-    "the tokenizers package runs no remote code and loads the fast tokenizer":
-        "--trust-remote-code --tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens --legacy-tokenizer",
-    "no telemetry service is contacted": "--no-one-logger --one-logger-project --one-logger-run-name "
-                                         "--one-logger-async --app-tag-run-name --app-tag-run-version "
-                                         "--disable-msc --otel-enabled --otel-service-name",
-}
-_IGNORED = {
-    "logging extra not produced by this driver (it logs loss, lr, grad norm, stage times, "
-    "memory and validation loss)":
-        "--log-params-norm --log-num-zeros-in-grad --log-validation-ppl-to-tensorboard --log-progress "
-        "--log-world-size-to-tensorboard --no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard "
-        "--tensorboard-log-interval --timing-log-level --timing-log-option "
-        "--no-barrier-with-level-1-timing --logging-level --log-energy --log-max-attention-logit "
-        "--log-straggler --straggler-ctrlr-port --straggler-minmax-count --disable-straggler-on-startup "
-        "--config-logger-dir",
-    "Weights & Biases logging is not wired (use --tensorboard-dir)":
-        "--wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity",
-    "profiling is not wired (use tools/profile_latency.py or torch.profiler around the run)":
-        "--profile --profile-step-start --profile-step-end --use-pytorch-profiler --profile-ranks "
-        "--record-memory-history --memory-snapshot-path",
-}
-_HARDWARE = {
-    "needs Transformer Engine with FP8 support on a CUDA GPU (Hopper or newer), which this driver does not "
-    "drive yet": "--fp8-format --fp8-recipe --fp8-margin --fp8-interval --fp8-amax-history-len "
-                 "--fp8-amax-compute-algo --no-fp8-wgrad --disable-fp8-wgrad --fp8-param-gather "
-                 "--first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16 "
-                 "--fp8-quantizer-factory --keep-fp8-transpose-cache --te-precision-config-file "
-                 "--reuse-grad-buf-for-mxfp8-param-ag",
-    "needs Transformer Engine with FP4 support on a Blackwell GPU":
-        "--fp4-format --fp4-recipe --fp4-param-gather --fp4-quantizer-factory",
-    "needs Transformer Engine userbuffers on CUDA GPUs with TP > 1, not driven by this driver":
-        "--tp-comm-overlap --tp-comm-overlap-cfg --no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad "
-        "--no-tp-comm-bulk-dgrad --disable-tp-comm-bulk-dgrad --no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag "
-        "--no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs --tp-comm-overlap-rs-dgrad --no-tp-comm-split-ag "
-        "--disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs --use-nccl-ub",
-    "needs CUDA graphs on a GPU, not driven by this driver":
-        "--enable-cuda-graph --cuda-graph-warmup-steps --external-cuda-graph --cuda-graph-impl --cuda-graph-scope",
-}
-_FAMILIES: List[Tuple[str, str]] = [
-    # (name prefix, reason): the first matching prefix wins
-    ("--moe-", "mixture of experts is not supported: this driver trains dense GPT models"),
-    ("--num-experts", "mixture of experts is not supported: this driver trains dense GPT models"),
-    ("--expert-", "mixture of experts is not supported: this driver trains dense GPT models"),
-    ("--overlap-moe-", "mixture of experts is not supported: this driver trains dense GPT models"),
-    ("--mtp-", "multi-token prediction is not supported"),
-    ("--multi-latent-attention", "multi-latent attention (MLA) is not supported"),
-    ("--q-lora-rank", "multi-latent attention (MLA) is not supported"),
-    ("--kv-lora-rank", "multi-latent attention (MLA) is not supported"),
-    ("--qk-head-dim", "multi-latent attention (MLA) is not supported"),
-    ("--qk-pos-emb-head-dim", "multi-latent attention (MLA) is not supported"),
-    ("--v-head-dim", "multi-latent attention (MLA) is not supported"),
-    ("--mscale", "multi-latent attention (MLA) is not supported"),
-    ("--cache-mla-latents", "multi-latent attention (MLA) is not supported"),
-    ("--mla-", "multi-latent attention (MLA) is not supported"),
-    ("--rotary-scaling-factor", "multi-latent attention (MLA) is not supported"),
-    ("--mamba-", "Mamba / hybrid models are not supported"),
-    ("--hybrid-attention-ratio", "Mamba / hybrid models are not supported"),
-    ("--hybrid-mlp-ratio", "Mamba / hybrid models are not supported"),
-    ("--hybrid-override-pattern", "Mamba / hybrid models are not supported"),
-    ("--is-hybrid-model", "Mamba / hybrid models are not supported"),
-    ("--disable-mamba-", "Mamba / hybrid models are not supported"),
-    ("--linear-", "linear-attention variants are not supported (block top-k sparse attention is)"),
-    ("--experimental-attention-variant", "experimental attention variants are not supported "
-                                         "(use --sparse-attention)"),
-    ("--dsa-", "DeepSeek sparse attention is not supported (use --sparse-attention)"),
-    ("--inference-", "inference options do not apply to pretrain_gpt.py"),
-    ("--rl-", "reinforcement learning is not supported"),
-    ("--grpo-", "reinforcement learning is not supported"),
-    ("--langrl-", "reinforcement learning is not supported"),
-    ("--perform-rl-step", "reinforcement learning is not supported"),
-    ("--refit-method", "reinforcement learning is not supported"),
-    ("--dino-", "vision models are not supported"),
-    ("--img-", "vision models are not supported"),
-    ("--vision-", "vision models are not supported"),
-    ("--swin-", "vision models are not supported"),
-    ("--ict-", "biencoder / retrieval models are not supported"),
-    ("--biencoder-", "biencoder / retrieval models are not supported"),
-    ("--retriever-", "biencoder / retrieval models are not supported"),
-    ("--bert-", "BERT models are not supported"),
-    ("--fim-", "fill-in-the-middle data is not supported"),
-    ("--sft", "supervised fine-tuning datasets are not supported (use --mask-prompt-loss)"),
-    ("--inprocess-", "in-process restart is not supported (use --save/--load with --exit-signal-handler)"),
-    ("--enable-ft-package", "the fault-tolerance package is not supported (see --step-timeout-minutes)"),
-    ("--calc-ft-timeouts", "the fault-tolerance package is not supported (see --step-timeout-minutes)"),
-    ("--ft-", "the fault-tolerance package is not supported (see --step-timeout-minutes)"),
-    ("--use-megatron-fsdp", "FSDP is not supported (use --use-distributed-optimizer)"),
-    ("--use-torch-fsdp2", "FSDP is not supported (use --use-distributed-optimizer)"),
-    ("--fsdp-", "FSDP is not supported (use --use-distributed-optimizer)"),
-    ("--megatron-fsdp-", "FSDP is not supported (use --use-distributed-optimizer)"),
-    ("--torch-fsdp2-", "FSDP is not supported (use --use-distributed-optimizer)"),
-    ("--data-parallel-sharding-strategy", "FSDP is not supported (use --use-distributed-optimizer)"),
-    ("--outer-dp-sharding-strategy", "FSDP is not supported (use --use-distributed-optimizer)"),
-    ("--muon-", "only the Adam and SGD optimizers are supported"),
-    ("--lion-", "only the Adam and SGD optimizers are supported"),
-    ("--optimizer-cpu-offload", "optimizer CPU offload is not supported"),
-    ("--non-persistent-", "non-persistent (local) checkpoints are not supported"),
-    ("--rampup-batch-size", "batch-size ramp-up is not supported"),
-    ("--logits-", "logit distillation is not supported"),
-    ("--heterogeneous-", "heterogeneous layer configurations are not supported"),
-    ("--train-data-path", "separate split files are not supported: give --data-path and --split"),
-    ("--valid-data-path", "separate split files are not supported: give --data-path and --split"),
-    ("--test-data-path", "separate split files are not supported: give --data-path and --split"),
-    ("--use-checkpoint-args", "model flags are not read from checkpoints: pass them (tools/checkpoint/"
-                              "convert.py prints them for a converted model)"),
-    ("--checkpoint-activations", "deprecated in Megatron-LM: use --recompute-activations"),
-    ("--use-legacy-models", "only megatron-core models exist here"),
-]
-NEUTRAL: Dict[str, str] = {
-    "--expert-model-parallel-size": "1",
-    "--expert-tensor-parallel-size": "1",
-    "--num-experts": "0",
-    "--mtp-num-layers": "0",
-    "--timing-log-level": "0",
-}
-"""Flags whose given value means "the feature is off"; honoured (Megatron-LM does the same)."""
-
-
 def _table() -> Dict[str, Treatment]:
     out: Dict[str, Treatment] = {}
-    for kind, groups in (("noop", _NOOP), ("ignored", _IGNORED), ("hardware", _HARDWARE)):
+    for kind, groups in (("noop", NOOP), ("ignored", IGNORED), ("hardware", HARDWARE),
+                         ("unsupported", REFUSED)):
         for reason, names in groups.items():
             for name in names.split():
                 out[name] = Treatment(kind, reason)
@@ -215,20 +74,49 @@ TABLE = _table()
 """Explicitly placed flags -> treatment (families and the default are in :func:`treatment`)."""
 
 
+def _data(name: str) -> dict:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=None)
 def megatron_lm_flags() -> Dict[str, object]:
     """Megatron-LM's flags -> argparse nargs (0: switch; None: one value; '*', '+', or a count)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_flags.json")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)["flags"]
+    return _data("megatron_lm_flags.json")["flags"]
+
+
+@functools.lru_cache(maxsize=None)
+def fork_flags() -> Dict[str, str]:
+    """Flags of Megatron-LM's forks that Megatron-LM lacks -> the fork's name."""
+    out: Dict[str, str] = {}
+    for fork, entry in _data("fork_flags.json")["forks"].items():
+        for flag in entry["flags"]:
+            out.setdefault(flag, fork)
+    return out
+
+
+
+
+def _fork_reason(flag: str, fork: str) -> str:
+    instead = next((use for name, use in FORK_INSTEAD if flag == name or
+                    (name.endswith("-") and flag.startswith(name))), None)
+    tail = f"use {instead}" if instead else "drop it (tools/check_launch_script.py lists what each flag does here)"
+    return f"a {fork} flag, not Megatron-LM's: this driver does not implement it; {tail}"
 
 
 def treatment(flag: str, value: Optional[str] = None) -> Treatment:
-    """How a Megatron-LM flag this driver does not define is treated (see module docstring)."""
+    """How a Megatron-LM (or fork) flag this driver does not define is treated (module docstring)."""
     if flag in NEUTRAL and value is not None and _same_number(value, NEUTRAL[flag]):
         return Treatment("noop", "its value turns the feature off")
     if flag in TABLE:
         return TABLE[flag]
-    for prefix, reason in _FAMILIES:
+    fork = fork_flags().get(flag)
+    if fork is not None and flag not in megatron_lm_flags():
+        return Treatment("unsupported", _fork_reason(flag, fork))
+    for prefix, reason in NOOP_FAMILIES:
+        if flag.startswith(prefix):
+            return Treatment("noop", reason)
+    for prefix, reason in FAMILIES:
         if flag.startswith(prefix):
             return Treatment("unsupported", reason)
     return Treatment("unsupported", "not implemented by this driver (docs/usage.md lists what is)")
@@ -241,28 +129,52 @@ def _same_number(a: str, b: str) -> bool:
         return a == b
 
 
+def _registered() -> Dict[str, object]:
+    """Every flag :func:`add_megatron_lm_flags` registers -> nargs (a fork's flags take any
+    number of values: their own parsers are not read here, and each is refused anyway)."""
+    out: Dict[str, object] = dict(megatron_lm_flags())
+    for flag in fork_flags():
+        out.setdefault(flag, "*")
+    return out
+
+
+def _dest(flag: str) -> str:
+    return DEST_PREFIX + flag[2:].replace("-", "_")
+
+
 def add_megatron_lm_flags(parser: argparse.ArgumentParser) -> None:
-    """Register every Megatron-LM flag ``parser`` lacks (hidden from ``--help``), so that
-    :func:`resolve` can name its treatment instead of argparse saying "unrecognized"."""
+    """Register every Megatron-LM (and known fork) flag ``parser`` lacks (hidden from
+    ``--help``), so that :func:`resolve` can name its treatment instead of argparse saying
+    "unrecognized"."""
     known = {s for a in parser._actions for s in a.option_strings}
-    for flag, nargs in megatron_lm_flags().items():
+    dests = {a.dest for a in parser._actions}
+    for flag, nargs in _registered().items():
         if flag in known:
             continue
-        dest = DEST_PREFIX + flag[2:].replace("-", "_")
+        dest = _dest(flag)
+        if dest in dests:  # another spelling of a registered flag (``_`` vs ``-``)
+            action = next(a for a in parser._actions if a.dest == dest)
+            action.option_strings.append(flag)
+            parser._option_string_actions[flag] = action
+            continue
+        dests.add(dest)
         if nargs == 0:
             parser.add_argument(flag, dest=dest, action="store_const", const=True, default=None,
                                 help=argparse.SUPPRESS)
         else:
-            parser.add_argument(flag, dest=dest, nargs=nargs, default=None, help=argparse.SUPPRESS)
+            parser.add_argument(flag, dest=dest, nargs=nargs, default=None, help=argparse.SUPPRESS,
+                                **({"const": True} if nargs == "?" else {}))
 
 
 def given_foreign(args: argparse.Namespace) -> List[Tuple[str, Optional[str]]]:
     """``(flag, value text)`` of each table-registered flag present in ``args``, in name order."""
+    names = {}
+    for flag in _registered():
+        names.setdefault(_dest(flag), flag)
     out = []
     for dest, value in sorted(vars(args).items()):
         if dest.startswith(DEST_PREFIX) and value is not None:
-            flag = "--" + dest[len(DEST_PREFIX):].replace("_", "-")
-            flag = _spelling(flag)
+            flag = names.get(dest) or "--" + dest[len(DEST_PREFIX):].replace("_", "-")
             text = None if value is True else " ".join(map(str, value)) if isinstance(value, list) else str(value)
             out.append((flag, text))
     return out
@@ -270,10 +182,10 @@ def given_foreign(args: argparse.Namespace) -> List[Tuple[str, Optional[str]]]:
 
 def _spelling(flag: str) -> str:
     """The table's spelling of ``flag`` (Megatron-LM mixes ``_`` and ``-`` in a few names)."""
-    names = megatron_lm_flags()
+    names = _registered()
     if flag in names:
         return flag
-    alt = [n for n in names if n.replace("_", "-") == flag]
+    alt = [n for n in names if n.replace("_", "-") == flag.replace("_", "-")]
     return alt[0] if alt else flag
 
 
@@ -285,6 +197,9 @@ def resolve(args: argparse.Namespace) -> List[str]:
     """
     ignored = []
     for flag, value in given_foreign(args):
+        if flag == "--eval-global-batch-size" and value is not None and args.global_batch_size is not None \
+                and _same_number(value, str(args.global_batch_size)):
+            continue  # evaluation batches are the training batches here
         t = treatment(flag, value)
         if t.kind == "ignored":
             ignored.append(flag)
@@ -313,6 +228,9 @@ def check_hardware(args: argparse.Namespace, cuda: bool) -> None:
         if on and not cuda:
             raise ValueError(f"{flag} needs CUDA (the CPU path trains in fp32; drop {flag} or "
                              "run on a GPU without --cpu)")
+    if args.deterministic_mode and cuda:
+        raise ValueError("--deterministic-mode on CUDA: this driver's GPU attention kernels are not deterministic "
+                         "(their backward accumulates with atomics); drop it, or train with --cpu")
     if args.distributed_backend == "nccl" and not cuda:
         raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
     te = args.transformer_impl == "transformer_engine"

@@ -58,7 +58,8 @@ def split_documents(n_docs: int, fractions: Sequence[float]) -> List[np.ndarray]
 
 def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
                      pad_to: Optional[int] = None,
-                     loss_starts: Optional[np.ndarray] = None) -> Dict[str, torch.Tensor]:
+                     loss_starts: Optional[np.ndarray] = None,
+                     pad_id: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """THD micro-batch dict (see module docstring) for ``segments``.
 
     Args:
@@ -67,6 +68,8 @@ def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
         pad_to: append one masked padding segment up to this many tokens (None: no padding).
         loss_starts: per dataset document, the first token that is a training target
             (``--mask-prompt-loss``); None: every next token is a target.
+        pad_id: a target equal to this token id carries no loss (``--null-tokenizer-pad-id``,
+            as Megatron-LM's GPT dataset masks its pad token); None: no pad token.
     """
     lengths = dataset.sequence_lengths
     toks, labs, mask, pos, cu = [], [], [], [], [0]
@@ -87,6 +90,8 @@ def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
         if loss_starts is not None:
             # position off + i predicts token off + i + 1: a target iff that is >= the start
             m[: max(0, min(length, int(loss_starts[idx]) - 1 - off))] = 0.0
+        if pad_id is not None:
+            m[lab == pad_id] = 0.0
         mask.append(m)
         pos.append(np.arange(length, dtype=np.int64))
         cu.append(cu[-1] + length)
@@ -203,13 +208,15 @@ class PackedDataLoader:
         pp, pp_rank: pipeline ranks and this rank's index (the packer predicts per-rank pipeline times).
         loss_starts: per dataset document, the first target token (``--mask-prompt-loss``).
         cp, cp_rank: context-parallel size and this rank's index (:func:`context_parallel_split`).
+        pad_id: targets equal to this id carry no loss (:func:`build_microbatch`).
     """
 
     def __init__(self, dataset, doc_ids: np.ndarray, *, dp: int, dp_rank: int, micro_batches: int,
                  seq_length: int, strategy: str, seed: int, shuffle: bool = True,
                  vocab_size: Optional[int] = None, pad_to: Optional[int] = None,
                  max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0,
-                 loss_starts: Optional[np.ndarray] = None, cp: int = 1, cp_rank: int = 0) -> None:
+                 loss_starts: Optional[np.ndarray] = None, cp: int = 1, cp_rank: int = 0,
+                 pad_id: Optional[int] = None) -> None:
         from sparsebalance.batching.sampler import PackingSampler
 
         if len(doc_ids) == 0:
@@ -220,6 +227,7 @@ class PackedDataLoader:
         self.vocab_size = vocab_size
         self.pad_to = pad_to
         self.loss_starts = loss_starts
+        self.pad_id = pad_id
         self.pp, self.pp_rank = pp, pp_rank
         self.cp, self.cp_rank = cp, cp_rank
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
@@ -248,8 +256,8 @@ class PackedDataLoader:
         packing = self.sampler.next_step()
         mine = packing.ranks[self.dp_rank]
         all_segments = [seg for rank in packing.ranks for mb in rank for seg in mb]
-        microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to, self.loss_starts)
-                        for mb in mine]
+        microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to, self.loss_starts,
+                                         self.pad_id) for mb in mine]
         if self.cp > 1:
             microbatches = [context_parallel_split(mb, self.cp, self.cp_rank) for mb in microbatches]
         if self.vocab_size is not None:

@@ -8,9 +8,13 @@ concatenated (shares in proportion to their sizes). The packed sampler then shuf
 and packs the blend's documents like one dataset's. (Megatron-LM mixes fixed-length
 samples instead of documents; the token shares are the same.)
 
-``--mock-data`` writes a random-token dataset (one ``--seq-length`` + 1 document per
-sample, like Megatron-LM's mock GPT dataset) into a temporary directory (or
-``--data-cache-path``) and trains on it.
+``--mock-data`` writes a random-token dataset (one ``--seq-length`` document per
+sample, as Megatron-LM's mock GPT dataset fills each sample) into a temporary directory
+(or ``--data-cache-path``) and trains on it. Every rank writes the same documents (they
+follow from ``--seed`` alone), so the ranks of a CP, TP or PP group read the same samples.
+A document of ``--seq-length`` + 1 tokens (Megatron-LM's sample with its extra label
+token) would leave a 1-token remainder: every other micro-batch would carry one token
+and no target.
 """
 
 from __future__ import annotations
@@ -154,7 +158,7 @@ def write_mock_data(args: argparse.Namespace, vocab_size: int) -> str:
     prefix = os.path.join(root, f"mock_seed{args.seed}_len{args.seq_length}_rank{os.environ.get('RANK', '0')}")
     docs = min(MOCK_MAX_DOCS, max(64, 2 * args.global_batch_size * args.train_iters))
     rng = np.random.default_rng(args.seed)
-    write_documents(prefix, (rng.integers(0, vocab_size, size=args.seq_length + 1) for _ in range(docs)),
+    write_documents(prefix, (rng.integers(0, vocab_size, size=args.seq_length) for _ in range(docs)),
                     vocab_size)
     args.data_path = prefix
     args.data_blend = [(1.0, prefix)]

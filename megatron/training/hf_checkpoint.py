@@ -22,8 +22,8 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-"""``config.json`` architectures this converter knows."""
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+"""``config.json`` architectures this converter knows -> their ``model_type``."""
 
 
 class ConversionError(ValueError):
@@ -73,6 +73,11 @@ def read_shape(cfg: dict) -> Shape:
     if arch not in ARCHITECTURES:
         raise ConversionError(f"config.json: architecture {arch!r} is not supported "
                               f"(known: {', '.join(ARCHITECTURES)})")
+    if cfg.get("model_type", ARCHITECTURES[arch]) != ARCHITECTURES[arch]:
+        # e.g. a Mistral config with a Qwen2 architectures line: which one is meant is unknown
+        raise ConversionError(f"config.json: model_type {cfg['model_type']!r} disagrees with architectures "
+                              f"{cfg['architectures']} (a {arch} has model_type {ARCHITECTURES[arch]!r}); "
+                              "fix the one that is wrong")
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
         if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
             raise ConversionError(f"config.json: {key} must be a positive integer, got {cfg.get(key)!r}")

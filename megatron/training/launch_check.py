@@ -128,6 +128,8 @@ def _own(flag: str, values: List[str], action, parser, cuda: bool, te: bool, tp:
             return "hardware", "Transformer Engine's attention: needs CUDA and transformer_engine"
         if (given.get("--transformer-impl") or [""])[0] != "transformer_engine":
             return "unsupported", "needs --transformer-impl transformer_engine"
+    if flag == "--deterministic-mode" and cuda:
+        return "unsupported", "this driver's GPU attention kernels are not deterministic (atomic accumulation)"
     if flag == "--transformer-impl" and v == "transformer_engine" and not (cuda and te):
         return "hardware", "needs CUDA and transformer_engine"
     if _is_var(values):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megatron.training.failsafe import strict_json
+from megatron.training.preflight import run_settings
 from megatron.training.run_log import RunLogger, StepLog
 from megatron.training.step_metrics import GatheredStep, RankStep, comm_device, gather_floats, rank_step_row
 from sparsebalance.io import atomic_write_text
@@ -134,6 +135,7 @@ def setup(args) -> TrainState:
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     pad_to = args.seq_length if interleaved else None  # see megatron/training/data.py
     cp = dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
+    pad_id = args.null_tokenizer_pad_id if args.null_tokenizer_pad_id >= 0 else None
     sb = sparsebalance_config(args, vocab)  # the library's one view of the flags
     predictor = balancer = sampler_predictor = None
     if sb.predictor.enabled:
@@ -147,13 +149,13 @@ def setup(args) -> TrainState:
                               micro_batches=args.num_microbatches, seq_length=args.seq_length,
                               strategy=sb.packing.strategy, seed=args.seed, vocab_size=vocab, pad_to=pad_to,
                               max_carry_steps=sb.packing.max_carry_steps, predictor=sampler_predictor,
-                              pp=pp, pp_rank=pp_rank, loss_starts=loss_starts, **cp)
+                              pp=pp, pp_rank=pp_rank, loss_starts=loss_starts, pad_id=pad_id, **cp)
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
         valid = PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank,
                                  micro_batches=args.num_microbatches, seq_length=args.seq_length,
                                  strategy="megatron", seed=args.seed, shuffle=False, vocab_size=vocab,
-                                 pad_to=pad_to, loss_starts=loss_starts, **cp)
+                                 pad_to=pad_to, loss_starts=loss_starts, pad_id=pad_id, **cp)
     config = transformer_config(args, use_cpu=cpu)
     timers = StageTimers()
     config.timers = timers
@@ -184,7 +186,8 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
         else:
             state.iteration = ckpt.load_checkpoint(args.load, state.model, state.optimizer, state.scheduler,
                                                    state.loader, warn=warn, balancer=state.balancer,
-                                                   load_optim=not args.no_load_optim)
+                                                   load_optim=not args.no_load_optim,
+                                                   settings=run_settings(args))
     log = RunLogger(args, rank, start=state.iteration)
     if args.sparse_attention:
         from megatron.training.balance import attention_backend_choice
@@ -240,7 +243,8 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
             hooks.timeline.write(state.iteration, forecast, meas_fwd, meas_bwd)
         if hooks.on_step is not None:
             hooks.on_step(state.iteration, state, result)
-        if state.valid is not None and state.iteration % args.eval_interval == 0:
+        if state.valid is not None and state.iteration % args.eval_interval == 0 \
+                and state.iteration >= (args.start_eval_at_iter or 0):
             state.mark(f"evaluation at iteration {state.iteration}")
             r = evaluate(args, state.model, state.valid, args.eval_iters)
             state.timers.pop()  # evaluation forwards are not training ops
@@ -321,7 +325,7 @@ def _save(args, state: TrainState, hooks: RunHooks, last: bool) -> None:
     try:
         ckpt.save_checkpoint(args.save, iteration, state.model, state.optimizer, state.scheduler,
                              state.loader, state.cpu, balancer=state.balancer,
-                             save_optim=not args.no_save_optim)
+                             save_optim=not args.no_save_optim, settings=run_settings(args))
     except ckpt.SaveError as e:
         if last or not args.continue_on_save_failure:
             raise

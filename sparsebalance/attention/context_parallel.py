@@ -186,6 +186,18 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, layout: CPLayout, group):
     return kv[..., :D], kv[..., D:]
 
 
+def depend_on_gathered(out: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor) -> torch.Tensor:
+    """``out`` unchanged, but reached in backward from ``k_full`` and ``v_full``.
+
+    The backward of :func:`gather_kv` is a collective: every rank of the CP group must
+    enter it. A rank whose queries in a micro-batch are all padding (e.g. a 1-token
+    document: CP rank 1 holds only its padding) attends to no key, so without this
+    its autograd never reaches the gather's backward while its peers wait there for it
+    (a deadlock). The empty slices add nothing and cost nothing.
+    """
+    return out + (k_full[:0].sum() + v_full[:0].sum()).to(out.dtype)
+
+
 def local_causal_work(lengths: Sequence[int], cp: int) -> np.ndarray:
     """Per CP rank: sum over its real query tokens of the keys they attend to (causal,
     dense), and its real token count. Returns int64 ``[cp, 2]`` (work, tokens)."""

@@ -180,7 +180,7 @@ class CausalVarlenAttention(MegatronModule):
         return causal_local_attention(q, k_full, v_full, layout, self.softmax_scale)
 
     def _forward_cp(self, query, key, value, packed_seq_params) -> torch.Tensor:
-        from sparsebalance.attention.context_parallel import gather_kv
+        from sparsebalance.attention.context_parallel import depend_on_gathered, gather_kv
 
         layout = getattr(packed_seq_params, "cp_layout", None)
         if layout is None:
@@ -197,6 +197,7 @@ class CausalVarlenAttention(MegatronModule):
         k_full, v_full = gather_kv(key, value, layout, group)
         q = query.index_select(0, layout.local_rows)
         o = self._attend_cp(q, query, k_full, v_full, layout, group, packed_seq_params)
+        o = depend_on_gathered(o, k_full, v_full)  # every CP rank enters the gather's backward
         # padding rows attend to nothing: zero output, no gradient
         out = torch.zeros_like(query).index_copy(0, layout.local_rows, o.to(query.dtype))
         return out.reshape(out.shape[0], -1)

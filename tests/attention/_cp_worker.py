@@ -6,6 +6,12 @@ its queries against the gathered keys, back-propagates a fixed weighted sum, and
 writes ``$SB_TEST_DUMP/rank<r>.npz``: outputs and dq/dk/dv scattered to compact
 (real-token) positions, plus the kept pairs it counted. Rank 0 also writes the CP=1
 results of the same inputs (``ref.npz``). A test-only env var, not a flag.
+
+Then the attention modules (dense, and sparse on the cpu backend) run a micro-batch of
+one 1-token document, whose CP share on rank 1 is padding only: both ranks must finish
+forward and backward (the K/V gather's backward is a collective: without rank 1 in it,
+both ranks wait until the test's timeout) and rank 0 writes what its real query got
+(``padonly.npz``).
 """
 
 import os
@@ -86,8 +92,51 @@ def main() -> None:
                 ref[f"{name}/{gname}"] = t.grad.numpy()
             ref[f"{name}/kept"] = np.array(-1 if kept is None else kept)
         np.savez(os.path.join(dump, "ref.npz"), **ref)
+    padding_only_share(group, dump)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def padding_only_share(group, dump: str) -> None:
+    """A 1-token document through the modules' CP path: rank 1 holds only padding."""
+    import types
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from sparsebalance.attention import context_parallel as C
+    from sparsebalance.attention.dense import CausalVarlenAttention
+    from sparsebalance.attention.packed import BudgetedPackedSeqParams
+    from sparsebalance.attention.sparse import SparseAttention
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    lengths = [1]
+    lay = C.build_layout(lengths, C.padded_lengths(lengths, cp), cp, rank)
+    assert (len(lay.local_rows) == 0) == (rank == 1), lay.local_rows
+    config = TransformerConfig(num_layers=1, hidden_size=H * D, num_attention_heads=H, num_query_groups=HKV,
+                               context_parallel_size=cp, use_cpu_initialization=True)
+    pgs = types.SimpleNamespace(cp=group)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    params = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cp_layout=lay)
+    modules = {"dense": CausalVarlenAttention(config, 1, AttnMaskType.causal, "self", pg_collection=pgs),
+               "sparse": SparseAttention(config, 1, AttnMaskType.causal, "self", pg_collection=pgs,
+                                         block_size=B, topk=TOPK, backend="cpu")}
+    g = torch.Generator().manual_seed(5)
+    res = {}
+    for name, module in modules.items():
+        q, k, v = (torch.randn(lay.t_local, h, D, generator=g).requires_grad_() for h in (H, HKV, HKV))
+        out = module(q, k, v, None, packed_seq_params=params)
+        out.sum().backward()  # would wait forever on one rank without the gather's backward
+        if rank == 0:
+            row = int(lay.local_rows[0])
+            res[f"{name}/out"] = out.detach().reshape(lay.t_local, H, D)[row].numpy()
+            res[f"{name}/v"] = v.detach()[row].numpy()
+            res[f"{name}/dv"] = v.grad[row].numpy()
+    if rank == 0:
+        np.savez(os.path.join(dump, "padonly.npz"), **res)
 
 
 if __name__ == "__main__":

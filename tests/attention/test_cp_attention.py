@@ -140,7 +140,7 @@ def cp_dump(triton_snippet, tmp_path_factory):
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [dict(np.load(os.path.join(dump, f"rank{r}.npz"))) for r in range(2)]
-    return ranks, dict(np.load(os.path.join(dump, "ref.npz")))
+    return ranks, dict(np.load(os.path.join(dump, "ref.npz"))), dict(np.load(os.path.join(dump, "padonly.npz")))
 
 
 def _rel(a, b):
@@ -149,7 +149,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("name", ["dense", "cpu", "reference"])
 def test_cp2_attention_equals_cp1(cp_dump, name):
-    ranks, ref = cp_dump
+    ranks, ref, _ = cp_dump
     for key in ("out", "dq", "dk", "dv"):
         got = np.zeros_like(ref[f"{name}/{key}"])
         seen = np.zeros(len(got), dtype=int)
@@ -165,6 +165,20 @@ def test_cp2_attention_equals_cp1(cp_dump, name):
         assert kept == int(ref[f"{name}/kept"])
         lens = np.array([100, 37, 250, 6, 1])
         assert kept < int((lens * (lens + 1) // 2).sum()) * 4  # sparse for real
+
+
+@pytest.mark.parametrize("name", ["dense", "sparse"])
+def test_rank_holding_only_padding_takes_part_in_backward(cp_dump, name):
+    """A micro-batch whose CP share on rank 1 is padding only (one 1-token document, what
+    --mock-data used to feed every other step): both ranks finish forward and backward
+    (rank 1 still enters the K/V gather's backward collective; before, the ranks
+    deadlocked), and rank 0's one real query attends to itself: output = its value
+    (each of the H / Hkv query heads of a group adds its output gradient to dv)."""
+    z = cp_dump[2]
+    out, v, dv = z[f"{name}/out"], z[f"{name}/v"], z[f"{name}/dv"]
+    group = out.shape[0] // v.shape[0]
+    assert np.allclose(out, np.repeat(v, group, axis=0), atol=1e-6)
+    assert np.allclose(dv, group, atol=1e-6)
 
 
 _TRITON_SNIPPET = """

@@ -42,11 +42,12 @@ PLAIN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_s
          "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
 
 
-def write_plain_hf(out_dir, drop=(), tensors_of=None, tokens=None, **config):
+def write_plain_hf(out_dir, drop=(), tensors_of=None, tokens=None, indexed=False, **config):
     """An HF directory written without transformers (fast): ``config.json`` = PLAIN
     updated by ``config``, random tensors of the shapes that config updated by
     ``tensors_of`` implies, minus the names in ``drop``; ``tokens``: a word-level
-    ``tokenizer.json`` with that many tokens."""
+    ``tokenizer.json`` with that many tokens; ``indexed``: one shard plus a
+    ``model.safetensors.index.json`` that still names the dropped tensors."""
     import json
 
     from safetensors.torch import save_file
@@ -54,12 +55,17 @@ def write_plain_hf(out_dir, drop=(), tensors_of=None, tokens=None, **config):
     from megatron.training import hf_checkpoint as H
 
     cfg = dict(PLAIN, **config)
-    src = H.read_shape(dict(cfg, **(tensors_of or {}), architectures=PLAIN["architectures"]))
+    src = H.read_shape(dict(cfg, **(tensors_of or {}), architectures=PLAIN["architectures"],
+                            model_type=PLAIN["model_type"]))
     gen = torch.Generator().manual_seed(0)
     tensors = {n: torch.randn(s, generator=gen) for n, s in H.hf_shapes(src).items()
                if n in H.hf_names(src) and n not in drop}
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    shard = "model-00001-of-00001.safetensors" if indexed else "model.safetensors"
+    save_file(tensors, os.path.join(out_dir, shard))
+    if indexed:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": {n: shard for n in H.hf_names(src)}}, f)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
     if tokens:

@@ -149,6 +149,8 @@ def _make_hf_dirs(d: str) -> None:
     write_plain_hf(f"{d}/hf_good")
     write_plain_hf(f"{d}/hf_mistral", architectures=["MistralForCausalLM"])
     write_plain_hf(f"{d}/hf_missing", drop=("model.layers.0.mlp.up_proj.weight",))
+    write_plain_hf(f"{d}/hf_shard_lacks", drop=("model.layers.0.self_attn.k_proj.weight",), indexed=True)
+    write_plain_hf(f"{d}/hf_type_mismatch", model_type="mistral")  # architectures: Qwen2ForCausalLM
     write_plain_hf(f"{d}/hf_shape", tensors_of={"intermediate_size": 20})
     write_plain_hf(f"{d}/hf_vocab", tokens=40)
     os.makedirs(f"{d}/hf_noweights", exist_ok=True)
@@ -213,18 +215,25 @@ CASES = [
          lambda d: TINY + ["--data-path", f"{d}/garbage_idx"], r"garbage_idx"),
     Case("pretrain-short-bin", "pretrain_gpt.py",
          lambda d: TINY + ["--data-path", f"{d}/short_bin"], r"short_bin.*(bytes|bin)"),
-    Case("pretrain-load-missing", "pretrain_gpt.py", _pretrain("--load", "{d}/no_ckpt"), r"no_ckpt"),
+    # --load without a checkpoint starts from scratch (Megatron-LM); --finetune or
+    # --exit-on-missing-checkpoint need one
+    Case("pretrain-finetune-load-missing", "pretrain_gpt.py", _pretrain("--load", "{d}/no_ckpt", "--finetune"),
+         r"--load: no checkpoint in .*no_ckpt \(--finetune needs one\)"),
     Case("pretrain-load-is-file", "pretrain_gpt.py", _pretrain("--load", "{d}/good.idx"), r"--load"),
-    Case("pretrain-load-empty-dir", "pretrain_gpt.py", _pretrain("--load", "{d}/empty_ckpt"),
-         r"empty_ckpt|checkpoint"),
+    Case("pretrain-load-empty-dir-exit-on-missing", "pretrain_gpt.py",
+         _pretrain("--load", "{d}/empty_ckpt", "--exit-on-missing-checkpoint"),
+         r"no checkpoint in .*empty_ckpt \(--exit-on-missing-checkpoint needs one\)"),
     Case("pretrain-load-truncated-shard", "pretrain_gpt.py", _pretrain("--load", "{d}/ck_truncated"),
          r"no intact checkpoint in .*ck_truncated: iter_0000001 is damaged \(__0_0\.distcp has 100 bytes"),
     Case("pretrain-load-all-damaged", "pretrain_gpt.py", _pretrain("--load", "{d}/ck_all_damaged"),
          r"iter_0000002 is damaged \(no manifest\.json\); iter_0000001 is damaged \(.*fails its sha256", cold=True),
     Case("pretrain-load-garbage-manifest", "pretrain_gpt.py", _pretrain("--load", "{d}/ck_bad_manifest"),
          r"ck_bad_manifest.*manifest\.json unreadable"),
+    # --save is checked before step 1 (it used to fail at the first save, after training)
     Case("pretrain-save-unwritable", "pretrain_gpt.py", _pretrain("--save", "{d}/good.idx/ck"),
-         r"saving checkpoint iter_0000001 to .*good\.idx/ck failed: .*Not a directory"),
+         r"--save .*good\.idx/ck: .*good\.idx is a file, not a directory"),
+    Case("pretrain-save-dir-is-file", "pretrain_gpt.py", _pretrain("--save", "{d}/lengths.json"),
+         r"--save .*lengths\.json: .*lengths\.json is a file, not a directory"),
     Case("pretrain-keep-last-zero", "pretrain_gpt.py", _pretrain("--save", "{d}/ck_keep", "--keep-last", "0"),
          r"--keep-last", _p("{d}/ck_keep")),
     Case("pretrain-keep-last-without-save", "pretrain_gpt.py", _pretrain("--keep-last", "2"),
@@ -273,6 +282,16 @@ CASES = [
          r"--moe-router-topk: mixture of experts is not supported|--num-experts: mixture of experts"),
     Case("pretrain-megatron-fp8-flag", "pretrain_gpt.py", _pretrain("--fp8-format", "hybrid"),
          r"--fp8-format: needs Transformer Engine"),
+    Case("pretrain-batch-size-ramp", "pretrain_gpt.py", _pretrain("--step-batch-size-schedule", "0:2 1M:4"),
+         r"--step-batch-size-schedule '0:2 1M:4': a global batch size that changes during the run"),
+    Case("pretrain-dev-dynamic-cp", "pretrain_gpt.py", _pretrain("--dynamic-context-parallel"),
+         r"--dynamic-context-parallel: dynamic \(hybrid\) context parallelism .*sparsebalance\+dcp"),
+    Case("pretrain-mindspeed-llm-flag", "pretrain_gpt.py", _pretrain("--use-mc2"),
+         r"--use-mc2: a MindSpeed-LLM flag, not Megatron-LM's"),
+    Case("pretrain-flagscale-flag", "pretrain_gpt.py", _pretrain("--skip-samples-range", "0", "10"),
+         r"--skip-samples-range: a FlagScale flag, not Megatron-LM's"),
+    Case("pretrain-pai-flag", "pretrain_gpt.py", _pretrain("--n-head-kv", "2"),
+         r"--n-head-kv: a Pai-Megatron-Patch flag.*use --num-query-groups"),
     Case("pretrain-blend-missing-dataset", "pretrain_gpt.py",
          lambda d: TINY + ["--data-path", "0.5", f"{d}/good", "0.5", f"{d}/nothing"], r"nothing\.bin does not exist"),
     Case("pretrain-hf-tokenizer-hub-name", "pretrain_gpt.py",
@@ -446,6 +465,13 @@ CASES = [
     Case("convert-missing-tensor", "tools/checkpoint/convert.py",
          _p("hf-to-megatron", "--hf-dir", "{d}/hf_missing", "--output", "{d}/cv2"), r"missing tensor.*up_proj",
          _p("{d}/cv2")),
+    Case("convert-index-names-tensor-its-shard-lacks", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_shard_lacks", "--output", "{d}/cv8"),
+         r"missing tensor model\.layers\.0\.self_attn\.k_proj\.weight: the index puts it in "
+         r".*model-00001-of-00001\.safetensors, which does not hold it", _p("{d}/cv8")),
+    Case("convert-model-type-disagrees-with-architectures", "tools/checkpoint/convert.py",
+         _p("hf-to-megatron", "--hf-dir", "{d}/hf_type_mismatch", "--output", "{d}/cv9"),
+         r"model_type 'mistral' disagrees with architectures \['Qwen2ForCausalLM'\]", _p("{d}/cv9")),
     Case("convert-shape-mismatch", "tools/checkpoint/convert.py",
          _p("hf-to-megatron", "--hf-dir", "{d}/hf_shape", "--output", "{d}/cv3"), r"shape \[20, 16\].*\[24, 16\]",
          _p("{d}/cv3"), cold=True),

@@ -35,6 +35,11 @@ def main() -> None:
     if os.environ.get("SB_TEST_PREDICT_AS_CP1") == "1":
         _predict_as_cp1()
     args = parse_args()
+    if args.mock_data:  # pretrain_gpt.py writes the mock dataset in its input checks
+        from megatron.training.data_sources import write_mock_data
+        from megatron.training.tokenizer import args_vocab_size
+
+        write_mock_data(args, args_vocab_size(args))
     grads, budgets = {}, []
 
     def on_step(iteration, state, result):

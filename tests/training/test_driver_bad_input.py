@@ -78,7 +78,8 @@ CASES = {
     "odd rotary dims": (lambda c, k: ["--data-path", c, "--rotary-percent", "0.1875"], None, "even number"),
     "unknown flag": (lambda c, k: ["--data-path", c, "--no-such-flag", "3"], None, "--no-such-flag"),
     "abbreviated flag": (lambda c, k: ["--data-path", c, "--train-it", "3"], None, "--train-it"),
-    "load without checkpoint": (lambda c, k: ["--data-path", c, "--load", k["no_ckpt"]], None, "no checkpoint"),
+    "finetune without checkpoint": (lambda c, k: ["--data-path", c, "--load", k["no_ckpt"], "--finetune"], None,
+                                    "no checkpoint"),
     "prompt mask without loss starts": (lambda c, k: ["--data-path", c, "--mask-prompt-loss"], None,
                                         "_loss_start.npy"),
     "cp not dividing world": (lambda c, k: ["--data-path", c, "--context-parallel-size", "2"], 3,
@@ -169,6 +170,31 @@ PARSE_CASES = {
     "no load optim needs load": (["--no-load-optim"], None, "--no-load-optim needs --load"),
     "not a megatron-lm flag stays unrecognized": (["--no-such-megatron-flag"], None,
                                                   "unrecognized arguments: --no-such-megatron-flag"),
+    # issue 42: flags of Megatron-LM main and dev, and of its forks
+    "schedule with global batch size refused": (["--step-batch-size-schedule", "0:4"], None,
+                                                "--step-batch-size-schedule or --global-batch-size, not both"),
+    "null tokenizer pad id needs null tokenizer": (["--null-tokenizer-pad-id", "0"], None,
+                                                   "--null-tokenizer-pad-id is read by --tokenizer-type "
+                                                   "NullTokenizer only"),
+    "dev dynamic cp names the sparsebalance+dcp arm": (["--dynamic-context-parallel"], None,
+                                                       "--dynamic-context-parallel: dynamic (hybrid) context "
+                                                       "parallelism is not in this driver"),
+    "main hybrid cp names the sparsebalance+dcp arm": (["--hybrid-context-parallel"], None, "sparsebalance+dcp"),
+    "mindspeed flag names the fork": (["--use-fused-rmsnorm"], None,
+                                      "--use-fused-rmsnorm: a MindSpeed flag, not Megatron-LM's"),
+    "mindspeed-llm flag names what to use": (["--tokenizer-name-or-path", "qwen"], None,
+                                             "a MindSpeed-LLM flag, not Megatron-LM's: this driver does not "
+                                             "implement it; use --tokenizer-type HuggingFaceTokenizer"),
+    "mindspeed cp algorithm names context-parallel-size": (["--context-parallel-algo", "ulysses_cp_algo"], None,
+                                                           "use --context-parallel-size"),
+    "flagscale flag names the fork": (["--hetero-process-meshes", "1", "1", "1", "1", "1"], None,
+                                      "--hetero-process-meshes: a FlagScale flag"),
+    "pai flag names the fork": (["--patch-tokenizer-type", "Qwen2Tokenizer"], None,
+                                "--patch-tokenizer-type: a Pai-Megatron-Patch flag"),
+    "main architecture flag says what exists": (["--qk-layernorm"], None,
+                                                "--qk-layernorm: architecture option not implemented"),
+    "main offload flag says what to use": (["--activation-offload-fraction", "0.5"], None,
+                                           "use --recompute-granularity"),
 }
 
 
@@ -188,6 +214,47 @@ def test_megatron_lm_flag_refused_in_one_line(name, corpus, capsys):
     extra, world, expect = PARSE_CASES[name]
     line = _parse_error([*TINY, "--data-path", corpus, *extra], world, capsys)
     assert expect in line, line
+
+
+NO_GBS = [a for i, a in enumerate(TINY) if "--global-batch-size" not in TINY[max(i - 1, 0):i + 1]]
+
+
+SCHEDULES = {"0:4 100M:8": "a global batch size that changes during the run is not supported",
+             "1K:4": "the first entry must start at 0", "0:four": "'0:four' is not THRESHOLD:BATCH",
+             "0-4": "'0-4' is not THRESHOLD:BATCH"}
+
+
+def test_changing_batch_size_schedule_refused_in_one_line(corpus, capsys):
+    """Megatron-LM main's --step-batch-size-schedule: a schedule that changes the global batch
+    (or a malformed one) is one error line; a constant one is --global-batch-size."""
+    assert "--global-batch-size" not in NO_GBS
+    for schedule, expect in SCHEDULES.items():
+        line = _parse_error([*NO_GBS, "--data-path", corpus, "--step-batch-size-schedule", schedule], None, capsys)
+        assert expect in line, line
+
+
+def test_flags_of_megatron_lm_main_are_honoured(corpus):
+    """Flags Megatron-LM main has and this driver implements or documents as no-ops (the
+    issue's three included) parse, with their effect on the run's settings."""
+    from megatron.training.arguments import parse_args
+
+    args = parse_args([*NO_GBS, "--data-path", corpus, "--step-batch-size-schedule", "0:8 1B:8",
+                       "--original-max-position-embeddings", "4096", "--no-pad-vocab-size",
+                       "--start-eval-at-iter", "3", "--verify-integrity", "--eval-micro-batch-size", "1",
+                       "--null-tokenizer-eod-id", "7", "--eval-global-batch-size", "8", "--deterministic-mode",
+                       "--inference-max-seq-length", "256", "--max-tokens-to-oom", "100"], world_size=2)
+    assert args.global_batch_size == 8 and args.num_microbatches == 4
+    assert args.make_vocab_size_divisible_by == 1 and args.start_eval_at_iter == 3
+    assert args.compat_warnings == []
+    from megatron.training import compat
+
+    # --deterministic-mode: the CPU path is deterministic already; on CUDA it is refused
+    compat.check_hardware(args, cuda=False)
+    with pytest.raises(ValueError, match="--deterministic-mode on CUDA: this driver's GPU attention kernels"):
+        compat.check_hardware(args, cuda=True)
+    pad = parse_args([*TINY, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                      "--null-tokenizer-pad-id", "99"], world_size=1)
+    assert pad.null_tokenizer_pad_id == 99
 
 
 @pytest.mark.parametrize("data, expect", [
@@ -264,7 +331,7 @@ def test_non_utf8_profile_names_the_file(corpus, tmp_path, capsys, monkeypatch):
 
 
 def test_exit_on_missing_checkpoint(corpus, tmp_path, capsys, monkeypatch):
-    """--load == --save on an empty directory starts fresh, unless --exit-on-missing-checkpoint."""
+    """--load without a checkpoint starts fresh, unless --exit-on-missing-checkpoint."""
     d = str(tmp_path / "ck")
     line = _check_inputs_error([*TINY, "--data-path", corpus, "--save", d, "--load", d,
                                 "--exit-on-missing-checkpoint"], capsys, monkeypatch)
@@ -288,6 +355,29 @@ def test_save_dir_in_use_by_a_live_run_is_refused(corpus, tmp_path, capsys, monk
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_save_without_room_for_a_checkpoint_is_refused_before_step_1(corpus, tmp_path, capsys, monkeypatch):
+    """--save on a file system with less free space than one checkpoint of the model (weights
+    and Adam state, a lower bound) is one line naming the path and both sizes, before any
+    process group or training; the directory the check created is removed again."""
+    from megatron.training.preflight import checkpoint_bytes
+
+    class Tiny:  # 64 KB free of 4 GB
+        f_bavail, f_frsize, f_blocks = 16, 4096, 1 << 20
+
+    save = tmp_path / "new" / "ck"
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny())
+    line = _check_inputs_error([*TINY, "--data-path", corpus, "--save", str(save)], capsys, monkeypatch)
+    assert f"--save {save}: 64.0 KB free on its file system; a checkpoint of this model needs at least" in line
+    assert not (tmp_path / "new").exists(), "the check left a directory behind"
+    from megatron.training.arguments import parse_args
+
+    args = parse_args([*TINY, "--data-path", corpus], world_size=1)
+    need = checkpoint_bytes(args, 256)
+    assert 64 * 1024 < need < 20 * 2 ** 20  # the tiny model's weights + Adam moments (~1 M parameters)
+    args.no_save_optim = True
+    assert checkpoint_bytes(args, 256) * 3 == need  # weights alone: 4 of the 12 bytes a parameter
 
 
 def test_lock_of_a_killed_run_does_not_block(tmp_path):
@@ -366,8 +456,9 @@ def test_resume_with_changed_train_iters_follows_megatron_lm_rule(corpus, tmp_pa
     assert lr and lr[-1] == 0.0, lr  # the checkpoint's decay ended at iteration 2: lr 0 from then on
 
 
-def test_disk_full_save_names_enospc_and_the_path(corpus, tmp_path):
-    """A save onto a full file system (a 256 KB tmpfs) says ENOSPC and names the path."""
+def test_disk_full_save_dir_refused_before_training(corpus, tmp_path):
+    """--save on a 256 KB tmpfs (less than one checkpoint of the model) is refused before step
+    1 with one line naming the path and the space (it used to fail at the first save)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
@@ -375,11 +466,51 @@ def test_disk_full_save_names_enospc_and_the_path(corpus, tmp_path):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
         proc = run([*RUN, "--data-path", corpus, "--train-iters", "1", "--save", str(mnt / "ck")])
-        line = _one_error_line(proc)
-        assert "ENOSPC" in line and str(mnt / "ck") in line, line
-        assert not list((mnt / "ck").glob("iter_*")), "a partial checkpoint was left"
+        assert "Traceback" not in proc.stderr and proc.returncode == 2, proc.stderr[-3000:]
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and f"--save {mnt / 'ck'}: " in lines[0] and "free on its file system" in lines[0]
+        assert "ENOSPC" in lines[0] and "iter" not in proc.stdout, lines
+        assert not (mnt / "ck").exists(), "the check left a directory behind"
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_load_without_checkpoint_warns_and_starts_from_scratch(corpus, tmp_path):
+    """--load of a directory with no checkpoint (launch scripts pass --save X --load X on the
+    first run; here --load differs from --save): one warning line naming it, then training from
+    iteration 1, as Megatron-LM does. --start-eval-at-iter 2 (Megatron-LM main) with
+    --eval-interval 1: validation runs at iteration 2 only."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run([*RUN, "--data-path", corpus, "--train-iters", "2", "--load", str(empty), "--save",
+                str(tmp_path / "ck"), "--eval-interval", "1", "--start-eval-at-iter", "2", "--eval-iters", "1"])
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    warned = [ln for ln in proc.stderr.splitlines() if ln.startswith("pretrain_gpt.py: warning:")]
+    assert warned == [f"pretrain_gpt.py: warning: --load {empty}: no checkpoint there; training starts from "
+                      "scratch (as in Megatron-LM; --exit-on-missing-checkpoint makes this an error)"], warned
+    assert re.search(r"iter +1/2", proc.stdout) and (tmp_path / "ck" / "iter_0000002").is_dir()
+    assert re.findall(r"iter +(\d+) \| validation loss", proc.stdout) == ["2"], proc.stdout[-2000:]
+
+
+def test_resume_with_other_sparse_settings_logs_each_change(corpus, tmp_path):
+    """A resume whose sparse-attention settings differ from the checkpoint's (block 16 -> 8,
+    top-k 2 -> 4) trains, with one warning line per changed setting (the DST bounds follow
+    top-k); an unchanged resume prints none."""
+    save = str(tmp_path / "ck")
+    base = [*RUN, "--data-path", corpus, "--save", save, "--load", save, "--sparse-attention",
+            "--override-opt_param-scheduler"]
+    first = run([*base, "--train-iters", "1", "--sb-block-size", "16", "--sb-topk", "2"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    same = run([*base, "--train-iters", "2", "--sb-block-size", "16", "--sb-topk", "2"])
+    assert same.returncode == 0 and "resuming with" not in same.stderr, same.stderr[-2000:]
+    other = run([*base, "--train-iters", "3", "--sb-block-size", "8", "--sb-topk", "4"])
+    assert other.returncode == 0, other.stderr[-2000:]
+    lines = [ln for ln in other.stderr.splitlines() if "resuming with" in ln]
+    assert lines == ["pretrain_gpt.py: warning: resuming with --sb-block-size 8 (the checkpoint's: 16)",
+                     "pretrain_gpt.py: warning: resuming with --sb-topk 4 (the checkpoint's: 2)",
+                     "pretrain_gpt.py: warning: resuming with --sb-topk-min 2 (the checkpoint's: 1)",
+                     "pretrain_gpt.py: warning: resuming with --sb-topk-max 8 (the checkpoint's: 4)"], lines
+    assert re.search(r"iter +3/3", other.stdout)
 
 
 def test_eval_interval_with_empty_validation_split_warns_once(corpus, capsys, monkeypatch):

@@ -130,7 +130,32 @@ def test_every_megatron_lm_flag_is_recognised():
     assert not names - options
     kinds = {compat.treatment(f).kind for f in names if f not in compat.TABLE}
     assert kinds <= {"unsupported", "noop"}
-    assert {t.kind for t in compat.TABLE.values()} == {"noop", "ignored", "hardware"}
+    assert {t.kind for t in compat.TABLE.values()} == {"noop", "ignored", "hardware", "unsupported"}
+    # each one that is not this driver's own flag has a reason of its own (no catch-all refusal)
+    generic = [f for f in sorted(names - {s for a in build_parser()._actions for s in a.option_strings})
+               if "not implemented by this driver (docs/usage.md" in compat.treatment(f).reason]
+    assert not generic, generic
+
+
+def test_fork_flags_are_refused_naming_the_fork():
+    """Each training flag of MindSpeed, MindSpeed-LLM, FlagScale and Pai-Megatron-Patch that
+    Megatron-LM lacks is registered (never "unrecognized") and refused with a reason that names
+    its fork; none shadows a Megatron-LM flag. (tests/training/test_driver_bad_input.py runs a
+    few through pretrain_gpt.py's parser: one line each.)"""
+    from megatron.training import compat
+    from megatron.training.arguments import build_parser
+
+    forks = json.load(open(os.path.join(ROOT, "megatron", "training", "fork_flags.json")))["forks"]
+    assert set(forks) == {"MindSpeed", "MindSpeed-LLM", "FlagScale", "Pai-Megatron-Patch"}
+    options = {s for a in build_parser(megatron_lm_flags=True)._actions for s in a.option_strings}
+    megatron = set(compat.megatron_lm_flags())
+    for fork, entry in forks.items():
+        assert len(entry["flags"]) > 40 and len(entry["commit"]) == 12, fork
+        for flag in entry["flags"]:
+            assert flag in options and flag not in megatron, flag
+            t = compat.treatment(flag)
+            assert t.kind == "unsupported" and f"a {compat.fork_flags()[flag]} flag, not Megatron-LM's" in t.reason
+    assert "use --num-query-groups" in compat.treatment("--n-head-kv").reason
 
 
 def test_each_megatron_lm_flag_parses_or_fails_in_one_line(corpus, capsys):

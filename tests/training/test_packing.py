@@ -56,6 +56,22 @@ def test_microbatch_layout(dataset):
     assert float(mask.sum()) == T - 2
 
 
+def test_pad_id_targets_carry_no_loss(dataset):
+    """--null-tokenizer-pad-id (Megatron-LM main): a target equal to the pad id is masked, as
+    Megatron-LM's GPT dataset masks its pad token; other targets and the inputs are kept."""
+    from megatron.training.data import build_microbatch
+
+    ds, texts = dataset
+    segs = [(0, 0, len(texts[0]))]  # "hello world": 'l' is the target of 'e', 'l' and 'r'
+    plain = build_microbatch(ds, np.arange(len(ds)), segs)
+    masked = build_microbatch(ds, np.arange(len(ds)), segs, pad_id=ord("l"))
+    lab = plain["labels"][0]
+    hit = lab == ord("l")
+    assert int(hit.sum()) == 3 and torch.equal(masked["tokens"], plain["tokens"])
+    assert torch.all(masked["loss_mask"][0][hit] == 0)
+    assert torch.equal(masked["loss_mask"][0][~hit], plain["loss_mask"][0][~hit])
+
+
 def test_padding_segment_is_masked(dataset):
     from megatron.training.data import build_microbatch
 

@@ -92,7 +92,11 @@ class HFReader:
         for name, shape in shapes.items():
             if name not in self.where:
                 raise ConversionError(f"missing tensor {name}")
-            got = tuple(self._handle(self.where[name]).get_slice(name).get_shape())
+            handle = self._handle(self.where[name])
+            if name not in handle.keys():  # the index names it, its shard lacks it
+                raise ConversionError(f"missing tensor {name}: the index puts it in {self.where[name]}, "
+                                      "which does not hold it")
+            got = tuple(handle.get_slice(name).get_shape())
             if got != tuple(shape):
                 raise ConversionError(f"tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
 
