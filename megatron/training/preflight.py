@@ -22,6 +22,8 @@ RESUME_SETTINGS = {
     "sb_topk": "--sb-topk",
     "sb_dense_layers": "--sb-dense-layers",
     "sb_attention_backend": "--sb-attention-backend",
+    "sb_routing": "--sb-routing",
+    "sb_threshold": "--sb-threshold",
     "sb_batching": "--sb-batching",
     "max_carry_steps": "--max-carry-steps",
     "sb_dst": "--sb-dst",
