@@ -22,9 +22,9 @@ Descriptors (``BlockSparseTensorsTorch``, int32, batch 1, one row per query head
   and the one *mask* block is the diagonal, masked by the causal ``mask_mod``
   (``q >= kv`` in buffer rows; a short block's padding keys sit after its real queries).
 - backward, query direction: per key block ``n`` the query blocks that keep it; the
-  diagonal is again the one mask block, the others are full. Built on the device from a
-  dense ``[H, NB, NB]`` keep table (a stable sort puts each row's blocks first, in
-  ascending order): no host sync.
+  diagonal is again the one mask block, the others are full. Built on the device by one
+  sort of the kept (key block, query block) pairs, each placed at its rank in its key
+  block's row (ascending): no host sync, no sort of an ``NB x NB`` table.
 
 A block never holds two documents, so no document mask is needed. Padding rows are
 zeros (finite scores), their outputs are dropped and their gradients are zero.
@@ -131,13 +131,22 @@ def fa4_descriptors(plan: RoutingPlan) -> FA4Descriptors:
     full_idx = torch.zeros((H, NB, Wf), **i32)
     if W > 1:  # entries past a row's count (its diagonal, the -1 padding) are never read
         full_idx[:, :, :W - 1] = plan.kv_idx[:, :, :W - 1].clamp(min=0)
-    # query direction: keep[h, n, m] = key block n is a full block of query block m
+    # query direction: the (key block n, query block m) pairs of the full lists sorted by n
+    # then m (one sort of the kept entries, not of an NB x NB table), each placed at its
+    # rank within its key block's row
     valid = torch.arange(Wf, device=dev).view(1, 1, Wf) < full_cnt.unsqueeze(-1)
-    keep = torch.zeros((H, NB, NB + 1), dtype=torch.bool, device=dev)
-    keep.scatter_(2, torch.where(valid, full_idx.long(), NB), True)
-    keep_t = keep[:, :, :NB].transpose(1, 2)
-    bwd_cnt = keep_t.sum(-1, dtype=torch.int32)
-    bwd_idx = torch.argsort((~keep_t).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    m = torch.arange(NB, device=dev).view(1, NB, 1)
+    key = torch.where(valid, full_idx.long() * NB + m, NB * NB).view(H, -1)
+    key = key.sort(dim=-1).values
+    ok = key < NB * NB
+    n_s = torch.where(ok, key // NB, NB)  # NB: the dump row of the padding entries
+    counts = torch.zeros((H, NB + 1), dtype=torch.int64, device=dev).scatter_add_(1, n_s, ok.long())
+    bwd_cnt = counts[:, :NB].to(torch.int32).contiguous()
+    start = counts.cumsum(1) - counts
+    pos = torch.arange(key.shape[1], device=dev).view(1, -1) - start.gather(1, n_s)
+    bwd_idx = torch.zeros((H, (NB + 1) * NB), dtype=torch.int32, device=dev)
+    bwd_idx.scatter_(1, torch.where(ok, n_s * NB + pos, NB * NB), torch.where(ok, key % NB, 0).to(torch.int32))
+    bwd_idx = bwd_idx[:, :NB * NB].view(H, NB, NB)
     diag_idx = torch.arange(NB, **i32).view(1, 1, NB, 1).expand(1, H, NB, 1).contiguous()
     return FA4Descriptors(
         fwd_full_cnt=full_cnt.unsqueeze(0), fwd_full_idx=full_idx.unsqueeze(0),
