@@ -1,0 +1,98 @@
+"""tools/sparsity_study.py: its statistics on made-up densities, and one end-to-end run on a
+checkpoint that tools/make_hetero_corpus.py trains for two iterations."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
+
+import make_hetero_corpus as mhc  # noqa: E402
+import sparsity_study as st  # noqa: E402
+
+
+def test_pack_in_order_keeps_order_and_the_token_cap():
+    groups = st.pack_in_order([100, 50, 60, 200, 10, 300], 210)
+    assert groups == [[0, 1, 2], [3, 4], [5]]
+    assert st.pack_in_order([500], 100) == [[0]]  # too long: alone
+
+
+def test_spread_is_zero_when_density_follows_length_and_seen_when_it_does_not():
+    lengths = [256, 256, 512, 512] * 10
+    by_len = [0.8 if L == 256 else 0.5 for L in lengths]
+    ms = st.microbatch_spread(lengths, by_len, ["a"] * 40, 768)
+    assert ms["microbatches"] > 10 and ms["cv_measured_over_length_only"] == pytest.approx(0.0, abs=1e-12)
+    assert ms["cv_measured"] == pytest.approx(ms["cv_length_only"])
+    # two sources at equal lengths: the length-only view misses the spread
+    srcs = ["a", "b"] * 20
+    dens = [0.9 if s == "a" else 0.3 for s in srcs]
+    lengths = [512] * 40
+    ms = st.microbatch_spread(lengths, dens, srcs, 512)
+    assert ms["cv_length_only"] == pytest.approx(0.0, abs=1e-12) and ms["cv_measured"] == pytest.approx(0.5)
+    err = st.estimator_errors(lengths, dens, srcs, 1024)
+    assert err["fit_documents"] == err["heldout_documents"] == 20
+    assert err["source_and_length"] == pytest.approx(0.0, abs=1e-12)  # (source, bucket) means are exact
+    assert err["length_only"] == pytest.approx(0.0, abs=1e-12)  # a pair of a+b per micro-batch averages out
+    err = st.estimator_errors(lengths, dens, srcs, 512)  # one document per micro-batch
+    assert err["length_only"] == pytest.approx(np.mean([0.3 / 0.9, 0.3 / 0.3]))  # predicts 0.6 for both
+    assert err["source_and_length"] == pytest.approx(0.0, abs=1e-12)
+
+
+def _run(*args, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+CORPUS = ["--num-docs", "60", "--seq-length", "128", "--train-iters", "2", "--train-layers", "1",
+          "--train-hidden", "32"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hetero")
+    prefix, ckpt = str(d / "corpus"), str(d / "ckpt")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        assert mhc.main(["--output-prefix", prefix, "--train-checkpoint", ckpt, *CORPUS]) == 0
+    return prefix, ckpt
+
+
+def test_corpus_tool_trains_then_reuses_its_checkpoint(trained, capsys):
+    prefix, ckpt = trained
+    capsys.readouterr()
+    assert mhc.main(["--output-prefix", prefix, "--train-checkpoint", ckpt, *CORPUS]) == 0
+    again = json.loads(capsys.readouterr().out)["checkpoint"]
+    assert again["reused"] and again["iterations"] == [1, 2]
+    with pytest.raises(SystemExit) as e:  # another corpus (seed): the directory holds a different run
+        mhc.main(["--output-prefix", prefix + "_5", "--train-checkpoint", ckpt, *CORPUS, "--seed", "5"])
+    assert e.value.code == 2 and "holds a run" in capsys.readouterr().err
+    assert not os.path.exists(prefix + "_5.bin")  # refused before anything is written
+
+
+def test_study_end_to_end(trained, tmp_path):
+    prefix, ckpt = trained
+    out = tmp_path / "study.json"
+    p = _run("tools/sparsity_study.py", "--load", ckpt, "--data-path", prefix, "--docs", "all",
+             "--num-docs", "40", "--block-size", "16", "--topk", "4", "--tau", "0.5", "--drift-docs", "10",
+             "--json", "--output", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads(p.stdout)
+    assert json.loads(out.read_text()) == rep
+    assert isinstance(rep["cv_equal_length"], float) and isinstance(rep["estimator_mape"], float)
+    assert set(rep["by_source"]) <= {"code", "docs", "retrieval", "copy", "markov"} and len(rep["by_source"]) >= 3
+    docs = rep["per_document"]
+    assert len(docs) == 40 and all(0 < d["density"] <= 1 for d in docs)
+    assert all(d["density"] == 1.0 for d in docs if d["length"] <= 16 * 3)  # sink + up to 1 + diagonal
+    assert any(d["density"] < 1.0 for d in docs if d["length"] > 16 * 6)  # the cap of 4 binds
+    assert rep["config"]["iteration"] == 2 and set(rep["drift"]["iterations"]) == {"1", "2"}
+    assert rep["estimator"]["heldout_documents"] == 20
