@@ -32,6 +32,11 @@ Reported (one JSON object with ``--json``):
   half's densities from (source, length bucket); its mean absolute percentage error on
   the held-out micro-batches' attention cost (with ``estimator_mape_length_only`` and
   ``estimator_mape_constant`` as baselines);
+* ``oracle``: the same spread if threshold routing saw the dense softmax mass instead of
+  the block-mean gate (sink, diagonal and the fewest candidates holding ``--tau`` of the
+  candidates' true mass, the largest count over heads, no cap or floor;
+  :func:`oracle_pairs`): whether the model's attention is heterogeneous where the gate
+  may not see it;
 * ``drift``: mean density (overall and by source) on the first ``--drift-docs``
   documents at every iteration saved under ``--load``; null when there is one.
 
@@ -179,8 +184,43 @@ def document_ids(args, model_args, n_docs: int) -> np.ndarray:
     return ids
 
 
-def measure(model, dataset, ids, args, tokens: int) -> np.ndarray:
-    """Density of each document in ``ids`` under the threshold rule (kept / causal over layers)."""
+def oracle_pairs(q, k, scale: float, block: int, tau: float) -> tuple:
+    """(kept, causal) pairs of one document if threshold routing saw the true attention.
+
+    q ``[L, H, D]``, k ``[L, Hkv, D]`` of one document. As the plan does, a query block keeps
+    its sink (block 0) and diagonal blocks plus the fewest candidates (the blocks between)
+    holding ``tau`` of the candidates' mass in every head, but the mass is the dense
+    softmax's (a query block's mass on a key block: the mean over its queries of their
+    probabilities summed over the block's keys), not the block-mean gate's, and there is
+    no cap or floor. Pairs are counted as the plan counts them (the diagonal causally, the
+    others whole), summed over heads.
+    """
+    import torch
+
+    L, H, _ = q.shape
+    kk = k.float().repeat_interleave(H // k.shape[1], dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    s.masked_fill_(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    nb = -(-L // block)
+    p = torch.nn.functional.pad(s.softmax(-1), (0, nb * block - L, 0, nb * block - L))
+    mass = p.view(H, nb, block, nb, block).sum(-1).sum(2)  # [H, query block, key block], sums
+    i = torch.arange(nb).view(nb, 1)
+    j = torch.arange(nb).view(1, nb)
+    cand = mass.double() * ((j >= 1) & (j < i))  # candidates: neither sink nor diagonal
+    srt = cand.sort(-1, descending=True).values.cumsum(-1)
+    need = (srt < tau * srt[..., -1:] * (1 - 1e-12)).sum(-1) + 1  # [H, nb]
+    ncand = (torch.arange(nb) - 1).clamp(min=0)
+    c = torch.minimum(need.amax(0), ncand).double()
+    qlen = torch.full((nb,), block, dtype=torch.float64)
+    qlen[-1] = L - (nb - 1) * block
+    whole = c + (torch.arange(nb) >= 1).double()  # chosen candidates + the sink
+    kept = float((whole * qlen * block + qlen * (qlen + 1) / 2).sum()) * H
+    return kept, H * L * (L + 1) / 2
+
+
+def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
+    """Density of each document in ``ids`` under the threshold rule (kept / causal over
+    layers); with ``oracle``, also :func:`oracle_pairs`' density (``(routed, oracle)``)."""
     import torch
 
     from sparsebalance.attention.dense import CausalVarlenAttention
@@ -189,6 +229,7 @@ def measure(model, dataset, ids, args, tokens: int) -> np.ndarray:
     rule = RoutingRule(threshold=args.tau, topk_min=args.topk_min)
     kept = np.zeros(len(ids))
     causal = np.zeros(len(ids))
+    okept = np.zeros(len(ids))
     state = {"first": 0}
 
     def hook(module, hargs, kwargs):
@@ -201,6 +242,10 @@ def measure(model, dataset, ids, args, tokens: int) -> np.ndarray:
                                   args.block_size, default_scale(q.shape[-1], module.softmax_scale))
                 kept[state["first"] + j] += plan.kept_pairs
                 causal[state["first"] + j] += plan.causal_pairs
+                if oracle:
+                    o = oracle_pairs(q[s:e], k[s:e], default_scale(q.shape[-1], module.softmax_scale),
+                                     args.block_size, args.tau)
+                    okept[state["first"] + j] += o[0]
 
     cores = [m for m in model.gpt.modules() if isinstance(m, CausalVarlenAttention)]
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in cores]
@@ -212,7 +257,8 @@ def measure(model, dataset, ids, args, tokens: int) -> np.ndarray:
     finally:
         for h in handles:
             h.remove()
-    return kept / np.maximum(causal, 1)
+    dens = kept / np.maximum(causal, 1)
+    return (dens, okept / np.maximum(causal, 1)) if oracle else dens
 
 
 def pack_in_order(lengths, tokens: int) -> list:
@@ -344,7 +390,7 @@ def main(argv=None) -> int:
         if len(ids) < 4:
             fail(f"--num-docs: only {len(ids)} documents to measure (need >= 4)")
         tokens = args.microbatch_tokens or int(model.args.seq_length)
-        dens = measure(model, dataset, ids, args, tokens)
+        dens, oracle = measure(model, dataset, ids, args, tokens, oracle=True)
         iteration, margs = model.iteration, model.args
     finally:
         model.close()
@@ -364,10 +410,17 @@ def main(argv=None) -> int:
         "length_buckets": cv_within_buckets(lengths, dens)["buckets"],
         "microbatch_cost": microbatch_spread(lengths, dens, sources, tokens),
         "estimator": estimator_errors(lengths, dens, sources, tokens),
+        "oracle": {"cv_equal_length": cv_within_buckets(lengths, oracle)["cv"],
+                   "cv_equal_length_fine": cv_within_buckets(lengths, oracle, buckets_per_octave=4)["cv"],
+                   "by_source": {s: float(np.mean([x for x, y in zip(oracle, sources) if y == s]))
+                                 for s in sorted(set(sources))},
+                   "mean_density": float(np.mean(oracle)),
+                   "what": "threshold routing on the dense softmax mass instead of the block-mean gate (sink, "
+                           "diagonal, fewest candidates holding TAU; max over heads; no cap or floor)"},
         "drift": (drift(args, dataset, ids, sources, tokens, iterations, iteration, dens)
                   if len(iterations) > 1 else None),
-        "per_document": [{"doc": int(i), "source": s, "length": L, "density": float(d)}
-                         for i, s, L, d in zip(ids, sources, lengths, dens)],
+        "per_document": [{"doc": int(i), "source": s, "length": L, "density": float(d), "oracle": float(o)}
+                         for i, s, L, d, o in zip(ids, sources, lengths, dens, oracle)],
         "config": {"load": args.load, "iteration": iteration, "data_path": args.data_path, "tau": args.tau,
                    "topk": args.topk, "topk_min": args.topk_min, "block_size": args.block_size,
                    "documents": len(ids), "docs": args.docs, "microbatch_tokens": tokens,

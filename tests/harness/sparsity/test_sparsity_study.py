@@ -45,6 +45,21 @@ def test_spread_is_zero_when_density_follows_length_and_seen_when_it_does_not():
     assert err["source_and_length"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_oracle_counts_the_blocks_that_hold_the_mass():
+    import torch
+
+    L, B = 64, 16
+    q, k = torch.zeros(L, 2, 8), torch.zeros(L, 1, 8)
+    kept, causal = st.oracle_pairs(q, k, 1.0, B, 1.0)  # uniform attention, TAU 1: every block, dense
+    assert causal == 2 * L * (L + 1) / 2 and kept == pytest.approx(causal)
+    q[:, :, 0] = 10.0
+    k[B:2 * B, :, 0] = 10.0  # every query past block 1 attends to block 1 (a candidate from block 2 on)
+    kept, _ = st.oracle_pairs(q, k, 1.0, B, 0.9)
+    tri, whole = B * (B + 1) / 2, B * B
+    rows = [tri, whole + tri, 2 * whole + tri, 2 * whole + tri]  # diagonal; + sink; + sink + block 1
+    assert kept == pytest.approx(2 * sum(rows))
+
+
 def _run(*args, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -91,7 +106,8 @@ def test_study_end_to_end(trained, tmp_path):
     assert isinstance(rep["cv_equal_length"], float) and isinstance(rep["estimator_mape"], float)
     assert set(rep["by_source"]) <= {"code", "docs", "retrieval", "copy", "markov"} and len(rep["by_source"]) >= 3
     docs = rep["per_document"]
-    assert len(docs) == 40 and all(0 < d["density"] <= 1 for d in docs)
+    assert len(docs) == 40 and all(0 < d["density"] <= 1 and 0 < d["oracle"] <= 1 + 1e-9 for d in docs)
+    assert isinstance(rep["oracle"]["cv_equal_length"], float)
     assert all(d["density"] == 1.0 for d in docs if d["length"] <= 16 * 3)  # sink + up to 1 + diagonal
     assert any(d["density"] < 1.0 for d in docs if d["length"] > 16 * 6)  # the cap of 4 binds
     assert rep["config"]["iteration"] == 2 and set(rep["drift"]["iterations"]) == {"1", "2"}
