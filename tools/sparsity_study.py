@@ -185,7 +185,8 @@ def document_ids(args, model_args, n_docs: int) -> np.ndarray:
 
 
 def oracle_pairs(q, k, scale: float, block: int, tau: float) -> tuple:
-    """(kept, causal) pairs of one document if threshold routing saw the true attention.
+    """(kept, causal, kept_per_head) pairs of one document if threshold routing saw the
+    true attention.
 
     q ``[L, H, D]``, k ``[L, Hkv, D]`` of one document. As the plan does, a query block keeps
     its sink (block 0) and diagonal blocks plus the fewest candidates (the blocks between)
@@ -193,7 +194,8 @@ def oracle_pairs(q, k, scale: float, block: int, tau: float) -> tuple:
     softmax's (a query block's mass on a key block: the mean over its queries of their
     probabilities summed over the block's keys), not the block-mean gate's, and there is
     no cap or floor. Pairs are counted as the plan counts them (the diagonal causally, the
-    others whole), summed over heads.
+    others whole), summed over heads. ``kept_per_head``: the same with each head keeping
+    its own count (not the plan's one count for all heads).
     """
     import torch
 
@@ -210,17 +212,21 @@ def oracle_pairs(q, k, scale: float, block: int, tau: float) -> tuple:
     srt = cand.sort(-1, descending=True).values.cumsum(-1)
     need = (srt < tau * srt[..., -1:] * (1 - 1e-12)).sum(-1) + 1  # [H, nb]
     ncand = (torch.arange(nb) - 1).clamp(min=0)
-    c = torch.minimum(need.amax(0), ncand).double()
     qlen = torch.full((nb,), block, dtype=torch.float64)
     qlen[-1] = L - (nb - 1) * block
-    whole = c + (torch.arange(nb) >= 1).double()  # chosen candidates + the sink
-    kept = float((whole * qlen * block + qlen * (qlen + 1) / 2).sum()) * H
-    return kept, H * L * (L + 1) / 2
+    sink = (torch.arange(nb) >= 1).double()
+
+    def pairs(c):  # c: chosen candidates per query block [..., nb]
+        return ((c.double() + sink) * qlen * block + qlen * (qlen + 1) / 2).sum()
+
+    kept = float(pairs(torch.minimum(need.amax(0), ncand))) * H
+    return kept, H * L * (L + 1) / 2, float(pairs(torch.minimum(need, ncand)))
 
 
 def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
     """Density of each document in ``ids`` under the threshold rule (kept / causal over
-    layers); with ``oracle``, also :func:`oracle_pairs`' density (``(routed, oracle)``)."""
+    layers); with ``oracle``, also :func:`oracle_pairs`' densities (``(routed, oracle,
+    oracle with a count per head)``)."""
     import torch
 
     from sparsebalance.attention.dense import CausalVarlenAttention
@@ -229,7 +235,7 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
     rule = RoutingRule(threshold=args.tau, topk_min=args.topk_min)
     kept = np.zeros(len(ids))
     causal = np.zeros(len(ids))
-    okept = np.zeros(len(ids))
+    okept, okept_h = np.zeros(len(ids)), np.zeros(len(ids))
     state = {"first": 0}
 
     def hook(module, hargs, kwargs):
@@ -246,6 +252,7 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
                     o = oracle_pairs(q[s:e], k[s:e], default_scale(q.shape[-1], module.softmax_scale),
                                      args.block_size, args.tau)
                     okept[state["first"] + j] += o[0]
+                    okept_h[state["first"] + j] += o[2]
 
     cores = [m for m in model.gpt.modules() if isinstance(m, CausalVarlenAttention)]
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in cores]
@@ -258,7 +265,8 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
         for h in handles:
             h.remove()
     dens = kept / np.maximum(causal, 1)
-    return (dens, okept / np.maximum(causal, 1)) if oracle else dens
+    c = np.maximum(causal, 1)
+    return (dens, okept / c, okept_h / c) if oracle else dens
 
 
 def pack_in_order(lengths, tokens: int) -> list:
@@ -329,6 +337,15 @@ def source_table(lengths, dens, sources) -> dict:
     return out
 
 
+def spread(lengths, dens, sources) -> dict:
+    """CV at equal length (log2 and quarter-octave buckets), mean by source, mean."""
+    return {"cv_equal_length": cv_within_buckets(lengths, dens)["cv"],
+            "cv_equal_length_fine": cv_within_buckets(lengths, dens, buckets_per_octave=4)["cv"],
+            "by_source": {s: float(np.mean([x for x, y in zip(dens, sources) if y == s]))
+                          for s in sorted(set(sources))},
+            "mean_density": float(np.mean(dens))}
+
+
 def checkpoint_view(root: str, iteration: int, tmp: str) -> str:
     """A directory whose latest checkpoint is ``root``'s ``iteration`` (symlinked, not copied)."""
     from megatron.training.checkpointing import TRACKER, iter_dir
@@ -390,7 +407,7 @@ def main(argv=None) -> int:
         if len(ids) < 4:
             fail(f"--num-docs: only {len(ids)} documents to measure (need >= 4)")
         tokens = args.microbatch_tokens or int(model.args.seq_length)
-        dens, oracle = measure(model, dataset, ids, args, tokens, oracle=True)
+        dens, oracle, oracle_h = measure(model, dataset, ids, args, tokens, oracle=True)
         iteration, margs = model.iteration, model.args
     finally:
         model.close()
@@ -410,13 +427,11 @@ def main(argv=None) -> int:
         "length_buckets": cv_within_buckets(lengths, dens)["buckets"],
         "microbatch_cost": microbatch_spread(lengths, dens, sources, tokens),
         "estimator": estimator_errors(lengths, dens, sources, tokens),
-        "oracle": {"cv_equal_length": cv_within_buckets(lengths, oracle)["cv"],
-                   "cv_equal_length_fine": cv_within_buckets(lengths, oracle, buckets_per_octave=4)["cv"],
-                   "by_source": {s: float(np.mean([x for x, y in zip(oracle, sources) if y == s]))
-                                 for s in sorted(set(sources))},
-                   "mean_density": float(np.mean(oracle)),
+        "oracle": {**spread(lengths, oracle, sources),
+                   "per_head_count": spread(lengths, oracle_h, sources),
                    "what": "threshold routing on the dense softmax mass instead of the block-mean gate (sink, "
-                           "diagonal, fewest candidates holding TAU; max over heads; no cap or floor)"},
+                           "diagonal, fewest candidates holding TAU; max over heads; no cap or floor); "
+                           "per_head_count: each head its own count"},
         "drift": (drift(args, dataset, ids, sources, tokens, iterations, iteration, dens)
                   if len(iterations) > 1 else None),
         "per_document": [{"doc": int(i), "source": s, "length": L, "density": float(d), "oracle": float(o)}

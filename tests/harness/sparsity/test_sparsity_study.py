@@ -50,14 +50,16 @@ def test_oracle_counts_the_blocks_that_hold_the_mass():
 
     L, B = 64, 16
     q, k = torch.zeros(L, 2, 8), torch.zeros(L, 1, 8)
-    kept, causal = st.oracle_pairs(q, k, 1.0, B, 1.0)  # uniform attention, TAU 1: every block, dense
-    assert causal == 2 * L * (L + 1) / 2 and kept == pytest.approx(causal)
+    kept, causal, per_head = st.oracle_pairs(q, k, 1.0, B, 1.0)  # uniform attention, TAU 1: dense
+    assert causal == 2 * L * (L + 1) / 2 and kept == pytest.approx(causal) and per_head == pytest.approx(causal)
     q[:, :, 0] = 10.0
     k[B:2 * B, :, 0] = 10.0  # every query past block 1 attends to block 1 (a candidate from block 2 on)
-    kept, _ = st.oracle_pairs(q, k, 1.0, B, 0.9)
+    q[:, 1, 0] = 0.0  # ... in head 0; head 1 is uniform: every candidate for 0.9 of 1 or 2
+    kept, _, per_head = st.oracle_pairs(q, k, 1.0, B, 0.9)
     tri, whole = B * (B + 1) / 2, B * B
-    rows = [tri, whole + tri, 2 * whole + tri, 2 * whole + tri]  # diagonal; + sink; + sink + block 1
+    rows = [tri, whole + tri, 2 * whole + tri, 3 * whole + tri]  # diagonal; + sink; + 1 or 2 candidates
     assert kept == pytest.approx(2 * sum(rows))
+    assert per_head == pytest.approx(sum(rows) + sum(rows[:3]) + 2 * whole + tri)  # head 0 keeps 1 candidate
 
 
 def _run(*args, timeout=120):
