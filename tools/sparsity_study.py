@@ -33,10 +33,9 @@ Reported (one JSON object with ``--json``):
   the held-out micro-batches' attention cost (with ``estimator_mape_length_only`` and
   ``estimator_mape_constant`` as baselines);
 * ``oracle``: the same spread if threshold routing saw the dense softmax mass instead of
-  the block-mean gate (sink, diagonal and the fewest candidates holding ``--tau`` of the
-  candidates' true mass, the largest count over heads, no cap or floor;
-  :func:`oracle_pairs`): whether the model's attention is heterogeneous where the gate
-  may not see it;
+  the block-mean gate (:func:`oracle_pairs`: the plan's rule with no cap or floor; also
+  with a count per head, and with ``--tau`` of all the mass, sink and diagonal included):
+  whether the model's attention is heterogeneous where the gate may not see it;
 * ``drift``: mean density (overall and by source) on the first ``--drift-docs``
   documents at every iteration saved under ``--load``; null when there is one.
 
@@ -184,18 +183,27 @@ def document_ids(args, model_args, n_docs: int) -> np.ndarray:
     return ids
 
 
-def oracle_pairs(q, k, scale: float, block: int, tau: float) -> tuple:
-    """(kept, causal, kept_per_head) pairs of one document if threshold routing saw the
-    true attention.
+ORACLES = ("oracle", "per_head", "total_mass")
+"""The :func:`oracle_pairs` variants the study reports."""
 
-    q ``[L, H, D]``, k ``[L, Hkv, D]`` of one document. As the plan does, a query block keeps
-    its sink (block 0) and diagonal blocks plus the fewest candidates (the blocks between)
-    holding ``tau`` of the candidates' mass in every head, but the mass is the dense
-    softmax's (a query block's mass on a key block: the mean over its queries of their
-    probabilities summed over the block's keys), not the block-mean gate's, and there is
-    no cap or floor. Pairs are counted as the plan counts them (the diagonal causally, the
-    others whole), summed over heads. ``kept_per_head``: the same with each head keeping
-    its own count (not the plan's one count for all heads).
+
+def oracle_pairs(q, k, scale: float, block: int, tau: float) -> dict:
+    """Kept pairs of one document if threshold routing saw the true attention, per variant
+    of :data:`ORACLES`, and its ``causal`` pairs (all summed over heads).
+
+    q ``[L, H, D]``, k ``[L, Hkv, D]`` of one document. A query block's mass on a key block
+    is the mean over its queries of their dense softmax probabilities summed over the
+    block's keys. As the plan does, a query block keeps its sink (block 0) and diagonal
+    blocks plus the fewest candidates (the blocks between), one count for every head, with
+    no cap or floor here:
+
+    * ``oracle``: the fewest candidates holding ``tau`` of the candidates' mass in every head
+      (the plan's rule, on the true mass instead of the block-mean gate's softmax);
+    * ``per_head``: the same with each head keeping its own count;
+    * ``total_mass``: the fewest candidates that with the sink and diagonal hold ``tau`` of
+      all of the query block's mass, in every head (local attention then needs few blocks).
+
+    Pairs are counted as the plan counts them: the diagonal causally, the others whole.
     """
     import torch
 
@@ -205,28 +213,30 @@ def oracle_pairs(q, k, scale: float, block: int, tau: float) -> tuple:
     s.masked_fill_(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
     nb = -(-L // block)
     p = torch.nn.functional.pad(s.softmax(-1), (0, nb * block - L, 0, nb * block - L))
-    mass = p.view(H, nb, block, nb, block).sum(-1).sum(2)  # [H, query block, key block], sums
+    mass = p.view(H, nb, block, nb, block).sum(-1).sum(2).double()  # [H, query block, key block]
     i = torch.arange(nb).view(nb, 1)
     j = torch.arange(nb).view(1, nb)
-    cand = mass.double() * ((j >= 1) & (j < i))  # candidates: neither sink nor diagonal
-    srt = cand.sort(-1, descending=True).values.cumsum(-1)
+    is_cand = (j >= 1) & (j < i)  # neither sink nor diagonal
+    srt = (mass * is_cand).sort(-1, descending=True).values.cumsum(-1)
     need = (srt < tau * srt[..., -1:] * (1 - 1e-12)).sum(-1) + 1  # [H, nb]
+    fixed = (mass * ~is_cand).sum(-1, keepdim=True)  # sink + diagonal
+    need_total = (fixed + srt < tau * mass.sum(-1, keepdim=True) * (1 - 1e-12)).sum(-1) + 1
+    need_total = torch.where(fixed[..., 0] >= tau * mass.sum(-1) * (1 - 1e-12), 0, need_total)
     ncand = (torch.arange(nb) - 1).clamp(min=0)
     qlen = torch.full((nb,), block, dtype=torch.float64)
     qlen[-1] = L - (nb - 1) * block
     sink = (torch.arange(nb) >= 1).double()
 
     def pairs(c):  # c: chosen candidates per query block [..., nb]
-        return ((c.double() + sink) * qlen * block + qlen * (qlen + 1) / 2).sum()
+        return float(((torch.minimum(c, ncand).double() + sink) * qlen * block + qlen * (qlen + 1) / 2).sum())
 
-    kept = float(pairs(torch.minimum(need.amax(0), ncand))) * H
-    return kept, H * L * (L + 1) / 2, float(pairs(torch.minimum(need, ncand)))
+    return {"oracle": pairs(need.amax(0)) * H, "per_head": pairs(need), "total_mass": pairs(need_total.amax(0)) * H,
+            "causal": H * L * (L + 1) / 2}
 
 
 def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
     """Density of each document in ``ids`` under the threshold rule (kept / causal over
-    layers); with ``oracle``, also :func:`oracle_pairs`' densities (``(routed, oracle,
-    oracle with a count per head)``)."""
+    layers); with ``oracle``, also ``{variant: density}`` of :func:`oracle_pairs`."""
     import torch
 
     from sparsebalance.attention.dense import CausalVarlenAttention
@@ -235,7 +245,7 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
     rule = RoutingRule(threshold=args.tau, topk_min=args.topk_min)
     kept = np.zeros(len(ids))
     causal = np.zeros(len(ids))
-    okept, okept_h = np.zeros(len(ids)), np.zeros(len(ids))
+    okept = {name: np.zeros(len(ids)) for name in ORACLES}
     state = {"first": 0}
 
     def hook(module, hargs, kwargs):
@@ -251,8 +261,8 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
                 if oracle:
                     o = oracle_pairs(q[s:e], k[s:e], default_scale(q.shape[-1], module.softmax_scale),
                                      args.block_size, args.tau)
-                    okept[state["first"] + j] += o[0]
-                    okept_h[state["first"] + j] += o[2]
+                    for name in ORACLES:
+                        okept[name][state["first"] + j] += o[name]
 
     cores = [m for m in model.gpt.modules() if isinstance(m, CausalVarlenAttention)]
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in cores]
@@ -265,8 +275,7 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
         for h in handles:
             h.remove()
     dens = kept / np.maximum(causal, 1)
-    c = np.maximum(causal, 1)
-    return (dens, okept / c, okept_h / c) if oracle else dens
+    return (dens, {name: v / np.maximum(causal, 1) for name, v in okept.items()}) if oracle else dens
 
 
 def pack_in_order(lengths, tokens: int) -> list:
@@ -407,7 +416,7 @@ def main(argv=None) -> int:
         if len(ids) < 4:
             fail(f"--num-docs: only {len(ids)} documents to measure (need >= 4)")
         tokens = args.microbatch_tokens or int(model.args.seq_length)
-        dens, oracle, oracle_h = measure(model, dataset, ids, args, tokens, oracle=True)
+        dens, oracles = measure(model, dataset, ids, args, tokens, oracle=True)
         iteration, margs = model.iteration, model.args
     finally:
         model.close()
@@ -427,15 +436,18 @@ def main(argv=None) -> int:
         "length_buckets": cv_within_buckets(lengths, dens)["buckets"],
         "microbatch_cost": microbatch_spread(lengths, dens, sources, tokens),
         "estimator": estimator_errors(lengths, dens, sources, tokens),
-        "oracle": {**spread(lengths, oracle, sources),
-                   "per_head_count": spread(lengths, oracle_h, sources),
+        "oracle": {**spread(lengths, oracles["oracle"], sources),
+                   "per_head": spread(lengths, oracles["per_head"], sources),
+                   "total_mass": spread(lengths, oracles["total_mass"], sources),
                    "what": "threshold routing on the dense softmax mass instead of the block-mean gate (sink, "
-                           "diagonal, fewest candidates holding TAU; max over heads; no cap or floor); "
-                           "per_head_count: each head its own count"},
+                           "diagonal, fewest candidates holding TAU of the candidates' mass; one count for all "
+                           "heads; no cap or floor); per_head: each head its own count; total_mass: TAU of all "
+                           "the mass, sink and diagonal included"},
         "drift": (drift(args, dataset, ids, sources, tokens, iterations, iteration, dens)
                   if len(iterations) > 1 else None),
-        "per_document": [{"doc": int(i), "source": s, "length": L, "density": float(d), "oracle": float(o)}
-                         for i, s, L, d, o in zip(ids, sources, lengths, dens, oracle)],
+        "per_document": [{"doc": int(i), "source": s, "length": L, "density": float(dens[n]),
+                          **{f"oracle_{name}": float(v[n]) for name, v in oracles.items()}}
+                         for n, (i, s, L) in enumerate(zip(ids, sources, lengths))],
         "config": {"load": args.load, "iteration": iteration, "data_path": args.data_path, "tau": args.tau,
                    "topk": args.topk, "topk_min": args.topk_min, "block_size": args.block_size,
                    "documents": len(ids), "docs": args.docs, "microbatch_tokens": tokens,
