@@ -30,10 +30,10 @@ Tiny CPU run::
     .venv/bin/python tools/make_hetero_corpus.py --output-prefix data/hetero --num-docs 200 \\
         --seq-length 512 --train-checkpoint runs/hetero/ckpt --train-iters 20 --train-layers 2
 
-The study's corpus and checkpoint (``docs/sparsity_study.md``; ~6 minutes on 2 cores)::
+The study's corpus and checkpoint (``docs/sparsity_study.md``; ~5-9 minutes on 2 shared cores)::
 
     OMP_NUM_THREADS=2 .venv/bin/python tools/make_hetero_corpus.py --output-prefix runs/hetero/corpus \\
-        --num-docs 3000 --seq-length 1024 --train-checkpoint runs/hetero/ckpt --train-iters 300
+        --num-docs 3000 --seq-length 1024 --train-checkpoint runs/hetero/ckpt --train-iters 250
 
 GPU cluster run (longer documents, a bigger model: train it with your own pretrain_gpt.py
 launch on the written corpus instead of ``--train-checkpoint``)::
