@@ -183,6 +183,18 @@ def document_ids(args, model_args, n_docs: int) -> np.ndarray:
     return ids
 
 
+def routed_pairs(q, k, scale: float, block: int, cap: int, rule) -> tuple:
+    """(kept, causal) pairs, summed over heads, of one document (q ``[L, H, D]``, k ``[L, Hkv,
+    D]``) routed alone by the kernels' shared plan under ``rule`` with cap ``cap``."""
+    import torch
+
+    from sparsebalance.ops.plan import build_plan, routing_rule
+
+    with routing_rule(rule):
+        plan = build_plan(q, k, torch.tensor([0, q.shape[0]], dtype=torch.int32), cap, block, scale)
+    return plan.kept_pairs, plan.causal_pairs
+
+
 ORACLES = ("oracle", "per_head", "total_mass")
 """The :func:`oracle_pairs` variants the study reports."""
 
@@ -240,7 +252,7 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
     import torch
 
     from sparsebalance.attention.dense import CausalVarlenAttention
-    from sparsebalance.ops.plan import RoutingRule, build_plan, default_scale, routing_rule
+    from sparsebalance.ops.plan import RoutingRule, default_scale
 
     rule = RoutingRule(threshold=args.tau, topk_min=args.topk_min)
     kept = np.zeros(len(ids))
@@ -251,18 +263,16 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
     def hook(module, hargs, kwargs):
         q, k = hargs[0].detach(), hargs[1].detach()
         cu = kwargs["packed_seq_params"].cu_seqlens_q.to("cpu", torch.int64).tolist()
-        with routing_rule(rule):
-            for j in range(len(cu) - 1):
-                s, e = cu[j], cu[j + 1]
-                plan = build_plan(q[s:e], k[s:e], torch.tensor([0, e - s], dtype=torch.int32), args.topk,
-                                  args.block_size, default_scale(q.shape[-1], module.softmax_scale))
-                kept[state["first"] + j] += plan.kept_pairs
-                causal[state["first"] + j] += plan.causal_pairs
-                if oracle:
-                    o = oracle_pairs(q[s:e], k[s:e], default_scale(q.shape[-1], module.softmax_scale),
-                                     args.block_size, args.tau)
-                    for name in ORACLES:
-                        okept[name][state["first"] + j] += o[name]
+        scale = default_scale(q.shape[-1], module.softmax_scale)
+        for j in range(len(cu) - 1):
+            s, e = cu[j], cu[j + 1]
+            pairs = routed_pairs(q[s:e], k[s:e], scale, args.block_size, args.topk, rule)
+            kept[state["first"] + j] += pairs[0]
+            causal[state["first"] + j] += pairs[1]
+            if oracle:
+                o = oracle_pairs(q[s:e], k[s:e], scale, args.block_size, args.tau)
+                for name in ORACLES:
+                    okept[name][state["first"] + j] += o[name]
 
     cores = [m for m in model.gpt.modules() if isinstance(m, CausalVarlenAttention)]
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in cores]

@@ -45,6 +45,25 @@ def test_spread_is_zero_when_density_follows_length_and_seen_when_it_does_not():
     assert err["source_and_length"] == pytest.approx(0.0, abs=1e-12)
 
 
+@pytest.mark.parametrize("tau,cap,kmin", [(0.5, 4, 1), (0.9, 16, 1), (0.7, 3, 2)])
+def test_routed_pairs_are_what_sparse_attention_reports(tau, cap, kmin):
+    import torch
+
+    from sparsebalance.ops import sparse_attention
+    from sparsebalance.ops.plan import RoutingRule
+
+    torch.manual_seed(0)
+    L, H, D, B = 300, 4, 16, 32
+    q, k, v = torch.randn(L, H, D), torch.randn(L, 2, D), torch.randn(L, 2, D)
+    k[:, :, 0] += torch.linspace(-3, 3, L).view(L, 1)  # some gate structure
+    kept, causal = st.routed_pairs(q, k, D ** -0.5, B, cap, RoutingRule(threshold=tau, topk_min=kmin))
+    _, density = sparse_attention(q, k, v, torch.tensor([0, L], dtype=torch.int32), topk=cap, block_size=B,
+                                  backend="cpu", return_density=True, threshold=tau, topk_min=kmin)
+    assert causal == H * L * (L + 1) // 2 and kept / causal == pytest.approx(float(density))
+    if cap < 8:  # 10 blocks: a cap under 8 cannot keep them all
+        assert kept < causal
+
+
 def test_oracle_counts_the_blocks_that_hold_the_mass():
     import torch
 
