@@ -6,8 +6,9 @@ Five sources, byte-level (vocabulary 256), all from what the machine already has
   stdlib directory, ``site-packages`` excluded), a span from a line start of a seeded file;
 * ``docs``: the same files' docstrings (module, class and function), joined;
 * ``retrieval``: RULER-style needles, "One of the special magic numbers for WORD is:
-  NUMBER." at random places in repeated filler sentences, ending with the question for
-  one of them and its answer;
+  NUMBER." (one per 400 bytes) at sentence starts in repeated filler sentences, ending
+  with the question for one of them and its answer (a document too short for its
+  needles loses those past its end, the asked one included);
 * ``copy``: a random passage of 32..512 letters repeated to the length;
 * ``markov``: ``tools/make_corpus.py``'s Markov prose (a 64-word chain).
 
