@@ -303,7 +303,7 @@ def pack_in_order(lengths, tokens: int) -> list:
     return groups
 
 
-def microbatch_spread(lengths, dens, sources, tokens: int) -> dict:
+def microbatch_spread(lengths, dens, tokens: int) -> dict:
     """CV of the per-micro-batch attention cost proxy: measured, length-bucket mean, fixed."""
     by_bucket: dict = {}
     for L, d in zip(lengths, dens):
@@ -444,7 +444,7 @@ def main(argv=None) -> int:
                     "cv": cv(dens)},
         "sources": table,
         "length_buckets": cv_within_buckets(lengths, dens)["buckets"],
-        "microbatch_cost": microbatch_spread(lengths, dens, sources, tokens),
+        "microbatch_cost": microbatch_spread(lengths, dens, tokens),
         "estimator": estimator_errors(lengths, dens, sources, tokens),
         "oracle": {**spread(lengths, oracles["oracle"], sources),
                    "per_head": spread(lengths, oracles["per_head"], sources),

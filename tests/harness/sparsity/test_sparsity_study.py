@@ -27,14 +27,14 @@ def test_pack_in_order_keeps_order_and_the_token_cap():
 def test_spread_is_zero_when_density_follows_length_and_seen_when_it_does_not():
     lengths = [256, 256, 512, 512] * 10
     by_len = [0.8 if L == 256 else 0.5 for L in lengths]
-    ms = st.microbatch_spread(lengths, by_len, ["a"] * 40, 768)
+    ms = st.microbatch_spread(lengths, by_len, 768)
     assert ms["microbatches"] > 10 and ms["cv_measured_over_length_only"] == pytest.approx(0.0, abs=1e-12)
     assert ms["cv_measured"] == pytest.approx(ms["cv_length_only"])
     # two sources at equal lengths: the length-only view misses the spread
     srcs = ["a", "b"] * 20
     dens = [0.9 if s == "a" else 0.3 for s in srcs]
     lengths = [512] * 40
-    ms = st.microbatch_spread(lengths, dens, srcs, 512)
+    ms = st.microbatch_spread(lengths, dens, 512)
     assert ms["cv_length_only"] == pytest.approx(0.0, abs=1e-12) and ms["cv_measured"] == pytest.approx(0.5)
     err = st.estimator_errors(lengths, dens, srcs, 1024)
     assert err["fit_documents"] == err["heldout_documents"] == 20
