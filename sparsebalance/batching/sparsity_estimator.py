@@ -13,7 +13,8 @@ was measured on earlier documents:
 
 Length buckets are ``floor(buckets_per_octave * log2(L))`` (``L`` in tokens). The
 estimator is updated online with :meth:`SparsityEstimator.update` (one measured
-document) and costs a dictionary lookup per document.
+document) or :meth:`SparsityEstimator.update_microbatch` (a micro-batch measured as a
+whole, as the attention records report it) and costs a dictionary lookup per document.
 
 The cost it feeds is the attention-pair proxy :func:`attention_cost`: ``density x
 L (L + 1) / 2`` summed over a micro-batch's documents (per head; kernel overheads
@@ -130,6 +131,28 @@ class SparsityEstimator:
             raise ValueError(f"density must be in [0, 1], got {density!r}")
         for key in self._keys(source, length):
             self._cells.setdefault(key, _Mean()).add(float(density), float(weight))
+
+    def update_microbatch(self, sources: Sequence[Optional[str]], lengths: Sequence[int], kept: float,
+                          causal: float) -> None:
+        """Fold in a micro-batch measured as a whole, e.g. from the attention records
+        (``sparsebalance.runtime.AttentionRecord``: ``kept_pairs`` and ``causal_pairs`` summed
+        over its documents and heads, and over layers when several records are added up).
+
+        Each document is taken at its current prediction scaled so that the micro-batch's
+        predicted kept pairs equal the measured ones (clipped to 1), weighted by its share of
+        the causal pairs; a micro-batch of one document is an exact :meth:`update`.
+        """
+        if causal <= 0 or not 0.0 <= kept <= causal * (1 + 1e-9):
+            raise ValueError(f"need 0 <= kept <= causal and causal > 0, got {kept!r} and {causal!r}")
+        pairs = [causal_pairs(L) for L in lengths]
+        total = float(sum(pairs))
+        if total == 0:
+            return
+        pred = [self.predict(s, L) for s, L in zip(sources, lengths)]
+        predicted = sum(p * c for p, c in zip(pred, pairs)) / total
+        scale = (kept / causal) / predicted if predicted > 0 else 0.0
+        for s, L, p, c in zip(sources, lengths, pred, pairs):
+            self.update(s, L, min(1.0, p * scale), weight=c / total)
 
     def predict(self, source: Optional[str], length: int) -> float:
         """Predicted density of a document not yet seen (the first populated level above)."""

@@ -97,3 +97,25 @@ def test_cv_and_within_buckets():
     fine = cv_within_buckets([300, 400], [1.0, 3.0], buckets_per_octave=4)
     assert fine["cv"] is None  # 300 and 400 fall in different quarter-octaves
     assert min(fine["buckets"]) == math.ceil(2 ** (32 / 4))
+
+
+def test_update_microbatch_one_document_is_exact_and_several_keep_the_total():
+    est = SparsityEstimator()
+    est.update_microbatch(["code"], [300], kept=0.25 * causal_pairs(300), causal=causal_pairs(300))
+    assert est.predict("code", 300) == pytest.approx(0.25)
+    est = SparsityEstimator()
+    est.update("a", 300, 0.8)
+    est.update("b", 300, 0.4)
+    lengths, sources = [300, 300, 600], ["a", "b", "a"]
+    pairs = [causal_pairs(L) for L in lengths]
+    pred = [est.predict(s, L) for s, L in zip(sources, lengths)]  # 0.8, 0.4, 0.8 (a's mean)
+    measured = 0.5 * sum(p * c for p, c in zip(pred, pairs)) / sum(pairs)  # half the predicted
+    fresh = SparsityEstimator()
+    for s, L in zip(sources, lengths):
+        fresh.update(s, L, est.predict(s, L))  # the same predictions, one count each
+    fresh.update_microbatch(sources, lengths, kept=measured * sum(pairs), causal=sum(pairs))
+    # the scaled documents were 0.4, 0.2, 0.4: the a/300 cell now averages 0.8 (weight 1) and 0.4
+    w = pairs[0] / sum(pairs)
+    assert fresh.predict("a", 300) == pytest.approx((0.8 + 0.4 * w) / (1 + w))
+    with pytest.raises(ValueError):
+        fresh.update_microbatch(["a"], [10], kept=5.0, causal=1.0)
