@@ -226,8 +226,6 @@ def held_checkpoint(args, digest: str):
             return stamp, True
         fail(f"--train-checkpoint: {ckpt} holds a run of another corpus or other flags ({STAMP}); "
              "pass a new directory")
-    if os.path.isdir(ckpt) and os.listdir(ckpt):
-        fail(f"--train-checkpoint: {ckpt} is not empty and holds no {STAMP}; pass a new directory")
     return stamp, False
 
 
@@ -293,8 +291,11 @@ def check_args(args) -> list:
     if unknown or not sources or len(set(sources)) != len(sources):
         fail(f"--sources: expected distinct names from {', '.join(SOURCES)}, got {args.sources!r}")
     if args.train_checkpoint is not None:
-        if os.path.exists(args.train_checkpoint) and not os.path.isdir(args.train_checkpoint):
-            fail(f"--train-checkpoint: {args.train_checkpoint} is not a directory")
+        ckpt = args.train_checkpoint
+        if os.path.exists(ckpt) and not os.path.isdir(ckpt):
+            fail(f"--train-checkpoint: {ckpt} is not a directory")
+        if os.path.isdir(ckpt) and os.listdir(ckpt) and not os.path.isfile(os.path.join(ckpt, STAMP)):
+            fail(f"--train-checkpoint: {ckpt} is not empty and holds no {STAMP}; pass a new directory")
         for flag in ("train_iters", "train_layers", "train_hidden"):
             if getattr(args, flag) < 1:
                 fail(f"--{flag.replace('_', '-')} must be >= 1")
