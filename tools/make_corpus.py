@@ -62,6 +62,18 @@ def markov_text(length: int, rng: np.random.Generator, words: list, trans: np.nd
     return np.frombuffer(bytes(out[:length]), dtype=np.uint8).astype(np.int64)
 
 
+def markov_chain(rng: np.random.Generator, vocab: int = 64) -> tuple:
+    """(``vocab`` random words, row-stochastic transitions) for :func:`markov_text`."""
+    words = [bytes(rng.choice(list(b"abcdefghijklmnopqrstuvwxyz"), size=int(rng.integers(2, 8))).tolist())
+             for _ in range(vocab)]
+    # Sparse transitions (4 likely successors per word): low entropy, learnable.
+    trans = np.full((vocab, vocab), 0.02 / vocab)
+    for i in range(vocab):
+        trans[i, rng.choice(vocab, size=4, replace=False)] += 0.98 / 4
+    trans /= trans.sum(1, keepdims=True)
+    return words, trans
+
+
 def main(argv=None) -> int:
     p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--output-prefix", required=True)
@@ -83,14 +95,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     lengths = scaled_lengths(source, args.num_docs, args.max_length, args.quantile, rng)
 
-    vocab = 64
-    words = [bytes(rng.choice(list(b"abcdefghijklmnopqrstuvwxyz"), size=int(rng.integers(2, 8))).tolist())
-             for _ in range(vocab)]
-    # Sparse transitions (4 likely successors per word): low entropy, learnable.
-    trans = np.full((vocab, vocab), 0.02 / vocab)
-    for i in range(vocab):
-        trans[i, rng.choice(vocab, size=4, replace=False)] += 0.98 / 4
-    trans /= trans.sum(1, keepdims=True)
+    words, trans = markov_chain(rng)
 
     from megatron.training.indexed_io import write_documents
 
