@@ -499,9 +499,10 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
             # CP split pads documents itself, so the two paddings would have to agree.
             raise UsageError("--context-parallel-size > 1 with the interleaved schedule "
                              "(--num-layers-per-virtual-pipeline-stage) is not supported")
-    if args.micro_batch_size != 1:
-        raise UsageError("--micro-batch-size must be 1: a micro-batch is one packed THD sequence "
-                         "of --seq-length tokens (raise --seq-length or --global-batch-size instead)")
+    # A micro-batch is one packed THD sequence: --micro-batch-size N packs N x --seq-length
+    # tokens into it (documents chunked at --seq-length; attention never crosses a document),
+    # the tokens Megatron-LM's N sequences of --seq-length hold.
+    args.micro_batch_tokens = args.micro_batch_size * args.seq_length
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     if args.global_batch_size % (args.micro_batch_size * dp):

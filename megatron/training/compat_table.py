@@ -326,7 +326,8 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--eval-global-batch-size", "evaluation batches are the training batches here: give it only equal to "
                                  "--global-batch-size"),
     ("--chat-template", "chat templates are not applied: tokenize with tools/preprocess_data.py"),
-    ("--eval-micro-batch-size", "a micro-batch is one packed sequence here: only 1 is accepted"),
+    ("--eval-micro-batch-size", "evaluation packs its micro-batches as training does (--micro-batch-size x "
+                                "--seq-length tokens): only 1 is accepted"),
     ("--non-persistent-", "non-persistent (local) checkpoints are not supported"),
     ("--rampup-batch-size", "batch-size ramp-up is not supported"),
     ("--decrease-batch-size-if-needed", "the global batch size is never changed here"),

@@ -197,7 +197,9 @@ class PackedDataLoader:
         doc_ids: dataset indices of the documents this loader draws from (a split).
         dp, dp_rank: data-parallel size and this rank's index.
         micro_batches: micro-batches per rank per step.
-        seq_length: token capacity of a micro-batch.
+        seq_length: token capacity of a micro-batch (``--micro-batch-size`` x ``--seq-length``).
+        item_length: documents are chunked at this many tokens (``--seq-length``; default
+            ``seq_length``).
         strategy: ``--sb-batching`` name.
         seed: sampler seed (same on every rank).
         shuffle: shuffle the document order per epoch.
@@ -216,7 +218,7 @@ class PackedDataLoader:
                  vocab_size: Optional[int] = None, pad_to: Optional[int] = None,
                  max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0,
                  loss_starts: Optional[np.ndarray] = None, cp: int = 1, cp_rank: int = 0,
-                 pad_id: Optional[int] = None) -> None:
+                 pad_id: Optional[int] = None, item_length: Optional[int] = None) -> None:
         from sparsebalance.batching.sampler import PackingSampler
 
         if len(doc_ids) == 0:
@@ -233,7 +235,8 @@ class PackedDataLoader:
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
         self.sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
                                       strategy=strategy, seed=seed, shuffle=shuffle,
-                                      max_carry_steps=max_carry_steps, predictor=predictor, pp=pp)
+                                      max_carry_steps=max_carry_steps, predictor=predictor, pp=pp,
+                                      item_length=item_length)
 
         self._ahead: Optional[tuple] = None  # (sampler state before it, the peeked step)
 

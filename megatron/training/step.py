@@ -151,7 +151,7 @@ def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool
         data_iterator=iters if len(model) > 1 else iters[0],
         model=model if len(model) > 1 else model[0],
         num_microbatches=len(batches.microbatches),
-        seq_length=args.seq_length,  # an upper bound; variable_seq_lengths sends true shapes
+        seq_length=args.micro_batch_tokens,  # an upper bound; variable_seq_lengths sends true shapes
         micro_batch_size=1,
         forward_only=forward_only,
     )

@@ -133,7 +133,7 @@ def setup(args) -> TrainState:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     interleaved = args.virtual_pipeline_model_parallel_size is not None
-    pad_to = args.seq_length if interleaved else None  # see megatron/training/data.py
+    pad_to = args.micro_batch_tokens if interleaved else None  # see megatron/training/data.py
     cp = dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
     pad_id = args.null_tokenizer_pad_id if args.null_tokenizer_pad_id >= 0 else None
     sb = sparsebalance_config(args, vocab)  # the library's one view of the flags
@@ -145,15 +145,15 @@ def setup(args) -> TrainState:
             # Its own instance: the packer's costs never see the online correction, so
             # the data order stays a function of (seed, step) (see sparsebalance/balancer.py).
             sampler_predictor = build_predictor(sb)
-    loader = PackedDataLoader(dataset, train_ids, dp=dp, dp_rank=dp_rank,
-                              micro_batches=args.num_microbatches, seq_length=args.seq_length,
+    loader = PackedDataLoader(dataset, train_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,
+                              micro_batches=args.num_microbatches, seq_length=args.micro_batch_tokens,
                               strategy=sb.packing.strategy, seed=args.seed, vocab_size=vocab, pad_to=pad_to,
                               max_carry_steps=sb.packing.max_carry_steps, predictor=sampler_predictor,
                               pp=pp, pp_rank=pp_rank, loss_starts=loss_starts, pad_id=pad_id, **cp)
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
-        valid = PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank,
-                                 micro_batches=args.num_microbatches, seq_length=args.seq_length,
+        valid = PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,
+                                 micro_batches=args.num_microbatches, seq_length=args.micro_batch_tokens,
                                  strategy="megatron", seed=args.seed, shuffle=False, vocab_size=vocab,
                                  pad_to=pad_to, loss_starts=loss_starts, pad_id=pad_id, **cp)
     config = transformer_config(args, use_cpu=cpu)
@@ -391,6 +391,6 @@ def _static_density(args, batches) -> Optional[float]:
     from megatron.training.data import microbatch_lengths
     from sparsebalance.attention.routing import density
 
-    pad_to = args.seq_length if args.virtual_pipeline_model_parallel_size is not None else None
+    pad_to = args.micro_batch_tokens if args.virtual_pipeline_model_parallel_size is not None else None
     return density([n for rank in batches.packing.ranks for mb in rank
                     for n in microbatch_lengths(mb, pad_to)], args.sb_topk, args.sb_block_size)

@@ -62,6 +62,9 @@ class PackingSampler:
         dp: data-parallel ranks.
         micro_batches: micro-batches per rank per step (M).
         seq_length: token capacity of a micro-batch.
+        item_length: longest item: documents are chunked at this many tokens (default
+            ``seq_length``; ``--micro-batch-size N`` packs N items' worth, ``seq_length`` =
+            N x ``item_length``).
         strategy: megatron | concat | sorted | tokens | quadratic | wlb | sab.
         seed: seed of the per-epoch document permutation.
         shuffle: permute documents per epoch (False: dataset order every epoch).
@@ -78,11 +81,14 @@ class PackingSampler:
     def __init__(self, lengths: np.ndarray, *, dp: int, micro_batches: int, seq_length: int,
                  strategy: str = "megatron", seed: int = 0, shuffle: bool = True,
                  max_carry_steps: int = 2, predictor=None, topk=_DEFAULT, pp: int = 1,
-                 density=None, options: Optional[dict] = None):
+                 density=None, options: Optional[dict] = None, item_length: Optional[int] = None):
         self.lengths = check_lengths(lengths)
         self.dp = _check_int("dp", dp, 1)
         self.micro_batches = _check_int("micro_batches", micro_batches, 1)
         self.seq_length = _check_int("seq_length", seq_length, 1)
+        self.item_length = self.seq_length if item_length is None else _check_int("item_length", item_length, 1)
+        if self.item_length > self.seq_length:
+            raise ValueError(f"item_length ({self.item_length}) must be <= seq_length ({self.seq_length})")
         self.seed = _check_int("seed", seed, 0)
         self.max_carry_steps = _check_int("max_carry_steps", max_carry_steps, 0)
         self.pp = _check_int("pp", pp, 1)
@@ -110,7 +116,7 @@ class PackingSampler:
     def _epoch_items(self, epoch: int) -> EpochItems:
         if self._items_cache[0] != epoch:
             order = epoch_permutation(self.lengths.size, self.seed, epoch, self.shuffle)
-            self._items_cache = (epoch, EpochItems.build(self.lengths, order, self.seq_length))
+            self._items_cache = (epoch, EpochItems.build(self.lengths, order, self.item_length))
         return self._items_cache[1]
 
     @property
@@ -189,6 +195,7 @@ class PackingSampler:
             "seed": self.seed,
             "num_docs": int(self.lengths.size),
             "seq_length": self.seq_length,
+            "item_length": self.item_length,
             "dp": self.dp,
             "micro_batches": self.micro_batches,
             "epoch": self._epoch,
@@ -201,9 +208,11 @@ class PackingSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; raises ValueError naming a mismatched setting."""
-        for key in ("strategy", "seed", "num_docs", "seq_length", "dp", "micro_batches"):
+        for key in ("strategy", "seed", "num_docs", "seq_length", "item_length", "dp", "micro_batches"):
             mine = self.strategy if key == "strategy" else (
                 int(self.lengths.size) if key == "num_docs" else getattr(self, key))
+            if key == "item_length" and key not in state:  # a state from before item_length
+                continue
             if state.get(key) != mine:
                 raise ValueError(f"state_dict {key} is {state.get(key)!r}, sampler has {mine!r}")
         self._epoch = int(state["epoch"])

@@ -154,3 +154,33 @@ def test_no_shuffle_is_dataset_order(lengths):
     s = PackingSampler(lengths, dp=DP, micro_batches=M, seq_length=SEQ, shuffle=False)
     docs = [d for d, _, _ in segments(s.next_step())]
     assert docs == sorted(docs) and docs[0] == 0
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_micro_batch_of_several_sequences(lengths, predictor, strategy):
+    """``--micro-batch-size 2``: a micro-batch holds up to 2 x seq-length tokens while
+    documents are still chunked at seq-length (no item, so no position, past it); every
+    token once per epoch."""
+    s = PackingSampler(lengths, dp=DP, micro_batches=M, seq_length=2 * SEQ, item_length=SEQ,
+                       strategy=strategy, seed=3, predictor=predictor, pp=2, max_carry_steps=2)
+    plans, _ = run_epoch(s)
+    covered = {d: np.zeros(int(L), dtype=np.int64) for d, L in enumerate(lengths)}
+    fill = []
+    for p in plans:
+        for r in p.ranks:
+            for mb in r:
+                fill.append(sum(seg[2] for seg in mb))
+                for d, off, n in mb:
+                    assert n <= SEQ and (strategy == "concat" or off % SEQ == 0)
+                    covered[d][off:off + n] += 1
+    assert max(fill) <= 2 * SEQ and max(fill) > SEQ
+    assert all(np.all(c == 1) for c in covered.values())
+    state = s.state_dict()
+    assert state["item_length"] == SEQ
+    other = PackingSampler(lengths, dp=DP, micro_batches=M, seq_length=2 * SEQ, strategy=strategy, seed=3,
+                           predictor=predictor, pp=2, max_carry_steps=2)
+    with pytest.raises(ValueError, match="item_length"):
+        other.load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "item_length"}  # a state from before item_length
+    PackingSampler(lengths, dp=DP, micro_batches=M, seq_length=2 * SEQ, item_length=SEQ, strategy=strategy,
+                   seed=3, predictor=predictor, pp=2, max_carry_steps=2).load_state_dict(old)

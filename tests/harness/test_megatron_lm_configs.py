@@ -31,10 +31,11 @@ def test_counts_training_configs_by_status(tmp_path, capsys):
     main(["--megatron-lm", str(tmp_path)])
     out = json.loads(capsys.readouterr().out)
     assert out["configs"] == 2 and out["training_configs"] == 1
-    # --no-load-rng false is left out; mbs 4 and MoE are refused, the logging extra is ignored
-    assert out["counts"] == {"honoured": 2, "unsupported": 2, "ignored": 1, "unrecognized": 1}
-    assert out["honoured_fraction"] == round(2 / 6, 4) and out["unrecognized"] == [["--not-a-flag-anywhere", 1]]
-    assert [r[0].split(":")[0] for r in out["top_refused"]] == ["--micro-batch-size", "--moe-router-topk"]
+    # --no-load-rng false is left out; mbs 4 is honoured (4 x --seq-length tokens a packed
+    # micro-batch), MoE is refused, the logging extra is ignored
+    assert out["counts"] == {"honoured": 3, "unsupported": 1, "ignored": 1, "unrecognized": 1}
+    assert out["honoured_fraction"] == round(3 / 6, 4) and out["unrecognized"] == [["--not-a-flag-anywhere", 1]]
+    assert [r[0].split(":")[0] for r in out["top_refused"]] == ["--moe-router-topk"]
 
 
 def test_not_a_checkout_is_one_line(tmp_path, capsys):
