@@ -125,6 +125,11 @@ def validate_balance(args: argparse.Namespace) -> None:
     if not args.sb_topk_min <= k0 <= args.sb_topk_max:
         raise UsageError(f"need --sb-topk-min {args.sb_topk_min} <= --sb-topk {k0} <= "
                          f"--sb-topk-max {args.sb_topk_max}")
+    if (args.sparse_attention and args.sb_attention_backend in ("flex", "fa4")
+            and (getattr(args, "context_parallel_size", 1) or 1) > 1):
+        raise UsageError(f"--sb-attention-backend {args.sb_attention_backend} does not run with "
+                         "--context-parallel-size > 1 (its kernels take whole documents in a "
+                         "block-aligned buffer): use auto, triton, cuda, cpu or reference")
     if args.sb_threshold is not None and args.sb_routing != "threshold":
         raise UsageError("--sb-threshold needs --sb-routing threshold")
     if args.sb_routing == "threshold":

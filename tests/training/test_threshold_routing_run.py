@@ -7,10 +7,10 @@ import pytest
 from conftest import PRETRAIN, TINY, launch, summary_of
 
 
-def _parse(argv, data="unused"):
+def _parse(argv, data="unused", world_size=None):
     from megatron.training.arguments import parse_args
 
-    return parse_args([*TINY, "--data-path", data, "--train-iters", "2", *argv])
+    return parse_args([*TINY, "--data-path", data, "--train-iters", "2", *argv], world_size=world_size)
 
 
 @pytest.mark.parametrize("argv, said", [
@@ -18,10 +18,12 @@ def _parse(argv, data="unused"):
     (["--sparse-attention", "--sb-threshold", "0.8"], "--sb-threshold needs --sb-routing threshold"),
     (["--sb-routing", "threshold"], "--sb-routing threshold needs --sparse-attention"),
     (["--sparse-attention", "--sb-routing", "window"], "invalid choice"),
+    (["--sparse-attention", "--sb-attention-backend", "fa4", "--context-parallel-size", "2"],
+     "--sb-attention-backend fa4 does not run with --context-parallel-size > 1"),
 ])
 def test_bad_threshold_flags_are_one_line(argv, said, capsys):
     with pytest.raises(SystemExit) as exc:
-        _parse(argv)
+        _parse(argv, world_size=2 if "--context-parallel-size" in argv else None)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and said in err[0]
