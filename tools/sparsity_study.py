@@ -183,16 +183,20 @@ def document_ids(args, model_args, n_docs: int) -> np.ndarray:
     return ids
 
 
-def routed_pairs(q, k, scale: float, block: int, cap: int, rule) -> tuple:
-    """(kept, causal) pairs, summed over heads, of one document (q ``[L, H, D]``, k ``[L, Hkv,
-    D]``) routed alone by the kernels' shared plan under ``rule`` with cap ``cap``."""
+def routed_pairs(q, k, cu, scale: float, block: int, cap: int, rule) -> tuple:
+    """(kept, causal) pairs of each document, summed over heads: int64 ``[n_docs]`` arrays,
+    of the packed documents of ``cu`` (q ``[T, H, D]``, k ``[T, Hkv, D]``) routed by the
+    kernels' shared plan under ``rule`` with cap ``cap`` (routing never crosses documents,
+    so each document's pairs are what it keeps alone)."""
     import torch
 
     from sparsebalance.ops.plan import build_plan, routing_rule
 
+    cu = torch.as_tensor(cu, dtype=torch.int32)
     with routing_rule(rule):
-        plan = build_plan(q, k, torch.tensor([0, q.shape[0]], dtype=torch.int32), cap, block, scale)
-    return plan.kept_pairs, plan.causal_pairs
+        plan = build_plan(q, k, cu, cap, block, scale)
+    lens = np.diff(cu.numpy()).astype(np.int64)
+    return plan.doc_kept, lens * (lens + 1) // 2 * q.shape[1]
 
 
 ORACLES = ("oracle", "per_head", "total_mass")
@@ -264,15 +268,14 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
         q, k = hargs[0].detach(), hargs[1].detach()
         cu = kwargs["packed_seq_params"].cu_seqlens_q.to("cpu", torch.int64).tolist()
         scale = default_scale(q.shape[-1], module.softmax_scale)
-        for j in range(len(cu) - 1):
-            s, e = cu[j], cu[j + 1]
-            pairs = routed_pairs(q[s:e], k[s:e], scale, args.block_size, args.topk, rule)
-            kept[state["first"] + j] += pairs[0]
-            causal[state["first"] + j] += pairs[1]
-            if oracle:
-                o = oracle_pairs(q[s:e], k[s:e], scale, args.block_size, args.tau)
-                for name in ORACLES:
-                    okept[name][state["first"] + j] += o[name]
+        first, n = state["first"], len(cu) - 1
+        doc_kept, doc_causal = routed_pairs(q, k, cu, scale, args.block_size, args.topk, rule)
+        kept[first:first + n] += doc_kept
+        causal[first:first + n] += doc_causal
+        for j in range(n if oracle else 0):
+            o = oracle_pairs(q[cu[j]:cu[j + 1]], k[cu[j]:cu[j + 1]], scale, args.block_size, args.tau)
+            for name in ORACLES:
+                okept[name][first + j] += o[name]
 
     cores = [m for m in model.gpt.modules() if isinstance(m, CausalVarlenAttention)]
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in cores]

@@ -31,8 +31,9 @@ which would otherwise reach a new bucket, and compile for tens of seconds, every
 steps (measured on an H200, docs/gpu.md).
 
 Layout cache. The layout depends only on ``cu_seqlens`` and the block size, and every
-layer of a micro-batch gets the same ``cu_seqlens`` tensor: the last layout is kept and
-reused while that tensor object is unchanged (same object, same in-place version), so
+layer of a micro-batch gets the same ``cu_seqlens`` tensor: the last layout is kept
+(:class:`~sparsebalance.ops.plan.TensorCache`) and reused while that tensor object is
+unchanged (same object, same in-place version), so
 its host copy and index upload happen once per micro-batch, not once per layer.
 
 Eager (the CPU). Eager ``flex_attention`` applies the ``mask_mod`` to every score (it
@@ -52,14 +53,14 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from sparsebalance.ops.plan import RoutingPlan, TopK, build_plan, host_cu
+from sparsebalance.ops.plan import RoutingPlan, TensorCache, TopK, build_plan, host_cu
 
 _compiled: dict = {}
 _compiles = 0
 _buckets_used: dict = {}
 """(block size, device type) -> padded block counts compiled calls have used."""
-_layout_cache: list = []
-"""[(cu_seqlens tensor, its _version, (block size, device, reuse), layout)]: the last one."""
+_layout_cache = TensorCache(1)
+"""cu_seqlens tensor, (block size, device, reuse, bucket) -> FlexLayout: the last one."""
 REUSE_PAD = 4.0
 """A compiled bucket is reused for a batch needing at least 1 / REUSE_PAD of its blocks: a
 padding block costs one diagonal block of compute and its rows of the gather, against
@@ -282,13 +283,8 @@ def cached_layout(cu_seqlens: torch.Tensor, block_size: int, device: torch.devic
     same in-place version (the layers of one micro-batch); the cache holds that tensor, so
     its memory cannot be handed to another tensor meanwhile."""
     key = (int(block_size), torch.device(device), bool(reuse), bool(bucket))
-    if _layout_cache:
-        t, version, k, layout = _layout_cache[0]
-        if t is cu_seqlens and version == cu_seqlens._version and k == key:
-            return layout
-    layout = flex_layout(cu_seqlens, block_size, device, reuse=reuse, bucket=bucket)
-    _layout_cache[:] = [(cu_seqlens, cu_seqlens._version, key, layout)]
-    return layout
+    return _layout_cache.get(cu_seqlens, key,
+                             lambda: flex_layout(cu_seqlens, block_size, device, reuse=reuse, bucket=bucket))
 
 
 def flex_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayout, mask,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Union
 
@@ -124,7 +125,7 @@ def sparse_attention(
         raise ValueError(f"float16 runs on backends {', '.join(_FP16_BACKENDS)} only, not {name!r}: "
                          f"use bfloat16 or float32")
     scale = default_scale(q.shape[2], softmax_scale)
-    with routing_rule(rule), collect_plans() as plans:
+    with routing_rule(rule), (collect_plans() if return_doc_kept else contextlib.nullcontext([])) as plans:
         out, kept = BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
     doc_kept = plans[0].doc_kept if len(plans) == 1 else None
     if not return_density:

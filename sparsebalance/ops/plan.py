@@ -141,11 +141,45 @@ def routing_rule(rule: Optional[RoutingRule]) -> Iterator[None]:
         _rule.reset(token)
 
 
-_HOST_CACHE_SIZE = 8
-"""Micro-batches whose host copies and routing skeletons are kept (pipeline schedules
-interleave a few micro-batches' forwards with earlier ones' recomputed forwards)."""
-_host_cu: list = []
-"""[(cu_seqlens tensor, its _version, int64 numpy copy)], most recent last."""
+class TensorCache:
+    """Values built from a tensor, reused while it is the same object at the same in-place
+    version (every layer of a micro-batch gets its ``cu_seqlens`` tensor), keyed further by
+    ``key``; the ``size`` most recent are kept. An entry holds its tensor (and ``hold``), so
+    that memory cannot be handed to another tensor while the entry lives."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.entries: list = []
+        """[(tensor, its _version, key, value, hold)], most recent last."""
+
+    def get(self, tensor: torch.Tensor, key, build: Callable[[], object], hold=None):
+        """The value of ``(tensor, key)``: a cached one, or ``build()`` (then cached)."""
+        for i, (t, version, k, value, _) in enumerate(self.entries):
+            if t is tensor and version == tensor._version and k == key:
+                self.entries.append(self.entries.pop(i))
+                return value
+        value = build()
+        self.entries.append((tensor, tensor._version, key, value, hold))
+        del self.entries[:-self.size]
+        return value
+
+    def tensors(self) -> list:
+        """The tensors of the entries, oldest first."""
+        return [e[0] for e in self.entries]
+
+    def values(self) -> list:
+        """The values of the entries, oldest first."""
+        return [e[3] for e in self.entries]
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+MICROBATCHES_CACHED = 8
+"""Micro-batches whose host copies, routing skeletons and layouts are kept (pipeline
+schedules interleave a few micro-batches' forwards with earlier ones' recomputed forwards)."""
+_host_cu = TensorCache(MICROBATCHES_CACHED)
+"""cu_seqlens tensor -> its int64 numpy copy."""
 
 
 _host_copies = 0
@@ -161,18 +195,14 @@ def host_cu(cu_seqlens: torch.Tensor) -> np.ndarray:
     tensor seen before (same object, same in-place version: the layers of one
     micro-batch) is not copied again, so a CUDA ``cu_seqlens`` syncs the host once per
     micro-batch, not once per layer. A CPU tensor (the host copy the driver attaches to
-    the micro-batch) never syncs. The cache holds the tensors, so their memory cannot be
-    reused by another tensor meanwhile."""
-    for i, (t, version, arr) in enumerate(_host_cu):
-        if t is cu_seqlens and version == cu_seqlens._version:
-            _host_cu.append(_host_cu.pop(i))
-            return arr
-    arr = cu_seqlens.detach().to("cpu", torch.int64).numpy()
-    global _host_copies
-    _host_copies += 1
-    _host_cu.append((cu_seqlens, cu_seqlens._version, arr))
-    del _host_cu[:-_HOST_CACHE_SIZE]
-    return arr
+    the micro-batch) never syncs."""
+
+    def copy() -> np.ndarray:
+        global _host_copies
+        _host_copies += 1
+        return cu_seqlens.detach().to("cpu", torch.int64).numpy()
+
+    return _host_cu.get(cu_seqlens, None, copy)
 
 
 def _per_doc_topk(topk: TopK, n_docs: int) -> torch.Tensor:
@@ -372,8 +402,8 @@ def _chunks(rows: np.ndarray, cols: np.ndarray, H: int, gpu: bool) -> list:
     return out
 
 
-_skeletons: list = []
-"""[(cu_seqlens tensor, its _version, key, _Skeleton)], most recent last."""
+_skeletons = TensorCache(MICROBATCHES_CACHED)
+"""cu_seqlens tensor, (budget, block, heads, device, minimum) -> _Skeleton."""
 
 
 @dataclass
@@ -383,12 +413,10 @@ class _Skeleton:
 
     doc_kept: np.ndarray
     """Kept pairs per document over heads (top-k routing; threshold: of the caps)."""
-
     meta_d: torch.Tensor
     kv_template: torch.Tensor
     route: Optional["_RouteHost"]
     sent: list
-    kept_pairs: int
     causal_pairs: int
     kv_nnz: int
 
@@ -403,15 +431,9 @@ def _skeleton(cu_seqlens, topk, B: int, H: int, dev: torch.device,
               kmin: Optional[int] = None) -> _Skeleton:
     """:func:`_build_skeleton`, cached per (cu_seqlens tensor, budget, block, heads, device,
     threshold routing's minimum)."""
-    key = (_topk_key(topk), B, H, dev, kmin)
-    for i, (t, version, k, sk, held) in enumerate(_skeletons):
-        if t is cu_seqlens and version == cu_seqlens._version and k == key:
-            _skeletons.append(_skeletons.pop(i))
-            return sk
-    sk = _build_skeleton(host_cu(cu_seqlens), topk, B, H, dev, kmin)
-    _skeletons.append((cu_seqlens, cu_seqlens._version, key, sk, topk))
-    del _skeletons[:-_HOST_CACHE_SIZE]
-    return sk
+    return _skeletons.get(cu_seqlens, (_topk_key(topk), B, H, dev, kmin),
+                          lambda: _build_skeleton(host_cu(cu_seqlens), topk, B, H, dev, kmin),
+                          hold=topk)  # a budget tensor is keyed by its id: keep it alive
 
 
 _MEMO_SIZE = 4096
@@ -451,14 +473,6 @@ def collect_plans() -> Iterator[list]:
 
 
 def _memo_plan(cu_seqlens, topk, compute: Callable[[], RoutingPlan]) -> RoutingPlan:
-    plan = _memo_plan_inner(cu_seqlens, topk, compute)
-    sink = _sink.get()
-    if sink is not None:
-        sink.append(plan)
-    return plan
-
-
-def _memo_plan_inner(cu_seqlens, topk, compute: Callable[[], RoutingPlan]) -> RoutingPlan:
     slot = _slot.get()
     if slot is None:
         return compute()
@@ -480,8 +494,12 @@ def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums
     """Per layer: the cached skeleton of these documents and budgets, then the gates and
     the top-k choice on the device (no host work, no host sync on a cache hit); a
     recomputed layer takes its forward's plan (:func:`plan_slot`)."""
-    return _memo_plan(cu_seqlens, topk, lambda: _route(q, k, cu_seqlens, topk, block_size,
+    plan = _memo_plan(cu_seqlens, topk, lambda: _route(q, k, cu_seqlens, topk, block_size,
                                                        softmax_scale, reduce_q_sums))
+    sink = _sink.get()
+    if sink is not None:
+        sink.append(plan)
+    return plan
 
 
 def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None) -> RoutingPlan:
@@ -494,7 +512,7 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
     if sk.route:
         sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums,
                      kv_cnt=kv_cnt, threshold=thr)
-    kept, nnz, doc_kept = sk.kept_pairs, sk.kv_nnz, sk.doc_kept
+    nnz, doc_kept = sk.kv_nnz, sk.doc_kept
     if thr is not None and sk.route:  # the counts were chosen on the device: one read back
         ql = sk.meta_d[1].long()
         per_block = (kv_cnt.long() - 1) * int(block_size) * ql + ql * (ql + 1) // 2
@@ -502,14 +520,13 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
         per_doc.scatter_add_(0, sk.meta_d[5].long(), per_block)
         both = torch.cat([per_doc, kv_cnt.long().sum().view(1)]).cpu().numpy()
         doc_kept, nnz = both[:-1] * q.shape[1], int(both[-1])
-        kept = int(doc_kept.sum())
     return RoutingPlan(
         block_size=int(block_size),
         qb_start=sk.meta_d[0],
         qb_len=sk.meta_d[1],
         kv_idx=kv_idx,
         kv_cnt=kv_cnt,
-        kept_pairs=kept,
+        kept_pairs=int(doc_kept.sum()),
         causal_pairs=sk.causal_pairs,
         kv_nnz=nnz,
         doc_kept=doc_kept,
@@ -552,8 +569,7 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
     kv_template = torch.where(e <= i_d, fb_d + e, -1).unsqueeze(0).expand(H, NB, W).contiguous()
     doc_kept = np.bincount(doc_of, weights=full, minlength=n_docs).astype(np.int64) * H
     return _Skeleton(doc_kept=doc_kept, meta_d=meta_d, kv_template=kv_template, route=route, sent=sent,
-                     kept_pairs=int(full.sum()) * H, causal_pairs=int((lens * (lens + 1) // 2).sum()) * H,
-                     kv_nnz=int(kv_cnt.sum()))
+                     causal_pairs=int((lens * (lens + 1) // 2).sum()) * H, kv_nnz=int(kv_cnt.sum()))
 
 
 class _RouteHost:

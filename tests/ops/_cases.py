@@ -42,3 +42,34 @@ def run(backend, q, k, v, cu, dout, topk, block_size):
                                  return_density=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     return (out.detach(), *grads, dens)
+
+
+def descriptor_mask(d, direction: str = "forward") -> torch.Tensor:
+    """The token-level keep mask ``[H, NB * B, NB * B]`` (query row, key row of the buffer)
+    that the descriptors of ``direction`` ask FA4 for: full blocks whole, the mask block
+    causal (the fa4 backend's :class:`~sparsebalance.ops.fa4.FA4Descriptors`): what the
+    tests compare with the reference selection."""
+    if direction == "forward":
+        cnt, idx = d.fwd_full_cnt[0], d.fwd_full_idx[0]
+    elif direction == "backward":
+        cnt, idx = d.bwd_full_cnt[0], d.bwd_full_idx[0]
+    else:
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    H, NB = cnt.shape
+    B = d.block_size
+    blk = torch.zeros((H, NB, NB + 1), dtype=torch.bool, device=cnt.device)
+    valid = torch.arange(idx.shape[-1], device=cnt.device).view(1, 1, -1) < cnt.unsqueeze(-1)
+    blk.scatter_(2, torch.where(valid, idx.long(), NB), True)
+    blk = blk[:, :, :NB]
+    if direction == "backward":  # rows were key blocks: back to [query block, key block]
+        blk = blk.transpose(1, 2)
+    d_rows = d.diag_idx[0, :, :, 0].long()  # the diagonal: block m keeps block d_rows[m]
+    diag = torch.zeros_like(blk)
+    diag.scatter_(2, d_rows.unsqueeze(-1), True)
+    if direction == "backward":
+        diag = diag.transpose(1, 2)
+    full = blk.repeat_interleave(B, 1).repeat_interleave(B, 2)
+    part = diag.repeat_interleave(B, 1).repeat_interleave(B, 2)
+    rows = torch.arange(NB * B, device=cnt.device)
+    causal = rows.view(-1, 1) >= rows.view(1, -1)
+    return full | (part & causal)

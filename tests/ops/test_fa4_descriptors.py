@@ -9,7 +9,7 @@ package, and ``auto`` never picks it on the CPU."""
 
 import pytest
 import torch
-from _cases import make_inputs
+from _cases import descriptor_mask, make_inputs
 
 from sparsebalance.ops import fa4, resolve_backend, sparse_attention
 from sparsebalance.ops.flex import flex_layout
@@ -54,11 +54,11 @@ def test_descriptors_expand_to_the_reference_selection(name):
     want = _reference_buffer_mask(lens, q, k, topk, B, scale, layout)
     real = layout.pos  # rows of real query tokens; padding query rows are discarded
     for direction in ("forward", "backward"):
-        got = fa4.descriptor_mask(desc, direction)
+        got = descriptor_mask(desc, direction)
         assert got.shape == want.shape
         assert torch.equal(got[:, real], want[:, real]), f"{direction} selection differs"
     # padding rows must stay finite: every buffer row keeps at least its own diagonal
-    assert bool(fa4.descriptor_mask(desc).any(-1).all())
+    assert bool(descriptor_mask(desc).any(-1).all())
 
 
 def test_descriptors_have_fa4_shapes_and_dtypes():

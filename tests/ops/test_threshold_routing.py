@@ -7,7 +7,7 @@ content differs."""
 
 import pytest
 import torch
-from _cases import make_inputs
+from _cases import descriptor_mask, make_inputs
 
 from sparsebalance.ops import fa4, sparse_attention
 from sparsebalance.ops.flex import flex_layout
@@ -68,7 +68,7 @@ def test_plan_counts_and_fa4_descriptors_follow_the_rule(name):
             s += L
     desc = fa4.fa4_descriptors(plan)
     for direction in ("forward", "backward"):
-        got = fa4.descriptor_mask(desc, direction)
+        got = descriptor_mask(desc, direction)
         assert torch.equal(got[:, layout.pos], want[:, layout.pos]), direction
 
 

@@ -56,7 +56,7 @@ def test_routed_pairs_are_what_sparse_attention_reports(tau, cap, kmin):
     L, H, D, B = 300, 4, 16, 32
     q, k, v = torch.randn(L, H, D), torch.randn(L, 2, D), torch.randn(L, 2, D)
     k[:, :, 0] += torch.linspace(-3, 3, L).view(L, 1)  # some gate structure
-    kept, causal = st.routed_pairs(q, k, D ** -0.5, B, cap, RoutingRule(threshold=tau, topk_min=kmin))
+    (kept,), (causal,) = st.routed_pairs(q, k, [0, L], D ** -0.5, B, cap, RoutingRule(threshold=tau, topk_min=kmin))
     _, density = sparse_attention(q, k, v, torch.tensor([0, L], dtype=torch.int32), topk=cap, block_size=B,
                                   backend="cpu", return_density=True, threshold=tau, topk_min=kmin)
     assert causal == H * L * (L + 1) // 2 and kept / causal == pytest.approx(float(density))

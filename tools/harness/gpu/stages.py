@@ -63,9 +63,19 @@ def loss_trend(losses: List[float]) -> Tuple[float, float, bool]:
     return first, last, len(losses) >= 4 and last < first
 
 
-PRESET_MATMUL_PARAMS = 24 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864) + 896 * 151936
-"""Qwen2.5-0.5B's weights that multiply every token (layers' projections and MLPs, and the
-output layer; biases, norms and the embedding lookup left out): ~494M."""
+def matmul_params(preset: str = "qwen2.5-0.5b") -> int:
+    """Weights of a model preset that multiply every token: each layer's q/k/v/o projections
+    and (SwiGLU) MLP, and the output layer; biases, norms and the embedding lookup left
+    out (Qwen2.5-0.5B: ~494M)."""
+    from megatron.training.presets import MODEL_PRESETS
+
+    m = MODEL_PRESETS[preset]
+    h, f, heads, groups = m["hidden_size"], m["ffn_hidden_size"], m["num_attention_heads"], m["num_query_groups"]
+    kv = 2 * h * (h // heads) * groups
+    mlp = (3 if m.get("swiglu") else 2) * h * f
+    return m["num_layers"] * (2 * h * h + kv + mlp) + h * m["vocab_size"]
+
+
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 """Dense bf16 tensor-core peak (SXM) of the cards gpu-check has run on."""
 
@@ -77,7 +87,7 @@ def matmul_mfu(tokens_per_s: Optional[float], device: Optional[str]) -> Optional
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if device and k in device), None)
     if not tokens_per_s or peak is None:
         return None
-    return 6.0 * PRESET_MATMUL_PARAMS * tokens_per_s / (peak * 1e12)
+    return 6.0 * matmul_params() * tokens_per_s / (peak * 1e12)
 
 
 def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
