@@ -39,6 +39,9 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
                          "checkpoints only (Megatron-LM's default)")
     if args.transformer_impl == "inference_optimized":
         raise UsageError("--transformer-impl inference_optimized: inference layers do not apply to training")
+    if args.profile and args.profile_step_end <= args.profile_step_start:
+        raise UsageError(f"--profile-step-end {args.profile_step_end} must be after --profile-step-start "
+                         f"{args.profile_step_start}")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM turns it off too: nothing to split without TP
     args.compat_warnings = []

@@ -424,6 +424,19 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM/SIGUSR1 finish the step, save, exit 0")
     g.add_argument("--no-progress-bar", action="store_true", help="plain log lines only")
+    g.add_argument("--profile", action="store_true",
+                   help="profile the steps after iteration --profile-step-start up to --profile-step-end "
+                        "(nsys: cudaProfilerStart/Stop; see --use-pytorch-profiler)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: torch.profiler records the window; the log and --summary-json get "
+                        "its attention / other kernel time, the trace goes to --tensorboard-dir")
+    g.add_argument("--profile-step-start", type=nonneg(int), default=10)
+    g.add_argument("--profile-step-end", type=pos(int), default=12)
+    g.add_argument("--profile-ranks", type=nonneg(int), nargs="+", default=[0], metavar="RANK")
+    g.add_argument("--record-shapes", action="store_true", help="with --use-pytorch-profiler: record shapes")
+    g.add_argument("--pytorch-profiler-collect-shapes", action="store_true", help="same as --record-shapes")
+    g.add_argument("--pytorch-profiler-collect-callstack", action="store_true",
+                   help="with --use-pytorch-profiler: record Python call stacks")
     g.add_argument("--summary-json", default=None, metavar="PATH",
                    help="rank 0 writes the run's metrics here at the end (atomically)")
     if megatron_lm_flags:  # the rest of Megatron-LM's flags: one line each, never "unrecognized"

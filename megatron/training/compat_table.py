@@ -109,10 +109,9 @@ IGNORED = {
         "--disable-flight-recorder-include-only-active --no-flight-recorder-include-only-active",
     "Weights & Biases logging is not wired (use --tensorboard-dir)":
         "--wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity",
-    "profiling is not wired (use tools/profile_latency.py or torch.profiler around the run)":
-        "--profile --profile-step-start --profile-step-end --use-pytorch-profiler --profile-ranks "
-        "--record-memory-history --memory-snapshot-path --pytorch-profiler-collect-callstack "
-        "--pytorch-profiler-collect-chakra --pytorch-profiler-collect-shapes --record-shapes --nvtx-ranges",
+    "not wired (--profile with --use-pytorch-profiler records a trace; memory snapshots, Chakra "
+    "traces and NVTX ranges are not produced)":
+        "--record-memory-history --memory-snapshot-path --pytorch-profiler-collect-chakra --nvtx-ranges",
 }
 HARDWARE = {
     "needs Transformer Engine with FP8 support on a CUDA GPU (Hopper or newer), which this driver does not "

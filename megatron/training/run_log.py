@@ -58,6 +58,8 @@ class StepLog:
     """Per global rank: its memory high-water mark so far, MB (2**20 bytes)
     (:func:`megatron.training.step.peak_memory_mb`: CUDA max allocated on GPU, peak
     RSS of the process on CPU)."""
+    profiled: bool = False
+    """Ran under ``--profile`` (left out of the summary's timing)."""
 
     @property
     def density(self) -> float:
@@ -107,6 +109,8 @@ class RunLogger:
     def __init__(self, args, rank: int, start: int) -> None:
         self.args, self.rank, self.start = args, rank, start
         self.steps: List[StepLog] = []
+        self.profile: Optional[dict] = None
+        """``--profile --use-pytorch-profiler``'s kernel split (megatron/training/profiling.py)."""
         self.bar = None
         self.tb = None
         if rank != 0:
@@ -218,7 +222,8 @@ class RunLogger:
         from megatron.training.step import peak_memory_source
 
         steps = self.steps
-        counted = steps[warmup_steps(len(steps)):]
+        timed = [s for s in steps if not s.profiled]
+        counted = timed[warmup_steps(len(timed)):]
         backend = attention_backend_choice(self.args)
         med = lambda xs: float(np.median(xs)) if len(xs) else None
         t_s = sum(s.step_s for s in counted)
@@ -239,7 +244,10 @@ class RunLogger:
             "step_ms_median": med([s.step_s * 1e3 for s in counted]),
             "step_ms_all": [s.step_s * 1e3 for s in steps],
             "step_tokens_all": [int(s.tokens) for s in steps],
-            "warmup_steps_skipped": len(steps) - len(counted),
+            "step_profiled_all": [s.profiled for s in steps],
+            "warmup_steps_skipped": len(timed) - len(counted),
+            "profiled_steps": len(steps) - len(timed),
+            "profile": self.profile,
             "tokens_per_s": float(sum(s.tokens for s in counted) / t_s) if t_s > 0 else 0.0,
             "loss_first": steps[0].loss if steps else None,
             "loss_last": steps[-1].loss if steps else None,

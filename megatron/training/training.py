@@ -214,13 +214,16 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron.training.failsafe import check_step_finite, should_exit
+    from megatron.training.profiling import StepProfiler
     from megatron.training.step import evaluate, train_step
 
     pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
     balancer, loader = state.balancer, state.loader
     start, preempted, started = state.iteration, False, time.time()
+    profiler = StepProfiler(args, torch.distributed.get_rank())
     while state.iteration < args.train_iters:
         state.mark(f"step {state.iteration + 1}")
+        profiled = profiler.before_step(state.iteration)
         t0 = time.perf_counter()
         batches = loader.next_step()
         forecast = balancer.forecast(batches) if balancer is not None else None
@@ -237,7 +240,9 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
             balancer.observe(forecast, meas_fwd, meas_bwd)
         entry = _step_log(args, state.iteration, lr, step_s, batches, result, forecast, gathered,
                           (meas_fwd + meas_bwd).sum(axis=2))
+        entry.profiled = profiled
         hooks.log.step(entry)
+        profiler.after_step(state.iteration, hooks.log)
         check_step_finite(args, state.iteration, entry.loss, result.grad_norm)  # before eval / save
         if hooks.timeline is not None and state.iteration % args.log_interval == 0:
             hooks.timeline.write(state.iteration, forecast, meas_fwd, meas_bwd)
@@ -260,6 +265,8 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         if stop is not None and state.iteration < args.train_iters:
             hooks.log.info(f"stopping after iteration {state.iteration} ({stop})")
             break
+    profiler.stop(state.iteration, hooks.log)  # a run that stopped inside the window
+    hooks.log.profile = profiler.result
     if args.save and state.iteration > start:  # nothing new to save if no step ran
         _save(args, state, hooks, last=True)
     if hooks.timeline is not None:

@@ -154,6 +154,13 @@ def test_train_verdict():
     ok, detail, data = st.train_verdict(runs, [65536])
     assert data["median_step_speedup_64k"] == pytest.approx(9e3 / 2.6e3) and data["speedup_64k"] == 1.6
     assert "median_step_speedup_64k 3.46x" in detail
+    # a profiled step (the last) is left out of the median step; its kernel split is kept
+    prof = {**sp, "step_ms_all": sp["step_ms_all"] + [1e5], "step_tokens_all": [131072] * 9,
+            "step_profiled_all": [False] * 8 + [True],
+            "profile": {"attention_share": 0.25, "attention_ms": 500.0, "kernel_ms": 2000.0, "top_kernels": []}}
+    rec = st.train_run_record("sparse 65536", prof)
+    assert rec["ms_per_1k_tokens_median"] == pytest.approx(2.6e3 / 131.072)
+    assert rec["attention_kernel_share"] == 0.25 and rec["kernel_ms"] == 2000.0
 
 
 def test_part_budgets_argument():
@@ -536,6 +543,8 @@ def test_train_and_profile_use_the_bench_best_backend(monkeypatch, tmp_path):
         (True, "32768"), (False, "32768"), (True, "65536"), (False, "65536")]
     for c in runs:
         assert c[c.index("--model-preset") + 1] == "qwen2.5-0.5b" and "--bf16" in c and "--cpu" not in c
+        # the last step profiled: the attention kernels' share of a step
+        assert "--use-pytorch-profiler" in c and c[c.index("--profile-step-end") + 1] == c[c.index("--train-iters") + 1]
     assert runs[0][runs[0].index("--sb-attention-backend") + 1] == "flex"  # the bench's best
     a.train_backend = "fa4"  # --train-backend overrides the bench's choice
     calls.clear()

@@ -139,8 +139,8 @@ def render_markdown(doc: dict) -> str:
     if train:
         md += ["", "## Train (Qwen2.5-0.5B shape, 24 layers, random init, bf16, one GPU)", "",
                "| run | tokens/s | ms per 1K tokens (median step) | MFU (weight matmuls) | peak memory MB | "
-               "loss first -> last | density | backend | flex compiles |",
-               "|---|---|---|---|---|---|---|---|---|"]
+               "loss first -> last | density | backend | attention kernels (profiled step) | flex compiles |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
         for r in train["data"]["runs"]:
             backend = r.get("attention_backend") or r.get("error", "")
             if r.get("dense_kernel") and r.get("name", "").startswith("dense"):
@@ -149,9 +149,17 @@ def render_markdown(doc: dict) -> str:
                       f"{_fmt(r.get('ms_per_1k_tokens_median'), '.1f')} | {_fmt(r.get('mfu_matmul'), '.1%')} | "
                       f"{_fmt(r.get('peak_memory_mb_max'), '.0f')} | {_fmt(r.get('loss_first'), '.3f')} -> "
                       f"{_fmt(r.get('loss_last'), '.3f')} | {_fmt(r.get('density_mean'), '.3f')} | "
-                      f"{backend} | "
+                      f"{backend} | {_attention_share(r)} | "
                       f"{_fmt(r.get('flex_compiles'), 'd')} |")
     return "\n".join(md) + "\n"
+
+
+def _attention_share(run: dict) -> str:
+    """The profiled step's attention kernel time and its share of all kernel time."""
+    if run.get("attention_kernel_share") is None:
+        return "-"
+    return (f"{run['attention_kernel_ms']:.0f} of {run['kernel_ms']:.0f} ms "
+            f"({run['attention_kernel_share']:.0%})")
 
 
 def read_report(out_dir: str, device: Optional[str] = None) -> Optional[dict]:

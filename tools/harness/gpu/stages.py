@@ -15,7 +15,9 @@ from typing import Callable, List, Optional, Tuple
 
 Result = Tuple[Optional[bool], str, dict]
 
-TRAIN_ITERS = 8
+TRAIN_ITERS = 9
+"""The last one profiled (--profile --use-pytorch-profiler: the attention kernels' share of
+the step), left out of the timing."""
 TRAIN_TOPK = 8
 """Top-k at block 128 in training: (8 + 2) x 128 keys per query, ~4% of a 64K document
 (more for short documents, which stay dense; the summary reports the mean)."""
@@ -95,8 +97,11 @@ def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
     losses = [float(x) for x in s.get("losses") or []]
     first, last, down = loss_trend(losses) if losses else (None, None, False)
     ms, tokens = s.get("step_ms_all") or [], s.get("step_tokens_all") or []
+    profiled = s.get("step_profiled_all") or [False] * len(ms)
+    timed = [(m, t) for m, t, p in zip(ms, tokens, profiled) if not p]
     skip = int(s.get("warmup_steps_skipped") or 0)
-    per_1k = [m / t * 1e3 for m, t in zip(ms[skip:], tokens[skip:]) if t]
+    per_1k = [m / t * 1e3 for m, t in timed[skip:] if t]
+    prof = s.get("profile") or {}
     return {"name": name, "tokens_per_s": s.get("tokens_per_s"),
             "step_ms_all": ms, "step_tokens_all": tokens, "warmup_steps_skipped": skip,
             "ms_per_1k_tokens_median": statistics.median(per_1k) if per_1k else None,
@@ -104,7 +109,9 @@ def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
             "peak_memory_mb_max": s.get("peak_memory_mb_max"), "step_ms_median": s.get("step_ms_median"),
             "density_mean": s.get("density_mean"), "plan_ms_median": s.get("plan_ms_median"),
             "attention_backend": s.get("attention_backend"), "dense_kernel": s.get("dense_kernel"),
-            "mfu_matmul": matmul_mfu(s.get("tokens_per_s"), device), "losses": losses,
+            "mfu_matmul": matmul_mfu(s.get("tokens_per_s"), device),
+            "attention_kernel_share": prof.get("attention_share"), "attention_kernel_ms": prof.get("attention_ms"),
+            "kernel_ms": prof.get("kernel_ms"), "top_kernels": prof.get("top_kernels"), "losses": losses,
             "loss_first": first, "loss_last": last, "loss_down": down}
 
 
@@ -160,7 +167,9 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
         cmd = [sys.executable, "pretrain_gpt.py", *model_flags(a), "--data-path", corpus, "--seq-length", str(n),
                "--global-batch-size", "2", "--lr", "3e-4", "--train-iters",
                str(4 if a.dry_run else TRAIN_ITERS), "--log-interval", "1", "--no-progress-bar",
-               "--summary-json", summary]
+               "--summary-json", summary, "--profile", "--use-pytorch-profiler"]
+        last = 4 if a.dry_run else TRAIN_ITERS
+        cmd += ["--profile-step-start", str(last - 1), "--profile-step-end", str(last)]
         if not a.dry_run:
             # 24 layers at 64K tokens keep ~3 GB of activations per layer: whole-layer
             # recompute in both arms (the fp32 logits over 152K words stay the big block)

@@ -1,0 +1,116 @@
+"""Megatron-LM's ``--profile`` flags: profile a window of training steps.
+
+``--profile`` profiles the steps that start after iteration ``--profile-step-start`` and end
+by iteration ``--profile-step-end`` (Megatron-LM's defaults: 10 and 12, so iterations 11
+and 12) on the ranks of ``--profile-ranks``. Without ``--use-pytorch-profiler`` the window
+is bracketed by ``cudaProfilerStart/Stop`` for an outer ``nsys profile
+--capture-range=cudaProfilerApi``; with it, torch.profiler records the window, the trace
+goes to ``--tensorboard-dir`` (``profile_rank<R>_iter<A>-<B>.pt.trace.json``) when one is
+given, and the log and the run summary get the kernel time split into attention and the
+rest (:func:`kernel_split`). Profiled steps are left out of the summary's timing."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+ATTENTION_KERNELS = re.compile(
+    r"flash|fmha|sdpa|attention|attn|triton_tem|\b_?(fwd_kernel|bwd_dq_kernel|bwd_dkdv_kernel)\b",
+    re.IGNORECASE)
+"""Kernel (or, on CPU, operator) names counted as attention: FlashAttention-4 and PyTorch's
+flash/cuDNN/memory-efficient SDPA, flex attention's Triton templates and this project's
+Triton and CUDA sparse kernels. Routing (block scoring, top-k) counts as the rest."""
+
+
+def kernel_split(events) -> dict:
+    """Self time of the profiled kernels from ``prof.key_averages()``: the device's kernels
+    when any ran on an accelerator, else the CPU operators. Returns ``kernel_ms``,
+    ``attention_ms``, ``attention_share``, ``device`` and the five longest kernels."""
+    events = list(events)
+    on_device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")
+                 and e.self_device_time_total > 0]
+    if on_device:
+        rows, device = [(e.key, e.self_device_time_total) for e in on_device], "cuda"
+    else:
+        rows, device = [(e.key, e.self_cpu_time_total) for e in events if e.self_cpu_time_total > 0], "cpu"
+    total = sum(us for _, us in rows)
+    attn = sum(us for name, us in rows if ATTENTION_KERNELS.search(name))
+    top = sorted(rows, key=lambda r: -r[1])[:5]
+    return {"device": device, "kernel_ms": total / 1e3, "attention_ms": attn / 1e3,
+            "attention_share": attn / total if total > 0 else None,
+            "top_kernels": [{"name": name[:160], "ms": us / 1e3} for name, us in top]}
+
+
+class StepProfiler:
+    """Starts and stops profiling around the training loop's steps (module docstring)."""
+
+    def __init__(self, args, rank: int):
+        self.args = args
+        self.rank = rank
+        self.enabled = bool(getattr(args, "profile", False)) and rank in (args.profile_ranks or [0])
+        self.active = False
+        self.torch_prof = None
+        self.result: Optional[dict] = None
+
+    def before_step(self, iteration: int) -> bool:
+        """Called with the iterations done before a step; True when this step is profiled."""
+        a = self.args
+        if self.enabled and not self.active and a.profile_step_start <= iteration < a.profile_step_end:
+            self._start()
+        return self.active
+
+    def after_step(self, iteration: int, log=None) -> None:
+        """Called with the iterations done after a step; stops at ``--profile-step-end``."""
+        if self.active and iteration >= self.args.profile_step_end:
+            self.stop(iteration, log)
+
+    def _start(self) -> None:
+        import torch
+
+        if self.args.use_pytorch_profiler:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.torch_prof = torch.profiler.profile(
+                activities=acts,
+                record_shapes=bool(self.args.record_shapes or self.args.pytorch_profiler_collect_shapes),
+                with_stack=bool(self.args.pytorch_profiler_collect_callstack))
+            self.torch_prof.start()
+        elif torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+        self.first = None
+        self.active = True
+
+    def stop(self, iteration: int, log=None) -> None:
+        """Ends the window (also when training stops inside it) and reports it."""
+        import torch
+
+        if not self.active:
+            return
+        self.active = False
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        first = max(self.args.profile_step_start + 1, 1)
+        if self.torch_prof is None:
+            if torch.cuda.is_available():
+                torch.cuda.profiler.stop()
+            return
+        self.torch_prof.stop()
+        split = kernel_split(self.torch_prof.key_averages())
+        self.result = {"iterations": [first, iteration], **split}
+        if self.args.tensorboard_dir:
+            os.makedirs(self.args.tensorboard_dir, exist_ok=True)
+            path = os.path.join(self.args.tensorboard_dir,
+                                f"profile_rank{self.rank}_iter{first}-{iteration}.pt.trace.json")
+            tmp = path + ".tmp"
+            self.torch_prof.export_chrome_trace(tmp)
+            os.replace(tmp, path)
+            self.result["trace"] = path
+        self.torch_prof = None
+        if log is not None:
+            share = split["attention_share"]
+            log.info(f"profile of iterations {first}-{iteration} (rank {self.rank}): "
+                     f"{split['kernel_ms']:.1f} ms of {split['device']} kernels, attention "
+                     f"{split['attention_ms']:.1f} ms" + (f" ({share:.0%})" if share is not None else ""))
