@@ -189,7 +189,7 @@ class Bench:
             num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
             num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
             gated_linear_unit=args.swiglu, activation_func=_activation(args.swiglu),
-            normalization=args.normalization, use_cpu_initialization=self.device.type == "cpu",
+            normalization=args.normalization, use_cpu_initialization=True,  # then .to(device)
             params_dtype=self.dtype, bf16=args.bf16, hidden_dropout=0.0, attention_dropout=0.0,
             bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False)

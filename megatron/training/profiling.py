@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Optional
 
 ATTENTION_KERNELS = re.compile(
@@ -40,6 +41,23 @@ def kernel_split(events) -> dict:
     return {"device": device, "kernel_ms": total / 1e3, "attention_ms": attn / 1e3,
             "attention_share": attn / total if total > 0 else None,
             "top_kernels": [{"name": name[:160], "ms": us / 1e3} for name, us in top]}
+
+
+def device_busy_ms(events) -> Optional[float]:
+    """Milliseconds in which at least one kernel ran on the accelerator (the union of the
+    kernels' intervals from ``prof.events()``); None when none ran there. Against the
+    window's wall time it shows how long the device waited for the host."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    if not spans:
+        return None
+    busy, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    return (busy + hi - lo) / 1e3
 
 
 class StepProfiler:
@@ -80,7 +98,7 @@ class StepProfiler:
         elif torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
-        self.first = None
+        self.t0 = time.perf_counter()
         self.active = True
 
     def stop(self, iteration: int, log=None) -> None:
@@ -97,9 +115,11 @@ class StepProfiler:
             if torch.cuda.is_available():
                 torch.cuda.profiler.stop()
             return
+        wall_ms = (time.perf_counter() - self.t0) * 1e3
         self.torch_prof.stop()
         split = kernel_split(self.torch_prof.key_averages())
-        self.result = {"iterations": [first, iteration], **split}
+        self.result = {"iterations": [first, iteration], "wall_ms": wall_ms,
+                       "device_busy_ms": device_busy_ms(self.torch_prof.events()), **split}
         if self.args.tensorboard_dir:
             os.makedirs(self.args.tensorboard_dir, exist_ok=True)
             path = os.path.join(self.args.tensorboard_dir,
@@ -110,7 +130,8 @@ class StepProfiler:
             self.result["trace"] = path
         self.torch_prof = None
         if log is not None:
-            share = split["attention_share"]
-            log.info(f"profile of iterations {first}-{iteration} (rank {self.rank}): "
-                     f"{split['kernel_ms']:.1f} ms of {split['device']} kernels, attention "
+            share, busy = split["attention_share"], self.result["device_busy_ms"]
+            log.info(f"profile of iterations {first}-{iteration} (rank {self.rank}): {wall_ms:.1f} ms wall, "
+                     + (f"device busy {busy:.1f} ms, " if busy is not None else "")
+                     + f"{split['kernel_ms']:.1f} ms of {split['device']} kernels, attention "
                      f"{split['attention_ms']:.1f} ms" + (f" ({share:.0%})" if share is not None else ""))

@@ -482,6 +482,34 @@ def test_report_merges_parts_of_earlier_runs_on_the_same_device(tmp_path):
         "tests", "bench"]
 
 
+def test_report_keeps_earlier_bench_rows_and_test_modules_not_redone(tmp_path):
+    # a lease: the fa4 bench and tests in one invocation, flex's in the next
+    mods = lambda name, p, f: {name: {"passed": p, "failed": f, "skipped": 0}}
+    first = [gc.Part("tests", True, 9.0, "4 passed", {"by_module": mods("tests.ops.test_fa4_gpu", 4, 0),
+                                                      "failed_tests": []}),
+             gc.Part("bench", True, 100.0, "7 points", {"rows": [_row("fa4", 0.55, 0.14)], "failed": [],
+                                                       "best_efficiency_64k_b128": {"fa4": 0.55}})]
+    gc.write_report(str(tmp_path), first, "NVIDIA H200")
+    second = [gc.Part("tests", False, 9.0, "1 failed", {"by_module": mods("tests.ops.test_flex_gpu", 0, 1),
+                                                        "failed_tests": ["tests.ops.test_flex_gpu::test_a"]}),
+              gc.Part("bench", True, 100.0, "6 points", {"rows": [_row("flex", 0.30, 0.09)], "failed": [],
+                                                        "best_efficiency_64k_b128": {"flex": 0.30}})]
+    doc = gc.write_report(str(tmp_path), second, "NVIDIA H200")
+    bench = next(p for p in doc["parts"] if p["name"] == "bench")
+    assert [r["backend"] for r in bench["data"]["rows"]] == ["fa4", "flex"]
+    assert bench["data"]["best_efficiency_64k_b128"] == {"fa4": 0.55, "flex": 0.30}
+    tests = next(p for p in doc["parts"] if p["name"] == "tests")
+    assert set(tests["data"]["by_module"]) == {"tests.ops.test_fa4_gpu", "tests.ops.test_flex_gpu"}
+    assert tests["data"]["passed"] == 4 and tests["data"]["failed"] == 1 and tests["status"] == "fail"
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| best backend efficiency | 0.55 | >= 0.45 | met |" in md  # fa4's row is still there
+    # the same backend redone replaces its rows
+    third = [gc.Part("bench", True, 100.0, "1 point", {"rows": [_row("fa4", 0.60, 0.10)], "failed": [],
+                                                      "best_efficiency_64k_b128": {"fa4": 0.60}})]
+    bench = next(p for p in gc.write_report(str(tmp_path), third, "NVIDIA H200")["parts"] if p["name"] == "bench")
+    assert sorted((r["backend"], r["efficiency"]) for r in bench["data"]["rows"]) == [("fa4", 0.60), ("flex", 0.30)]
+
+
 def test_junit_summary(tmp_path):
     xml = tmp_path / "j.xml"
     xml.write_text('<testsuites><testsuite>'

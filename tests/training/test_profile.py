@@ -19,6 +19,7 @@ def test_pytorch_profiler_window(corpus, tmp_path):
     assert s["profiled_steps"] == 1
     p = s["profile"]
     assert p["iterations"] == [3, 3] and p["device"] == "cpu"
+    assert p["wall_ms"] > 0 and p["device_busy_ms"] is None  # no accelerator
     # the tiny model's dense attention is CPU SDPA: a part of the kernel time, not all of it
     assert 0 < p["attention_ms"] < p["kernel_ms"] and 0 < p["attention_share"] < 1
     assert os.path.basename(p["trace"]) == "profile_rank0_iter3-3.pt.trace.json"
@@ -33,3 +34,15 @@ def test_profile_window_must_be_ordered(corpus):
     assert proc.returncode != 0
     assert "--profile-step-end 3 must be after --profile-step-start 3" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_device_busy_time_is_the_union_of_kernel_intervals():
+    from types import SimpleNamespace as NS
+
+    from megatron.training.profiling import device_busy_ms
+
+    k = lambda a, b, dev="DeviceType.CUDA": NS(device_type=dev, time_range=NS(start=a, end=b))
+    # overlapping kernels on two streams count once; a gap does not count; CPU ops are not kernels
+    events = [k(0, 1000), k(500, 1500), k(3000, 3500), k(0, 9000, "DeviceType.CPU")]
+    assert device_busy_ms(events) == 2.0
+    assert device_busy_ms([k(0, 9000, "DeviceType.CPU")]) is None

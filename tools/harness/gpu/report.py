@@ -84,13 +84,54 @@ def evaluate_targets(parts: List[dict]) -> List[dict]:
     return out
 
 
+def _row_key(row: dict) -> tuple:
+    return (row.get("backend"), row.get("seq_len"), row.get("block"), row.get("density"), row.get("shape"))
+
+
+def _merge_part(old: dict, new: dict) -> dict:
+    """``new``, plus what ``old`` (the same part of an earlier run) measured that ``new``
+    did not redo: the bench's rows of other backends and points, the tests' other modules
+    (a lease runs the fa4 bench and the flex bench, or the test modules, in separate
+    invocations). Any other part: ``new``."""
+    od, nd = old.get("data") or {}, new.get("data") or {}
+    if new["name"] == "bench" and od.get("rows"):
+        redone = {r.get("backend") for r in nd.get("rows", [])} | {
+            f.split(" ", 1)[0] for f in nd.get("failed", [])}
+        kept = [r for r in od["rows"] if r.get("backend") not in redone]
+        if not kept:
+            return new
+        data = dict(nd, rows=kept + list(nd.get("rows", [])),
+                    failed=[f for f in od.get("failed", []) if f.split(" ", 1)[0] not in redone]
+                    + list(nd.get("failed", [])),
+                    best_efficiency_64k_b128={**{k: v for k, v in od.get("best_efficiency_64k_b128", {}).items()
+                                                 if k not in redone},
+                                              **nd.get("best_efficiency_64k_b128", {})})
+    elif new["name"] == "tests" and od.get("by_module"):
+        kept = {m: v for m, v in od["by_module"].items() if m not in nd.get("by_module", {})}
+        if not kept:
+            return new
+        failed = [t for t in od.get("failed_tests", []) if t.split("::")[0] in kept]
+        data = dict(nd, by_module={**kept, **nd.get("by_module", {})},
+                    failed_tests=failed + list(nd.get("failed_tests", [])),
+                    modules=sorted(set(od.get("modules", [])) | set(nd.get("modules", []))))
+        counts = {k: sum(v.get(k, 0) for v in data["by_module"].values()) for k in ("passed", "failed", "skipped")}
+        data.update(counts)
+    else:
+        return new
+    passed = bool(new.get("passed")) and bool(old.get("passed"))
+    return dict(new, data=data, passed=passed, status="pass" if passed else "fail",
+                detail=f"{new.get('detail', '')} (with an earlier run's: {old.get('detail', '')})")
+
+
 def merge_parts(old: Optional[dict], device: str, parts: List[dict]) -> List[dict]:
     """This run's parts, plus the parts of ``old`` (an earlier report on the same device)
-    that this run did not redo, in the chain's order."""
+    that this run did not redo, in the chain's order; a redone bench or tests part keeps
+    the earlier rows / modules it did not redo (:func:`_merge_part`)."""
     keep = {}
     if old and old.get("device") == device:
         keep = {p["name"]: p for p in old.get("parts", []) if isinstance(p, dict) and "name" in p}
-    keep.update({p["name"]: p for p in parts})
+    for p in parts:
+        keep[p["name"]] = _merge_part(keep[p["name"]], p) if p["name"] in keep else p
     return [keep[n] for n in PARTS if n in keep]
 
 
@@ -158,8 +199,10 @@ def _attention_share(run: dict) -> str:
     """The profiled step's attention kernel time and its share of all kernel time."""
     if run.get("attention_kernel_share") is None:
         return "-"
+    busy = (f"; GPU busy {run['device_busy_ms']:.0f} of {run['profile_wall_ms']:.0f} ms wall"
+            if run.get("device_busy_ms") is not None and run.get("profile_wall_ms") else "")
     return (f"{run['attention_kernel_ms']:.0f} of {run['kernel_ms']:.0f} ms "
-            f"({run['attention_kernel_share']:.0%})")
+            f"({run['attention_kernel_share']:.0%}){busy}")
 
 
 def read_report(out_dir: str, device: Optional[str] = None) -> Optional[dict]:

@@ -111,7 +111,8 @@ def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
             "attention_backend": s.get("attention_backend"), "dense_kernel": s.get("dense_kernel"),
             "mfu_matmul": matmul_mfu(s.get("tokens_per_s"), device),
             "attention_kernel_share": prof.get("attention_share"), "attention_kernel_ms": prof.get("attention_ms"),
-            "kernel_ms": prof.get("kernel_ms"), "top_kernels": prof.get("top_kernels"), "losses": losses,
+            "kernel_ms": prof.get("kernel_ms"), "top_kernels": prof.get("top_kernels"),
+            "profile_wall_ms": prof.get("wall_ms"), "device_busy_ms": prof.get("device_busy_ms"), "losses": losses,
             "loss_first": first, "loss_last": last, "loss_down": down}
 
 
@@ -209,7 +210,11 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
            "--sb-topk", str(TRAIN_TOPK), "--validate", "--json", "--quick"]
     cmd = [c for c in cmd if c != "--cpu"]  # the profiler picks its device itself
     if not a.dry_run:
-        cmd += ["--sb-attention-backend", best_backend, "--clock", "wall"]
+        # 5 repeats (quick's 7 did not finish with the held-out check in 96 s on an H200)
+        cmd += ["--sb-attention-backend", best_backend, "--clock", "wall", "--repeats", "5"]
+    files = sim_lengths(a)[1:]
+    if files:  # the GPU machine has no ../shared: gpu-prep's copies
+        cmd += ["--length-files", *files]
     proc = run(cmd, left * 0.8)  # the rest for compare.py
     res = last_json(proc.stdout)
     if proc.returncode != 0 or res is None or not os.path.isfile(prof):
