@@ -80,7 +80,7 @@ def _check_inputs(args) -> None:
             write_mock_data(args, vocab)
         documents = len(open_data(args))
         if args.sb_has_predictor:  # missing / stale profile: refuse before any process group
-            from megatron.training.balance import build_predictor
+            from megatron.training.sb_config import build_predictor
 
             try:
                 build_predictor(args, vocab)

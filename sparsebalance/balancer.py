@@ -4,11 +4,14 @@ Per step, every rank runs the same deterministic code on the same inputs (no
 communication beyond the per-step gather the driver does anyway):
 
 1. the driver hands :meth:`Balancer.forecast` the step's document lengths
-   ``[dp][microbatch]`` (segment token counts of every replica's micro-batches);
+   ``[dp][microbatch][segment]`` (segment token counts of every replica's
+   micro-batches), and those of the next step when it plans ahead;
 2. under DST: :func:`sparsebalance.tuning.from_predictor.build_instance` and the
    configured policy (:data:`sparsebalance.tuning.policies.DST_POLICIES`) ->
-   ``budget[dp][microbatch][virtual stage]``, which the driver attaches to its data
-   iterators (:mod:`sparsebalance.tuning.hook`); without DST, the op times at the
+   ``budget[dp][microbatch][virtual stage]`` (the policy's table, passed on as is:
+   the one form of the budget), which the driver hands to its data iterators; each
+   puts a micro-batch's entry on it (:mod:`sparsebalance.tuning.hook`), and it rides
+   on the micro-batch's packed params to the kernel; without DST, the op times at the
    static budget and the pipeline model's step time;
 3. after the step, the gathered measured per-(micro-batch, stage) forward/backward
    times are folded into the predictor's per-(stage, phase) correction (one
@@ -207,10 +210,18 @@ class Balancer:
                             model=(np.asarray(fwd) / corr[0], np.asarray(bwd) / corr[1]),
                             wait_ms=ms)
 
-    def forecast(self, step: Hashable, lengths: Lengths) -> StepForecast:
+    def forecast(self, step: Hashable, lengths: Lengths,
+                 then: Optional[Tuple[Hashable, Lengths]] = None) -> StepForecast:
         """The plan of ``step`` (any object naming the step, compared by identity) of
         document ``lengths``: the one planned ahead for it (waiting for it if it is not
-        done), else planned now."""
+        done), else planned now. ``then``: the next ``(step, lengths)``, whose plan
+        :meth:`plan_ahead` starts once this one is in hand (None: no next step)."""
+        out = self._forecast(step, lengths)
+        if then is not None:
+            self.plan_ahead(*then)
+        return out
+
+    def _forecast(self, step: Hashable, lengths: Lengths) -> StepForecast:
         pending, self._pending = self._pending, None
         if pending is None or pending[0] is not step:
             self._join(pending)

@@ -28,7 +28,7 @@ global layer keys, so a checkpoint loads under another PP / VPP / DP layout),
 megatron's optimizer state (``optimizer.sharded_state_dict``), the LR scheduler,
 the iteration, the sampler state (resume continues the same data order) and, with a
 SparseBalance predictor, its online recalibration state (``sparsebalance``: DST
-budgets continue as in an uninterrupted run; see ``megatron/training/balance.py``).
+budgets continue as in an uninterrupted run; see ``sparsebalance/balancer.py``).
 No RNG state: training draws no random numbers (no dropout; the sampler is
 seeded by (seed, epoch)).
 
@@ -455,7 +455,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
                     balancer=None, save_optim: bool = True, settings: Optional[dict] = None) -> str:
     """Write iteration ``iteration`` under ``root`` (all ranks call this); returns its path.
 
-    ``balancer``: the run's :class:`megatron.training.balance.Balancer` (None: no
+    ``balancer``: the run's :class:`sparsebalance.balancer.Balancer` (None: no
     predictor); its online state goes into the common state as ``sparsebalance``.
     ``save_optim`` False (``--no-save-optim``): no optimizer state and no LR schedule.
     ``settings``: the run's sparse-attention / SparseBalance settings

@@ -22,8 +22,10 @@ costing at most that segment's attention), loss mask 0, never seen by real token
                   (and, with loss starts, 0 where the label lies before the document's start)
     position_ids  int64  0.. restarting at every segment (RoPE positions per document)
     cu_seqlens    int32  [n_segments + 1] segment boundaries: attention stays inside one
-    budget        (optional) per-stage top-k for DST; the forward step puts it on the
-                  micro-batch's ``BudgetedPackedSeqParams`` (the one budget carrier)
+    budget        (optional, int) DST's top-k of the micro-batch on this chunk's stage,
+                  put there by :meth:`StepBatches.iterators`; the forward step moves
+                  it to the micro-batch's ``BudgetedPackedSeqParams``
+    microbatch    (optional, int) the micro-batch's index in the step, with ``budget``
 
 With context parallelism (``--context-parallel-size N``) each rank gets its share
 of every micro-batch from :func:`context_parallel_split`: every segment is padded at
@@ -168,19 +170,29 @@ class StepBatches:
     packing: Optional[object] = None
     """The sampler's ``StepPacking`` of the whole step (every DP rank's segments)."""
     budget: Optional[np.ndarray] = None
-    """DST budget table ``[dp][microbatch][virtual stage]`` top-k, or None (module default)."""
+    """DST budget table ``[dp][microbatch][virtual stage]`` top-k: the plan's own table
+    (``sparsebalance.balancer.StepForecast.budget``), set by the training loop; None:
+    every layer's static ``--sb-topk``."""
     dp_rank: int = 0
     """This rank's data-parallel index (row of ``budget``)."""
     pp_rank: int = 0
     """This rank's pipeline index."""
     pp: int = 1
     """Pipeline ranks."""
+    pad_to: Optional[int] = None
+    """Micro-batch padding (:class:`PackedDataLoader`'s ``pad_to``)."""
+
+    @property
+    def lengths(self) -> List[List[List[int]]]:
+        """Attention segment lengths ``[dp][microbatch][segment]`` of the whole step as
+        trained (padding segment included): what the balancer plans and predicts."""
+        return [[microbatch_lengths(mb, self.pad_to) for mb in rank] for rank in self.packing.ranks]
 
     def iterators(self, num_chunks: int) -> List[Iterator]:
         """One iterator per model chunk: every virtual stage walks the same micro-batches.
 
-        With a DST ``budget``, each iterator attaches the budget of (micro-batch, this
-        chunk's virtual stage) on every pull (``sparsebalance.tuning.hook``)."""
+        With a DST ``budget``, each pull puts the top-k of (micro-batch, this chunk's
+        virtual stage) on the micro-batch dict (``sparsebalance.tuning.hook``)."""
         iters = [iter(self.microbatches) for _ in range(num_chunks)]
         if self.budget is None:
             return iters
@@ -276,6 +288,7 @@ class PackedDataLoader:
             dp_rank=self.dp_rank,
             pp_rank=self.pp_rank,
             pp=self.pp,
+            pad_to=self.pad_to,
         )
 
     def state_dict(self) -> dict:

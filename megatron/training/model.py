@@ -31,21 +31,30 @@ from typing import Dict, List
 import torch
 
 
-def layer_spec(args):
-    """Layer spec for GPTModel: dense varlen attention, or the sparse one with --sparse-attention."""
-    if args.sparse_attention:
+def layer_spec(args, attention=None):
+    """Layer spec for GPTModel: dense varlen attention, or the sparse one with --sparse-attention.
+
+    Args:
+        attention: the run's :class:`~sparsebalance.config.AttentionConfig` (None: built
+            from ``args``, for tools that build a model without a training run).
+    """
+    if attention is None:
+        from megatron.training.sb_config import attention_config
+
+        attention = attention_config(args)
+    if attention.sparse:
         # Imported lazily: the sparse module is optional until --sparse-attention is used.
         from sparsebalance.attention.sparse import get_gpt_layer_sparse_spec
 
         return get_gpt_layer_sparse_spec(
-            block_size=args.sb_block_size,
-            topk=args.sb_topk,
-            backend=args.sb_attention_backend,
-            dense_layers=tuple(args.sb_dense_layers),
+            block_size=attention.block_size,
+            topk=attention.topk,
+            backend=attention.backend,
+            dense_layers=attention.dense_layers,
             normalization=args.normalization,
             # threshold routing: the budget (--sb-topk, or DST's per micro-batch) is the cap
-            threshold=args.sb_threshold if getattr(args, "sb_routing", "topk") == "threshold" else None,
-            topk_min=args.sb_topk_min or 0,
+            threshold=attention.threshold,
+            topk_min=attention.topk_min,
         )
     if getattr(args, "transformer_impl", "local") == "transformer_engine":  # checked: CUDA + TE present
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -154,8 +163,9 @@ def install_cpu_recompute_rng() -> bool:
     return True
 
 
-def build_gpt_chunks(args, config, vocab_size: int) -> List[torch.nn.Module]:
-    """``GPTModel`` chunks of this pipeline rank (one per virtual stage), unwrapped."""
+def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torch.nn.Module]:
+    """``GPTModel`` chunks of this pipeline rank (one per virtual stage), unwrapped
+    (``attention``: as :func:`layer_spec`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -163,7 +173,7 @@ def build_gpt_chunks(args, config, vocab_size: int) -> List[torch.nn.Module]:
 
     if config.recompute_granularity is not None and use_cpu(args):
         install_cpu_recompute_rng()
-    spec = layer_spec(args)
+    spec = layer_spec(args, attention)
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -192,11 +202,12 @@ def build_gpt_chunks(args, config, vocab_size: int) -> List[torch.nn.Module]:
     return chunks
 
 
-def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
-    """``GPTModel`` chunks of this pipeline rank (one per virtual stage), DDP-wrapped."""
+def build_model(args, config, vocab_size: int, attention=None) -> List[torch.nn.Module]:
+    """``GPTModel`` chunks of this pipeline rank (one per virtual stage), DDP-wrapped
+    (``attention``: as :func:`layer_spec`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    chunks = build_gpt_chunks(args, config, vocab_size)
+    chunks = build_gpt_chunks(args, config, vocab_size, attention)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),

@@ -106,8 +106,10 @@ def peak_memory_text(peaks: List[float]) -> str:
 class RunLogger:
     """Rank-0 console (tqdm bar + log lines), tensorboard and the final summary."""
 
-    def __init__(self, args, rank: int, start: int) -> None:
-        self.args, self.rank, self.start = args, rank, start
+    def __init__(self, args, rank: int, sb, start: int) -> None:
+        """``sb``: the run's :class:`~sparsebalance.config.SparseBalanceConfig` (its
+        ``--sb-*`` settings are read there, not from ``args``)."""
+        self.args, self.rank, self.sb, self.start = args, rank, sb, start
         self.steps: List[StepLog] = []
         self.profile: Optional[dict] = None
         """``--profile --use-pytorch-profiler``'s kernel split (megatron/training/profiling.py)."""
@@ -144,7 +146,7 @@ class RunLogger:
             fwd = " ".join(f"{t * 1e3:.0f}" for t in s.stage_fwd_s)
             bwd = " ".join(f"{t * 1e3:.0f}" for t in s.stage_bwd_s)
             extra = ""
-            if self.args.sparse_attention:
+            if self.sb.attention.sparse:
                 extra += f" | density {s.density:.3f}"
             if s.predicted_step_ms is not None:
                 extra += (f" | predicted {s.predicted_step_ms:.1f} ms | plan {s.plan_ms:.1f} ms"
@@ -213,18 +215,28 @@ class RunLogger:
                 atomic_write_text(self.args.summary_json, strict_json(out))
         return out
 
+    def attention_backend(self) -> dict:
+        """The kernel backend the run's attention resolves to and why (``{"backend",
+        "reason", ...}``, :func:`sparsebalance.balancer.attention_backend_choice`): the
+        training log line and the summary's ``attention_backend`` /
+        ``attention_backend_reason``."""
+        from sparsebalance.balancer import attention_backend_choice
+
+        a = self.args
+        head_dim = a.kv_channels or a.hidden_size // a.num_attention_heads
+        return attention_backend_choice(self.sb.attention, self.sb.parallel, head_dim, self.sb.model.bf16)
+
     def _balance_metrics(self) -> dict:
         """The evaluation tool's metrics (see pretrain_gpt.py --summary-json). Timing
         metrics skip the warm-up steps (:func:`warmup_steps`); density and losses use
         every step of this run."""
-        from megatron.training.balance import attention_backend_choice
         from megatron.training.initialize import use_cpu
         from megatron.training.step import peak_memory_source
 
         steps = self.steps
         timed = [s for s in steps if not s.profiled]
         counted = timed[warmup_steps(len(timed)):]
-        backend = attention_backend_choice(self.args)
+        backend = self.attention_backend()
         med = lambda xs: float(np.median(xs)) if len(xs) else None
         t_s = sum(s.step_s for s in counted)
         kept, causal = sum(s.kept_pairs for s in steps), sum(s.causal_pairs for s in steps)
@@ -266,5 +278,5 @@ class RunLogger:
             "peak_memory_mb": peaks.tolist(),
             "peak_memory_mb_max": float(peaks.max()) if len(peaks) else None,
             "peak_memory_source": peak_memory_source(use_cpu(self.args)),
-            "args": {k: getattr(self.args, k, None) for k in keys},
+            "args": {k: getattr(self.args, k, None) for k in keys},  # the flags as given
         }

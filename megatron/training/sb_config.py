@@ -1,7 +1,10 @@
 """The driver's one mapping from parsed flags to :class:`sparsebalance.config.SparseBalanceConfig`.
 
 Called once per run (after ``arguments.parse_args`` resolved the ``--sparse-balance``
-defaults); the library only ever sees the typed config.
+defaults); the library only ever sees the typed config, and after it is built the
+driver reads the ``--sb-*`` settings from it, not from the flags (the exceptions: the
+summary's echo of the flags as given, ``--sb-timeline``'s output directory, and the
+checkpoint's settings fingerprint, which compare flags, not settings).
 """
 
 from __future__ import annotations
@@ -49,6 +52,18 @@ def predictor_config(args) -> PredictorConfig:
     """``--sb-profile``, ``--sb-cost-model``, ``--sb-allow-stale-profile``."""
     return PredictorConfig(profile=args.sb_profile, cost_model=args.sb_cost_model,
                            allow_stale_profile=bool(args.sb_allow_stale_profile))
+
+
+def build_predictor(args, vocab_size: int, warn=None):
+    """The latency predictor of ``--sb-profile`` / ``--sb-cost-model`` (None if neither),
+    for ``pretrain_gpt.py``'s checks before any process group; raises as
+    :func:`sparsebalance.balancer.build_predictor`. Builds only the parts of the config
+    the predictor depends on (model shape, attention, predictor, parallel layout)."""
+    from sparsebalance.balancer import build_predictor as build
+
+    config = SparseBalanceConfig(model=model_config(args, vocab_size), attention=attention_config(args),
+                                 predictor=predictor_config(args), parallel=parallel_config(args))
+    return build(config, warn=warn)
 
 
 def sparsebalance_config(args, vocab_size: int) -> SparseBalanceConfig:

@@ -76,8 +76,8 @@ def forward_step(data_iterator, model):
     from sparsebalance.attention.packed import BudgetedPackedSeqParams
 
     batch = next(data_iterator)
-    # DST seam: a micro-batch may carry its attention budget for this stage (attached
-    # by sparsebalance.tuning.hook); no budget means the module default (--sb-topk).
+    # DST: a micro-batch may carry its top-k on this stage (an int the data iterator put
+    # there, sparsebalance.tuning.hook); no budget means the module default (--sb-topk).
     budget, microbatch = batch.get("budget"), batch.get("microbatch")
     device = _device_of(model)
     get = lambda k: batch[k].to(device, non_blocking=True)

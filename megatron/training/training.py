@@ -8,9 +8,11 @@ Only rank 0 prints (:class:`~megatron.training.run_log.RunLogger`).
 
 With a predictor (``--sb-profile`` / ``--sb-cost-model``) each step is also planned
 and predicted by :class:`sparsebalance.balancer.Balancer` (DST budgets with
-``--sb-dst``), behind the driver's adapter
-:class:`~megatron.training.balance.BatchBalancer`. ``--summary-json`` gets the
-metrics of :meth:`RunLogger._balance_metrics`.
+``--sb-dst``; :func:`forecast_step` puts the plan's table on the step's batches, whose
+data iterators hand each micro-batch its entry). ``--summary-json`` gets the metrics
+of :meth:`RunLogger._balance_metrics`. After :func:`setup` builds the run's
+:class:`~sparsebalance.config.SparseBalanceConfig` (``TrainState.sb``), the ``--sb-*``
+settings are read from it.
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ class TrainState:
     """The run trains on CPU."""
     config: Any
     """megatron-core ``TransformerConfig``."""
+    sb: Any
+    """The run's :class:`~sparsebalance.config.SparseBalanceConfig` (the library's view of
+    the flags; the driver reads the ``--sb-*`` settings from it too)."""
     balancer: Any = None
-    """:class:`~megatron.training.balance.BatchBalancer` (None: no predictor)."""
+    """:class:`~sparsebalance.balancer.Balancer` (None: no predictor)."""
     watchdog: Any = None
     """:class:`~megatron.training.watchdog.Watchdog` of ``--step-timeout-minutes`` (None: off)."""
     iteration: int = 0
@@ -112,7 +117,6 @@ def setup(args) -> TrainState:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron.training.balance import BatchBalancer
     from megatron.training.data import PackedDataLoader, split_documents
     from megatron.training.data_sources import open_data
     from megatron.training.indexed_io import open_loss_starts
@@ -121,7 +125,7 @@ def setup(args) -> TrainState:
     from megatron.training.sb_config import sparsebalance_config
     from megatron.training.step import StageTimers
     from megatron.training.tokenizer import args_vocab_size, padded_vocab_size
-    from sparsebalance.balancer import build_predictor
+    from sparsebalance.balancer import Balancer, build_predictor
 
     initialize(args)
     cpu = use_cpu(args)
@@ -140,7 +144,7 @@ def setup(args) -> TrainState:
     predictor = balancer = sampler_predictor = None
     if sb.predictor.enabled:
         predictor = build_predictor(sb, warn=_rank0_warn())
-        balancer = BatchBalancer(sb, predictor, pad_to)
+        balancer = Balancer(sb, predictor)
         if sb.packing.uses_predictor:
             # Its own instance: the packer's costs never see the online correction, so
             # the data order stays a function of (seed, step) (see sparsebalance/balancer.py).
@@ -160,10 +164,10 @@ def setup(args) -> TrainState:
     timers = StageTimers()
     config.timers = timers
     config.finalize_model_grads_func = finalize_model_grads
-    model = build_model(args, config, vocab)
+    model = build_model(args, config, vocab, sb.attention)
     optimizer, scheduler = build_optimizer(args, model)
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, valid=valid,
-                      timers=timers, cpu=cpu, config=config, balancer=balancer)
+                      timers=timers, cpu=cpu, config=config, sb=sb, balancer=balancer)
 
 
 def pretrain(args, on_step: Optional[Callable] = None) -> dict:
@@ -188,11 +192,9 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
                                                    state.loader, warn=warn, balancer=state.balancer,
                                                    load_optim=not args.no_load_optim,
                                                    settings=run_settings(args))
-    log = RunLogger(args, rank, start=state.iteration)
-    if args.sparse_attention:
-        from megatron.training.balance import attention_backend_choice
-
-        choice = attention_backend_choice(args)
+    log = RunLogger(args, rank, state.sb, start=state.iteration)
+    if state.sb.attention.sparse:
+        choice = log.attention_backend()
         log.info(f"sparse attention backend: {choice['backend']} ({choice['reason']})")
     hooks = RunHooks(log=log, warn=warn, flag=SignalFlag(args.exit_signal_handler),
                      timeline=_Timeline(args, rank) if args.sb_timeline else None, on_step=on_step)
@@ -226,9 +228,11 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         profiled = profiler.before_step(state.iteration)
         t0 = time.perf_counter()
         batches = loader.next_step()
-        forecast = balancer.forecast(batches) if balancer is not None else None
-        if balancer is not None and balancer.ahead and state.iteration + 1 < args.train_iters:
-            balancer.plan_ahead(loader.peek())
+        if balancer is not None:
+            ahead = balancer.ahead and state.iteration + 1 < args.train_iters
+            forecast = forecast_step(balancer, batches, loader.peek() if ahead else None)
+        else:
+            forecast = None
         lr = float(state.optimizer.param_groups[0]["lr"])  # the rate this step applies
         result = train_step(args, state.model, state.optimizer, state.scheduler, batches, state.timers)
         result.budget = batches.budget
@@ -238,7 +242,7 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         meas_fwd, meas_bwd = gathered.measured_ops()
         if balancer is not None:  # same table on every rank -> same correction everywhere
             balancer.observe(forecast, meas_fwd, meas_bwd)
-        entry = _step_log(args, state.iteration, lr, step_s, batches, result, forecast, gathered,
+        entry = _step_log(args, state.sb.attention, state.iteration, lr, step_s, batches, result, forecast, gathered,
                           (meas_fwd + meas_bwd).sum(axis=2))
         entry.profiled = profiled
         hooks.log.step(entry)
@@ -293,9 +297,10 @@ def _gather_step(args, result, step_s: float, pp_rank: int, dp_rank: int) -> Gat
                         vpp=vpp, microbatches=M)
 
 
-def _step_log(args, iteration: int, lr: float, step_s: float, batches, result, forecast,
+def _step_log(args, attention, iteration: int, lr: float, step_s: float, batches, result, forecast,
               gathered: GatheredStep, mb_ms: np.ndarray) -> StepLog:
-    """Rank 0's record of one step (``mb_ms``: measured ms per ``[dp, microbatch]``)."""
+    """Rank 0's record of one step (``attention``: the run's ``AttentionConfig``; ``mb_ms``:
+    measured ms per ``[dp, microbatch]``)."""
     return StepLog(
         iteration=iteration,
         loss=gathered.loss(),
@@ -313,7 +318,7 @@ def _step_log(args, iteration: int, lr: float, step_s: float, batches, result, f
         bubble=gathered.bubbles(),
         kept_pairs=float(gathered.column("kept_pairs").sum()),
         causal_pairs=float(gathered.column("causal_pairs").sum()),
-        static_density=_static_density(args, batches),
+        static_density=_static_density(attention, batches),
         peak_memory_mb=gathered.column("peak_mb").tolist(),
     )
 
@@ -390,14 +395,23 @@ class _Timeline:
                     title=f"iteration {it}: predicted vs measured op times (megatron op order)")
 
 
-def _static_density(args, batches) -> Optional[float]:
+def _static_density(attention, batches) -> Optional[float]:
     """Density of the step's whole global batch at the static top-k (the baseline that
     DST's retained attention is compared with, on the same documents)."""
-    if not args.sparse_attention or batches.packing is None:
+    if not attention.sparse or batches.packing is None:
         return None
-    from megatron.training.data import microbatch_lengths
     from sparsebalance.attention.routing import density
 
-    pad_to = args.micro_batch_tokens if args.virtual_pipeline_model_parallel_size is not None else None
-    return density([n for rank in batches.packing.ranks for mb in rank
-                    for n in microbatch_lengths(mb, pad_to)], args.sb_topk, args.sb_block_size)
+    return density([n for rank in batches.lengths for mb in rank for n in mb], attention.topk,
+                   attention.block_size)
+
+
+def forecast_step(balancer, batches, nxt=None):
+    """The :class:`~sparsebalance.balancer.StepForecast` of ``batches`` (planned ahead or
+    now), starting the background plan of the next step's batches ``nxt`` (None: none);
+    under DST the budget table goes on the batches, whose data iterators put each entry
+    on its micro-batch (:meth:`~megatron.training.data.StepBatches.iterators`)."""
+    then = None if nxt is None else (nxt, nxt.lengths)
+    forecast = balancer.forecast(batches, batches.lengths, then=then)
+    batches.budget = forecast.budget
+    return forecast

@@ -4,32 +4,29 @@ budget carrier from the DST plan to the attention modules.
 megatron-core hands the ``packed_seq_params`` of a micro-batch, untouched, from the
 model's forward to every layer's ``core_attention``; the driver's forward step builds
 one :class:`BudgetedPackedSeqParams` per micro-batch with the budget the data
-iterator attached (:mod:`sparsebalance.tuning.hook`). Nothing else holds the
-budget, so it is right under pipeline parallelism (the backward of micro-batch
-``m`` runs after later micro-batches' forwards) and under activation recomputation
-(megatron re-runs the attention forward in backward with the same params object:
-the checkpointed function's closure holds it, so the recomputed call routes as the
-original did).
+iterator attached (:mod:`sparsebalance.tuning.hook`, which also checked it). Nothing
+else holds the budget, so it is right under pipeline parallelism (the backward of
+micro-batch ``m`` runs after later micro-batches' forwards) and under activation
+recomputation (megatron re-runs the attention forward in backward with the same
+params object: the checkpointed function's closure holds it, so the recomputed call
+routes as the original did).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 from megatron.core.packed_seq_params import PackedSeqParams
-
-Budget = Union[int, Mapping[int, int]]
-"""Top-k key blocks: one int for every layer, or ``{layer_number: topk}``."""
 
 
 @dataclass
 class BudgetedPackedSeqParams(PackedSeqParams):
     """megatron-core ``PackedSeqParams`` plus the micro-batch's attention budget."""
 
-    budget: Optional[Budget] = None
-    """Top-k key blocks for this micro-batch on this stage (an int, or ``{layer_number:
-    topk}``); None: each module's static default."""
+    budget: Optional[int] = None
+    """Top-k key blocks of every sparse layer for this micro-batch on this stage (the
+    DST plan's entry); None: each module's static default."""
     microbatch: Optional[int] = None
     """Micro-batch id (within the step) the budget belongs to; used in attention records."""
     cu_seqlens_host: Optional[object] = None
@@ -41,23 +38,14 @@ class BudgetedPackedSeqParams(PackedSeqParams):
     :class:`~sparsebalance.attention.context_parallel.CPLayout` of the micro-batch
     (None without CP)."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.budget, int) and self.budget < 0:
-            raise ValueError(f"budget must be >= 0, got {self.budget}")
 
+def budget_of(packed_seq_params, default: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
+    """(top-k, micro-batch id) that ``packed_seq_params`` carries.
 
-def budget_of(packed_seq_params, default: Optional[int],
-              layer_number: int) -> Tuple[Optional[int], Optional[int]]:
-    """(top-k, micro-batch id) that ``packed_seq_params`` carries for ``layer_number``.
-
-    Plain ``PackedSeqParams`` (or None, or no budget, or a mapping without this
-    layer) give ``default`` and no micro-batch id.
+    Plain ``PackedSeqParams`` (or None, or no budget) give ``default``; the micro-batch
+    id is None unless the params are :class:`BudgetedPackedSeqParams`.
     """
     if not isinstance(packed_seq_params, BudgetedPackedSeqParams):
         return default, None
-    b, mb = packed_seq_params.budget, packed_seq_params.microbatch
-    if b is None:
-        return default, mb
-    if isinstance(b, Mapping):
-        return (int(b[layer_number]) if layer_number in b else default), mb
-    return int(b), mb
+    b = packed_seq_params.budget
+    return (default if b is None else b), packed_seq_params.microbatch

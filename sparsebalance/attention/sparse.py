@@ -87,7 +87,7 @@ class SparseAttention(CausalVarlenAttention):
     def budget_of(self, packed_seq_params) -> tuple:
         """(top-k or None for dense, micro-batch id) of this layer for the micro-batch
         whose ``packed_seq_params`` megatron handed down."""
-        topk, microbatch = budget_of(packed_seq_params, self.topk, self.layer_number)
+        topk, microbatch = budget_of(packed_seq_params, self.topk)
         return (None if self.layer_number in self.dense_layers else topk), microbatch
 
     def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None) -> torch.Tensor:

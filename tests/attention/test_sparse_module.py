@@ -60,11 +60,11 @@ def test_transformer_layer_thd_forward_backward_budget_and_records(mp):
     assert rec.kept_pairs == int(kept_pairs(lens, 1, 16).sum()) * H
     assert rec.density < 1.0
 
-    # A budget the packed params carry (per layer) overrides the static topk and
-    # changes the output.
+    # A budget the packed params carry (the micro-batch's) overrides the static topk
+    # and changes the output.
     from sparsebalance.attention.packed import BudgetedPackedSeqParams
 
-    bpsp = BudgetedPackedSeqParams(**vars(psp), budget={1: 3}, microbatch=5)
+    bpsp = BudgetedPackedSeqParams(**vars(psp), budget=3, microbatch=5)
     out3, _ = layer(x, attention_mask=None, packed_seq_params=bpsp)
     (rec3,) = runtime.pop_records()
     assert rec3.topk == 3 and rec3.microbatch == 5

@@ -174,9 +174,9 @@ def test_packing_and_budgets_under_cp():
 
 
 def test_driver_builds_the_cp_predictor():
-    """pretrain_gpt.py's --context-parallel-size reaches the predictor (balance.py)."""
+    """pretrain_gpt.py's --context-parallel-size reaches the predictor (sb_config.py)."""
     from megatron.training.arguments import build_parser
-    from megatron.training.balance import build_predictor
+    from megatron.training.sb_config import build_predictor
 
     args = build_parser().parse_args(["--sb-cost-model", "h100-analytic", "--sparse-attention"])
     args.context_parallel_size = 2

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from conftest import balancer_config
 
-from megatron.training.balance import BatchBalancer
 from megatron.training.data import PackedDataLoader
+from megatron.training.training import forecast_step
+from sparsebalance.balancer import Balancer
 from sparsebalance.predictor import get_predictor
 
 
@@ -62,43 +63,45 @@ def _predictor():
 def test_plan_ahead_equals_in_line_plan_with_the_same_correction():
     loader = _loader()
     first = loader.next_step()
-    bal = BatchBalancer(_config(), _predictor(), None)
-    ref = BatchBalancer(_config(plan_ahead=False), _predictor(), None)
+    bal = Balancer(_config(), _predictor())
+    ref = Balancer(_config(plan_ahead=False), _predictor())
     assert bal.ahead and not ref.ahead
-    f1 = bal.forecast(first)  # nothing planned ahead: planned in line
+    f1 = forecast_step(bal, first)  # nothing planned ahead: planned in line
     assert f1.wait_ms == f1.plan_ms
     nxt = loader.peek()
-    bal.plan_ahead(nxt)
-    want = ref.plan(nxt)  # the correction both see: the one before this step's observation
+    bal.plan_ahead(nxt, nxt.lengths)
+    want = ref.plan(nxt.lengths)  # the correction both see: the one before this step's observation
     meas = [x * np.array([1.0, 1.7]) for x in (f1.fwd_ms, f1.bwd_ms)]  # stage 1 slower
     bal.observe(f1, *meas)  # waits for the plan ahead before moving the correction
     assert bal.predictor.correction(1, "fwd") > 1.0
-    got = bal.forecast(loader.next_step())
+    got = forecast_step(bal, loader.next_step())
     assert np.array_equal(got.budget, want.budget)
     assert got.step_ms == pytest.approx(want.step_ms)
     # The in-line plan after the observation sees the new correction (a different forecast).
     ref.observe(want, *meas)
-    assert ref.plan(nxt).step_ms != pytest.approx(want.step_ms)
+    assert ref.plan(nxt.lengths).step_ms != pytest.approx(want.step_ms)
 
 
 def test_a_stale_look_ahead_is_replaced_and_errors_reach_the_caller():
     loader = _loader()
-    bal = BatchBalancer(_config(), _predictor(), None)
+    bal = Balancer(_config(), _predictor())
     b1 = loader.next_step()
-    bal.plan_ahead(loader.peek())
-    got = bal.forecast(b1)  # not the batches planned ahead: planned now
+    nxt = loader.peek()
+    bal.plan_ahead(nxt, nxt.lengths)
+    got = forecast_step(bal, b1)  # not the batches planned ahead: planned now
     assert got.budget is not None and b1.budget is got.budget
     empty = SimpleNamespace(packing=SimpleNamespace(ranks=[[]]))  # no micro-batch: the thread fails
-    bal.plan_ahead(empty)
-    assert bal.core._pending is not None
+    bal.plan_ahead(empty, [[]])
+    assert bal._pending is not None
     with pytest.raises(ValueError, match="non-empty"):
-        bal.forecast(loader.next_step())
+        forecast_step(bal, loader.next_step())
 
 
 def test_no_plan_ahead_without_dst():
-    bal = BatchBalancer(_config(policy="off"), _predictor(), None)
+    bal = Balancer(_config(policy="off"), _predictor())
     assert not bal.ahead
     loader = _loader()
-    bal.plan_ahead(loader.peek())
-    assert bal.core._pending is None
-    assert bal.forecast(loader.next_step()).budget is None
+    nxt = loader.peek()
+    bal.plan_ahead(nxt, nxt.lengths)
+    assert bal._pending is None
+    assert forecast_step(bal, loader.next_step()).budget is None

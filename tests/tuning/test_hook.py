@@ -43,5 +43,5 @@ def test_bad_plans_raise():
         stage_budgets(np.ones((1, 2, 3)), 0, 0, pp=2)
     with pytest.raises(ValueError, match="outside"):
         stage_budgets(np.ones((1, 2, 2)), 1, 0, pp=2)
-    with pytest.raises(ValueError, match=">= 0"):
-        BudgetIterator(iter([]), [-1])
+    with pytest.raises(ValueError, match=">= 0"):  # checked once, where the table is sliced
+        wrap_data_iterators([iter([])], -np.ones((1, 2, 2)), 0, 0, pp=2)
