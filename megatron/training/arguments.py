@@ -399,6 +399,12 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--start-eval-at-iter", type=nonneg(int), default=None,
                    help="evaluate only from this iteration on (default: from the first --eval-interval)")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="log the L2 norm of the parameters after each step (log line, tensorboard, summary)")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="log the number of zeros in the gradients of each step (log line, tensorboard, summary)")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="also write the validation perplexity to tensorboard")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),

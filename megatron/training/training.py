@@ -301,6 +301,8 @@ def _step_log(args, iteration: int, lr: float, step_s: float, batches, result, f
         loss=gathered.loss(),
         lr=lr,
         grad_norm=float(result.grad_norm or 0.0),
+        params_norm=result.params_norm,
+        num_zeros_in_grad=None if result.num_zeros_in_grad is None else float(result.num_zeros_in_grad),
         step_s=step_s,
         tokens=batches.global_tokens,
         stage_fwd_s=gathered.stage_times("fwd_s"),
