@@ -129,8 +129,8 @@ def _verify_on(device, head_dim, block_size, dtype) -> Callable[[str], Tuple[boo
 
 
 def _measure_on(device, head_dim, block_size, dtype) -> Callable[[str], float]:
-    from sparsebalance.attention.routing import density as exact_density
     from sparsebalance.ops.interface import sparse_attention
+    from sparsebalance.pairs import density as exact_density
 
     s = MEASURE_SHAPE
     T = s["tokens"]

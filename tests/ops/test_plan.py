@@ -6,9 +6,9 @@ import torch
 from _cases import make_inputs
 
 import sparsebalance.ops.plan as plan_mod
-from sparsebalance.attention.routing import kept_pairs
 from sparsebalance.ops.plan import _per_doc_topk, _select_rows, build_plan, reverse_index, select_topk
 from sparsebalance.ops.reference import _doc_mask
+from sparsebalance.pairs import kept_pairs
 
 LENS = [1, 63, 64, 65, 300, 1000, 17]
 

@@ -72,7 +72,7 @@ def test_dense_only_profile_ignores_budgets():
 @pytest.mark.parametrize("pred", _predictors(), ids=["analytic", "fitted"])
 @pytest.mark.parametrize("topk", [None, 0, 4, 32])
 def test_pair_ms_is_the_slope_in_kept_pairs(pred, topk):
-    from sparsebalance.attention.routing import kept_pairs
+    from sparsebalance.pairs import kept_pairs
 
     B = pred.block_size
     L1, L2 = np.array([40 * B]), np.array([90 * B + 7])
