@@ -13,12 +13,10 @@ import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
+from megatron.training import arg_checks
+from megatron.training.arg_checks import UsageError, has_cuda
 from sparsebalance.batching.strategies import STRATEGIES
 from sparsebalance.tuning.policies import DST_POLICIES as DST_POLICY_REGISTRY
-
-
-class UsageError(Exception):
-    """Bad command line or input; reported as one line, exit code 2."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -446,12 +444,6 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     return p
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _split(text: str) -> tuple[float, float, float]:
     try:
         parts = [float(x) for x in text.replace("/", ",").split(",")]
@@ -466,8 +458,6 @@ def _split(text: str) -> tuple[float, float, float]:
 
 def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check cross-flag consistency and fill derived fields; raises :class:`UsageError`."""
-    from megatron.training import arg_checks
-
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
@@ -479,7 +469,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"world size {ws} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}")
     args.world_size = ws
     args.data_parallel_size = dp = ws // (tp * pp * cp)
-    if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not _has_cuda()):
+    if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not has_cuda()):
         raise UsageError("tied embeddings (Megatron-LM's default) with --pipeline-model-parallel-size > 1 "
                          "need CUDA (megatron-core syncs them across stages on the GPU); add "
                          "--untie-embeddings-and-output-weights or use PP=1")
