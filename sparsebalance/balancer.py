@@ -173,6 +173,11 @@ class Balancer:
         self.stages = config.parallel.stages
         self.schedule = config.parallel.schedule
         self.topk = config.attention.static_topk
+        self._policy = None
+        if config.dst.enabled:  # the registry checks the name (ValueError listing the policies)
+            from sparsebalance.tuning.policies import DST_POLICIES
+
+            self._policy = DST_POLICIES.pick(config.dst.policy)
         self._pending: Optional[tuple] = None  # (step, thread, result box) planned ahead
         # Recalibrator state before the last observe(): what a plan made ahead during the
         # last step read (saved so a resumed run plans its first step from it).
@@ -188,11 +193,10 @@ class Balancer:
         budget = None
         if dst.enabled:
             from sparsebalance.tuning.from_predictor import build_instance
-            from sparsebalance.tuning.policies import DST_POLICIES
 
             inst = build_instance(pred, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
                                   k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max)
-            plan = DST_POLICIES[dst.policy](inst, dst)
+            plan = self._policy(inst, dst)
             budget = plan.budget
             fwd, bwd, _ = inst.at(inst.indices(budget))
             step_ms, base_ms = plan.step_ms, plan.baseline_step_ms

@@ -3,7 +3,10 @@
 The driver builds one :class:`SparseBalanceConfig` from its flags
 (``megatron.training.sb_config.sparsebalance_config``) and hands it down; nothing
 under ``sparsebalance/`` reads command-line arguments. Each component validates
-itself in ``__post_init__`` (ValueError with the field's name).
+itself in ``__post_init__`` (ValueError with the field's name). Names of registered
+implementations (kernel backend, packing strategy, DST policy) stay plain strings here:
+the registry that resolves one checks it (``sparsebalance.ops``, ``batching.strategies``,
+``tuning.policies``), so this module sits below everything it configures.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class AttentionConfig:
     topk: int = 8
     """Static budget k0: key blocks kept per query block besides sink and diagonal."""
     backend: str = "auto"
-    """Kernel backend name (``sparsebalance.ops.BACKENDS`` key or "auto")."""
+    """Kernel backend name (``sparsebalance.ops.BACKENDS`` key or "auto"; checked when resolved)."""
     dense_layers: Tuple[int, ...] = ()
     """1-based layer numbers that stay dense."""
     threshold: Optional[float] = None
@@ -46,10 +49,6 @@ class AttentionConfig:
                f"attention.block_size must be an int >= 1, got {self.block_size!r}")
         _check(isinstance(self.topk, int) and self.topk >= 0,
                f"attention.topk must be an int >= 0, got {self.topk!r}")
-        from sparsebalance.ops.backends import BACKENDS
-
-        _check(self.backend == "auto" or self.backend in BACKENDS,
-               f"attention.backend must be 'auto' or one of {sorted(BACKENDS)}, got {self.backend!r}")
 
     @property
     def static_topk(self) -> Optional[int]:
@@ -62,22 +61,20 @@ class PackingConfig:
     """Packing of documents into micro-batches (``--sb-batching``, ``--max-carry-steps``)."""
 
     strategy: str = "megatron"
-    """``sparsebalance.batching.strategies.STRATEGIES`` key."""
+    """``sparsebalance.batching.strategies.STRATEGIES`` key (checked when resolved)."""
     max_carry_steps: int = 2
     """Steps a document deferred by the packer may wait."""
 
     def __post_init__(self) -> None:
-        from sparsebalance.batching.strategies import STRATEGIES
-
-        STRATEGIES.pick(self.strategy)
         _check(self.max_carry_steps >= 0, f"packing.max_carry_steps must be >= 0, got {self.max_carry_steps}")
 
     @property
     def uses_predictor(self) -> bool:
-        """The strategy packs by predicted cost when a predictor is given."""
-        from sparsebalance.batching.strategies import STRATEGIES
+        """The strategy packs by predicted cost when a predictor is given (asks the
+        strategy registry, which raises on an unknown name)."""
+        from sparsebalance.batching.strategies import get_strategy
 
-        return STRATEGIES[self.strategy].predictor != "none"
+        return get_strategy(self.strategy).predictor != "none"
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class DSTConfig:
     ``--sb-attn-slack``, ``--no-sb-plan-ahead``)."""
 
     policy: str = "off"
-    """"off" or a ``sparsebalance.tuning.policies.DST_POLICIES`` key."""
+    """"off" or a ``sparsebalance.tuning.policies.DST_POLICIES`` key (checked when resolved)."""
     topk_min: int = 0
     """Smallest budget a plan may give."""
     topk_max: int = 0
@@ -101,10 +98,6 @@ class DSTConfig:
     """Plan step N+1 in a background thread while step N trains."""
 
     def __post_init__(self) -> None:
-        from sparsebalance.tuning.policies import DST_POLICIES
-
-        if self.policy != "off":
-            DST_POLICIES.pick(self.policy)
         _check(0 <= self.topk_min <= self.topk_max,
                f"dst.topk_min {self.topk_min} / topk_max {self.topk_max}: need 0 <= min <= max")
         _check(self.anchor in ("mean", "max", "min"), f"dst.anchor must be mean, max or min, got {self.anchor!r}")
