@@ -50,9 +50,9 @@ from typing import Optional
 
 import numpy as np
 
+from sparsebalance.config import ModelShape
 from sparsebalance.pairs import causal_pairs, kept_pairs
 from sparsebalance.predictor.base import LatencyPredictor
-from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.recalibration import Recalibrator
 
 # ByteScale, per-layer forward ms on H100 (see module docstring).

@@ -27,9 +27,9 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from sparsebalance.config import ModelShape
 from sparsebalance.pairs import kept_pairs
 from sparsebalance.predictor.base import PHASES, LatencyPredictor
-from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.fitting import relative_nnls
 from sparsebalance.predictor.recalibration import Recalibrator
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from sparsebalance.config import ModelShape
 from sparsebalance.predictor import LatencyPredictor, get_predictor
-from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.fitted import FittedPredictor
 
 COEF = {"layer": {"fwd": {"pairs": 1e-6, "dense_pairs": 6e-7, "tokens": 1e-3, "docs": 0.02,
