@@ -398,7 +398,7 @@ def _static_density(args, batches) -> Optional[float]:
     if not args.sparse_attention or batches.packing is None:
         return None
     from megatron.training.data import microbatch_lengths
-    from sparsebalance.attention.routing import density
+    from sparsebalance.pairs import density
 
     pad_to = args.micro_batch_tokens if args.virtual_pipeline_model_parallel_size is not None else None
     return density([n for rank in batches.packing.ranks for mb in rank

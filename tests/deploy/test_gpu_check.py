@@ -105,7 +105,7 @@ def test_bench_grid_and_flops():
                                          (16384, 128, 0.12)]
     assert sorted(map(key, pts[:12])) == sorted(map(key, pts[12:24]))  # same grid per backend
     assert [p["backend"] for p in gb.bench_points([16384], ["cuda"])] == ["cuda"] * 6
-    from sparsebalance.attention.routing import density
+    from sparsebalance.pairs import density
 
     for p in pts:  # the chosen top-k lands near the density asked for
         got = density([p["seq_len"]], p["topk"], p["block"])

@@ -27,7 +27,7 @@ def topk_for_density(seq_len: int, block: int, density: float) -> int:
     """Top-k whose kept share of one causal document of ``seq_len`` tokens is about
     ``density``: with a cap of c = (topk + 2) x block keys per query, kept / causal pairs
     is ~2x - x^2 for x = c / seq_len, so x = 1 - sqrt(1 - density)."""
-    from sparsebalance.attention.routing import density as exact
+    from sparsebalance.pairs import density as exact
 
     x = 1.0 - (1.0 - density) ** 0.5
     guess = max(1, int(round(x * seq_len / block - 2)))
