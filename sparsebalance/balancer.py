@@ -48,7 +48,7 @@ from typing import Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sparsebalance.config import AttentionConfig, ModelConfig, ParallelConfig, SparseBalanceConfig
+from sparsebalance.config import AttentionConfig, ModelShape, ParallelConfig, SparseBalanceConfig
 
 Lengths = List[List[List[int]]]
 """Segment token counts ``[dp][microbatch][segment]`` of one step."""
@@ -79,10 +79,12 @@ def attention_backend_choice(attention: AttentionConfig, parallel: ParallelConfi
                           attention.block_size, torch.bfloat16 if bf16 else torch.float32)
 
 
-def attention_backend(attention: AttentionConfig, parallel: ParallelConfig, model: ModelConfig) -> str:
-    """The kernel backend name a run of ``model`` resolves to (what profiles record)."""
+def attention_backend(attention: AttentionConfig, parallel: ParallelConfig, model: ModelShape,
+                      bf16: bool) -> str:
+    """The kernel backend name a run of ``model`` (``bf16``: in bf16) resolves to (what
+    profiles record)."""
     return attention_backend_choice(attention, parallel, model.hidden_size // model.num_attention_heads,
-                                    model.bf16)["backend"]
+                                    bf16)["backend"]
 
 
 def build_predictor(config: SparseBalanceConfig, warn=None):
@@ -115,9 +117,9 @@ def build_predictor(config: SparseBalanceConfig, warn=None):
     # Every model-fingerprint entry the profiler records, so a mismatch is caught and
     # the "create it" command of a missing profile reproduces this run's setup.
     expect = {"attention": "sparse" if att.sparse else "dense",
-              "attention_backend": attention_backend(att, config.parallel, m),
-              "seq_length": m.seq_length, "normalization": m.normalization,
-              "params_dtype": "bf16" if m.bf16 else "fp32"}
+              "attention_backend": attention_backend(att, config.parallel, m, pc.bf16),
+              "seq_length": pc.seq_length, "normalization": pc.normalization,
+              "params_dtype": "bf16" if pc.bf16 else "fp32"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pred = get_predictor(pc.profile, allow_stale=pc.allow_stale_profile,
@@ -176,6 +178,11 @@ class Balancer:
         self.stages = config.parallel.stages
         self.schedule = config.parallel.schedule
         self.topk = config.attention.static_topk
+        self._policy = None
+        if config.dst.enabled:  # the registry checks the name (ValueError listing the policies)
+            from sparsebalance.tuning.policies import DST_POLICIES
+
+            self._policy = DST_POLICIES.pick(config.dst.policy)
         self._pending: Optional[tuple] = None  # (step, thread, result box) planned ahead
         # Recalibrator state before the last observe(): what a plan made ahead during the
         # last step read (saved so a resumed run plans its first step from it).
@@ -191,11 +198,10 @@ class Balancer:
         budget = None
         if dst.enabled:
             from sparsebalance.tuning.from_predictor import build_instance
-            from sparsebalance.tuning.policies import DST_POLICIES
 
             inst = build_instance(pred, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
                                   k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max)
-            plan = DST_POLICIES[dst.policy](inst, dst)
+            plan = self._policy(inst, dst)
             budget = plan.budget
             fwd, bwd, _ = inst.at(inst.indices(budget))
             step_ms, base_ms = plan.step_ms, plan.baseline_step_ms

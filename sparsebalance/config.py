@@ -3,13 +3,16 @@
 The driver builds one :class:`SparseBalanceConfig` from its flags
 (``megatron.training.sb_config.sparsebalance_config``) and hands it down; nothing
 under ``sparsebalance/`` reads command-line arguments. Each component validates
-itself in ``__post_init__`` (ValueError with the field's name).
+itself in ``__post_init__`` (ValueError with the field's name). Names of registered
+implementations (kernel backend, packing strategy, DST policy) stay plain strings here:
+the registry that resolves one checks it (``sparsebalance.ops``, ``batching.strategies``,
+``tuning.policies``), so this module sits below everything it configures.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional, Tuple
 
 
 def _check(ok: bool, message: str) -> None:
@@ -28,7 +31,7 @@ class AttentionConfig:
     topk: int = 8
     """Static budget k0: key blocks kept per query block besides sink and diagonal."""
     backend: str = "auto"
-    """Kernel backend name (``sparsebalance.ops.BACKENDS`` key or "auto")."""
+    """Kernel backend name (``sparsebalance.ops.BACKENDS`` key or "auto"; checked when resolved)."""
     dense_layers: Tuple[int, ...] = ()
     """1-based layer numbers that stay dense."""
     threshold: Optional[float] = None
@@ -46,10 +49,6 @@ class AttentionConfig:
                f"attention.block_size must be an int >= 1, got {self.block_size!r}")
         _check(isinstance(self.topk, int) and self.topk >= 0,
                f"attention.topk must be an int >= 0, got {self.topk!r}")
-        from sparsebalance.ops.backends import BACKENDS
-
-        _check(self.backend == "auto" or self.backend in BACKENDS,
-               f"attention.backend must be 'auto' or one of {sorted(BACKENDS)}, got {self.backend!r}")
 
     @property
     def static_topk(self) -> Optional[int]:
@@ -62,22 +61,20 @@ class PackingConfig:
     """Packing of documents into micro-batches (``--sb-batching``, ``--max-carry-steps``)."""
 
     strategy: str = "megatron"
-    """``sparsebalance.batching.strategies.STRATEGIES`` key."""
+    """``sparsebalance.batching.strategies.STRATEGIES`` key (checked when resolved)."""
     max_carry_steps: int = 2
     """Steps a document deferred by the packer may wait."""
 
     def __post_init__(self) -> None:
-        from sparsebalance.batching.strategies import STRATEGIES
-
-        STRATEGIES.pick(self.strategy)
         _check(self.max_carry_steps >= 0, f"packing.max_carry_steps must be >= 0, got {self.max_carry_steps}")
 
     @property
     def uses_predictor(self) -> bool:
-        """The strategy packs by predicted cost when a predictor is given."""
-        from sparsebalance.batching.strategies import STRATEGIES
+        """The strategy packs by predicted cost when a predictor is given (asks the
+        strategy registry, which raises on an unknown name)."""
+        from sparsebalance.batching.strategies import get_strategy
 
-        return STRATEGIES[self.strategy].predictor != "none"
+        return get_strategy(self.strategy).predictor != "none"
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class DSTConfig:
     ``--sb-attn-slack``, ``--no-sb-plan-ahead``)."""
 
     policy: str = "off"
-    """"off" or a ``sparsebalance.tuning.policies.DST_POLICIES`` key."""
+    """"off" or a ``sparsebalance.tuning.policies.DST_POLICIES`` key (checked when resolved)."""
     topk_min: int = 0
     """Smallest budget a plan may give."""
     topk_max: int = 0
@@ -101,10 +98,6 @@ class DSTConfig:
     """Plan step N+1 in a background thread while step N trains."""
 
     def __post_init__(self) -> None:
-        from sparsebalance.tuning.policies import DST_POLICIES
-
-        if self.policy != "off":
-            DST_POLICIES.pick(self.policy)
         _check(0 <= self.topk_min <= self.topk_max,
                f"dst.topk_min {self.topk_min} / topk_max {self.topk_max}: need 0 <= min <= max")
         _check(self.anchor in ("mean", "max", "min"), f"dst.anchor must be mean, max or min, got {self.anchor!r}")
@@ -119,7 +112,8 @@ class DSTConfig:
 
 @dataclass(frozen=True)
 class PredictorConfig:
-    """The latency predictor (``--sb-profile``, ``--sb-cost-model``, ``--sb-allow-stale-profile``)."""
+    """The latency predictor (``--sb-profile``, ``--sb-cost-model``, ``--sb-allow-stale-profile``)
+    and the run's settings a profile must have been made with."""
 
     profile: Optional[str] = None
     """Profile JSON of tools/profile_latency.py (None: none)."""
@@ -127,10 +121,17 @@ class PredictorConfig:
     """Analytic cost model name instead of a profile (None: none)."""
     allow_stale_profile: bool = False
     """Accept a profile whose fingerprint does not match, with a warning."""
+    seq_length: int = 4096
+    """Micro-batch capacity, tokens (profile fingerprint)."""
+    normalization: str = "LayerNorm"
+    """LayerNorm or RMSNorm (profile fingerprint)."""
+    bf16: bool = False
+    """bf16 parameters (profile fingerprint; else fp32)."""
 
     def __post_init__(self) -> None:
         _check(self.profile is None or self.cost_model is None,
                "predictor: give a profile or a cost model, not both")
+        _check(self.seq_length >= 1, f"predictor.seq_length must be >= 1, got {self.seq_length}")
 
     @property
     def enabled(self) -> bool:
@@ -139,34 +140,97 @@ class PredictorConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """The trained model's shape, as the predictor sees it."""
+class ModelShape:
+    """Transformer shape and routing parameters that latency depends on: the trained model
+    as the predictor sees it. Field names follow megatron's argument names
+    (``--hidden-size`` -> ``hidden_size``); the defaults describe a Qwen2.5-0.5B-like
+    layer stack with the paper's MoBA routing (block 256, top-k 32)."""
 
-    num_layers: int
-    """Transformer layers."""
-    hidden_size: int
-    """Hidden size."""
-    num_attention_heads: int
+    num_layers: int = 24
+    """Transformer layers of the whole model (split evenly over PP stages)."""
+    hidden_size: int = 896
+    """Model width h."""
+    num_attention_heads: int = 14
     """Query heads."""
-    num_query_groups: int
-    """Key/value heads (GQA groups)."""
-    ffn_hidden_size: int
-    """MLP hidden size."""
-    vocab_size: int
-    """Padded vocabulary size."""
-    swiglu: bool = False
-    """SwiGLU MLP (else GELU)."""
-    seq_length: int = 4096
-    """Micro-batch capacity, tokens."""
-    normalization: str = "LayerNorm"
-    """LayerNorm or RMSNorm (profile fingerprint)."""
-    bf16: bool = False
-    """bf16 parameters (profile fingerprint; else fp32)."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA groups); equal to num_attention_heads for MHA."""
+    kv_channels: Optional[int] = None
+    """Head dimension; None = hidden_size // num_attention_heads."""
+    ffn_hidden_size: int = 4864
+    """MLP inner width."""
+    vocab_size: int = 151936
+    """(Padded) vocabulary size of the output layer."""
+    swiglu: bool = True
+    """Gated MLP (three weight matrices) instead of two."""
+    block_size: int = 256
+    """Routing block size of the sparse attention, tokens."""
+    topk: Optional[int] = 32
+    """Default budget (key blocks kept besides sink + diagonal); None = dense."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                     "ffn_hidden_size", "vocab_size", "seq_length"):
-            _check(getattr(self, name) >= 1, f"model.{name} must be >= 1, got {getattr(self, name)}")
+                     "ffn_hidden_size", "vocab_size", "block_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups})")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads "
+                             "when kv_channels is not given")
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
+        if self.topk is not None and self.topk < 0:
+            raise ValueError(f"topk must be >= 0 or None, got {self.topk}")
+
+    @property
+    def head_dim(self) -> int:
+        """Head dimension in channels."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    # Per-token FLOPs of one layer's matmuls (forward, 2 FLOPs per multiply-add).
+    @property
+    def attn_linear_flops(self) -> float:
+        """QKV + output projection FLOPs per token."""
+        q = self.num_attention_heads * self.head_dim
+        kv = 2 * self.num_query_groups * self.head_dim
+        return 2.0 * self.hidden_size * (q + kv) + 2.0 * q * self.hidden_size
+
+    @property
+    def mlp_flops(self) -> float:
+        """MLP FLOPs per token."""
+        return 2.0 * self.hidden_size * self.ffn_hidden_size * (3 if self.swiglu else 2)
+
+    @property
+    def attn_pair_flops(self) -> float:
+        """Core-attention FLOPs per kept (query, key) pair of one head, summed over heads
+        (QK^T and PV: 2 matmuls x 2 FLOPs x head_dim x heads)."""
+        return 4.0 * self.head_dim * self.num_attention_heads
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable)."""
+        return asdict(self)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ModelShape":
+        """Build from keyword arguments; unknown keys raise ValueError naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown model_cfg keys {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def layers_of(self, stage: int, pp: int) -> int:
+        """Transformer layers held by pipeline stage ``stage`` of ``pp`` (even split,
+        as megatron-core requires by default)."""
+        if pp < 1:
+            raise ValueError(f"pp must be >= 1, got {pp}")
+        if not 0 <= stage < pp:
+            raise ValueError(f"stage must be in [0, {pp}), got {stage}")
+        if self.num_layers % pp:
+            raise ValueError(f"num_layers ({self.num_layers}) is not divisible by pp ({pp})")
+        return self.num_layers // pp
 
 
 @dataclass(frozen=True)
@@ -201,8 +265,8 @@ class ParallelConfig:
 class SparseBalanceConfig:
     """Everything the library needs about one run; built once by the driver."""
 
-    model: ModelConfig
-    """Model shape."""
+    model: ModelShape
+    """Model shape (its routing fields: the attention's block size and static budget)."""
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     """Sparse attention."""
     packing: PackingConfig = field(default_factory=PackingConfig)

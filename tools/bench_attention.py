@@ -178,8 +178,8 @@ def main(argv=None) -> int:
     # megatron-core (imported by the dense baseline) warns about absent TE/Apex on CPU
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     from sparsebalance.attention.dense import causal_varlen_attention
-    from sparsebalance.attention.routing import density as exact_density
     from sparsebalance.ops import build_plan, resolve_backend, sparse_attention
+    from sparsebalance.pairs import density as exact_density
 
     torch.set_num_threads(a.threads)
     gpu_names = ("cuda", "triton", "flex", "fa4") if torch.cuda.is_available() else ("cuda", "triton", "fa4")

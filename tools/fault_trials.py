@@ -56,7 +56,7 @@ from typing import Dict, List, NoReturn, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from megatron.training.arguments import OneLineParser, _non_negative, _positive, usage_error  # noqa: E402
-from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
+from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 PROG = "fault_trials.py"
 WORKER = os.path.join(REPO, "tests", "training", "_fault_worker.py")

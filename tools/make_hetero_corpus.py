@@ -190,7 +190,7 @@ def build_documents(lengths: np.ndarray, sources: list, rng: np.random.Generator
 
 def train_flags(args) -> list:
     """pretrain_gpt.py's flags for the corpus' small model (dense attention, one process)."""
-    from megatron.training.presets import PROJECT_RUN_FLAGS
+    from tools.harness.run_flags import PROJECT_RUN_FLAGS
 
     return [*PROJECT_RUN_FLAGS, "--cpu", "--num-layers", str(args.train_layers),
             "--hidden-size", str(args.train_hidden), "--num-attention-heads", "4",

@@ -1,7 +1,8 @@
 """Cross-flag checks of ``pretrain_gpt.py``'s command line, by topic (called by
 :func:`megatron.training.arguments.validate`): Megatron-LM's spellings and refusals,
 tokenizer files, SparseBalance, distributed optimizer, activation recomputation.
-Each raises :class:`~megatron.training.arguments.UsageError` (one line, exit 2).
+Each raises :class:`UsageError` (one line, exit 2). This module sits below
+``arguments.py``: it imports nothing of the command line's, so the two form no loop.
 """
 
 from __future__ import annotations
@@ -9,8 +10,18 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron.training.arguments import UsageError, _has_cuda
 from sparsebalance.batching.strategies import STRATEGIES
+
+
+class UsageError(Exception):
+    """Bad command line or input; reported as one line, exit code 2."""
+
+
+def has_cuda() -> bool:
+    """Whether torch sees a CUDA device (torch imported on first use: ``--help`` stays fast)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def validate_megatron_lm(args: argparse.Namespace) -> None:
@@ -47,7 +58,7 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
     args.compat_warnings = []
     try:
         args.compat_warnings = compat.resolve(args)
-        compat.check_hardware(args, cuda=_has_cuda() and not args.cpu)
+        compat.check_hardware(args, cuda=has_cuda() and not args.cpu)
     except ValueError as e:
         raise UsageError(str(e))
 

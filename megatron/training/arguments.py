@@ -13,12 +13,10 @@ import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
+from megatron.training import arg_checks
+from megatron.training.arg_checks import UsageError, has_cuda
 from sparsebalance.batching.strategies import STRATEGIES
 from sparsebalance.tuning.policies import DST_POLICIES as DST_POLICY_REGISTRY
-
-
-class UsageError(Exception):
-    """Bad command line or input; reported as one line, exit code 2."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -102,20 +100,9 @@ class _JoinWords(argparse.Action):
         setattr(namespace, self.dest, " ".join(values))
 
 
-def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False) -> argparse.ArgumentParser:
-    """The flags of ``pretrain_gpt.py`` (no validation beyond types).
-
-    ``megatron_lm_flags``: also register the rest of Megatron-LM's flags (``compat.py``), as
-    ``pretrain_gpt.py`` does; off for tools that extend this parser with their own flags
-    (a name of theirs may be a Megatron-LM flag, e.g. ``--warmup``)."""
-    p = OneLineParser(
-        prog=prog,
-        description="GPT training on megatron-core with packed documents (CPU/gloo or GPU/NCCL).",
-        allow_abbrev=False,  # a typo must never silently match another flag
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The "model" flags."""
     pos, nonneg = _positive, _non_negative
-
     g = p.add_argument_group("model")
     from megatron.training.presets import MODEL_PRESETS
 
@@ -199,6 +186,10 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--use-flash-attn", action="store_true",
                    help="Megatron-LM's older spelling of --attention-backend flash")
 
+
+def _sparse_attention_flags(p: argparse.ArgumentParser) -> None:
+    """The "sparse attention" flags."""
+    pos = _positive
     g = p.add_argument_group("sparse attention")
     g.add_argument("--sparse-attention", action="store_true",
                    help="block top-k sparse attention in the core_attention slot")
@@ -217,6 +208,10 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                    help="threshold routing's share of the gate softmax mass, 0 < TAU <= 1 "
                         "(default 0.9; needs --sb-routing threshold)")
 
+
+def _parallel_flags(p: argparse.ArgumentParser) -> None:
+    """The "parallelism" flags."""
+    pos = _positive
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=pos(int), default=1)
     g.add_argument("--pipeline-model-parallel-size", type=pos(int), default=1)
@@ -252,6 +247,10 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                    help="with --use-distributed-optimizer: all-gather updated params during the "
                         "next forward (needs --overlap-grad-reduce)")
 
+
+def _recompute_flags(p: argparse.ArgumentParser) -> None:
+    """The "activation recomputation" flags."""
+    pos = _positive
     g = p.add_argument_group("activation recomputation (Megatron-LM's flags)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="= --recompute-granularity selective (Megatron-LM's shorthand)")
@@ -267,6 +266,10 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                    help="with full: layers per recompute group (uniform) or layers recomputed "
                         "per model chunk (block)")
 
+
+def _batching_flags(p: argparse.ArgumentParser) -> None:
+    """The "batching" flags."""
+    pos, nonneg = _positive, _non_negative
     g = p.add_argument_group("batching")
     g.add_argument("--micro-batch-size", type=pos(int), default=1,
                    help="packed sequences per micro-batch (THD packing requires 1)")
@@ -282,6 +285,10 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--max-carry-steps", type=nonneg(int), default=2,
                    help="a document deferred by the packer waits at most this many steps")
 
+
+def _sparsebalance_flags(p: argparse.ArgumentParser) -> None:
+    """The "SparseBalance" flags."""
+    nonneg = _non_negative
     g = p.add_argument_group("SparseBalance (SAB packing + DST budgets)")
     g.add_argument("--sparse-balance", action="store_true",
                    help="= --sparse-attention --sb-batching sab --sb-dst critical-path "
@@ -315,6 +322,10 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--sb-allow-stale-profile", action="store_true",
                    help="use a profile whose hardware/model fingerprint differs (warn only)")
 
+
+def _optimization_flags(p: argparse.ArgumentParser) -> None:
+    """The "optimization" flags."""
+    pos, nonneg = _positive, _non_negative
     g = p.add_argument_group("optimization (Megatron-LM's flags and rules; see megatron/training/lr_schedule.py)")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=nonneg(float), default=3e-4, help="peak learning rate")
@@ -368,6 +379,9 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--exit-interval", type=pos(int), default=None,
                    help="stop (saving with --save) at the first iteration divisible by this")
 
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    """The "data" flags."""
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", action=_JoinWords, default=None,
                    help="prefix of a .bin/.idx indexed dataset, or a blend: WEIGHT PREFIX WEIGHT PREFIX ... "
@@ -392,6 +406,10 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
                    help="NullTokenizer: targets equal to this id carry no loss (-1: no pad token)")
 
+
+def _logging_flags(p: argparse.ArgumentParser) -> None:
+    """The "logging, evaluation, checkpoints" flags."""
+    pos, nonneg = _positive, _non_negative
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log-interval", type=pos(int), default=1)
     g.add_argument("--eval-interval", type=nonneg(int), default=0, help="0: no evaluation")
@@ -399,6 +417,12 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     g.add_argument("--start-eval-at-iter", type=nonneg(int), default=None,
                    help="evaluate only from this iteration on (default: from the first --eval-interval)")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="log the L2 norm of the parameters after each step (log line, tensorboard, summary)")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="log the number of zeros in the gradients of each step (log line, tensorboard, summary)")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="also write the validation perplexity to tensorboard")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
@@ -439,17 +463,34 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
                    help="with --use-pytorch-profiler: record Python call stacks")
     g.add_argument("--summary-json", default=None, metavar="PATH",
                    help="rank 0 writes the run's metrics here at the end (atomically)")
+
+
+def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False) -> argparse.ArgumentParser:
+    """The flags of ``pretrain_gpt.py`` (no validation beyond types).
+
+    ``megatron_lm_flags``: also register the rest of Megatron-LM's flags (``compat.py``), as
+    ``pretrain_gpt.py`` does; off for tools that extend this parser with their own flags
+    (a name of theirs may be a Megatron-LM flag, e.g. ``--warmup``)."""
+    p = OneLineParser(
+        prog=prog,
+        description="GPT training on megatron-core with packed documents (CPU/gloo or GPU/NCCL).",
+        allow_abbrev=False,  # a typo must never silently match another flag
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _model_flags(p)
+    _sparse_attention_flags(p)
+    _parallel_flags(p)
+    _recompute_flags(p)
+    _batching_flags(p)
+    _sparsebalance_flags(p)
+    _optimization_flags(p)
+    _data_flags(p)
+    _logging_flags(p)
     if megatron_lm_flags:  # the rest of Megatron-LM's flags: one line each, never "unrecognized"
         from megatron.training.compat import add_megatron_lm_flags
 
         add_megatron_lm_flags(p)
     return p
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _split(text: str) -> tuple[float, float, float]:
@@ -466,8 +507,6 @@ def _split(text: str) -> tuple[float, float, float]:
 
 def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check cross-flag consistency and fill derived fields; raises :class:`UsageError`."""
-    from megatron.training import arg_checks
-
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
@@ -479,7 +518,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"world size {ws} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}")
     args.world_size = ws
     args.data_parallel_size = dp = ws // (tp * pp * cp)
-    if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not _has_cuda()):
+    if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not has_cuda()):
         raise UsageError("tied embeddings (Megatron-LM's default) with --pipeline-model-parallel-size > 1 "
                          "need CUDA (megatron-core syncs them across stages on the GPU); add "
                          "--untie-embeddings-and-output-weights or use PP=1")

@@ -97,7 +97,7 @@ NOOP = {
 IGNORED = {
     "logging extra not produced by this driver (it logs loss, lr, grad norm, stage times, "
     "memory and validation loss)":
-        "--log-params-norm --log-num-zeros-in-grad --log-validation-ppl-to-tensorboard --log-progress "
+        "--log-progress "
         "--log-world-size-to-tensorboard --no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard "
         "--tensorboard-log-interval --timing-log-level --timing-log-option "
         "--no-barrier-with-level-1-timing --logging-level --log-energy --log-max-attention-logit "

@@ -24,6 +24,8 @@ module                                      why
 ``optimizer.distrib_optimizer``             distributed optimizer: the per-bucket
                                             scratch of its checkpoint code on the
                                             current device
+``optimizer.clip_grads``                    ``count_zeros_fp32``'s counter on ``"cuda"``
+                                            (``--log-num-zeros-in-grad``)
 ==========================================  ====================================
 
 The distributed optimizer (``--use-distributed-optimizer``) needs one more bridge.
@@ -230,6 +232,7 @@ def install_cpu_bridge(force_cpu: bool = False) -> bool:
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
         "megatron.core.optimizer.optimizer",
         "megatron.core.optimizer.distrib_optimizer",
+        "megatron.core.optimizer.clip_grads",
     ):
         module = importlib.import_module(name)
         module.torch = view

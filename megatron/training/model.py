@@ -253,6 +253,7 @@ def build_optimizer(args, model: List[torch.nn.Module]):
         adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum,
         use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        log_num_zeros_in_grad=bool(getattr(args, "log_num_zeros_in_grad", False)),
     )
     if opt_config.use_distributed_optimizer:
         # Harmless and once per rank: megatron zeroes the .grad of its fp32 main-param

@@ -24,10 +24,16 @@ flash/cuDNN/memory-efficient SDPA, flex attention's Triton templates and this pr
 Triton and CUDA sparse kernels. Routing (block scoring, top-k) counts as the rest."""
 
 
+HOST_SYNCS = re.compile(r"Synchronize|cudaMemcpy(?!Async)|aten::item|aten::_local_scalar_dense", re.IGNORECASE)
+"""Host calls that wait for the device (their self time is ``host_sync_ms``)."""
+
+
 def kernel_split(events) -> dict:
     """Self time of the profiled kernels from ``prof.key_averages()``: the device's kernels
     when any ran on an accelerator, else the CPU operators. Returns ``kernel_ms``,
-    ``attention_ms``, ``attention_share``, ``device`` and the five longest kernels."""
+    ``attention_ms``, ``attention_share``, ``device`` and the five longest kernels; with an
+    accelerator also the eight host operators of most self time (``top_host_ops``) and the
+    host's time in calls that wait for the device (``host_sync_ms``)."""
     events = list(events)
     on_device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")
                  and e.self_device_time_total > 0]
@@ -38,9 +44,16 @@ def kernel_split(events) -> dict:
     total = sum(us for _, us in rows)
     attn = sum(us for name, us in rows if ATTENTION_KERNELS.search(name))
     top = sorted(rows, key=lambda r: -r[1])[:5]
-    return {"device": device, "kernel_ms": total / 1e3, "attention_ms": attn / 1e3,
-            "attention_share": attn / total if total > 0 else None,
-            "top_kernels": [{"name": name[:160], "ms": us / 1e3} for name, us in top]}
+    out = {"device": device, "kernel_ms": total / 1e3, "attention_ms": attn / 1e3,
+           "attention_share": attn / total if total > 0 else None,
+           "top_kernels": [{"name": name[:160], "ms": us / 1e3} for name, us in top]}
+    if on_device:  # where the host spent the window: what points at a device left waiting
+        host = sorted((e for e in events if not str(getattr(e, "device_type", "")).endswith("CUDA")
+                       and e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+        out["top_host_ops"] = [{"name": e.key[:160], "ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+                               for e in host[:8]]
+        out["host_sync_ms"] = sum(e.self_cpu_time_total for e in host if HOST_SYNCS.search(e.key)) / 1e3
+    return out
 
 
 def device_busy_ms(events) -> Optional[float]:

@@ -4,6 +4,7 @@ output and the final summary (``SUMMARY_JSON`` line and ``--summary-json``).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -30,6 +31,10 @@ class StepLog:
     """Wall time of the step (seconds)."""
     tokens: int
     """Tokens in the global batch."""
+    params_norm: Optional[float] = None
+    """L2 norm of the parameters after the step (``--log-params-norm``; else None)."""
+    num_zeros_in_grad: Optional[float] = None
+    """Zeros in the step's gradients (``--log-num-zeros-in-grad``; else None)."""
     stage_fwd_s: List[float] = field(default_factory=list)
     """Forward compute seconds per pipeline stage (max over DP ranks)."""
     stage_bwd_s: List[float] = field(default_factory=list)
@@ -151,6 +156,10 @@ class RunLogger:
             if s.predicted_step_ms is not None:
                 extra += (f" | predicted {s.predicted_step_ms:.1f} ms | plan {s.plan_ms:.1f} ms"
                           f" (waited {s.plan_wait_ms:.1f})")
+            if s.params_norm is not None:
+                extra += f" | params norm {s.params_norm:.3f}"
+            if s.num_zeros_in_grad is not None:
+                extra += f" | num zeros {s.num_zeros_in_grad:.0f}"
             bub = " ".join(f"{b:.2f}" for b in s.bubble)
             self.info(f"iter {s.iteration:6d}/{self.args.train_iters} | loss {s.loss:.4f} | lr {s.lr:.3e} | "
                       f"grad-norm {s.grad_norm:.3f} | step {s.step_s * 1e3:.0f} ms | "
@@ -164,6 +173,9 @@ class RunLogger:
                                 ("pack-ms", s.pack_ms), ("plan-ms", s.plan_ms),
                                 ("peak-memory-mb", max(s.peak_memory_mb, default=0.0))):
                 self.tb.add_scalar(name, value, s.iteration)
+            for name, value in (("params-norm", s.params_norm), ("num-zeros", s.num_zeros_in_grad)):
+                if value is not None:
+                    self.tb.add_scalar(name, value, s.iteration)
             for i, (f, b) in enumerate(zip(s.stage_fwd_s, s.stage_bwd_s)):
                 self.tb.add_scalar(f"stage{i}/fwd-s", f, s.iteration)
                 self.tb.add_scalar(f"stage{i}/bwd-s", b, s.iteration)
@@ -172,6 +184,9 @@ class RunLogger:
         self.info(f"iter {iteration:6d} | validation loss {loss:.4f}")
         if self.tb is not None:
             self.tb.add_scalar("validation-loss", loss, iteration)
+            if self.args.log_validation_ppl_to_tensorboard:
+                # Megatron-LM's cap: exp(20) keeps an untrained model's perplexity finite
+                self.tb.add_scalar("validation-ppl", math.exp(min(20.0, loss)), iteration)
 
     def summary(self, preempted: bool) -> dict:
         steps = self.steps
@@ -187,6 +202,8 @@ class RunLogger:
             "last_loss": steps[-1].loss if steps else None,
             "losses": [s.loss for s in steps],
             "grad_norms": [s.grad_norm for s in steps],
+            "params_norms": [s.params_norm for s in steps] if self.args.log_params_norm else None,
+            "num_zeros_in_grad": [s.num_zeros_in_grad for s in steps] if self.args.log_num_zeros_in_grad else None,
             "preempted": preempted,
         }
         out.update(self._balance_metrics())
@@ -224,7 +241,7 @@ class RunLogger:
 
         a = self.args
         head_dim = a.kv_channels or a.hidden_size // a.num_attention_heads
-        return attention_backend_choice(self.sb.attention, self.sb.parallel, head_dim, self.sb.model.bf16)
+        return attention_backend_choice(self.sb.attention, self.sb.parallel, head_dim, self.sb.predictor.bf16)
 
     def _balance_metrics(self) -> dict:
         """The evaluation tool's metrics (see pretrain_gpt.py --summary-json). Timing

@@ -12,7 +12,7 @@ from __future__ import annotations
 from sparsebalance.config import (
     AttentionConfig,
     DSTConfig,
-    ModelConfig,
+    ModelShape,
     PackingConfig,
     ParallelConfig,
     PredictorConfig,
@@ -38,20 +38,25 @@ def parallel_config(args) -> ParallelConfig:
                           cp=getattr(args, "context_parallel_size", 1) or 1, cpu=use_cpu(args))
 
 
-def model_config(args, vocab_size: int) -> ModelConfig:
-    """The model's shape (``vocab_size``: the padded vocabulary)."""
-    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads,
-                       num_query_groups=args.num_query_groups or args.num_attention_heads,
-                       ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-                       vocab_size=vocab_size, swiglu=bool(args.swiglu), seq_length=args.seq_length,
-                       normalization=args.normalization, bf16=bool(args.bf16))
+def model_config(args, vocab_size: int) -> ModelShape:
+    """The model's shape (``vocab_size``: the padded vocabulary) with the attention's
+    routing block size and static budget (None: dense)."""
+    return ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads,
+                      num_query_groups=args.num_query_groups or args.num_attention_heads,
+                      kv_channels=getattr(args, "kv_channels", None),
+                      ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+                      vocab_size=vocab_size, swiglu=bool(args.swiglu), block_size=args.sb_block_size,
+                      topk=args.sb_topk if args.sparse_attention else None)
 
 
 def predictor_config(args) -> PredictorConfig:
-    """``--sb-profile``, ``--sb-cost-model``, ``--sb-allow-stale-profile``."""
+    """``--sb-profile``, ``--sb-cost-model``, ``--sb-allow-stale-profile``, and the run's
+    ``--seq-length``, ``--normalization`` and ``--bf16`` a profile must match."""
     return PredictorConfig(profile=args.sb_profile, cost_model=args.sb_cost_model,
-                           allow_stale_profile=bool(args.sb_allow_stale_profile))
+                           allow_stale_profile=bool(args.sb_allow_stale_profile),
+                           seq_length=args.seq_length, normalization=args.normalization,
+                           bf16=bool(args.bf16))
 
 
 def build_predictor(args, vocab_size: int, warn=None):

@@ -127,6 +127,10 @@ class StepResult:
     """Loss tokens behind ``loss_sum``."""
     grad_norm: Optional[float] = None
     """Global grad norm before clipping (None in evaluation)."""
+    num_zeros_in_grad: Optional[float] = None
+    """Zeros in the step's gradients, whole model (``--log-num-zeros-in-grad``; else None)."""
+    params_norm: Optional[float] = None
+    """L2 norm of the parameters after the update, whole model (``--log-params-norm``; else None)."""
     skipped: bool = False
     """Optimizer skipped the update (inf/nan grads)."""
     stage_times: Dict[str, List[float]] = field(default_factory=dict)
@@ -160,6 +164,25 @@ def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool
     return StepResult(loss_sum=loss_sum, loss_tokens=loss_tokens)
 
 
+def params_l2_norm(model) -> float:
+    """L2 norm of the whole model's parameters (Megatron-LM's ``--log-params-norm``): each
+    rank sums the squares of its parameters that are neither shared copies (the tied output
+    embedding of the last stage) nor tensor-parallel duplicates, in float64, and the sums
+    are added over the model-parallel group (TP x PP), so every layout reports one norm."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    params = [p for chunk in model for p in chunk.parameters()
+              if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    device = params[0].device if params else torch.device("cpu")  # NCCL sums CUDA tensors
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for p in params:
+        total += p.detach().double().square().sum()
+    torch.distributed.all_reduce(total, group=ps.get_model_parallel_group())
+    return float(total.item()) ** 0.5
+
+
 def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) -> StepResult:
     """Zero grads, run the schedule, finalize grads, Adam step, LR step."""
     from megatron.training.initialize import use_cpu
@@ -170,9 +193,12 @@ def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) 
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     result = run_schedule(args, model, batches, forward_only=False)
-    update_ok, grad_norm, _ = optimizer.step()
+    update_ok, grad_norm, num_zeros = optimizer.step()
     scheduler.step(increment=1)
     result.grad_norm = grad_norm
+    result.num_zeros_in_grad = num_zeros
+    if args.log_params_norm:
+        result.params_norm = params_l2_norm(model)
     result.skipped = not update_ok
     result.stage_times = timers.pop()
     result.attention_records = runtime.pop_records()

@@ -306,6 +306,8 @@ def _step_log(args, attention, iteration: int, lr: float, step_s: float, batches
         loss=gathered.loss(),
         lr=lr,
         grad_norm=float(result.grad_norm or 0.0),
+        params_norm=result.params_norm,
+        num_zeros_in_grad=None if result.num_zeros_in_grad is None else float(result.num_zeros_in_grad),
         step_s=step_s,
         tokens=batches.global_tokens,
         stage_fwd_s=gathered.stage_times("fwd_s"),
@@ -400,7 +402,7 @@ def _static_density(attention, batches) -> Optional[float]:
     DST's retained attention is compared with, on the same documents)."""
     if not attention.sparse or batches.packing is None:
         return None
-    from sparsebalance.attention.routing import density
+    from sparsebalance.pairs import density
 
     return density([n for rank in batches.lengths for mb in rank for n in mb], attention.topk,
                    attention.block_size)

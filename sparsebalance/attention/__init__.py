@@ -1,4 +1,4 @@
-"""SparseBalance: attention (routing counts, dense and sparse core_attention modules).
+"""SparseBalance: attention (dense and sparse core_attention modules, their spec).
 
 Import-light on purpose: megatron-core is only imported when a module class or
 spec builder is first used (``from sparsebalance.attention import SparseAttention``).

@@ -228,11 +228,11 @@ def sparse_attention_local(q_local, query, k_full, v_full, layout: CPLayout, gro
     Returns:
         ``(out [n, H, D], kept_pairs)`` with kept pairs of this rank's queries (all heads).
     """
-    from sparsebalance.ops.backends import plan_kernel, resolve_backend
+    from sparsebalance.ops.backends import plan_kernel, rule_backend
     from sparsebalance.ops.plan import build_plan, restrict_plan
     from sparsebalance.ops.reference import reference_sparse_attention
 
-    name = resolve_backend(backend, q_local.device)
+    name = rule_backend(backend, q_local.device)
     H, D = q_local.shape[1], q_local.shape[2]
     T = k_full.shape[0]
     q_full = q_local.new_zeros((T, H, D)).index_copy(0, layout.local_pos, q_local)

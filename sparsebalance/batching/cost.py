@@ -11,7 +11,7 @@ Two views of the same model:
   per-rank step time from the pipeline model.
 
 Densities: with block-level top-k routing the kept pairs of a document follow from
-its length (``sparsebalance.attention.routing``), which is what the predictor counts.
+its length (``sparsebalance.pairs``), which is what the predictor counts.
 A density estimator (any object with ``ratio(lengths, topk, doc_ids)``; the tests'
 ``tests/batching/density_estimator.py`` is one) can scale the attention part of each
 document's cost by an observed (achieved / modelled) ratio, for routings whose kept
@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from sparsebalance.attention.routing import kept_pairs
+from sparsebalance.pairs import kept_pairs
 from sparsebalance.pipeline import step_ms
 
 _PHASES = ("fwd", "bwd")

@@ -5,6 +5,7 @@ backends in :data:`BACKENDS` (reference, cpu, triton, cuda, flex). Importing thi
 package never needs the compiled extensions or Triton.
 """
 
+from sparsebalance.ops.autoselect import resolve_backend
 from sparsebalance.ops.backends import (
     BACKENDS,
     HAS_CPU_EXT,
@@ -13,7 +14,6 @@ from sparsebalance.ops.backends import (
     HAS_TRITON,
     is_available,
     override_backend,
-    resolve_backend,
 )
 from sparsebalance.ops.interface import sparse_attention
 from sparsebalance.ops.plan import RoutingPlan, build_plan

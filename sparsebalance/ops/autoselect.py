@@ -8,11 +8,15 @@ one fixed shape (:data:`MEASURE_SHAPE`, fwd+bwd, routing included). The fastest 
 one wins. The choice, the reason and the timings are cached in a JSON file
 (:func:`cache_path`, written atomically) and in the process, so a key is measured once
 per machine. ``SPARSEBALANCE_AUTO_MEASURE=0`` skips the measurement and keeps the rule
-of :func:`~sparsebalance.ops.backends.resolve_backend` (triton > cuda). CPU tensors keep
+of :func:`~sparsebalance.ops.backends.rule_backend` (triton > cuda). CPU tensors keep
 that rule too (cpu > reference), so CPU results never depend on a measurement.
 
 The driver logs and records :func:`auto_choice`'s dict:
 ``{"backend", "reason", "timings_ms", "failed", "key", "source"}``.
+
+Layering: this module sits between the registry (:mod:`~sparsebalance.ops.backends`, whose
+backends it verifies and times directly) and :mod:`~sparsebalance.ops.interface` (whose
+:func:`resolve_backend` call it answers); it imports nothing above it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ import time
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+
+from sparsebalance.ops import backends
+from sparsebalance.ops.backends import is_available, kept_density, rule_backend, run_backend
+from sparsebalance.ops.plan import routing_rule
+from sparsebalance.pairs import density as exact_density
 
 CANDIDATES = ("fa4", "flex", "triton", "cuda")
 """Backends ``auto`` may pick on CUDA."""
@@ -94,9 +103,15 @@ def _write_cache(path: str, key: str, entry: dict) -> None:
     atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
-def _verify_on(device, head_dim, block_size, dtype) -> Callable[[str], Tuple[bool, str]]:
-    from sparsebalance.ops.interface import sparse_attention
+def _attend(q, k, v, cu, topk, block_size, name):
+    """``sparse_attention(..., backend=name)`` for a named backend on checked inputs:
+    ``(out, density)`` (the interface is above this module)."""
+    with routing_rule(None):
+        out, kept = run_backend(rule_backend(name, q.device), q, k, v, cu, topk, block_size)
+    return out, kept_density(kept, cu, q.shape[1])
 
+
+def _verify_on(device, head_dim, block_size, dtype) -> Callable[[str], Tuple[bool, str]]:
     g = torch.Generator().manual_seed(0)
     lens = [3 * block_size + 5, block_size // 2 + 1, 6 * block_size]
     T = sum(lens)
@@ -106,9 +121,7 @@ def _verify_on(device, head_dim, block_size, dtype) -> Callable[[str], Tuple[boo
 
     def run(name, xs, dev):
         xs = [x.to(dev, dtype if name != "truth" else torch.float32).requires_grad_() for x in xs]
-        out, dens = sparse_attention(*xs, cu, topk=2, block_size=block_size,
-                                     backend="reference" if name == "truth" else name,
-                                     return_density=True)
+        out, dens = _attend(*xs, cu, 2, block_size, "reference" if name == "truth" else name)
         grads = torch.autograd.grad(out, xs, dout.to(dev, out.dtype))
         return [t.detach().float().cpu() for t in (out, *grads)], dens
 
@@ -129,9 +142,6 @@ def _verify_on(device, head_dim, block_size, dtype) -> Callable[[str], Tuple[boo
 
 
 def _measure_on(device, head_dim, block_size, dtype) -> Callable[[str], float]:
-    from sparsebalance.attention.routing import density as exact_density
-    from sparsebalance.ops.interface import sparse_attention
-
     s = MEASURE_SHAPE
     T = s["tokens"]
     topk = min(range(T // block_size), key=lambda t: abs(exact_density([T], t, block_size) - s["density"]))
@@ -147,7 +157,7 @@ def _measure_on(device, head_dim, block_size, dtype) -> Callable[[str], float]:
         for i in range(s["reps"] + 1):  # the first run compiles / autotunes
             sync()
             t0 = time.perf_counter()
-            out = sparse_attention(q, k, v, cu, topk=topk, block_size=block_size, backend=name)
+            out, _ = _attend(q, k, v, cu, topk, block_size, name)
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
             sync()
             if i:
@@ -167,13 +177,11 @@ def auto_choice(device: torch.device, head_dim: int, block_size: int, dtype: tor
     file) or ``memo`` (this process). ``verify`` / ``measure`` / ``device_name`` replace
     the real ones (tests).
     """
-    from sparsebalance.ops.backends import is_available, resolve_backend
-
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("SPARSEBALANCE_AUTO_MEASURE") == "0":
         why = ("CPU tensors: first available of cpu, reference" if device.type != "cuda" else
                "SPARSEBALANCE_AUTO_MEASURE=0: first available of triton, cuda")
-        return {"backend": resolve_backend("auto", device), "reason": why, "timings_ms": {},
+        return {"backend": rule_backend("auto", device), "reason": why, "timings_ms": {},
                 "failed": {}, "key": None, "source": "rule"}
     fast = (str(device), int(head_dim), int(block_size), dtype, device_name)
     if fast in _memo:  # every attention call of a training step lands here
@@ -193,7 +201,7 @@ def auto_choice(device: torch.device, head_dim: int, block_size: int, dtype: tor
                            measure or _measure_on(device, head_dim, block_size, dtype))
         source = "measured"
         if entry["backend"] is None:  # nothing verified: fall back to the rule, say so
-            entry["backend"] = resolve_backend("auto", device)
+            entry["backend"] = rule_backend("auto", device)
             entry["reason"] = f"rule fallback ({entry['reason']})"
         else:
             _write_cache(path, key, entry)
@@ -206,12 +214,23 @@ def backend_choice(name: str, device: torch.device, head_dim: int, block_size: i
     """What the driver logs and records for ``--sb-attention-backend name``: the backend
     that will run and why (``auto``: :func:`auto_choice`, or the test override; a name:
     itself, checked usable). Raises ValueError for an unknown or unusable name."""
-    from sparsebalance.ops import backends
-
     device = torch.device(device)
-    if name != "auto" or backends._override is not None:
-        got = backends.resolve_backend(name, device)
+    if name != "auto" or backends.overridden() is not None:
+        got = rule_backend(name, device)
         why = f"--sb-attention-backend {name}" if name != "auto" else "override_backend (tests)"
         return {"backend": got, "reason": why, "timings_ms": {}, "failed": {}, "key": None,
                 "source": "flag"}
     return auto_choice(device, head_dim, block_size, dtype)
+
+
+def resolve_backend(name: str, device: torch.device, head_dim: Optional[int] = None,
+                    block_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> str:
+    """Map a backend name (or "auto") to a registered, usable backend name.
+
+    With ``head_dim``, ``block_size`` and ``dtype`` given, "auto" on CUDA is the measured
+    choice of :func:`auto_choice`; without them, the rule (:func:`rule_backend`).
+    """
+    if (name == "auto" and backends.overridden() is None and device.type == "cuda"
+            and None not in (head_dim, block_size, dtype)):
+        return auto_choice(device, head_dim, block_size, dtype)["backend"]
+    return rule_backend(name, device)

@@ -2,10 +2,11 @@
 
 Every implementation has the signature
 ``impl(q, k, v, cu_seqlens, topk, block_size, scale) -> (out, kept_pairs)`` on
-validated inputs. ``"auto"`` here picks ``triton`` > ``cuda`` for CUDA tensors (by rule:
-on an H100 the Triton kernels ran far faster than the SIMT CUDA extension, see
-docs/gpu.md) and ``cpu`` > ``reference`` for CPU tensors; :func:`sparse_attention`
-refines CUDA's choice by measurement (:mod:`sparsebalance.ops.autoselect`). ``flex`` is
+validated inputs; :func:`run_backend` runs one by name. ``"auto"`` here is the rule
+(:func:`rule_backend`): ``triton`` > ``cuda`` for CUDA tensors (on an H100 the Triton
+kernels ran far faster than the SIMT CUDA extension, see docs/gpu.md) and ``cpu`` >
+``reference`` for CPU tensors; :mod:`sparsebalance.ops.autoselect`, one layer up,
+refines CUDA's choice by measurement. ``flex`` is
 PyTorch's FlexAttention fed the same plan (:mod:`sparsebalance.ops.flex`; forward only
 on the CPU); ``fa4`` is FlashAttention-4's block-sparse kernels fed the same plan
 (:mod:`sparsebalance.ops.fa4`; CUDA only, needs the optional ``flash-attn-4``). Tests
@@ -19,10 +20,11 @@ import importlib.util
 import os
 from typing import Callable, Iterator, Optional
 
+import numpy as np
 import torch
 
 from sparsebalance.ops import _ext
-from sparsebalance.ops.plan import build_plan
+from sparsebalance.ops.plan import build_plan, default_scale, host_cu
 from sparsebalance.ops.reference import reference_sparse_attention
 
 HAS_CPU_EXT = _ext.HAS_CPU_EXT
@@ -90,6 +92,8 @@ BACKENDS: dict[str, Callable] = {
     "fa4": _fa4,
 }
 
+FP16_BACKENDS = ("fa4", "reference")
+"""Backends that take float16 (the others: float32 and bfloat16)."""
 _override: Optional[str] = None
 
 
@@ -115,22 +119,15 @@ def is_available(name: str, device: torch.device) -> bool:
     return False
 
 
-def resolve_backend(name: str, device: torch.device, head_dim: Optional[int] = None,
-                    block_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> str:
-    """Map a backend name (or "auto") to a registered, usable backend name.
-
-    With ``head_dim``, ``block_size`` and ``dtype`` given, "auto" on CUDA is the measured
-    choice of :func:`sparsebalance.ops.autoselect.auto_choice`; without them, the rule.
-    """
+def rule_backend(name: str, device: torch.device) -> str:
+    """Map a backend name (or "auto") to a registered, usable backend name, by the rule
+    (the test override, else the first available of triton, cuda on CUDA, of cpu,
+    reference on the CPU); :func:`sparsebalance.ops.autoselect.resolve_backend` measures."""
     if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
     if name == "auto":
         if _override is not None:
             return _override
-        if device.type == "cuda" and None not in (head_dim, block_size, dtype):
-            from sparsebalance.ops.autoselect import auto_choice
-
-            return auto_choice(device, head_dim, block_size, dtype)["backend"]
         order = ("triton", "cuda") if device.type == "cuda" else ("cpu", "reference")
         return next((n for n in order if is_available(n, device)), "reference")
     if not is_available(name, device):
@@ -140,6 +137,33 @@ def resolve_backend(name: str, device: torch.device, head_dim: Optional[int] = N
                          + ("; install flash-attn-4: pip install -r requirements-gpu.txt" if name == "fa4"
                             and not HAS_FA4 else "") + ")")
     return name
+
+
+def overridden() -> Optional[str]:
+    """The backend :func:`override_backend` makes ``"auto"`` resolve to, or None."""
+    return _override
+
+
+def run_backend(name: str, q, k, v, cu_seqlens, topk, block_size: int,
+                softmax_scale: Optional[float] = None):
+    """Run the usable backend ``name`` on validated inputs (shapes of
+    :func:`~sparsebalance.ops.interface.sparse_attention`): ``(out, kept pairs over heads)``.
+
+    Raises:
+        ValueError: float16 on a backend without it.
+    """
+    if q.dtype == torch.float16 and name not in FP16_BACKENDS:
+        raise ValueError(f"float16 runs on backends {', '.join(FP16_BACKENDS)} only, not {name!r}: "
+                         f"use bfloat16 or float32")
+    scale = default_scale(q.shape[2], softmax_scale)
+    return BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
+
+
+def kept_density(kept: int, cu_seqlens: torch.Tensor, heads: int) -> float:
+    """Kept (query, key) pairs over all heads / causal pairs of the documents (1.0 if none)."""
+    lens = np.diff(host_cu(cu_seqlens))
+    causal = int((lens * (lens + 1) // 2).sum()) * heads
+    return kept / causal if causal else 1.0
 
 
 @contextlib.contextmanager

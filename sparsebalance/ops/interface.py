@@ -6,15 +6,13 @@ import contextlib
 import math
 from typing import Optional, Union
 
-import numpy as np
 import torch
 
-from sparsebalance.ops.backends import BACKENDS, resolve_backend
-from sparsebalance.ops.plan import RoutingRule, collect_plans, default_scale, host_cu, routing_rule
+from sparsebalance.ops.autoselect import resolve_backend
+from sparsebalance.ops.backends import kept_density, run_backend
+from sparsebalance.ops.plan import RoutingRule, collect_plans, host_cu, routing_rule
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FP16_BACKENDS = ("fa4", "reference")
-"""Backends that take float16 (the others: float32 and bfloat16)."""
 
 
 def _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale) -> None:
@@ -121,16 +119,10 @@ def sparse_attention(
     _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale)
     rule = None if threshold is None else RoutingRule(threshold=float(threshold), topk_min=topk_min)
     name = resolve_backend(backend, q.device, q.shape[2], block_size, q.dtype)
-    if q.dtype == torch.float16 and name not in _FP16_BACKENDS:
-        raise ValueError(f"float16 runs on backends {', '.join(_FP16_BACKENDS)} only, not {name!r}: "
-                         f"use bfloat16 or float32")
-    scale = default_scale(q.shape[2], softmax_scale)
     with routing_rule(rule), (collect_plans() if return_doc_kept else contextlib.nullcontext([])) as plans:
-        out, kept = BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
+        out, kept = run_backend(name, q, k, v, cu_seqlens, topk, block_size, softmax_scale)
     doc_kept = plans[0].doc_kept if len(plans) == 1 else None
     if not return_density:
         return (out, doc_kept) if return_doc_kept else out
-    lens = np.diff(host_cu(cu_seqlens))
-    causal = int((lens * (lens + 1) // 2).sum()) * q.shape[1]
-    density = kept / causal if causal else 1.0
+    density = kept_density(kept, cu_seqlens, q.shape[1])
     return (out, density, doc_kept) if return_doc_kept else (out, density)

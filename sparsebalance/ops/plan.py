@@ -205,7 +205,7 @@ def host_cu(cu_seqlens: torch.Tensor) -> np.ndarray:
     return _host_cu.get(cu_seqlens, None, copy)
 
 
-def _per_doc_topk(topk: TopK, n_docs: int) -> torch.Tensor:
+def per_doc_topk(topk: TopK, n_docs: int) -> torch.Tensor:
     """topk as an int64 CPU tensor of one value per document."""
     if isinstance(topk, torch.Tensor):
         t = topk.detach().to("cpu", torch.int64).reshape(-1)
@@ -541,7 +541,7 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
     # Per-block metadata is O(blocks): numpy on the host, from cu_seqlens.
     starts, lens = cu[:-1], np.diff(cu)
     n_docs = len(lens)
-    kd = _per_doc_topk(topk, n_docs).numpy()
+    kd = per_doc_topk(topk, n_docs).numpy()
     nb = (lens + B - 1) // B  # blocks per document
     NB = int(nb.sum())
     doc_of = np.repeat(np.arange(n_docs), nb)

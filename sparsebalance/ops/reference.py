@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from sparsebalance.ops.plan import TopK, _per_doc_topk, current_rule
+from sparsebalance.ops.plan import TopK, current_rule, per_doc_topk
 
 
 def _doc_mask(qd: torch.Tensor, kd: torch.Tensor, topk: int, B: int, Bq: int, scale: float) -> torch.Tensor:
@@ -102,7 +102,7 @@ def reference_sparse_attention(
     rep = H // k.shape[1]
     Bq = block_size if query_block_size is None else int(query_block_size)
     bounds = cu_seqlens.detach().to("cpu", torch.int64).tolist()
-    kd = _per_doc_topk(topk, len(bounds) - 1)
+    kd = per_doc_topk(topk, len(bounds) - 1)
     outs, kept = [], 0
     for d, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
         if e <= s:

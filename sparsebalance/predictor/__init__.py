@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from sparsebalance.config import ModelShape
 from sparsebalance.predictor.analytic import AnalyticPredictor
 from sparsebalance.predictor.base import LatencyPredictor
-from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.context_parallel import LINKS, ContextParallel, Link
 from sparsebalance.predictor.recalibration import Recalibrator
 

@@ -31,7 +31,7 @@ length L (../shared/data/README.md), attention / MLP in ms::
    micro-batch vs micro-batch), which this does not change; the absolute scale on a
    real cluster is corrected by online recalibration.
 4. Sparse budgets. The attention pair term counts *kept* pairs
-   (``sparsebalance.attention.routing.kept_pairs``), i.e. we assume the block-sparse
+   (``sparsebalance.pairs.kept_pairs``), i.e. we assume the block-sparse
    kernel runs at the dense kernel's time per pair (MoBA-style kernels built on
    FlashAttention's varlen path do, to first order).
 5. Backward. Linear layers: 2x forward (input-gradient and weight-gradient GEMMs).
@@ -50,9 +50,9 @@ from typing import Optional
 
 import numpy as np
 
-from sparsebalance.attention.routing import causal_pairs, kept_pairs
+from sparsebalance.config import ModelShape
+from sparsebalance.pairs import causal_pairs, kept_pairs
 from sparsebalance.predictor.base import LatencyPredictor
-from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.recalibration import Recalibrator
 
 # ByteScale, per-layer forward ms on H100 (see module docstring).

@@ -33,7 +33,7 @@ from typing import Optional
 
 import numpy as np
 
-from sparsebalance.predictor.config import ModelShape
+from sparsebalance.config import ModelShape
 from sparsebalance.predictor.context_parallel import ContextParallel, rank_kept_pairs
 from sparsebalance.predictor.recalibration import Recalibrator
 

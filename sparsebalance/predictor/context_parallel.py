@@ -124,7 +124,7 @@ class ContextParallel:
 
 def _prefix_kept(x: np.ndarray, K: Optional[int], B: int) -> np.ndarray:
     """Kept (query, key) pairs of the queries at positions ``< x`` of a document
-    (block top-k routing of ``sparsebalance.attention.routing``: a query in block q
+    (block top-k routing of ``sparsebalance.pairs``: a query in block q
     keeps its own block up to itself plus ``min(q, K)`` earlier full blocks, K = top-k
     + 1 counting the sink; K None = dense)."""
     x = np.asarray(x, dtype=np.int64)

@@ -5,7 +5,7 @@ One transformer layer, for a micro-batch with documents ``L_1..L_n`` at budget k
     t(phase) = a_k * sum_i kept_pairs(L_i, k, B) + b * sum_i L_i + d_k * n + c
 
 ``kept_pairs`` is the exact per-head count of the routing rules
-(``sparsebalance.attention.routing``), never an estimate. ``a_k, d_k`` are
+(``sparsebalance.pairs``), never an estimate. ``a_k, d_k`` are
 ``a_sparse, d_sparse`` for an integer budget and ``a_dense, d_dense`` for
 ``k = None``: a None budget runs the dense kernel (SDPA, one call per document),
 whose time per pair and per document differ from the block-sparse kernel's (one
@@ -27,9 +27,9 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from sparsebalance.attention.routing import kept_pairs
+from sparsebalance.config import ModelShape
+from sparsebalance.pairs import kept_pairs
 from sparsebalance.predictor.base import PHASES, LatencyPredictor
-from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.fitting import relative_nnls
 from sparsebalance.predictor.recalibration import Recalibrator
 

@@ -31,8 +31,8 @@ from typing import Any, Optional
 
 import torch
 
+from sparsebalance.config import ModelShape
 from sparsebalance.io import atomic_write_text
-from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.fitted import FittedPredictor, fit_coefficients
 from sparsebalance.predictor.recalibration import Recalibrator
 

@@ -4,7 +4,7 @@ For every (replica, micro-batch, virtual stage) and every allowed budget: forwar
 and backward time from ``LatencyPredictor`` (``layers_of(stage) * layer_ms +
 extras_ms``, times the predictor's online correction for that stage and phase,
 i.e. exactly ``stage_ms``), and retained attention = layers of the stage x kept
-(query, key) pairs of block top-k routing (``sparsebalance.attention.routing``).
+(query, key) pairs of block top-k routing (``sparsebalance.pairs``).
 For the interleaved schedule the model is split into ``pp * vpp`` chunks and
 stage ``j = v * pp + rank`` is chunk ``j``. Under context parallelism
 (``predictor.set_context_parallel``) the op times are those of the slowest rank of
@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..attention.routing import kept_pairs
+from ..pairs import kept_pairs
 from .instance import Instance
 
 

@@ -8,7 +8,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
+from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 
 def test_sparse_gpt_trains_under_pp2(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsebalance import runtime
-from sparsebalance.attention.routing import kept_pairs
+from sparsebalance.pairs import kept_pairs
 
 
 def _config(**kw):

@@ -3,7 +3,7 @@
 What it is for, honestly: with the project's block-level top-k routing (and with
 MoBA's per-token routing, which keeps the same number of blocks per query) the kept
 (query, key) pairs of a document follow exactly from its length, the block size and
-the budget (``sparsebalance.attention.routing.kept_pairs``); the predictor already
+the budget (``sparsebalance.pairs.kept_pairs``); the predictor already
 counts them, so for those kernels this estimator learns a ratio of 1.0 and adds
 nothing but a check. It matters for routings whose kept count depends on the data
 (threshold / top-p block selection, per-head budgets, early-exit kernels), where the
@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from sparsebalance.attention.routing import kept_pairs
+from sparsebalance.pairs import kept_pairs
 
 
 @dataclass

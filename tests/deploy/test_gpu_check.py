@@ -26,6 +26,9 @@ def _tool():
 
 
 gc = _tool()
+from tools.harness.gpu import bench as gb  # noqa: E402  (gpu_check put the repository on sys.path)
+from tools.harness.gpu import checks as gk  # noqa: E402
+from tools.harness.gpu import proc as gp  # noqa: E402
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA path")
@@ -84,7 +87,7 @@ def test_report_files(tmp_path):
 
 
 def test_bench_grid_and_flops():
-    pts = gc.bench_points([16384, 65536])
+    pts = gb.bench_points([16384, 65536])
     # fa4 runs block 128 only, and adds the 0.5B preset's shape after the target
     assert len(pts) == 3 * 2 * 2 * 3 + 2 * 3 + 1
     assert pts[0]["backend"] == "fa4" and pts[-1]["backend"] == "cuda"
@@ -101,8 +104,8 @@ def test_bench_grid_and_flops():
                                          (65536, 64, 0.12), (65536, 64, 0.05), (65536, 64, 0.25),
                                          (16384, 128, 0.12)]
     assert sorted(map(key, pts[:12])) == sorted(map(key, pts[12:24]))  # same grid per backend
-    assert [p["backend"] for p in gc.bench_points([16384], ["cuda"])] == ["cuda"] * 6
-    from sparsebalance.attention.routing import density
+    assert [p["backend"] for p in gb.bench_points([16384], ["cuda"])] == ["cuda"] * 6
+    from sparsebalance.pairs import density
 
     for p in pts:  # the chosen top-k lands near the density asked for
         got = density([p["seq_len"]], p["topk"], p["block"])
@@ -110,13 +113,13 @@ def test_bench_grid_and_flops():
     res = {"density": 0.5, "seq_len": 1000, "heads": 2, "head_dim": 64,
            "sparse_fwd_ms": 1.0, "sparse_ms": 3.5}
     pairs = 0.5 * 1000 * 1001 / 2 * 2
-    f = gc.kept_tflops(res)
+    f = gb.kept_tflops(res)
     assert f["fwd_tflops"] == pytest.approx(4 * pairs * 64 / 1e-3 / 1e12)
     assert f["fwd_bwd_tflops"] == pytest.approx(f["fwd_tflops"])  # 3.5x the work in 3.5x the time
 
 
 def test_cuda_test_modules_are_found():
-    mods = gc.cuda_test_modules()
+    mods = gk.cuda_test_modules()
     assert os.path.join("tests", "ops", "test_gpu_backends.py") in mods
     assert os.path.join("tests", "ops", "test_flex_gpu.py") in mods
     assert os.path.join("tests", "ops", "test_flex_backend.py") not in mods  # CPU tests
@@ -194,7 +197,7 @@ def test_bench_reps_argument():
 
 
 def test_bench_worker_keeps_going_after_a_failed_point(tmp_path, capsys):
-    pts = gc.bench_points([16384], ["cuda"])[:4]
+    pts = gb.bench_points([16384], ["cuda"])[:4]
     (tmp_path / "pts.json").write_text(json.dumps(pts))
     out = tmp_path / "out.jsonl"
     calls = []
@@ -213,13 +216,13 @@ def test_bench_worker_keeps_going_after_a_failed_point(tmp_path, capsys):
             json.dump(_res(pts[i]), fh)
         return 0
 
-    assert gc.bench_worker(str(tmp_path / "pts.json"), str(out), reps=5, bench_main=fake_main) == 0
+    assert gb.bench_worker(str(tmp_path / "pts.json"), str(out), reps=5, bench_main=fake_main) == 0
     assert len(calls) == 4
     assert calls[0][:calls[0].index("--out")] == [
         "--seq-len", "16384", "--heads", "16", "--kv-heads", "2", "--head-dim", "128",
         "--block-size", "128", "--topk", str(pts[0]["topk"]), "--backend", "cuda", "--dtype", "bf16",
         "--reps", "5", "--json"]
-    lines = gc.read_worker_lines(str(out))
+    lines = gb.read_worker_lines(str(out))
     assert [x["point"] for x in lines] == pts
     assert lines[0]["result"] == _res(pts[0]) and lines[3]["result"] == _res(pts[3])
     assert lines[1]["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 8 GiB"
@@ -233,9 +236,9 @@ def test_bench_worker_runs_bench_attention_in_one_process(tmp_path):
     """The real worker process on CPU: bench_attention.py's main per point (the dry run's
     small layer, which the points name), a bad point recorded as an error and the next one
     still run."""
-    pts = [dict(backend="cpu", seq_len=1024, block=64, density=0.4, topk=2, **gc.DRY_RUN_BENCH_SHAPE),
-           dict(backend="cpu", seq_len=1024, block=0, density=0.4, topk=2, **gc.DRY_RUN_BENCH_SHAPE),
-           dict(backend="cpu", seq_len=1024, block=128, density=0.5, topk=1, **gc.DRY_RUN_BENCH_SHAPE)]
+    pts = [dict(backend="cpu", seq_len=1024, block=64, density=0.4, topk=2, **gb.DRY_RUN_BENCH_SHAPE),
+           dict(backend="cpu", seq_len=1024, block=0, density=0.4, topk=2, **gb.DRY_RUN_BENCH_SHAPE),
+           dict(backend="cpu", seq_len=1024, block=128, density=0.5, topk=1, **gb.DRY_RUN_BENCH_SHAPE)]
     (tmp_path / "pts.json").write_text(json.dumps(pts))
     out = tmp_path / "out.jsonl"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--bench-worker",
@@ -243,14 +246,14 @@ def test_bench_worker_runs_bench_attention_in_one_process(tmp_path):
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="2"))
     assert proc.returncode == 0, proc.stderr
-    lines = gc.read_worker_lines(str(out))
+    lines = gb.read_worker_lines(str(out))
     assert [x["point"] for x in lines] == pts
     assert lines[0]["result"]["block_size"] == 64 and lines[0]["result"]["reps"] == 1
     assert lines[0]["result"]["dtype"] == "bf16" and lines[0]["result"]["kv_heads"] == 2
     assert (lines[0]["result"]["heads"], lines[0]["result"]["head_dim"]) == (4, 64)  # the points' own shape
     assert "exit code 2" in lines[1]["error"] and "block-size" in lines[1]["error"]
     assert lines[2]["result"]["block_size"] == 128
-    rows, failed = gc.collect_backend(pts, lines, subprocess.CompletedProcess([], 0, "", ""))
+    rows, failed = gb.collect_backend(pts, lines, subprocess.CompletedProcess([], 0, "", ""))
     assert [r["block"] for r in rows] == [64, 128] and len(failed) == 1
 
 
@@ -277,8 +280,8 @@ def test_bench_keeps_finished_points_when_a_worker_dies(monkeypatch):
             return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout:.0f} s")
         return subprocess.CompletedProcess(cmd, -11, "", "warming up\nFatal Python error: Segmentation fault")
 
-    monkeypatch.setattr(gc, "_run", fake_run)
-    part = gc.part_bench(a, 300.0)
+    monkeypatch.setattr(gp, "run", fake_run)
+    part = gb.part_bench(a, 300.0)
     assert [(b, n) for b, n, _ in seen] == [("triton", 6), ("cuda", 6)]
     assert seen[0][2] == pytest.approx(150.0, abs=1.0)  # half of what is left, two backends to go
     assert seen[1][2] == pytest.approx(300.0, abs=1.0)  # the first gave its time back at once
@@ -308,8 +311,8 @@ def test_bench_no_time_left_and_all_points_passing(monkeypatch):
                 fh.write(json.dumps({"point": pt, "result": _res(pt, sparse_ms=20.0 * pt["density"])}) + "\n")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(gc, "_run", fake_run)
-    part = gc.part_bench(a, 100.0)
+    monkeypatch.setattr(gp, "run", fake_run)
+    part = gb.part_bench(a, 100.0)
     assert part.passed and len(part.data["rows"]) == 12 and part.data["failed"] == []
     assert part.data["best_efficiency_64k_b128"] == {"cuda": pytest.approx(2.0), "triton": pytest.approx(2.0)}
     # 64K / block 128 of both backends first, then the rest (block 64) of both
@@ -317,7 +320,7 @@ def test_bench_no_time_left_and_all_points_passing(monkeypatch):
         ("cuda", 128), ("triton", 128), ("cuda", 64), ("triton", 64)]
     # 30 s left: the first-tier shares (10 s, then 15 s) and cuda's second-tier share
     # (15 s) are below the 20 s a worker needs; the last worker gets all 30 s.
-    short = gc.part_bench(a, 30.0)
+    short = gb.part_bench(a, 30.0)
     assert not short.passed and [(r["backend"], r["block"]) for r in short.data["rows"]] == [("triton", 64)] * 3
     assert short.data["failed"][0] == "cuda 65536/128/0.12: no time left" and len(short.data["failed"]) == 9
     assert short.detail.startswith("3 points, 9 failed")
@@ -340,12 +343,12 @@ def test_bench_first_tier_shares_leave_one_share_to_the_second(monkeypatch):
                 fh.write(json.dumps({"point": pt, "result": _res(pt)}) + "\n")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(gc, "_run", fake_run)
-    part = gc.part_bench(a, 240.0)
+    monkeypatch.setattr(gp, "run", fake_run)
+    part = gb.part_bench(a, 240.0)
     assert part.passed
     assert seen == [("flex", 128, 3, 60), ("triton", 128, 3, 80), ("cuda", 128, 3, 120),
                     ("flex", 64, 3, 80), ("triton", 64, 3, 120), ("cuda", 64, 3, 240)]
-    workers = gc.bench_workers(gc.bench_points([16384, 65536], ["flex"]), ["flex"])
+    workers = gb.bench_workers(gb.bench_points([16384, 65536], ["flex"]), ["flex"])
     assert [(t, len(p)) for t, p in workers] == [(True, 3), (False, 9)]
     assert workers[0][1][0]["density"] == 0.12  # the target point first
 
@@ -368,9 +371,9 @@ def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):
                      f'<testcase classname="{mod}" name="t2"/></testsuite>')
         return subprocess.CompletedProcess(cmd, 0, "2 passed in 1.0s\n", "")
 
-    monkeypatch.setattr(gc, "_run", fake_run)
-    mods = gc.cuda_test_modules()
-    part = gc.part_tests(SimpleNamespace(work=str(tmp_path)), 300.0)
+    monkeypatch.setattr(gp, "run", fake_run)
+    mods = gk.cuda_test_modules()
+    part = gk.part_tests(SimpleNamespace(work=str(tmp_path)), 300.0)
     assert [c[0][-1] for c in calls] == mods and len(mods) >= 3
     assert all(c[2] == {"SPARSEBALANCE_TRITON_AUTOTUNE": "0"} and "pytest" in c[0] for c in calls)
     assert calls[0][1] == pytest.approx(300.0 - 45.0 * (len(mods) - 1), abs=1.0)
@@ -385,7 +388,7 @@ def test_tests_part_turns_triton_autotuning_off(monkeypatch, tmp_path):
     assert part.data["per_module"][0].endswith(f"timed out after {calls[0][1]:.0f} s (1 passed, 1 failed "
                                                "before the cut)")
     assert part.data["per_module"][1].endswith(": 2 passed in 1.0s")
-    assert gc.stdout_summary("no tests ran\n", "m") == {}
+    assert gk.stdout_summary("no tests ran\n", "m") == {}
 
 
 
@@ -518,12 +521,12 @@ def test_junit_summary(tmp_path):
                    '<testcase classname="tests.ops.test_gpu_backends" name="test_c"><skipped/></testcase>'
                    '<testcase classname="" name="tests/ops/test_x.py"><skipped/></testcase>'
                    '</testsuite></testsuites>')
-    got = gc.junit_summary(str(xml), "tests/ops/test_x.py")
+    got = gk.junit_summary(str(xml), "tests/ops/test_x.py")
     assert got["by_module"] == {"tests.ops.test_flex_gpu": {"passed": 1, "failed": 1, "skipped": 0},
                                 "tests.ops.test_gpu_backends": {"passed": 0, "failed": 0, "skipped": 1},
                                 "tests/ops/test_x.py": {"passed": 0, "failed": 0, "skipped": 1}}
     assert got["failed_tests"] == ["tests.ops.test_flex_gpu::test_b"]
-    assert gc.junit_summary(str(tmp_path / "none.xml")) == {}
+    assert gk.junit_summary(str(tmp_path / "none.xml")) == {}
 
 
 def _fake_driver(calls, tps, mape=0.03):
@@ -557,7 +560,7 @@ def _fake_driver(calls, tps, mape=0.03):
 
 def test_train_and_profile_use_the_bench_best_backend(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(gc, "_run", _fake_driver(calls, lambda sparse, n: (3e4 if sparse else 1e4) * 32768 / n))
+    monkeypatch.setattr(gp, "run", _fake_driver(calls, lambda sparse, n: (3e4 if sparse else 1e4) * 32768 / n))
     a = SimpleNamespace(out=str(tmp_path), work=str(tmp_path / "work"), repo=REPO, dry_run=False,
                         lengths="gpudata/prolong.json",
                         train_seq_lens=[32768, 65536], parts=["train", "profile"], budget_s=900.0,
@@ -599,7 +602,7 @@ def test_train_fails_when_a_run_breaks_and_accuracy_needs_time(monkeypatch, tmp_
             return subprocess.CompletedProcess(cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory")
         return good(cmd, timeout, env)
 
-    monkeypatch.setattr(gc, "_run", run)
+    monkeypatch.setattr(gp, "run", run)
     a = SimpleNamespace(out=str(tmp_path), work=str(tmp_path / "work"), repo=REPO, dry_run=False, lengths="prolong",
                         train_seq_lens=[65536], done=[])
     part = gc.RUNNERS["train"](a, 600.0)
@@ -625,7 +628,7 @@ def test_dry_run_on_the_cpu_writes_the_report(tmp_path):
         ("deps", "pass"), ("build", "pass"), ("bench", "pass"), ("accuracy", "skip")]
     rows = doc["parts"][2]["data"]["rows"]
     assert len(rows) == 6 and {r["backend"] for r in rows} == {"cpu"} and all(r["seq_len"] == 1024 for r in rows)
-    assert all({k: r[k] for k in gc.DRY_RUN_BENCH_SHAPE} == gc.DRY_RUN_BENCH_SHAPE for r in rows)
+    assert all({k: r[k] for k in gb.DRY_RUN_BENCH_SHAPE} == gb.DRY_RUN_BENCH_SHAPE for r in rows)
     assert [t["target"] for t in doc["targets"]][:2] == ["every GPU test passes", "best backend efficiency"]
     md = (out / "gpu_check.md").read_text()
     assert "**Dry run**" in md and "## Targets" in md and "| cpu | 1024 |" in md
@@ -664,7 +667,7 @@ def test_bench_attention_picks_the_fastest_dense_kernel_that_runs(tmp_path):
     """--dense-backends: each SDPA kernel is timed, one that cannot run here (cuDNN on the
     CPU) is named with its error, the fastest is the baseline. flex cannot be benched on the CPU (no
     backward) and says so in one line."""
-    bench = gc._bench_main()
+    bench = gb._bench_main()
     out = tmp_path / "b.json"
     rc = bench(["--seq-len", "512", "--heads", "2", "--head-dim", "32", "--block-size", "64",
                 "--topk", "2", "--backend", "cpu", "--reps", "1", "--json", "--out", str(out),
@@ -688,11 +691,11 @@ def test_best_backend_comes_from_this_run_or_an_earlier_piece(tmp_path):
 
     bench = gc.Part("bench", True, data={"rows": [_row("triton", 0.3, 0.02), _row("flex", 0.5, 0.03),
                                                    _row("cuda", 0.9, 0.01, density=0.05)]})
-    assert gc.best_backend([bench]) == "flex"  # read at the target point, not the best anywhere
-    assert gc.best_backend([]) == "auto"
+    assert gb.best_backend([bench]) == "flex"  # read at the target point, not the best anywhere
+    assert gb.best_backend([]) == "auto"
     gc.write_report(str(tmp_path), [bench], "NVIDIA H200")
     earlier = gr.read_report(str(tmp_path), "NVIDIA H200")
-    assert gc.best_backend([gc.Part("deps", True)], earlier) == "flex"
+    assert gb.best_backend([gc.Part("deps", True)], earlier) == "flex"
     assert gr.read_report(str(tmp_path), "NVIDIA H100") is None
 
 

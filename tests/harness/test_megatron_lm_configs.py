@@ -13,7 +13,7 @@ TRAIN = """MODEL_ARGS:
   --use-mcore-models: true
   --no-load-rng: false
   --micro-batch-size: 4
-  --log-params-norm: true
+  --log-progress: true
   --moe-router-topk: 2
   --not-a-flag-anywhere: 3
 """

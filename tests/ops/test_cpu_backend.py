@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from _cases import CASES, expects_selection, make_inputs, run
 
-from sparsebalance.attention.routing import density as exact_density
 from sparsebalance.ops import HAS_CPU_EXT
+from sparsebalance.pairs import density as exact_density
 
 # `make test` builds the extension first, so a missing build is a failure, not a skip.
 assert HAS_CPU_EXT, "sparsebalance._C is not built: run `make build`"
@@ -14,7 +14,7 @@ assert HAS_CPU_EXT, "sparsebalance._C is not built: run `make build`"
 
 def _exact_density(lens, topk, B, H):
     if isinstance(topk, torch.Tensor):
-        from sparsebalance.attention.routing import causal_pairs, kept_pairs
+        from sparsebalance.pairs import causal_pairs, kept_pairs
 
         kept = sum(int(kept_pairs([L], int(k), B)[0]) for L, k in zip(lens, topk.tolist()))
         return kept / int(causal_pairs(lens).sum())
@@ -29,7 +29,7 @@ def test_cpu_matches_reference_fp32(name):
     got = run("cpu", q, k, v, cu, dout, topk, B)
     for what, a, b in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=lambda m: f"{what}: {m}")
-    # Both backends report the closed-form kept-pair count of sparsebalance.attention.routing.
+    # Both backends report the closed-form kept-pair count of sparsebalance.pairs.
     assert got[4] == pytest.approx(_exact_density(lens, topk, B, H), rel=1e-12)
     assert ref[4] == pytest.approx(got[4], rel=1e-12)
     assert (got[4] < 1.0) == expects_selection(lens, B, topk)

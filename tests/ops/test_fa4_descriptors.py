@@ -13,7 +13,7 @@ from _cases import descriptor_mask, make_inputs
 
 from sparsebalance.ops import fa4, resolve_backend, sparse_attention
 from sparsebalance.ops.flex import flex_layout
-from sparsebalance.ops.plan import _per_doc_topk, build_plan
+from sparsebalance.ops.plan import build_plan, per_doc_topk
 from sparsebalance.ops.reference import _doc_mask
 
 # name -> (doc lengths, H, Hkv, D, block_size, topk)
@@ -32,7 +32,7 @@ def _reference_buffer_mask(lens, q, k, topk, B, scale, layout):
     H, rep = q.shape[1], q.shape[1] // k.shape[1]
     rows = layout.padded_tokens
     want = torch.zeros((H, rows, rows), dtype=torch.bool)
-    kd = _per_doc_topk(topk, len(lens))
+    kd = per_doc_topk(topk, len(lens))
     s = 0
     for d, L in enumerate(lens):
         m = _doc_mask(q[s:s + L], k[s:s + L].repeat_interleave(rep, dim=1), int(kd[d]), B, B, scale)

@@ -6,9 +6,9 @@ import torch
 from _cases import make_inputs
 
 import sparsebalance.ops.plan as plan_mod
-from sparsebalance.attention.routing import kept_pairs
-from sparsebalance.ops.plan import _per_doc_topk, _select_rows, build_plan, reverse_index, select_topk
+from sparsebalance.ops.plan import _select_rows, build_plan, per_doc_topk, reverse_index, select_topk
 from sparsebalance.ops.reference import _doc_mask
+from sparsebalance.pairs import kept_pairs
 
 LENS = [1, 63, 64, 65, 300, 1000, 17]
 
@@ -167,7 +167,7 @@ def _reference_plan(q, k, cu_seqlens, topk, B, scale):
     cu = cu_seqlens.to(torch.int64)
     starts, lens = cu[:-1], cu[1:] - cu[:-1]
     n_docs = lens.numel()
-    kd = _per_doc_topk(topk, n_docs)
+    kd = per_doc_topk(topk, n_docs)
     nb = (lens + B - 1) // B
     NB = int(nb.sum())
     doc_of = torch.repeat_interleave(torch.arange(n_docs), nb)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sparsebalance.attention.routing import causal_pairs, kept_pairs
+from sparsebalance.pairs import causal_pairs, kept_pairs
 from sparsebalance.predictor import ModelShape, get_predictor
 from sparsebalance.predictor.analytic import (
     BYTESCALE_ATTN_MS,

@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_predictor_interface import COEF
 
-from sparsebalance.attention.routing import kept_pairs
+from sparsebalance.config import ModelShape
+from sparsebalance.pairs import kept_pairs
 from sparsebalance.predictor import LINKS, ContextParallel, get_predictor
-from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.context_parallel import GLOO_CPU, NVLINK, rank_kept_pairs
 from sparsebalance.predictor.fitted import FittedPredictor
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sparsebalance.attention.routing import kept_pairs
+from sparsebalance.pairs import kept_pairs
 from sparsebalance.predictor.fitted import LAYER_FEATURES, fit_coefficients, layer_features
 from sparsebalance.predictor.fitting import mape, nnls, relative_nnls, spearman
 

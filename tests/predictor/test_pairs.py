@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sparsebalance.attention.routing import causal_pairs
+from sparsebalance.pairs import causal_pairs
 from sparsebalance.predictor import get_predictor
 from sparsebalance.predictor.fitted import layer_features
 

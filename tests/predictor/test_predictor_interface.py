@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from sparsebalance.config import ModelShape
 from sparsebalance.predictor import LatencyPredictor, get_predictor
-from sparsebalance.predictor.config import ModelShape
 from sparsebalance.predictor.fitted import FittedPredictor
 
 COEF = {"layer": {"fwd": {"pairs": 1e-6, "dense_pairs": 6e-7, "tokens": 1e-3, "docs": 0.02,
@@ -72,7 +72,7 @@ def test_dense_only_profile_ignores_budgets():
 @pytest.mark.parametrize("pred", _predictors(), ids=["analytic", "fitted"])
 @pytest.mark.parametrize("topk", [None, 0, 4, 32])
 def test_pair_ms_is_the_slope_in_kept_pairs(pred, topk):
-    from sparsebalance.attention.routing import kept_pairs
+    from sparsebalance.pairs import kept_pairs
 
     B = pred.block_size
     L1, L2 = np.array([40 * B]), np.array([90 * B + 7])

@@ -13,7 +13,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
+from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # worker scripts import this file without the test session's path
     sys.path.insert(0, ROOT)
-from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
+from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 PY = sys.executable
 HARNESS = os.path.join(ROOT, "tests", "training", "_harness.py")
@@ -80,10 +80,10 @@ def corpus(tmp_path_factory):
 def balancer_config(pp=2, policy="critical-path", plan_ahead=True, topk=4, topk_min=2, topk_max=8,
                     **dst):
     """A SparseBalanceConfig with what a Balancer reads (sparse attention, DST, layout)."""
-    from sparsebalance.config import AttentionConfig, DSTConfig, ModelConfig, ParallelConfig, SparseBalanceConfig
+    from sparsebalance.config import AttentionConfig, DSTConfig, ModelShape, ParallelConfig, SparseBalanceConfig
 
-    model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4,
-                        ffn_hidden_size=128, vocab_size=256)
+    model = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                       ffn_hidden_size=128, vocab_size=256, swiglu=False, block_size=64, topk=topk)
     return SparseBalanceConfig(model=model, attention=AttentionConfig(sparse=True, topk=topk),
                                dst=DSTConfig(policy=policy, topk_min=topk_min, topk_max=topk_max,
                                              plan_ahead=plan_ahead, **dst),

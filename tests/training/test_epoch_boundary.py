@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import PRETRAIN, launch, summary_of
 
-from megatron.training.presets import PROJECT_RUN_FLAGS
+from tools.harness.run_flags import PROJECT_RUN_FLAGS
 
 M, SEQ, SEED = 4, 256, 7
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sparsebalance.attention.routing import kept_pairs
+from sparsebalance.pairs import kept_pairs
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning import critical_path_indices
 from sparsebalance.tuning.critical_path import objective

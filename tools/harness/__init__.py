@@ -6,6 +6,7 @@
 ``longctx``  RULER-style long-context tasks, the training-mix writer, scoring, the
              model runner and attention recall (``tools/eval_longctx.py``,
              ``tools/make_longctx_data.py``, ``tools/attention_recall.py``)
+``run_flags``  the flags this project's own runs pass explicitly (``PROJECT_RUN_FLAGS``)
 
 The dependency is one way: the harness imports ``sparsebalance`` (and may import the
 driver, ``megatron.training``); nothing under ``sparsebalance/`` imports the harness.

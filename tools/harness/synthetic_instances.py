@@ -5,7 +5,7 @@ Each micro-batch packs whole documents (log-normal lengths, heavy tail) up to
 c_tok * tokens) + extras`` (embedding on the first stage, output layer and loss on
 the last), its backward ``bwd_ratio`` times that; its retained attention is
 ``layers * kept_pairs``. ``kept_pairs`` is the exact count of block top-k routing
-(``sparsebalance.attention.routing``), so curves are non-decreasing and flatten for
+(``sparsebalance.pairs``), so curves are non-decreasing and flatten for
 micro-batches of short documents, exactly the heterogeneity DST exploits.
 Used by the tests, the timing tool and ``tools/simulate.py``.
 """
@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from sparsebalance.attention.routing import kept_pairs
+from sparsebalance.pairs import kept_pairs
 from sparsebalance.tuning.instance import Instance
 
 

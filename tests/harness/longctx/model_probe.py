@@ -8,7 +8,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
-from megatron.training.presets import PROJECT_RUN_FLAGS  # noqa: E402
+from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 
 def main() -> None:

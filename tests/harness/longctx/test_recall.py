@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from megatron.training.presets import PROJECT_RUN_FLAGS
-from sparsebalance.ops.plan import _per_doc_topk
+from sparsebalance.ops.plan import per_doc_topk
 from sparsebalance.ops.reference import _doc_mask
 from tools.harness.longctx.recall import Recall, block_topk_recall, pool
+from tools.harness.run_flags import PROJECT_RUN_FLAGS
 
 
 def brute_force(q, k, cu, topk, B, scale):
@@ -26,7 +26,7 @@ def brute_force(q, k, cu, topk, B, scale):
     H = q.shape[1]
     rep = H // k.shape[1]
     bounds = cu.tolist()
-    kd = _per_doc_topk(topk, len(bounds) - 1)
+    kd = per_doc_topk(topk, len(bounds) - 1)
     total = torch.zeros(H, dtype=torch.float64)
     for d, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
         if e <= s:

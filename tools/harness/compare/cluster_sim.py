@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sparsebalance.attention.routing import causal_pairs
 from sparsebalance.batching import PackingSampler
+from sparsebalance.pairs import causal_pairs
 from sparsebalance.pipeline import PipelineTimeline, simulate
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning import anchor_indices, critical_path_indices

@@ -28,7 +28,7 @@ from typing import List
 
 import numpy as np
 
-from sparsebalance.attention.routing import causal_pairs, kept_pairs
+from sparsebalance.pairs import causal_pairs, kept_pairs
 
 
 @dataclass(frozen=True)

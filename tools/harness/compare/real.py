@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron.training.presets import PROJECT_RUN_FLAGS
+from tools.harness.run_flags import PROJECT_RUN_FLAGS
 
 from .arms import Arm
 from .corpus import CorpusRecipe

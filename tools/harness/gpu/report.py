@@ -201,6 +201,8 @@ def _attention_share(run: dict) -> str:
         return "-"
     busy = (f"; GPU busy {run['device_busy_ms']:.0f} of {run['profile_wall_ms']:.0f} ms wall"
             if run.get("device_busy_ms") is not None and run.get("profile_wall_ms") else "")
+    if run.get("host_sync_ms") is not None:
+        busy += f"; host waits in syncs {run['host_sync_ms']:.0f} ms"
     return (f"{run['attention_kernel_ms']:.0f} of {run['kernel_ms']:.0f} ms "
             f"({run['attention_kernel_share']:.0%}){busy}")
 

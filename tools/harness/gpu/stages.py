@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Callable, List, Optional, Tuple
 
+from tools.harness.gpu.proc import last_line
+
 Result = Tuple[Optional[bool], str, dict]
 
 TRAIN_ITERS = 9
@@ -21,11 +23,6 @@ the step), left out of the timing."""
 TRAIN_TOPK = 8
 """Top-k at block 128 in training: (8 + 2) x 128 keys per query, ~4% of a 64K document
 (more for short documents, which stay dense; the summary reports the mean)."""
-
-
-def last_line(proc) -> str:
-    lines = (proc.stderr or "").strip().splitlines() or (proc.stdout or "").strip().splitlines()
-    return lines[-1][:300] if lines else f"exit code {proc.returncode}"
 
 
 def last_json(text: str) -> Optional[dict]:
@@ -112,7 +109,8 @@ def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
             "mfu_matmul": matmul_mfu(s.get("tokens_per_s"), device),
             "attention_kernel_share": prof.get("attention_share"), "attention_kernel_ms": prof.get("attention_ms"),
             "kernel_ms": prof.get("kernel_ms"), "top_kernels": prof.get("top_kernels"),
-            "profile_wall_ms": prof.get("wall_ms"), "device_busy_ms": prof.get("device_busy_ms"), "losses": losses,
+            "profile_wall_ms": prof.get("wall_ms"), "device_busy_ms": prof.get("device_busy_ms"),
+            "host_sync_ms": prof.get("host_sync_ms"), "top_host_ops": prof.get("top_host_ops"), "losses": losses,
             "loss_first": first, "loss_last": last, "loss_down": down}
 
 

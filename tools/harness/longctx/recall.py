@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from sparsebalance.ops.plan import TopK, _per_doc_topk, build_plan, default_scale
+from sparsebalance.ops.plan import TopK, build_plan, default_scale, per_doc_topk
 
 
 @dataclass
@@ -106,7 +106,7 @@ def block_topk_recall(
             raise ValueError(f"topk tensor must hold one value >= 0 per document ({cu.numel() - 1})")
     elif int(topk) < 0:
         raise ValueError(f"topk must be >= 0, got {topk}")
-    if bool((_per_doc_topk(topk, lens.numel()) + 2 >= (lens + block_size - 1) // block_size).all()):
+    if bool((per_doc_topk(topk, lens.numel()) + 2 >= (lens + block_size - 1) // block_size).all()):
         return dense_recall(H, lens)  # every causal key block is kept: exactly 1, not 1 - rounding
     scale = default_scale(D, softmax_scale)
     plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)

@@ -46,3 +46,22 @@ def test_device_busy_time_is_the_union_of_kernel_intervals():
     events = [k(0, 1000), k(500, 1500), k(3000, 3500), k(0, 9000, "DeviceType.CPU")]
     assert device_busy_ms(events) == 2.0
     assert device_busy_ms([k(0, 9000, "DeviceType.CPU")]) is None
+
+
+def test_kernel_split_on_a_device_names_attention_and_host_waits():
+    from types import SimpleNamespace as NS
+
+    from megatron.training.profiling import kernel_split
+
+    ev = lambda key, dev, dev_us=0.0, cpu_us=0.0, n=1: NS(key=key, device_type=f"DeviceType.{dev}", count=n,
+                                                        self_device_time_total=dev_us, self_cpu_time_total=cpu_us)
+    events = [ev("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90", "CUDA", 300.0),
+              ev("nvjet_sm90_tst_256x160", "CUDA", 600.0), ev("triton_tem_fused_0", "CUDA", 100.0),
+              ev("cudaLaunchKernel", "CPU", cpu_us=2000.0, n=50), ev("cudaStreamSynchronize", "CPU", cpu_us=700.0),
+              ev("aten::item", "CPU", cpu_us=50.0, n=3), ev("aten::mm", "CPU", cpu_us=10.0)]
+    out = kernel_split(events)
+    assert out["device"] == "cuda" and out["kernel_ms"] == 1.0 and out["attention_ms"] == 0.4
+    assert out["top_kernels"][0]["name"].startswith("nvjet")
+    assert [h["name"] for h in out["top_host_ops"]][:2] == ["cudaLaunchKernel", "cudaStreamSynchronize"]
+    assert out["top_host_ops"][0]["calls"] == 50
+    assert out["host_sync_ms"] == 0.75  # the synchronize and the item, not the launches
