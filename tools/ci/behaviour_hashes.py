@@ -64,7 +64,7 @@ def _run(cmd, env=None) -> str:
 
 def training_run(tmp: str, corpus: str, name: str, flags) -> dict:
     """Hashes of one 2-rank run of the worker with ``flags`` (see module docstring)."""
-    from megatron.training.presets import PROJECT_RUN_FLAGS
+    from tools.harness.run_flags import PROJECT_RUN_FLAGS
 
     dump, summary = os.path.join(tmp, f"dump_{name}"), os.path.join(tmp, f"summary_{name}.json")
     _run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", FAST_START, WORKER,

@@ -83,8 +83,8 @@ def worker() -> None:
 
 
 def main() -> int:
-    from megatron.training.presets import PROJECT_RUN_FLAGS
     from tools.ci.behaviour_hashes import FAST_START, PY, RUN_FLAGS, SPARSE_FLAGS, _env, _run
+    from tools.harness.run_flags import PROJECT_RUN_FLAGS
 
     with tempfile.TemporaryDirectory(prefix="step_route_") as tmp:
         corpus = os.path.join(tmp, "tiny")
