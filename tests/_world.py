@@ -47,10 +47,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCOPES = ("sparsebalance", "megatron", "pretrain_gpt")
 """Modules whose globals (and classes' attributes) are put back after every job."""
 PRELOAD = ("numpy", "torch", "megatron.core", "megatron.core.pipeline_parallel.schedules",
-           "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.models.gpt",
-           "megatron.training.training", "megatron.training.arguments", "megatron.training.checkpointing",
-           "megatron.training.hf_checkpoint", "sparsebalance", "sparsebalance.balancer",
-           "sparsebalance.attention.sparse", "sparsebalance.attention.context_parallel", "pretrain_gpt")
+           "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.models.gpt", "pretrain_gpt")
+"""Imported at a worker's start, with every module of ``sparsebalance`` and ``megatron.training``."""
 FAILED_GRACE_S = 30
 """How long the other ranks of a job get to finish after one rank failed."""
 OWN = ("sparsebalance", "megatron.training", "pretrain_gpt")
@@ -107,7 +105,10 @@ def _restore(saved: list) -> None:
         for key in [k for k in now if k not in before]:
             if isinstance(now[key], type(sys)) or (key.startswith("__") and key.endswith("__")):
                 continue
-            delattr(owner, key) if is_class else now.pop(key)
+            if is_class:
+                delattr(owner, key)
+            else:
+                del now[key]
         for key, value in before.items():
             if key not in now or now[key] is not value:
                 if is_class:
@@ -119,7 +120,10 @@ def _restore(saved: list) -> None:
         for container, contents in held.values():
             if not _same(container, contents):
                 container.clear()
-                container.update(contents) if not isinstance(container, list) else container.extend(contents)
+                if isinstance(container, list):
+                    container.extend(contents)
+                else:
+                    container.update(contents)
 
 
 def _teardown_distributed() -> None:
