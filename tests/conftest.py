@@ -17,6 +17,20 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:.*full scope is deprecated.*")
 
 
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    """Warm rank processes that run scripts as torchrun would (tests/_world.py), started
+    at the first job and shared by the session (one thread per rank, as the launches)."""
+    from _world import World
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    w = World(str(tmp_path_factory.mktemp("world")), env)
+    yield w
+    w.close()
+
+
 @pytest.fixture
 def routing_counts(monkeypatch):
     """Routing skeleton builds and host copies of document boundaries made while a test

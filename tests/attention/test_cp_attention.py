@@ -130,14 +130,9 @@ def triton_snippet():
 
 
 @pytest.fixture(scope="module")
-def cp_dump(triton_snippet, tmp_path_factory):
+def cp_dump(triton_snippet, tmp_path_factory, world):
     dump = str(tmp_path_factory.mktemp("cp_attention"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", SB_TEST_DUMP=dump, PYTHONDONTWRITEBYTECODE="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--standalone", WORKER], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=180)
+    proc = world.launch(WORKER, [], nproc=2, timeout=180, extra_env={"SB_TEST_DUMP": dump})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [dict(np.load(os.path.join(dump, f"rank{r}.npz"))) for r in range(2)]
     return ranks, dict(np.load(os.path.join(dump, "ref.npz"))), dict(np.load(os.path.join(dump, "padonly.npz")))

@@ -2,7 +2,6 @@
 
 import os
 import re
-import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -11,23 +10,19 @@ if REPO not in sys.path:
 from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 
-def test_sparse_gpt_trains_under_pp2(tmp_path):
-    py = sys.executable
+def test_sparse_gpt_trains_under_pp2(tmp_path, world):
     prefix = str(tmp_path / "corpus")
     # quantile 0.9 -> many documents longer than (topk + 2) blocks of 8 tokens: routing is sparse
-    r = subprocess.run([py, "tools/make_corpus.py", "--output-prefix", prefix, "--num-docs", "1500",
-                        "--max-length", "256", "--quantile", "0.9"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = world.launch(os.path.join(REPO, "tools", "make_corpus.py"),
+                     ["--output-prefix", prefix, "--num-docs", "1500", "--max-length", "256", "--quantile", "0.9"],
+                     timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [py, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(20000 + os.getpid() % 20000), "pretrain_gpt.py", *PROJECT_RUN_FLAGS,
-           "--data-path", prefix, "--pipeline-model-parallel-size", "2", "--num-layers", "2",
-           "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
-           "--global-batch-size", "4", "--train-iters", "10", "--lr", "3e-3",
-           "--sparse-attention", "--sb-block-size", "8", "--sb-topk", "1",
-           "--sb-attention-backend", "cpu"]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    flags = [*PROJECT_RUN_FLAGS, "--data-path", prefix, "--pipeline-model-parallel-size", "2", "--num-layers", "2",
+             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+             "--global-batch-size", "4", "--train-iters", "10", "--lr", "3e-3",
+             "--sparse-attention", "--sb-block-size", "8", "--sb-topk", "1",
+             "--sb-attention-backend", "cpu"]
+    r = world.launch(os.path.join(REPO, "pretrain_gpt.py"), flags, nproc=2, timeout=600)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
     losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]

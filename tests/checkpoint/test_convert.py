@@ -6,6 +6,9 @@
 * ``pretrain_gpt.py --load CKPT --finetune`` starts from the converted checkpoint
   (PP=1, PP=2, PP=2 x VPP=2 interleaved, TP=2; embeddings tied or not), and its first-step loss equals
   transformers' loss on the same documents within 1e-4.
+
+The commands run in the session's warm world (tests/_world.py) but the defective
+inputs' conversions: their contract is the process (exit 2, one line, nothing written).
 """
 
 import json
@@ -42,34 +45,26 @@ def env():
     return e
 
 
-def run(*argv, nproc=1):
-    return subprocess.run(_command(argv, nproc), cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=240)
-
-
-def _command(argv, nproc=1):
-    return [sys.executable, *argv] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *argv]
-
-
-def run_together(*argvs, nprocs=None, timeout=240):
-    """``run(*argv, nproc=n)`` of each command, all at once: start-up (imports) is one
-    thread a process and the tensors are tiny, so on the 2-core machine the commands
-    overlap instead of queueing (a single process, or a launcher importing torch before
-    its workers start, leaves a core idle). Results in order, as
-    ``subprocess.CompletedProcess``."""
+def start_all(*argvs):
+    """``python *argv`` of each command, all started at once (one thread a process: on the
+    2-core machine they overlap); :func:`results` waits for them."""
     procs = []
-    for argv, nproc in zip(argvs, nprocs or [1] * len(argvs)):
+    for argv in argvs:
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # no pipe to fill
-        procs.append((subprocess.Popen(_command(argv, nproc), cwd=ROOT, env=env(), stdout=out, stderr=err,
+        procs.append((subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env(), stdout=out, stderr=err,
                                        text=True), out, err))
-    results = []
+    return procs
+
+
+def results(procs, timeout=240):
+    """The ``subprocess.CompletedProcess`` of each of :func:`start_all`'s, in order."""
+    done = []
     try:
         for proc, out, err in procs:
             proc.wait(timeout=timeout)
             out.seek(0)
             err.seek(0)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
     finally:  # a timeout: none is left running
         for proc, out, err in procs:
             if proc.poll() is None:
@@ -77,12 +72,12 @@ def run_together(*argvs, nprocs=None, timeout=240):
                 proc.wait()
             out.close()
             err.close()
-    return results
+    return done
 
 
 @pytest.fixture(scope="module")
-def conversions(tmp_path_factory):
-    """Every ``convert.py hf-to-megatron`` of the module but the recipe's, run at once: the
+def conversions(tmp_path_factory, world):
+    """Every ``convert.py hf-to-megatron`` of the module but the recipe's: the
     tiny models of :data:`CONFIGS` (``"models"``: name -> (its directory, holding ``hf/``
     and the ``ckpt/`` written, the HF model, the result)) and the defective inputs of
     :data:`BAD_INPUTS` (``"bad"``: a list of (its directory, holding only ``hf/`` before
@@ -99,12 +94,12 @@ def conversions(tmp_path_factory):
         d = tmp_path_factory.mktemp("bad")
         write_plain_hf(str(d / "hf"), **defect)
         bad.append(d)
-    procs = run_together(*([CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt"),
-                            "--no-progress-bar"] for d, _ in made.values()),
-                         *([CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "out")]
-                           for d in bad), timeout=480)
+    failing = start_all(*([CONVERT, "hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "out")]
+                          for d in bad))  # processes, alongside the world's jobs
+    procs = [world.launch(CONVERT, ["hf-to-megatron", "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt"),
+                                    "--no-progress-bar"]) for d, _ in made.values()]
     return {"models": {name: (d, model, p) for (name, (d, model)), p in zip(made.items(), procs)},
-            "bad": list(zip(bad, procs[len(made):]))}
+            "bad": list(zip(bad, results(failing, timeout=480)))}
 
 
 @pytest.fixture(scope="module")
@@ -186,10 +181,10 @@ FINETUNES = [("qwen2-untied", 2, False, None, 1), ("qwen2-tied-sharded", 1, True
 
 
 @pytest.fixture(scope="module")
-def from_converted(converted, tmp_path_factory):
-    """Every command that needs only the converted checkpoints, run at once (their
-    start-ups overlap): the logits worker on all four checkpoints (``"logits"``: its
-    output directory, its result), ``convert.py megatron-to-hf`` of each of
+def from_converted(converted, tmp_path_factory, world):
+    """Every command that needs only the converted checkpoints, in the world: the logits
+    worker on all four checkpoints (``"logits"``: its output directory, its result),
+    ``convert.py megatron-to-hf`` of each of
     :data:`ROUND_TRIPS` (``"back"``: name -> (HF directory it wrote, its result)) and the
     one-step ``pretrain_gpt.py --load CKPT --finetune`` launch of each of
     :data:`FINETUNES`, on the same documents (``"finetune"``: case -> (the documents,
@@ -227,7 +222,7 @@ def from_converted(converted, tmp_path_factory):
                       "--no-progress-bar", "--pipeline-model-parallel-size", str(pp),
                       "--tensor-model-parallel-size", str(tp)])
         nprocs.append(pp * tp)
-    procs = run_together(*argvs, nprocs=nprocs, timeout=600)
+    procs = [world.launch(argv[0], argv[1:], nproc=n) for argv, n in zip(argvs, nprocs)]
     back = procs[1:1 + len(ROUND_TRIPS)]
     return {"logits": (tmp, procs[0]),
             "back": {name: (backs[name], p) for name, p in zip(ROUND_TRIPS, back)},
@@ -294,7 +289,7 @@ def test_tied_pipeline_needs_cuda(tmp_path, capsys):
     assert e.value.code == 2 and len(err) == 1 and "--untie-embeddings-and-output-weights" in err[0], err
 
 
-def test_recipe_with_the_models_hf_tokenizer(converted, tmp_path):
+def test_recipe_with_the_models_hf_tokenizer(converted, tmp_path, world):
     """The README recipe end to end: the tokenizer.json that travels with the converted
     checkpoint (``CKPT/hf/``) tokenizes JSONL with tools/preprocess_data.py, and the
     driver trains from the checkpoint with ``--tokenizer-type HuggingFaceTokenizer``
@@ -312,7 +307,7 @@ def test_recipe_with_the_models_hf_tokenizer(converted, tmp_path):
         os.symlink(os.path.join(hf_dir, f), hf / f)
     words.save(str(hf / "tokenizer.json"))
     ckpt = str(tmp_path / "ckpt")
-    p = run(CONVERT, "hf-to-megatron", "--hf-dir", str(hf), "--output", ckpt, "--no-progress-bar")
+    p = world.launch(CONVERT, ["hf-to-megatron", "--hf-dir", str(hf), "--output", ckpt, "--no-progress-bar"])
     assert p.returncode == 0, p.stderr[-3000:]
     tok = os.path.join(ckpt, "hf", "tokenizer.json")
     assert os.path.isfile(tok)
@@ -322,16 +317,17 @@ def test_recipe_with_the_models_hf_tokenizer(converted, tmp_path):
         for d in docs:
             f.write(json.dumps({"text": " ".join(f"w{i}" for i in d)}) + "\n")
     prefix = str(tmp_path / "data")
-    p = run(os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(tmp_path / "docs.jsonl"),
-            "--output-prefix", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok)
+    p = world.launch(os.path.join(ROOT, "tools", "preprocess_data.py"),
+                     ["--input", str(tmp_path / "docs.jsonl"), "--output-prefix", prefix, "--tokenizer-type",
+                      "HuggingFaceTokenizer", "--tokenizer-model", tok])
     assert p.returncode == 0, p.stderr[-3000:]
     ds = open_dataset(prefix)
     assert [list(ds[i]) for i in range(len(ds))] == [list(d) for d in docs]
     flags = open(os.path.join(ckpt, "model_flags.txt")).read().split()
-    p = run(os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--load", ckpt, "--finetune", "--data-path", prefix,
-            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok, "--split", "1,0,0",
-            "--seq-length", "128", "--global-batch-size", "1", "--train-iters", "1", "--lr", "0",
-            "--no-progress-bar")
+    p = world.launch(os.path.join(ROOT, "pretrain_gpt.py"),
+                     [*flags, "--load", ckpt, "--finetune", "--data-path", prefix, "--tokenizer-type",
+                      "HuggingFaceTokenizer", "--tokenizer-model", tok, "--split", "1,0,0", "--seq-length", "128",
+                      "--global-batch-size", "1", "--train-iters", "1", "--lr", "0", "--no-progress-bar"])
     assert p.returncode == 0, p.stderr[-3000:]
     line = [ln for ln in p.stdout.splitlines() if "SUMMARY_JSON " in ln]
     loss = json.loads(line[0].split("SUMMARY_JSON ", 1)[1])["losses"][0]

@@ -10,7 +10,9 @@
   checkpoint directory holds only complete checkpoints.
 
 The ranks of the dead-rank case are started directly (RANK/WORLD_SIZE/MASTER_ADDR, as
-srun does) because torchrun would itself terminate the survivor.
+srun does) because torchrun would itself terminate the survivor. The corpus, the
+uninterrupted run and the resumed run are jobs of the session's warm world
+(tests/_world.py); the runs that are signalled or killed are processes.
 """
 
 from __future__ import annotations
@@ -138,29 +140,26 @@ def assert_only_complete_checkpoints(root: str, crashed: bool = False) -> int | 
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def data(tmp_path_factory, world):
     d = tmp_path_factory.mktemp("preempt_data")
-    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_corpus.py"), "--output-prefix",
-                        str(d / "corpus"), "--num-docs", "1000", "--max-length", "128"],
-                       capture_output=True, text=True, env=env1(), timeout=120)
+    r = world.launch(os.path.join(REPO, "tools", "make_corpus.py"),
+                     ["--output-prefix", str(d / "corpus"), "--num-docs", "1000", "--max-length", "128"], timeout=120)
     assert r.returncode == 0, r.stderr
     return str(d / "corpus")
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory):
+def uninterrupted(data, tmp_path_factory, world):
     d = tmp_path_factory.mktemp("full")
-    with open(d / "log", "w") as log:
-        p = torchrun(model_args(data) + ["--save", str(d / "ck")], log)
-        rc = p.wait(timeout=RUN_TIMEOUT_S)
-    text = open(d / "log").read()
-    assert rc == 0, text[-3000:]
+    p = world.launch(PRETRAIN, model_args(data) + ["--save", str(d / "ck")], nproc=2, timeout=RUN_TIMEOUT_S)
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, text[-3000:]
     got = losses(text)
     assert sorted(got) == list(range(1, ITERS + 1)), f"losses parsed: {got}\n{text[-2000:]}"
     return got
 
 
-def test_sigterm_checkpoints_exits_0_and_resume_matches(data, uninterrupted, tmp_path):
+def test_sigterm_checkpoints_exits_0_and_resume_matches(data, uninterrupted, tmp_path, world):
     ck = str(tmp_path / "ck")
     os.makedirs(ck)  # --load must exist; equal to --save and empty, it starts fresh (as the sbatch does)
     args = model_args(data) + ["--save", ck, "--load", ck, "--exit-signal-handler"]
@@ -187,11 +186,9 @@ def test_sigterm_checkpoints_exits_0_and_resume_matches(data, uninterrupted, tmp
     assert s1["preempted"] is True and s1["last_iteration"] == stopped, s1
     assert max(losses(first)) == stopped, "ranks trained past the checkpointed step"
 
-    with open(tmp_path / "log2", "w") as log:
-        p = torchrun(args, log)
-        rc = p.wait(timeout=RUN_TIMEOUT_S)
-    second = open(tmp_path / "log2").read()
-    assert rc == 0, second[-3000:]
+    p = world.launch(PRETRAIN, args, nproc=2, timeout=RUN_TIMEOUT_S)
+    second = p.stdout + p.stderr
+    assert p.returncode == 0, second[-3000:]
     resumed = losses(second)
     assert sorted(resumed) == list(range(stopped + 1, ITERS + 1)), f"resumed iterations {sorted(resumed)}"
     assert summary(second)["preempted"] is False

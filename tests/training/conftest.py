@@ -61,20 +61,31 @@ def summary_of(proc):
     return json.loads(lines[0].split("SUMMARY_JSON ", 1)[1])
 
 
-def make_test_corpus(prefix: str, num_docs: int, max_length: int) -> str:
-    """Write a synthetic corpus (prolong lengths scaled to <= max_length) at ``prefix``."""
-    proc = subprocess.run(command(os.path.join(ROOT, "tools", "make_corpus.py"),
-                                  ["--output-prefix", prefix, "--num-docs", str(num_docs),
-                                   "--max-length", str(max_length), "--quantile", "0.99"]),
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+def make_test_corpus(prefix: str, num_docs: int, max_length: int, world=None) -> str:
+    """Write a synthetic corpus (prolong lengths scaled to <= max_length) at ``prefix``
+    (in ``world``, the session's warm world, if given; else in a process)."""
+    script = os.path.join(ROOT, "tools", "make_corpus.py")
+    args = ["--output-prefix", prefix, "--num-docs", str(num_docs), "--max-length", str(max_length),
+            "--quantile", "0.99"]
+    if world is not None:
+        proc = world.launch(script, args, timeout=120)
+    else:
+        proc = subprocess.run(command(script, args), cwd=ROOT, env=env(), capture_output=True, text=True,
+                              timeout=120)
     assert proc.returncode == 0, proc.stderr
     return prefix
 
 
 @pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
+def corpus(tmp_path_factory, world):
     """~300 documents, prolong lengths scaled to <= 384 tokens (some exceed --seq-length 256)."""
-    return make_test_corpus(str(tmp_path_factory.mktemp("corpus") / "tiny"), 300, 384)
+    return make_test_corpus(str(tmp_path_factory.mktemp("corpus") / "tiny"), 300, 384, world)
+
+
+@pytest.fixture(scope="session")
+def long_corpus(tmp_path_factory, world):
+    """Documents up to 1024 tokens (many longer than the top-k cap of 192 tokens at block 32)."""
+    return make_test_corpus(str(tmp_path_factory.mktemp("long") / "c"), 400, 1024, world)
 
 
 def balancer_config(pp=2, policy="critical-path", plan_ahead=True, topk=4, topk_min=2, topk_max=8,

@@ -13,7 +13,10 @@ pretrain_gpt.py, PP=2 over gloo.
   line on every rank, the previous checkpoint intact and loadable, no partial directory;
   with ``--continue-on-save-failure`` one warning and training goes on.
 
-Constant LR so that runs of different --train-iters share the schedule.
+Constant LR so that runs of different --train-iters share the schedule. The runs that
+train run in the session's warm world (tests/_world.py); those whose contract is the
+exit and the one line of each rank, and the injected save failures (they patch torch's
+own writers, which a warm worker does not put back), are processes.
 """
 
 import errno
@@ -27,7 +30,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import PRETRAIN, ROOT, TINY, command, env, launch, summary_of
+from conftest import PRETRAIN, ROOT, TINY, command, env, summary_of
 
 sys.path.insert(0, ROOT)
 from megatron.training import checkpointing as ckpt  # noqa: E402
@@ -98,11 +101,11 @@ def _one_line(stderr, word):
 
 
 @pytest.fixture(scope="module")
-def full_run(corpus, tmp_path_factory):
+def full_run(corpus, tmp_path_factory, world):
     save = str(tmp_path_factory.mktemp("full"))
-    summary = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
-                                           "--save", save, "--save-interval", "2", "--keep-last", "3"],
-                                nproc=2))
+    summary = summary_of(world.launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
+                                                 "--save", save, "--save-interval", "2", "--keep-last", "3"],
+                                      nproc=2))
     assert len(set(np.round(summary["losses"], 4))) == TOTAL  # the curve really moves
     return summary["losses"], save
 
@@ -174,12 +177,12 @@ def test_checkpoints_without_manifests(full_run, tmp_path):
     assert ckpt.choose_checkpoint(mixed, warnings.append) == 6
 
 
-def test_truncated_shard_falls_back_and_resumes(corpus, full_run, tmp_path):
+def test_truncated_shard_falls_back_and_resumes(corpus, full_run, tmp_path, world):
     full, save = full_run
     root = _copy(save, tmp_path / "ck", [6, 8])
     subprocess.run(["truncate", "-s", "1000", os.path.join(ckpt.iter_dir(root, 8), "__1_0.distcp")], check=True)
-    proc = launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", "10", "--load", root],
-                  nproc=2)
+    proc = world.launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", "10", "--load", root],
+                        nproc=2)
     resumed = summary_of(proc)
     line = _one_line(proc.stderr, "warning:")
     assert line.endswith("warning: checkpoint iter_0000008 is damaged (__1_0.distcp has 1000 bytes, "
@@ -208,7 +211,7 @@ def _fail_at(corpus, save, spec, *extra):
                                  "--save-interval", "2", *extra], extra_env={FAIL_SAVE: spec})
 
 
-def test_failed_save_stops_and_keeps_the_previous_checkpoint(corpus, full_run, tmp_path):
+def test_failed_save_stops_and_keeps_the_previous_checkpoint(corpus, full_run, tmp_path, world):
     full, _ = full_run
     save = str(tmp_path / "ck")
     for rank, (rc, _, err) in enumerate(_fail_at(corpus, save, "4:1:ENOSPC")):  # rank 1's shard
@@ -218,7 +221,8 @@ def test_failed_save_stops_and_keeps_the_previous_checkpoint(corpus, full_run, t
                f"on device: '{save}/iter_0000004.tmp-" in line, line
     assert sorted(os.listdir(save)) == [_name(2), ckpt.TRACKER]  # no partial directory
     assert ckpt.read_tracker(save) == 2 and ckpt.check_checkpoint(ckpt.iter_dir(save, 2), 2) is None
-    proc = launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", "4", "--load", save], nproc=2)
+    proc = world.launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", "4", "--load", save],
+                        nproc=2)
     np.testing.assert_allclose(summary_of(proc)["losses"], full[2:4], rtol=1e-6)
     assert "warning:" not in proc.stderr
 

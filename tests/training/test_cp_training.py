@@ -31,7 +31,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import HARNESS, TINY, launch
+from conftest import HARNESS, TINY
 
 STEPS = 2
 # DST's anchor policy with a wide band: at PP=1 the critical-path policy has no
@@ -54,13 +54,13 @@ PAIRS = [("sparse_cp2", "sparse_cp1"), ("pp2_cp2", "pp2_cp1")]
 
 
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory):
+def runs(corpus, tmp_path_factory, world):
     root = tmp_path_factory.mktemp("context_parallel")
     out = {}
     for name, (nproc, extra, *env) in RUNS.items():
         dump = str(root / name)
-        proc = launch(HARNESS, [*TINY, *extra, "--data-path", corpus, "--train-iters", str(STEPS)],
-                      nproc=nproc, extra_env={"SB_TEST_DUMP": dump, **(env[0] if env else {})})
+        proc = world.launch(HARNESS, [*TINY, *extra, "--data-path", corpus, "--train-iters", str(STEPS)],
+                            nproc=nproc, extra_env={"SB_TEST_DUMP": dump, **(env[0] if env else {})})
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.load(open(os.path.join(dump, "rank0.json")))
         per_rank = []
@@ -106,13 +106,13 @@ MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
 
 
 @pytest.fixture(scope="module")
-def mock_runs(tmp_path_factory):
+def mock_runs(tmp_path_factory, world):
     root = tmp_path_factory.mktemp("mock_cp")
     out = {}
     for name, nproc, extra in (("cp2_pp2_dp2", 8, PP2 + CP2), ("pp2_dp2", 4, PP2)):
         dump = str(root / name)
-        proc = launch(HARNESS, [*TINY, *MOCK, *extra, "--train-iters", str(STEPS), "--step-timeout-minutes", "2"],
-                      nproc=nproc, extra_env={"SB_TEST_DUMP": dump})
+        proc = world.launch(HARNESS, [*TINY, *MOCK, *extra, "--train-iters", str(STEPS),
+                                      "--step-timeout-minutes", "2"], nproc=nproc, extra_env={"SB_TEST_DUMP": dump})
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.load(open(os.path.join(dump, "rank0.json")))
         assert summary["args"]["data_parallel_size"] == 2, summary["args"]

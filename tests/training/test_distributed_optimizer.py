@@ -148,7 +148,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("worker", "m
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from conftest import launch, make_test_corpus  # noqa: E402
+from conftest import make_test_corpus  # noqa: E402
 
 RUNS = {
     "dense": [],
@@ -160,21 +160,21 @@ _RUNS: dict = {}
 
 
 @pytest.fixture(scope="module")
-def long_corpus(tmp_path_factory):
-    """Documents up to 1024 tokens (many longer than the top-k cap of 192 tokens)."""
-    return make_test_corpus(str(tmp_path_factory.mktemp("long") / "c"), 300, 1024)
+def long_corpus(tmp_path_factory, world):
+    """300 documents up to 1024 tokens (this module's own: its runs were tuned on it)."""
+    return make_test_corpus(str(tmp_path_factory.mktemp("long") / "c"), 300, 1024, world)
 
 
-def _run(name, corpus, tmp_path_factory, extra=()):
+def _run(name, corpus, tmp_path_factory, world, extra=()):
     if name not in _RUNS:
         root = tmp_path_factory.mktemp(name)
         dump = str(root / "dump")
         more = list(extra)
         if name == "dense_distopt":
             more += ["--save", str(root / "ckpt"), "--save-interval", "2"]
-        proc = launch(os.path.abspath(__file__), ["worker", *FLAGS, *RUNS.get(name, []), *more,
-                                                  "--data-path", corpus],
-                      nproc=2, extra_env={"SB_TEST_DUMP": dump})
+        proc = world.launch(os.path.abspath(__file__), ["worker", *FLAGS, *RUNS.get(name, []), *more,
+                                                        "--data-path", corpus],
+                            nproc=2, extra_env={"SB_TEST_DUMP": dump})
         assert proc.returncode == 0, proc.stderr[-3000:]
         ranks = [json.load(open(os.path.join(dump, f"rank{r}.json"))) for r in range(2)]
         params = [dict(np.load(os.path.join(dump, f"rank{r}.npz"))) for r in range(2)]
@@ -197,9 +197,9 @@ def _assert_same_training(run, base, steps=slice(None)):
 
 
 @pytest.mark.parametrize("name,base", [("dense_distopt", "dense"), ("sparse_distopt_overlap", "sparse")])
-def test_distributed_optimizer_matches_adam(name, base, long_corpus, tmp_path_factory):
-    ref = _run(base, long_corpus, tmp_path_factory)
-    run = _run(name, long_corpus, tmp_path_factory)
+def test_distributed_optimizer_matches_adam(name, base, long_corpus, tmp_path_factory, world):
+    ref = _run(base, long_corpus, tmp_path_factory, world)
+    run = _run(name, long_corpus, tmp_path_factory, world)
     assert len(set(np.round(ref["summary"]["losses"], 4))) == STEPS, "training did not move"
     _assert_same_training(run, ref)
     # every DP rank ends with the whole, identical model (the shards were all-gathered)
@@ -213,9 +213,9 @@ def test_distributed_optimizer_matches_adam(name, base, long_corpus, tmp_path_fa
         assert any(len(np.unique(t)) > 1 for t in tables), "DST planned no budget changes"
 
 
-def test_each_rank_holds_half_the_optimizer_state(long_corpus, tmp_path_factory):
-    adam = _run("dense", long_corpus, tmp_path_factory)
-    dist = _run("dense_distopt", long_corpus, tmp_path_factory)
+def test_each_rank_holds_half_the_optimizer_state(long_corpus, tmp_path_factory, world):
+    adam = _run("dense", long_corpus, tmp_path_factory, world)
+    dist = _run("dense_distopt", long_corpus, tmp_path_factory, world)
     n = adam["ranks"][0]["params"]
     full = [r["state_bytes"][-1] for r in adam["ranks"]]
     shard = [r["state_bytes"][-1] for r in dist["ranks"]]
@@ -224,14 +224,14 @@ def test_each_rank_holds_half_the_optimizer_state(long_corpus, tmp_path_factory)
     assert all(abs(s / full[0] - 0.5) < 0.02 for s in shard), shard
 
 
-def test_resume_from_a_distributed_optimizer_checkpoint(long_corpus, tmp_path_factory):
-    full = _run("dense_distopt", long_corpus, tmp_path_factory)
+def test_resume_from_a_distributed_optimizer_checkpoint(long_corpus, tmp_path_factory, world):
+    full = _run("dense_distopt", long_corpus, tmp_path_factory, world)
     ckpt = os.path.join(full["root"], "ckpt")
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", f"iter_{STEPS:07d}", "latest_checkpointed_iteration.txt"]
     load = tmp_path_factory.mktemp("resume_from")
     shutil.copytree(os.path.join(ckpt, "iter_0000002"), load / "iter_0000002")
     (load / "latest_checkpointed_iteration.txt").write_text("2\n")
-    resumed = _run("resume", long_corpus, tmp_path_factory,
+    resumed = _run("resume", long_corpus, tmp_path_factory, world,
                    extra=[*DISTOPT, "--load", str(load)])
     assert len(resumed["summary"]["losses"]) == STEPS - 2
     # steps 3 and 4: the second one depends on Adam's restored moments and step count

@@ -2,8 +2,9 @@
 Megatron-LM flags this driver refuses (one line with the reason); runs that fail safe
 (non-finite loss, a --save in use, a changed schedule on resume, a full disk).
 
-The one-line cases fork from a warm process (tests/_warm_runner.py); pretrain_gpt.py's
-cold start is checked in tests/integration/test_bad_input.py."""
+The one-line cases and the runs that train or fail safe fork from a warm process
+(tests/_warm_runner.py: each a process of its own, with its exit status, stdout and
+stderr); pretrain_gpt.py's cold start is checked in tests/integration/test_bad_input.py."""
 
 import json
 import os
@@ -406,26 +407,26 @@ def _one_error_line(proc):
     return lines[0]
 
 
-def test_nonfinite_loss_stops_before_any_checkpoint(tmp_path):
+def test_nonfinite_loss_stops_before_any_checkpoint(tmp_path, warm):
     """--lr 1e6 (on --mock-data, --save-interval 1): the run stops at the first non-finite
     iteration with one line naming it (exit 1); the checkpoints of the finite iterations
     before it are kept and none of it or later is written (Megatron-LM's
     --check-for-nan-in-loss-and-grad, on by default)."""
     save = tmp_path / "ck"
     proc = run([*RUN, "--mock-data", "--lr", "1e6", "--train-iters", "4", "--save", str(save),
-                "--save-interval", "1"])
+                "--save-interval", "1"], warm=warm)
     line = _one_error_line(proc)
     bad = int(re.search(r"iteration (\d+): non-finite loss", line).group(1))
     saved = sorted(int(p.name[5:]) for p in save.glob("iter_*"))
     assert bad >= 2 and saved == list(range(1, bad)), (line, saved)  # every finite step, none after
 
 
-def test_nonfinite_run_without_check_writes_strict_json_and_no_checkpoint(corpus, tmp_path):
+def test_nonfinite_run_without_check_writes_strict_json_and_no_checkpoint(corpus, tmp_path, warm):
     """--no-check-for-nan-in-loss-and-grad trains on: the summary JSON is strict JSON
     (non-finite numbers are null), and the final save refuses non-finite weights (exit 1)."""
     out, save = tmp_path / "summary.json", tmp_path / "ck"
     proc = run([*RUN, "--data-path", corpus, "--lr", "1e6", "--train-iters", "3", "--summary-json", str(out),
-                "--no-check-for-nan-in-loss-and-grad"])
+                "--no-check-for-nan-in-loss-and-grad"], warm=warm)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     def no_constants(name):
@@ -434,29 +435,29 @@ def test_nonfinite_run_without_check_writes_strict_json_and_no_checkpoint(corpus
     summary = json.loads(out.read_text(), parse_constant=no_constants)
     assert None in summary["losses"], summary["losses"]
     proc = run([*RUN, "--data-path", corpus, "--lr", "1e6", "--train-iters", "3", "--save", str(save),
-                "--no-check-for-nan-in-loss-and-grad"])
+                "--no-check-for-nan-in-loss-and-grad"], warm=warm)
     line = _one_error_line(proc)
     assert "holds non-finite values" in line and not list(save.glob("iter_*")), line
 
 
-def test_resume_with_changed_train_iters_follows_megatron_lm_rule(corpus, tmp_path):
+def test_resume_with_changed_train_iters_follows_megatron_lm_rule(corpus, tmp_path, warm):
     """A resume whose LR schedule differs from the checkpoint's (--train-iters changed) stops
     with one line naming both rule flags; --use-checkpoint-opt_param-scheduler keeps the
     checkpoint's schedule and says so (--override-opt_param-scheduler, the new one, is what
     test_resume.py and test_checkpoint_integrity.py resume with)."""
     save = str(tmp_path / "ck")
     base = [*RUN, "--data-path", corpus, "--save", save, "--load", save, "--lr-decay-style", "linear"]
-    assert run([*base, "--train-iters", "2"]).returncode == 0
-    line = _one_error_line(run([*base, "--train-iters", "4"]))
+    assert run([*base, "--train-iters", "2"], warm=warm).returncode == 0
+    line = _one_error_line(run([*base, "--train-iters", "4"], warm=warm))
     assert "the LR schedule differs from the checkpoint's" in line and "--override-opt_param-scheduler" in line
-    keep = run([*base, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler"])
+    keep = run([*base, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler"], warm=warm)
     assert keep.returncode == 0, keep.stderr[-2000:]
     assert "LR schedule: the checkpoint's (--use-checkpoint-opt_param-scheduler" in keep.stdout
     lr = [float(m) for m in re.findall(r"\| lr ([0-9.e+-]+) \|", keep.stdout)]
     assert lr and lr[-1] == 0.0, lr  # the checkpoint's decay ended at iteration 2: lr 0 from then on
 
 
-def test_disk_full_save_dir_refused_before_training(corpus, tmp_path):
+def test_disk_full_save_dir_refused_before_training(corpus, tmp_path, warm):
     """--save on a 256 KB tmpfs (less than one checkpoint of the model) is refused before step
     1 with one line naming the path and the space (it used to fail at the first save)."""
     mnt = tmp_path / "small"
@@ -465,7 +466,7 @@ def test_disk_full_save_dir_refused_before_training(corpus, tmp_path):
                       capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        proc = run([*RUN, "--data-path", corpus, "--train-iters", "1", "--save", str(mnt / "ck")])
+        proc = run([*RUN, "--data-path", corpus, "--train-iters", "1", "--save", str(mnt / "ck")], warm=warm)
         assert "Traceback" not in proc.stderr and proc.returncode == 2, proc.stderr[-3000:]
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and f"--save {mnt / 'ck'}: " in lines[0] and "free on its file system" in lines[0]
@@ -475,7 +476,7 @@ def test_disk_full_save_dir_refused_before_training(corpus, tmp_path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_load_without_checkpoint_warns_and_starts_from_scratch(corpus, tmp_path):
+def test_load_without_checkpoint_warns_and_starts_from_scratch(corpus, tmp_path, warm):
     """--load of a directory with no checkpoint (launch scripts pass --save X --load X on the
     first run; here --load differs from --save): one warning line naming it, then training from
     iteration 1, as Megatron-LM does. --start-eval-at-iter 2 (Megatron-LM main) with
@@ -483,7 +484,8 @@ def test_load_without_checkpoint_warns_and_starts_from_scratch(corpus, tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
     proc = run([*RUN, "--data-path", corpus, "--train-iters", "2", "--load", str(empty), "--save",
-                str(tmp_path / "ck"), "--eval-interval", "1", "--start-eval-at-iter", "2", "--eval-iters", "1"])
+                str(tmp_path / "ck"), "--eval-interval", "1", "--start-eval-at-iter", "2", "--eval-iters", "1"],
+               warm=warm)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     warned = [ln for ln in proc.stderr.splitlines() if ln.startswith("pretrain_gpt.py: warning:")]
     assert warned == [f"pretrain_gpt.py: warning: --load {empty}: no checkpoint there; training starts from "
@@ -492,18 +494,18 @@ def test_load_without_checkpoint_warns_and_starts_from_scratch(corpus, tmp_path)
     assert re.findall(r"iter +(\d+) \| validation loss", proc.stdout) == ["2"], proc.stdout[-2000:]
 
 
-def test_resume_with_other_sparse_settings_logs_each_change(corpus, tmp_path):
+def test_resume_with_other_sparse_settings_logs_each_change(corpus, tmp_path, warm):
     """A resume whose sparse-attention settings differ from the checkpoint's (block 16 -> 8,
     top-k 2 -> 4) trains, with one warning line per changed setting (the DST bounds follow
     top-k); an unchanged resume prints none."""
     save = str(tmp_path / "ck")
     base = [*RUN, "--data-path", corpus, "--save", save, "--load", save, "--sparse-attention",
             "--override-opt_param-scheduler"]
-    first = run([*base, "--train-iters", "1", "--sb-block-size", "16", "--sb-topk", "2"])
+    first = run([*base, "--train-iters", "1", "--sb-block-size", "16", "--sb-topk", "2"], warm=warm)
     assert first.returncode == 0, first.stderr[-2000:]
-    same = run([*base, "--train-iters", "2", "--sb-block-size", "16", "--sb-topk", "2"])
+    same = run([*base, "--train-iters", "2", "--sb-block-size", "16", "--sb-topk", "2"], warm=warm)
     assert same.returncode == 0 and "resuming with" not in same.stderr, same.stderr[-2000:]
-    other = run([*base, "--train-iters", "3", "--sb-block-size", "8", "--sb-topk", "4"])
+    other = run([*base, "--train-iters", "3", "--sb-block-size", "8", "--sb-topk", "4"], warm=warm)
     assert other.returncode == 0, other.stderr[-2000:]
     lines = [ln for ln in other.stderr.splitlines() if "resuming with" in ln]
     assert lines == ["pretrain_gpt.py: warning: resuming with --sb-block-size 8 (the checkpoint's: 16)",
@@ -531,10 +533,11 @@ def test_eval_interval_with_empty_validation_split_warns_once(corpus, capsys, mo
     assert "no evaluation will run" in lines[0]
 
 
-def test_exit_interval_stops_and_saves(corpus, tmp_path):
+def test_exit_interval_stops_and_saves(corpus, tmp_path, warm):
     """Megatron-LM's --exit-interval: stop after the first iteration divisible by it, saving."""
     save = tmp_path / "ck"
-    proc = run([*RUN, "--data-path", corpus, "--train-iters", "6", "--exit-interval", "2", "--save", str(save)])
+    proc = run([*RUN, "--data-path", corpus, "--train-iters", "6", "--exit-interval", "2", "--save", str(save)],
+               warm=warm)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "stopping after iteration 2 (--exit-interval 2)" in proc.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

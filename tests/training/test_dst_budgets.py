@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ROOT, launch, make_test_corpus
+from conftest import ROOT
 
 from tools.harness.run_flags import PROJECT_RUN_FLAGS
 
@@ -34,19 +34,13 @@ SUMMARY_FIELDS = ("iterations", "tokens", "step_ms_median", "step_ms_all", "toke
                   "predicted_step_ms_median", "args")
 
 
-@pytest.fixture(scope="module")
-def long_corpus(tmp_path_factory):
-    """Documents up to 1024 tokens (many longer than the top-k cap of 192 tokens)."""
-    return make_test_corpus(str(tmp_path_factory.mktemp("long") / "c"), 400, 1024)
-
-
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def run(request, long_corpus, tmp_path_factory):
+def run(request, long_corpus, tmp_path_factory, world):
     root = tmp_path_factory.mktemp(request.param)
     dump, summary, tl = str(root / "dump"), str(root / "summary.json"), str(root / "tl")
-    proc = launch(WORKER, [*FLAGS, *LAYOUTS[request.param], "--data-path", long_corpus,
-                           "--summary-json", summary, "--sb-timeline", tl], nproc=2,
-                  extra_env={"SB_TEST_DUMP": dump})
+    proc = world.launch(WORKER, [*FLAGS, *LAYOUTS[request.param], "--data-path", long_corpus,
+                                 "--summary-json", summary, "--sb-timeline", tl], nproc=2,
+                        extra_env={"SB_TEST_DUMP": dump})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.load(open(os.path.join(dump, f"rank{r}.json"))) for r in range(2)]
     vpp = 2 if request.param == "pp2_vpp2" else 1

@@ -10,7 +10,7 @@ trained exactly once, and the real driver (PP=1 and PP=2) trains across the boun
 
 import numpy as np
 import pytest
-from conftest import PRETRAIN, launch, summary_of
+from conftest import PRETRAIN, summary_of
 
 from tools.harness.run_flags import PROJECT_RUN_FLAGS
 
@@ -90,12 +90,12 @@ def test_epoch_end_plan_is_the_same_on_every_rank(small_corpus):
 
 @pytest.mark.parametrize("pp,arm", [(1, ["--sb-batching", "sorted"]), (2, ["--sb-batching", "sorted"]),
                                     (2, SB)], ids=["pp1-sorted", "pp2-sorted", "pp2-sparse-balance"])
-def test_driver_trains_across_the_epoch_end(small_corpus, pp, arm):
+def test_driver_trains_across_the_epoch_end(small_corpus, pp, arm, world):
     args = ["--cpu", *MODEL, "--global-batch-size", str(M),
             "--lr", "1e-3", "--log-interval", "1", "--no-progress-bar", "--seed", str(SEED),
             "--data-path", small_corpus, "--split", "1,0,0", *arm,
             "--train-iters", "7", "--pipeline-model-parallel-size", str(pp)]
-    s = summary_of(launch(PRETRAIN, args, nproc=pp, timeout=300))
+    s = summary_of(world.launch(PRETRAIN, args, nproc=pp, timeout=300))
     assert s["iterations"] == 7  # epochs end at steps 3 and 6 (see the loader test)
     assert all(np.isfinite(s["losses"])) and all(np.isfinite(s["grad_norms"]))
     total = int(_lengths().sum())

@@ -16,7 +16,7 @@ import os
 import shutil
 
 import pytest
-from conftest import ROOT, TINY, launch
+from conftest import ROOT, TINY
 
 WORKER = os.path.join(ROOT, "tests", "training", "_fault_worker.py")
 FLAGS = [*TINY, "--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant",
@@ -46,28 +46,28 @@ def keep_only(save, iteration, dest):
     return dest
 
 
-def run(corpus, tmp_path, name, more, extra_env):
+def run(world, corpus, tmp_path, name, more, extra_env):
     dump = str(tmp_path / f"d_{name}")
-    proc = launch(WORKER, [*FLAGS, "--data-path", corpus, "--train-iters", str(TOTAL), *more], nproc=2,
-                  extra_env={**DET, "SB_TEST_DUMP": dump, **extra_env})
+    proc = world.launch(WORKER, [*FLAGS, "--data-path", corpus, "--train-iters", str(TOTAL), *more], nproc=2,
+                        extra_env={**DET, "SB_TEST_DUMP": dump, **extra_env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_dump(dump), proc
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(corpus, tmp_path_factory):
+def uninterrupted(corpus, tmp_path_factory, world):
     """The uninterrupted TOTAL-step run, saving every AT steps: ({rank: steps}, save dir)."""
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
     save = str(tmp_path / "full")
-    (full, _), _ = run(corpus, tmp_path, "full", ["--save", save, "--save-interval", str(AT)], {})
+    (full, _), _ = run(world, corpus, tmp_path, "full", ["--save", save, "--save-interval", str(AT)], {})
     return full, save
 
 
-def test_resume_reproduces_losses_packing_and_budgets(corpus, uninterrupted, tmp_path):
+def test_resume_reproduces_losses_packing_and_budgets(corpus, uninterrupted, tmp_path, world):
     full, save = uninterrupted
     ck = keep_only(save, AT, str(tmp_path / "ck"))
-    (res, loaded), proc = run(corpus, tmp_path, "res", ["--load", ck], {})
-    (ctl, _), proc_ctl = run(corpus, tmp_path, "ctl", ["--load", ck], {"SB_TEST_DROP_SB_STATE": "1"})
+    (res, loaded), proc = run(world, corpus, tmp_path, "res", ["--load", ck], {})
+    (ctl, _), proc_ctl = run(world, corpus, tmp_path, "ctl", ["--load", ck], {"SB_TEST_DROP_SB_STATE": "1"})
     assert loaded == {0: AT, 1: AT}
     assert "predictor state" not in proc.stderr
 
@@ -90,16 +90,16 @@ def test_resume_reproduces_losses_packing_and_budgets(corpus, uninterrupted, tmp
     assert len(warned) == 1 and warned[0].startswith("pretrain_gpt.py: warning:"), proc_ctl.stderr[-2000:]
 
 
-def test_sigterm_preemption_resumes_exactly(corpus, uninterrupted, tmp_path):
+def test_sigterm_preemption_resumes_exactly(corpus, uninterrupted, tmp_path, world):
     """SIGTERM on rank 0 as step 3 starts (``--exit-signal-handler``): the run finishes
     step 3, saves, exits 0; the resumed steps 4-5 equal the uninterrupted run's."""
     full, _ = uninterrupted
     save = str(tmp_path / "pre")
-    (pre, _), proc_pre = run(corpus, tmp_path, "pre", ["--save", save, "--exit-signal-handler"],
+    (pre, _), proc_pre = run(world, corpus, tmp_path, "pre", ["--save", save, "--exit-signal-handler"],
                              {"SB_TEST_TERM": "0:3"})
     assert [s["iteration"] for s in pre[0]] == [1, 2, 3], proc_pre.stdout[-2000:]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "3"
-    (res, loaded), _ = run(corpus, tmp_path, "res", ["--load", save], {})
+    (res, loaded), _ = run(world, corpus, tmp_path, "res", ["--load", save], {})
     assert loaded == {0: 3, 1: 3}
     for rank in (0, 1):
         assert [s["iteration"] for s in res[rank]] == [4, 5]

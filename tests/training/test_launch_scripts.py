@@ -13,10 +13,9 @@ processes of one thread each, so they run two at a time (module fixture).
 import json
 import os
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import PRETRAIN, PY, ROOT, command, env, summary_of
+from conftest import PRETRAIN, PY, ROOT, env, summary_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = sorted(f for f in os.listdir(os.path.join(HERE, "launch_scripts")) if f.endswith(".sh"))
@@ -62,20 +61,16 @@ def script_text(name: str, variables: dict, run_dir: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(paths):
-    """Per script: its classified flags and the CPU run of its runnable argv (2 at a time)."""
+def runs(paths, world):
+    """Per script: its classified flags and the CPU run of its runnable argv (in the world)."""
     from megatron.training.launch_check import classify, runnable_argv, script_flags
 
     d, variables = paths
     rows = {name: classify(script_flags(script_text(name, variables, os.path.join(d, name[:-3]))))
             for name in SCRIPTS}
 
-    def train(name):
-        return subprocess.run(command(PRETRAIN, [*runnable_argv(rows[name]), "--no-progress-bar"]), cwd=ROOT,
-                              env=env(), capture_output=True, text=True, timeout=300)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        procs = dict(zip(SCRIPTS, pool.map(train, SCRIPTS)))
+    procs = {name: world.launch(PRETRAIN, [*runnable_argv(rows[name]), "--no-progress-bar"], timeout=300)
+             for name in SCRIPTS}
     return {name: (rows[name], procs[name]) for name in SCRIPTS}
 
 

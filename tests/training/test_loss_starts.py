@@ -14,18 +14,22 @@ DOCS = [("What is 2+2? Answer: 4\n", 21), ("plain filler text\n", 0), ("no field
         ("Q: name? A: bob\n", 12)]
 
 
-def preprocess(tmp_path, docs, *extra):
+def preprocess(tmp_path, docs, *extra, world=None):
+    """preprocess_data.py on ``docs``: in ``world`` (the session's warm world) if given, else
+    in a process (where the exit status and message are what a test checks)."""
     lines = [json.dumps({"text": t, **({} if s is None else {"loss_start": s})}) for t, s in docs]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    return subprocess.run(command(PREPROCESS, ["--input", str(tmp_path / "in.jsonl"),
-                                               "--output-prefix", str(tmp_path / "docs"), *extra]),
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    args = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "docs"), *extra]
+    if world is not None:
+        return world.launch(PREPROCESS, args, timeout=120)
+    return subprocess.run(command(PREPROCESS, args), cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
+def dataset(tmp_path_factory, world):
     d = tmp_path_factory.mktemp("starts")
-    proc = preprocess(d, DOCS, "--loss-start-key", "loss_start")
+    proc = preprocess(d, DOCS, "--loss-start-key", "loss_start", world=world)
     assert proc.returncode == 0, proc.stderr
     from megatron.training.indexed_io import open_dataset, open_loss_starts
 
@@ -77,10 +81,10 @@ def test_bad_loss_start_is_one_line_and_writes_nothing(tmp_path):
     assert not list(tmp_path.glob("docs*")), "half-written output left behind"
 
 
-def test_rewriting_without_the_key_drops_a_stale_sidecar(tmp_path):
-    assert preprocess(tmp_path, DOCS, "--loss-start-key", "loss_start").returncode == 0
+def test_rewriting_without_the_key_drops_a_stale_sidecar(tmp_path, world):
+    assert preprocess(tmp_path, DOCS, "--loss-start-key", "loss_start", world=world).returncode == 0
     assert (tmp_path / "docs_loss_start.npy").exists()
-    assert preprocess(tmp_path, DOCS[:2]).returncode == 0
+    assert preprocess(tmp_path, DOCS[:2], world=world).returncode == 0
     assert not (tmp_path / "docs_loss_start.npy").exists()
 
 

@@ -2,24 +2,21 @@
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, command, env
+from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
+def dataset(tmp_path_factory, world):
     """Three known documents written through tools/preprocess_data.py (byte tokenizer)."""
     d = tmp_path_factory.mktemp("pre")
     texts = ["hello world", "a", "the quick brown fox jumps", "x" * 40]
     (d / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts) + "\n")
-    proc = subprocess.run(command(os.path.join(ROOT, "tools", "preprocess_data.py"),
-                                  ["--input", str(d / "in.jsonl"), "--output-prefix", str(d / "docs")]),
-                          cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = world.launch(os.path.join(ROOT, "tools", "preprocess_data.py"),
+                        ["--input", str(d / "in.jsonl"), "--output-prefix", str(d / "docs")], timeout=120)
     assert proc.returncode == 0, proc.stderr
     from megatron.training.indexed_io import open_dataset
 
@@ -92,12 +89,11 @@ LEAKAGE = [  # (more driver flags, head dims RoPE rotates)
 
 
 @pytest.fixture(scope="module")
-def leakage(corpus, tmp_path_factory):
+def leakage(corpus, tmp_path_factory, world):
     """_leakage.py's npz of every LEAKAGE variant (one process, one model per variant)."""
     out = tmp_path_factory.mktemp("leak")
-    proc = subprocess.run(command(os.path.join(ROOT, "tests", "training", "_leakage.py"),
-                                  [corpus, str(out), *(" ".join(flags) for flags, _ in LEAKAGE)]),
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    proc = world.launch(os.path.join(ROOT, "tests", "training", "_leakage.py"),
+                        [corpus, str(out), *(" ".join(flags) for flags, _ in LEAKAGE)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {flags: str(out / f"variant{i}.npz") for i, (flags, _) in enumerate(LEAKAGE)}
 

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import HARNESS, PRETRAIN, TINY, launch, summary_of
+from conftest import HARNESS, PRETRAIN, TINY, summary_of
 
 STEPS = 3
 LAYOUTS = {
@@ -24,14 +24,14 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory):
+def runs(corpus, tmp_path_factory, world):
     root = tmp_path_factory.mktemp("parallel")
     init = str(root / "init")
-    summary_of(launch(PRETRAIN, [*TINY, "--data-path", corpus, "--train-iters", "1", "--save", init]))
+    summary_of(world.launch(PRETRAIN, [*TINY, "--data-path", corpus, "--train-iters", "1", "--save", init]))
     out = {}
     for name, (nproc, extra) in LAYOUTS.items():
         dump = str(root / name)
-        proc = launch(HARNESS, [*TINY, *extra, "--data-path", corpus, "--train-iters", str(STEPS),
+        proc = world.launch(HARNESS, [*TINY, *extra, "--data-path", corpus, "--train-iters", str(STEPS),
                                 "--load", init, "--finetune"], nproc=nproc, extra_env={"SB_TEST_DUMP": dump})
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.load(open(os.path.join(dump, "rank0.json")))

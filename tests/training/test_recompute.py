@@ -305,22 +305,16 @@ def _memory_main(argv) -> None:
 if __name__ != "__main__":
     import numpy as np
     import pytest
-    from conftest import launch, make_test_corpus
-
-    @pytest.fixture(scope="module")
-    def long_corpus(tmp_path_factory):
-        """Documents up to 1024 tokens (many longer than the top-k cap of 192 tokens)."""
-        return make_test_corpus(str(tmp_path_factory.mktemp("long") / "c"), 400, 1024)
 
     _RUNS: dict = {}
     """Runs by (name, no_capture), each launched once per session and shared by the tests."""
 
-    def _run(name, corpus, tmp_path_factory, no_capture=False):
+    def _run(name, corpus, tmp_path_factory, world, no_capture=False):
         key = (name, no_capture)
         if key not in _RUNS:
             dump = str(tmp_path_factory.mktemp(name))
             extra = {"SB_TEST_DUMP": dump, "SB_TEST_NO_CAPTURE": "1" if no_capture else "0"}
-            proc = launch(os.path.abspath(__file__),
+            proc = world.launch(os.path.abspath(__file__),
                           ["worker", *FLAGS, *RECOMPUTE[name], "--data-path", corpus], nproc=2, extra_env=extra)
             assert proc.returncode == 0, proc.stderr[-3000:]
             ranks = [json.load(open(os.path.join(dump, f"rank{r}.json"))) for r in range(2)]
@@ -343,9 +337,9 @@ if __name__ != "__main__":
 
     @pytest.mark.parametrize("name,base", [("full_uniform", "none"), ("full_block", "none"),
                                            ("selective", "none"), ("vpp_full_uniform", "vpp_none")])
-    def test_recompute_matches_no_recompute(name, base, long_corpus, tmp_path_factory):
-        ref = _run(base, long_corpus, tmp_path_factory)
-        run = _run(name, long_corpus, tmp_path_factory)
+    def test_recompute_matches_no_recompute(name, base, long_corpus, tmp_path_factory, world):
+        ref = _run(base, long_corpus, tmp_path_factory, world)
+        run = _run(name, long_corpus, tmp_path_factory, world)
         _assert_same_training(run, ref)
         # a recomputed forward is not a new attention call: records and density as without
         for r, rr in zip(run["ranks"], ref["ranks"]):
@@ -362,8 +356,8 @@ if __name__ != "__main__":
         return {layer for layer in range(1, LAYERS + 1) if ((layer - 1) // per_stage) % PP == pp_rank}
 
     @pytest.mark.parametrize("name", ["full_uniform", "full_block", "selective", "vpp_full_uniform"])
-    def test_recomputed_attention_uses_its_microbatch_budget(name, long_corpus, tmp_path_factory):
-        run = _run(name, long_corpus, tmp_path_factory)
+    def test_recomputed_attention_uses_its_microbatch_budget(name, long_corpus, tmp_path_factory, world):
+        run = _run(name, long_corpus, tmp_path_factory, world)
         for rank in run["ranks"]:
             for step in rank["steps"]:
                 first = {}
@@ -379,15 +373,15 @@ if __name__ != "__main__":
                     (layer, m) for layer in _expected_recomputed(name, rank["pp_rank"]) for m in range(M))
                 assert all(first[(layer, m)] == k for layer, m, k in recomputed), (recomputed, first)
 
-    def test_budgets_differ_so_capture_matters(long_corpus, tmp_path_factory):
+    def test_budgets_differ_so_capture_matters(long_corpus, tmp_path_factory, world):
         """The budgets vary between micro-batches in these runs, and recomputing with
         whatever budget the latest forward used changes the training."""
-        base = _run("none", long_corpus, tmp_path_factory)
+        base = _run("none", long_corpus, tmp_path_factory, world)
         for rank in base["ranks"]:
             tables = [np.asarray(s["budget"])[0] for s in rank["steps"]]  # [M, stages] per step
             # on this rank's stage, consecutive micro-batches got different budgets
             assert any((t[1:, rank["pp_rank"]] != t[:-1, rank["pp_rank"]]).any() for t in tables)
-        broken = _run("full_uniform", long_corpus, tmp_path_factory, no_capture=True)
+        broken = _run("full_uniform", long_corpus, tmp_path_factory, world, no_capture=True)
         # (measured: some gradient is off by ~10%, the grad norms by ~2e-4)
         assert max(_rel(broken["arrays"][k], base["arrays"][k]) for k in base["arrays"]) > 1e-3
         with pytest.raises(AssertionError):

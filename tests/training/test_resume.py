@@ -14,21 +14,21 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import PRETRAIN, ROOT, TINY, env, launch, summary_of, torchrun
+from conftest import PRETRAIN, ROOT, TINY, env, summary_of, torchrun
 
 PP2 = ["--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant"]
 TOTAL = 6
 
 
 @pytest.fixture(scope="module")
-def full_run(corpus, tmp_path_factory):
+def full_run(corpus, tmp_path_factory, world):
     save = str(tmp_path_factory.mktemp("full"))
-    summary = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
-                                           "--save", save, "--save-interval", "3"], nproc=2))
+    summary = summary_of(world.launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
+                                                 "--save", save, "--save-interval", "3"], nproc=2))
     return summary, save
 
 
-def test_save_resume_reproduces_losses(corpus, full_run, tmp_path):
+def test_save_resume_reproduces_losses(corpus, full_run, tmp_path, world):
     full, save = full_run
     assert sorted(os.listdir(save)) == ["iter_0000003", f"iter_{TOTAL:07d}", "latest_checkpointed_iteration.txt"]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(TOTAL)
@@ -37,8 +37,8 @@ def test_save_resume_reproduces_losses(corpus, full_run, tmp_path):
     ck.mkdir()
     shutil.copytree(os.path.join(save, "iter_0000003"), ck / "iter_0000003")
     (ck / "latest_checkpointed_iteration.txt").write_text("3\n")
-    resumed = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
-                                           "--load", str(ck)], nproc=2))
+    resumed = summary_of(world.launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters", str(TOTAL),
+                                                 "--load", str(ck)], nproc=2))
     assert resumed["iterations"] == TOTAL - 3 and resumed["last_iteration"] == TOTAL
     np.testing.assert_allclose(resumed["losses"], full["losses"][3:], rtol=1e-6)
     assert len(set(np.round(full["losses"], 4))) == TOTAL  # the curve really moves
@@ -49,7 +49,7 @@ def _children(pid):
     return [int(x) for x in out.split()]
 
 
-def test_signal_saves_and_resumes(corpus, full_run, tmp_path):
+def test_signal_saves_and_resumes(corpus, full_run, tmp_path, world):
     save = str(tmp_path / "ck")
     args = [*TINY, *PP2, "--data-path", corpus, "--train-iters", "200", "--save", save,
             "--exit-signal-handler"]
@@ -80,8 +80,8 @@ def test_signal_saves_and_resumes(corpus, full_run, tmp_path):
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(stop)
     assert not [d for d in os.listdir(save) if ".tmp" in d]
     full, _ = full_run
-    resumed = summary_of(launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters",
-                                           str(TOTAL), "--load", save, "--override-opt_param-scheduler"],
-                                 nproc=2))
+    resumed = summary_of(world.launch(PRETRAIN, [*TINY, *PP2, "--data-path", corpus, "--train-iters",
+                                                 str(TOTAL), "--load", save, "--override-opt_param-scheduler"],
+                                       nproc=2))
     np.testing.assert_allclose(s["losses"], full["losses"][:stop], rtol=1e-6)
     np.testing.assert_allclose(resumed["losses"], full["losses"][stop:], rtol=1e-6)

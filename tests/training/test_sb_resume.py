@@ -13,7 +13,7 @@ import os
 import shutil
 
 import numpy as np
-from conftest import ROOT, TINY, launch
+from conftest import ROOT, TINY
 
 WORKER = os.path.join(ROOT, "tests", "training", "_sb_worker.py")
 FLAGS = [*TINY, "--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant",
@@ -26,19 +26,19 @@ def _rank0(dump):
     return json.load(open(os.path.join(dump, "rank0.json")))
 
 
-def test_sab_sampler_state_round_trips(corpus, tmp_path):
+def test_sab_sampler_state_round_trips(corpus, tmp_path, world):
     save = str(tmp_path / "full")
-    proc = launch(WORKER, [*FLAGS, "--data-path", corpus, "--train-iters", str(TOTAL), "--save", save,
-                           "--save-interval", str(AT)], nproc=2,
-                  extra_env={"SB_TEST_DUMP": str(tmp_path / "d_full")})
+    proc = world.launch(WORKER, [*FLAGS, "--data-path", corpus, "--train-iters", str(TOTAL), "--save", save,
+                                 "--save-interval", str(AT)], nproc=2,
+                        extra_env={"SB_TEST_DUMP": str(tmp_path / "d_full")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     full = _rank0(str(tmp_path / "d_full"))
     ck = tmp_path / "ck"
     ck.mkdir()
     shutil.copytree(os.path.join(save, f"iter_{AT:07d}"), ck / f"iter_{AT:07d}")
     (ck / "latest_checkpointed_iteration.txt").write_text(f"{AT}\n")
-    proc = launch(WORKER, [*FLAGS, "--data-path", corpus, "--train-iters", str(TOTAL), "--load", str(ck)],
-                  nproc=2, extra_env={"SB_TEST_DUMP": str(tmp_path / "d_res")})
+    proc = world.launch(WORKER, [*FLAGS, "--data-path", corpus, "--train-iters", str(TOTAL), "--load", str(ck)],
+                        nproc=2, extra_env={"SB_TEST_DUMP": str(tmp_path / "d_res")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = _rank0(str(tmp_path / "d_res"))
     states = [s["sampler"] for s in full["steps"]]

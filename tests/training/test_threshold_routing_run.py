@@ -4,7 +4,7 @@ SparseBalance run (PP=1, SAB + DST tuning the cap) trains with content-dependent
 densities recorded in its summary."""
 
 import pytest
-from conftest import PRETRAIN, TINY, launch, summary_of
+from conftest import PRETRAIN, TINY, summary_of
 
 
 def _parse(argv, data="unused", world_size=None):
@@ -44,11 +44,11 @@ def test_flags_reach_the_config_and_the_layer_spec(corpus):
     assert attention_config(topk).threshold is None
 
 
-def test_sparse_balance_trains_under_threshold_routing(corpus, tmp_path):
+def test_sparse_balance_trains_under_threshold_routing(corpus, tmp_path, world):
     flags = [*TINY, "--data-path", corpus, "--train-iters", "4", "--sparse-balance", "--sb-routing", "threshold",
              "--sb-threshold", "0.6", "--sb-block-size", "16", "--sb-topk", "8", "--sb-topk-min", "0",
              "--sb-cost-model", "h100-analytic", "--summary-json", str(tmp_path / "s.json")]
-    s = summary_of(launch(PRETRAIN, flags))
+    s = summary_of(world.launch(PRETRAIN, flags))
     assert s["iterations"] == 4 and all(x == x for x in s["losses"])
     assert s["args"]["sb_routing"] == "threshold" and s["args"]["sb_threshold"] == 0.6
     assert 0.0 < s["density_mean"] < 1.0

@@ -14,7 +14,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 TOOL = os.path.join(REPO, "tools", "compare.py")
 
 
-def _run(*args):
+def _run(*args, world=None):
+    """compare.py with ``args``: a process (its exit and message are checked), or a job of
+    ``world`` (the session's warm world, tests/_world.py) where its report is."""
+    if world is not None:
+        return world.launch(TOOL, args, timeout=120)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True,
                           env=env, timeout=120)
@@ -56,11 +60,11 @@ def test_bad_lengths_content(tmp_path):
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
 
 
-def test_tiny_sim_json(lengths, tmp_path):
+def test_tiny_sim_json(lengths, tmp_path, world):
     rep = tmp_path / "rep"
     p = _run("--mode", "sim", "--lengths", lengths, "--seq-lengths", "4096", "--pp", "2",
              "--dp", "2", "--micro-batches", "4", "--sim-steps", "1", "--block-size", "64",
-             "--topk", "8", "--sim-models", "qwen05b", "--json", "--report", str(rep))
+             "--topk", "8", "--sim-models", "qwen05b", "--json", "--report", str(rep), world=world)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     check_cells(out)  # the printed shape, best_baseline and sb_vs_best consistent with arms
@@ -94,11 +98,11 @@ def test_tiny_sim_json(lengths, tmp_path):
     assert "#### Context parallelism" in report and "| synthetic | 4K | 2 |" in report
 
 
-def test_sim_cp_1_is_todays_simulation(lengths, tmp_path):
+def test_sim_cp_1_is_todays_simulation(lengths, tmp_path, world):
     rep = tmp_path / "rep"
     p = _run("--mode", "sim", "--lengths", lengths, "--seq-lengths", "4096", "--pp", "2",
              "--dp", "2", "--micro-batches", "4", "--sim-steps", "1", "--block-size", "64",
-             "--topk", "8", "--sim-models", "qwen05b", "--sim-cp", "1", "--report", str(rep))
+             "--topk", "8", "--sim-models", "qwen05b", "--sim-cp", "1", "--report", str(rep), world=world)
     assert p.returncode == 0, p.stderr
     sim = json.loads((rep / "sim.json").read_text())
     assert "cp" not in sim["models"]["qwen05b"] and sim["config"]["cp_sizes"] == [1]

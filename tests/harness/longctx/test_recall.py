@@ -128,7 +128,13 @@ def _run(*args):
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_attention_recall_tool_end_to_end(tmp_path):
+def test_attention_recall_tool_end_to_end(tmp_path, world):
+    """The corpus, the one-step training and the tool run in the session's warm world
+    (tests/_world.py): what is checked is what they write and report, not a process."""
+
+    def _run(script, *args):
+        return world.launch(os.path.join(REPO, script), args, timeout=120)
+
     data, ckpt = str(tmp_path / "c"), str(tmp_path / "ckpt")
     p = _run("tools/make_corpus.py", "--output-prefix", data, "--num-docs", "80", "--max-length", "384",
              "--quantile", "0.99")

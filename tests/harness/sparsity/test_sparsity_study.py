@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -90,14 +89,6 @@ def test_oracle_counts_the_blocks_that_hold_the_mass():
     assert o["total_mass"] == pytest.approx(tri + 3 * (whole + tri))
 
 
-def _run(*args, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-
-
 CORPUS = ["--num-docs", "60", "--seq-length", "128", "--train-iters", "2", "--train-layers", "1",
           "--train-hidden", "32"]
 
@@ -124,12 +115,14 @@ def test_corpus_tool_trains_then_reuses_its_checkpoint(trained, capsys):
     assert not os.path.exists(prefix + "_5.bin")  # refused before anything is written
 
 
-def test_study_end_to_end(trained, tmp_path):
+def test_study_end_to_end(trained, tmp_path, world):
+    """The study runs as a job of the session's warm world (tests/_world.py)."""
     prefix, ckpt = trained
     out = tmp_path / "study.json"
-    p = _run("tools/sparsity_study.py", "--load", ckpt, "--data-path", prefix, "--docs", "all",
-             "--num-docs", "40", "--block-size", "16", "--topk", "4", "--tau", "0.5", "--drift-docs", "10",
-             "--json", "--output", str(out))
+    p = world.launch(os.path.join(REPO, "tools", "sparsity_study.py"),
+                     ["--load", ckpt, "--data-path", prefix, "--docs", "all", "--num-docs", "40", "--block-size",
+                      "16", "--topk", "4", "--tau", "0.5", "--drift-docs", "10", "--json", "--output", str(out)],
+                     timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     rep = json.loads(p.stdout)
     assert json.loads(out.read_text()) == rep
