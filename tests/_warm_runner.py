@@ -40,14 +40,19 @@ def _exit_code(code) -> int:
     return 1
 
 
+def redirect_output(stdout: str, stderr: str) -> None:
+    """Point file descriptors 1 and 2 at these files (created or truncated)."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+
+
 def _child(req: dict) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
+    redirect_output(req["stdout"], req["stderr"])
     sys.stdin = open(os.devnull)
     code = 0
     try:

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 
-from _warm_runner import _exit_code  # this file's directory is on sys.path (a script's, or conftest's)
+from _warm_runner import _exit_code, redirect_output  # this file's directory is on sys.path (a script's, or conftest's)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCOPES = ("sparsebalance", "megatron", "pretrain_gpt")
@@ -156,10 +156,7 @@ def _run_job(req: dict) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     fds = [os.dup(1), os.dup(2)]
-    for fd, name in ((1, req["stdout"]), (2, req["stderr"])):
-        f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
+    redirect_output(req["stdout"], req["stderr"])
     code = 0
     try:
         os.chdir(req["cwd"])

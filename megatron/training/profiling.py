@@ -24,6 +24,11 @@ flash/cuDNN/memory-efficient SDPA, flex attention's Triton templates and this pr
 Triton and CUDA sparse kernels. Routing (block scoring, top-k) counts as the rest."""
 
 
+def _on_device(event) -> bool:
+    """Whether a profiler event ran on the accelerator (a kernel, a copy, a memset)."""
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
 HOST_SYNCS = re.compile(r"Synchronize|cudaMemcpy(?!Async)|aten::item|aten::_local_scalar_dense", re.IGNORECASE)
 """Host calls that wait for the device (their self time is ``host_sync_ms``)."""
 
@@ -35,7 +40,7 @@ def kernel_split(events) -> dict:
     accelerator also the eight host operators of most self time (``top_host_ops``) and the
     host's time in calls that wait for the device (``host_sync_ms``)."""
     events = list(events)
-    on_device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")
+    on_device = [e for e in events if _on_device(e)
                  and e.self_device_time_total > 0]
     if on_device:
         rows, device = [(e.key, e.self_device_time_total) for e in on_device], "cuda"
@@ -48,7 +53,7 @@ def kernel_split(events) -> dict:
            "attention_share": attn / total if total > 0 else None,
            "top_kernels": [{"name": name[:160], "ms": us / 1e3} for name, us in top]}
     if on_device:  # where the host spent the window: what points at a device left waiting
-        host = sorted((e for e in events if not str(getattr(e, "device_type", "")).endswith("CUDA")
+        host = sorted((e for e in events if not _on_device(e)
                        and e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
         out["top_host_ops"] = [{"name": e.key[:160], "ms": e.self_cpu_time_total / 1e3, "calls": e.count}
                                for e in host[:8]]
@@ -61,7 +66,7 @@ def device_busy_ms(events) -> Optional[float]:
     kernels' intervals from ``prof.events()``); None when none ran there. Against the
     window's wall time it shows how long the device waited for the host."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start)
+                   if _on_device(e) and e.time_range.end > e.time_range.start)
     if not spans:
         return None
     busy, (lo, hi) = 0.0, spans[0]
@@ -123,7 +128,7 @@ class StepProfiler:
         self.active = False
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        first = max(self.args.profile_step_start + 1, 1)
+        first = self.args.profile_step_start + 1
         if self.torch_prof is None:
             if torch.cuda.is_available():
                 torch.cuda.profiler.stop()

@@ -187,14 +187,15 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
     return train_verdict(runs, seq_lens)
 
 
-def sim_lengths(a) -> List[str]:
-    """compare.py's --lengths: the GPU machine has no ../shared, so the copies gpu-prep put
-    in gpudata/ (a dry run: the prolong file only, the one with enough short documents)."""
+def length_files(a) -> List[str]:
+    """The document-length files of the profile and the simulated comparison: the GPU machine
+    has no ../shared, so the copies gpu-prep put in gpudata/ (a dry run: the prolong file
+    only, the one with enough short documents)."""
     files = sorted(glob.glob(os.path.join(a.repo, "gpudata", "*.json")))
     if a.dry_run:
         files = [f for f in files if f.endswith("prolong.json")] or [
             os.path.join(os.path.dirname(a.repo), "shared", "data", "lengths", "prolong.json")]
-    return ["--lengths", *files] if files else []
+    return files
 
 
 def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
@@ -210,8 +211,8 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     if not a.dry_run:
         # 5 repeats (quick's 7 did not finish with the held-out check in 96 s on an H200)
         cmd += ["--sb-attention-backend", best_backend, "--clock", "wall", "--repeats", "5"]
-    files = sim_lengths(a)[1:]
-    if files:  # the GPU machine has no ../shared: gpu-prep's copies
+    files = length_files(a)
+    if files:
         cmd += ["--length-files", *files]
     proc = run(cmd, left * 0.8)  # the rest for compare.py
     res = last_json(proc.stdout)
@@ -224,7 +225,7 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     sim = run([sys.executable, "tools/compare.py", "--mode", "sim", "--quick", "--cost-model", prof,
                "--sim-models", "profile", "--block-size", block, "--topk", str(TRAIN_TOPK), "--json",
                "--report", os.path.join(a.work, "compare_sim"),
-               *sim_lengths(a),
+               *(["--lengths", *files] if files else []),
                *(["--pp", "2", "--dp", "1", "--micro-batches", "8", "--seq-lengths", "16384"]
                  if a.dry_run else [])],
               left - (time.time() - t0))
