@@ -1,31 +1,34 @@
-"""The SparseBalance coordinator: per-step DST plan and online recalibration on one rank.
+"""The SparseBalance coordinator: each step's packing and DST plan, and online recalibration.
 
-Per step, every rank runs the same deterministic code on the same inputs (no
-communication beyond the per-step gather the driver does anyway):
+The driver enters the library twice a step (the attention modules are the third way in):
 
-1. the driver hands :meth:`Balancer.forecast` the step's document lengths
-   ``[dp][microbatch][segment]`` (segment token counts of every replica's
-   micro-batches), and those of the next step when it plans ahead;
-2. under DST: :func:`sparsebalance.tuning.from_predictor.build_instance` and the
-   configured policy (:data:`sparsebalance.tuning.policies.DST_POLICIES`) ->
-   ``budget[dp][microbatch][virtual stage]`` (the policy's table, passed on as is:
-   the one form of the budget), which the driver hands to its data iterators; each
-   puts a micro-batch's entry on it (:mod:`sparsebalance.tuning.hook`), and it rides
-   on the micro-batch's packed params to the kernel; without DST, the op times at the
-   static budget and the pipeline model's step time;
-3. after the step, the gathered measured per-(micro-batch, stage) forward/backward
-   times are folded into the predictor's per-(stage, phase) correction (one
-   observation per (stage, phase) per step: the ratio of the step's measured sum to
-   the uncalibrated model's sum), so the next step's plan adapts.
+1. :meth:`StepPlanner.next_step` -> :class:`PlannedStep`: the sampler's packing of the
+   step (SAB or a baseline, :mod:`sparsebalance.batching.sampler`), its document lengths
+   ``[dp][microbatch][segment]`` as trained, the density the static budget would keep
+   and, with a :class:`Balancer`, the step's :class:`StepForecast`. Under DST that is
+   :func:`sparsebalance.tuning.from_predictor.build_instance` and the configured policy
+   (:data:`sparsebalance.tuning.policies.DST_POLICIES`) -> ``budget[dp][microbatch][virtual
+   stage]``, the budget's one form, checked once here (:func:`check_budget`); the
+   driver's data iterators put each micro-batch's entry on it and it rides on the
+   micro-batch's packed params to the kernel. Without DST: the op times at the static
+   budget and the pipeline model's step time.
+2. :meth:`Balancer.observe`: after the step, the gathered measured per-(micro-batch,
+   stage) forward/backward times are folded into the predictor's per-(stage, phase)
+   correction (one observation per (stage, phase) per step: the ratio of the step's
+   measured sum to the uncalibrated model's sum), so the next step's plan adapts.
 
-Planning ahead (the default under DST): the plan of step N+1 is built in a
-background thread while step N trains (the driver knows the next step's packing in
-advance), so planning is off the step's critical path; measured on the 2-core CPU
-machine, planning in line cost ~2% of every step, about as much as DST gains. The
-plan of step N+1 then uses the correction as of the end of step N-1 (one step
-older), which is the same on every rank: the thread starts after one observation
-and :meth:`Balancer.observe` waits for it before the next, so budgets stay
-rank-identical.
+Every rank runs the same deterministic code on the same inputs (no communication beyond
+the per-step gather the driver does anyway), so all ranks plan the same budgets.
+
+Planning ahead (the default under DST): :class:`StepPlanner` packs step N+1 when it hands
+out step N and the balancer plans it in a background thread while step N trains, so
+planning is off the step's critical path; measured on the 2-core CPU machine, planning
+in line cost ~2% of every step, about as much as DST gains. The plan of step N+1 then
+uses the correction as of the end of step N-1 (one step older), which is the same on
+every rank: the thread starts after one observation and :meth:`Balancer.observe` waits
+for it before the next, so budgets stay rank-identical. The planner's
+:meth:`StepPlanner.state_dict` is the sampler's state before the step packed ahead, so
+a checkpoint resumes at the step not yet trained.
 
 Checkpoints (:meth:`Balancer.state_dict`) hold the correction and, for planning
 ahead, the correction as it was before the last step's observation: the plan of the
@@ -44,7 +47,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Hashable, List, Optional, Sequence, Tuple
+from typing import Hashable, List, Optional, Tuple
 
 import numpy as np
 
@@ -202,7 +205,7 @@ class Balancer:
             inst = build_instance(pred, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
                                   k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max)
             plan = self._policy(inst, dst)
-            budget = plan.budget
+            budget = check_budget(plan.budget, lengths, self.stages)
             fwd, bwd, _ = inst.at(inst.indices(budget))
             step_ms, base_ms = plan.step_ms, plan.baseline_step_ms
         else:
@@ -325,19 +328,93 @@ class Balancer:
         self._resume_from = before if self.ahead else None
 
 
-def op_times(calls: Sequence[float], phase: str, pp: int, pp_rank: int, microbatches: int,
-             vpp: int) -> np.ndarray:
-    """Per-call timer seconds of one phase on this rank -> ms ``[vpp, M]`` by (chunk,
-    micro-batch), using megatron's op order (``sparsebalance.pipeline.rank_order``)."""
-    from sparsebalance.pipeline import rank_order
 
-    schedule = "interleaved" if vpp > 1 else "1f1b"
-    ops = [(m, c) for ph, m, c in rank_order(schedule, pp, pp_rank, microbatches, vpp)
-           if ph == phase]
-    out = np.zeros((vpp, microbatches))
-    if len(calls) != len(ops):
-        raise RuntimeError(f"{len(calls)} timed {phase} calls on pipeline rank {pp_rank}, "
-                           f"the schedule model expects {len(ops)}")
-    for (m, c), sec in zip(ops, calls):
-        out[c, m] = sec * 1e3
-    return out
+def check_budget(budget, lengths: Lengths, stages: int) -> np.ndarray:
+    """A DST policy's table as ``int64 [dp, M, stages]``, checked against the step it plans
+    (the budget's one check between planner and kernel).
+
+    Raises:
+        ValueError: wrong shape for ``lengths`` and ``stages``, or a negative budget.
+    """
+    b = np.asarray(budget, dtype=np.int64)
+    want = (len(lengths), len(lengths[0]) if lengths else 0, stages)
+    if b.shape != want:
+        raise ValueError(f"budget table is {b.shape}, the step needs [dp, microbatch, stage] = {want}")
+    if (b < 0).any():
+        raise ValueError(f"budgets must be >= 0, got {int(b.min())}")
+    return b
+
+
+@dataclass
+class PlannedStep:
+    """One training step as the library decided it (:meth:`StepPlanner.next_step`)."""
+
+    packing: "object"
+    """The sampler's :class:`~sparsebalance.batching.packing.StepPacking` (every DP rank's
+    segments)."""
+    lengths: Lengths
+    """Attention segment lengths ``[dp][microbatch][segment]`` as trained (padding segment
+    included): what the balancer plans and predicts."""
+    static_density: Optional[float] = None
+    """Fraction of causal pairs the static top-k keeps on this step's documents (the
+    baseline DST's retained attention is compared with); None: dense attention."""
+    forecast: Optional[StepForecast] = None
+    """The balancer's plan and prediction (None: no balancer); under DST its ``budget`` is
+    the step's ``[dp][microbatch][virtual stage]`` top-k table."""
+
+
+class StepPlanner:
+    """Each step's decisions in one call: the sampler's packing and, with a balancer, its
+    plan, looked ahead one step when the balancer plans ahead (see module docstring).
+
+    Args:
+        sampler: :class:`~sparsebalance.batching.sampler.PackingSampler` of the split.
+        balancer: :class:`Balancer` (None: packing only, no forecast).
+        pad_to: every micro-batch is padded to this many tokens by one trailing segment
+            (None: no padding); it enters the lengths as trained.
+        attention: the run's :class:`~sparsebalance.config.AttentionConfig`; sparse: each
+            step's ``static_density`` (None: not computed).
+    """
+
+    def __init__(self, sampler, balancer: Optional[Balancer] = None, pad_to: Optional[int] = None,
+                 attention: Optional[AttentionConfig] = None) -> None:
+        self.sampler, self.balancer, self.pad_to = sampler, balancer, pad_to
+        self.attention = attention if attention is not None and attention.sparse else None
+        self._ahead: Optional[Tuple[dict, PlannedStep]] = None  # (sampler state before it, step)
+
+    def _pack(self) -> PlannedStep:
+        packing = self.sampler.next_step()
+        step = PlannedStep(packing=packing, lengths=packing.lengths(self.pad_to))
+        if self.attention is not None:
+            from sparsebalance.pairs import density
+
+            step.static_density = density([n for rank in step.lengths for mb in rank for n in mb],
+                                          self.attention.topk, self.attention.block_size)
+        return step
+
+    def next_step(self, more: bool = True) -> PlannedStep:
+        """The next step (identical on every rank). ``more``: another step follows, so
+        it may be packed and planned ahead now."""
+        if self._ahead is not None:
+            step, self._ahead = self._ahead[1], None
+        else:
+            step = self._pack()
+        if self.balancer is not None:
+            then = None
+            if more and self.balancer.ahead:
+                state = self.sampler.state_dict()
+                nxt = self._pack()
+                self._ahead = (state, nxt)
+                then = (nxt, nxt.lengths)
+            step.forecast = self.balancer.forecast(step, step.lengths, then=then)
+        return step
+
+    def state_dict(self) -> dict:
+        """The sampler's state at the first step not handed out (a step packed ahead is
+        packed again after a resume)."""
+        return self._ahead[0] if self._ahead is not None else self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at :meth:`state_dict`'s step (a step packed ahead is dropped)."""
+        self._ahead = None
+        self.sampler.load_state_dict(state)

@@ -1,10 +1,11 @@
 """Packed THD micro-batches from a megatron-core indexed dataset.
 
-The packing comes from :class:`sparsebalance.batching.sampler.PackingSampler`
-(``--sb-batching``): per step, ``packing.ranks[dp_rank][m]`` is the list of
-``(doc_id, offset, length)`` segments of micro-batch ``m``. Every pipeline and
-data-parallel rank runs the same sampler with the same seed, so all stages of a
-pipeline see the same micro-batches without communication.
+Each step comes from the library's :class:`sparsebalance.balancer.StepPlanner` (one call
+per step): the sampler's packing (``--sb-batching``), where ``packing.ranks[dp_rank][m]``
+is the list of ``(doc_id, offset, length)`` segments of micro-batch ``m``, and, with a
+balancer, the step's DST plan. Every pipeline and data-parallel rank runs the same
+sampler and planner with the same seed, so all stages of a pipeline see the same
+micro-batches and budgets without communication.
 
 A micro-batch is a dict of ``[1, T]`` tensors, ``T`` = sum of its segment lengths:
 no padding at all, because megatron's ``variable_seq_lengths`` lets each
@@ -25,7 +26,9 @@ costing at most that segment's attention), loss mask 0, never seen by real token
     budget        (optional, int) DST's top-k of the micro-batch on this chunk's stage,
                   put there by :meth:`StepBatches.iterators`; the forward step moves
                   it to the micro-batch's ``BudgetedPackedSeqParams``
-    microbatch    (optional, int) the micro-batch's index in the step, with ``budget``
+    microbatch    (int) the micro-batch's index in the step, put there by the iterators
+    records       (list) the step's attention records, put there by the iterators: the
+                  attention modules append to it through the packed params
 
 With context parallelism (``--context-parallel-size N``) each rank gets its share
 of every micro-batch from :func:`context_parallel_split`: every segment is padded at
@@ -42,8 +45,8 @@ still trained on the next token of the document when there is one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -146,15 +149,37 @@ def context_parallel_split(mb: Dict[str, torch.Tensor], cp: int, rank: int) -> D
     return out
 
 
-def microbatch_lengths(segments: Sequence[Segment], pad_to: Optional[int] = None) -> List[int]:
-    """Attention segment lengths of the micro-batch :func:`build_microbatch` makes from
-    ``segments`` (padding segment included: it is computed like a document)."""
-    lens = [int(s[2]) for s in segments]
-    if pad_to is not None or not segments:
-        pad = max((pad_to or 1) - sum(lens), 0)
-        if pad:
-            lens.append(pad)
-    return lens
+class BudgetIterator:
+    """One model chunk's data iterator for one step: each pull hands out the next
+    micro-batch dict with its index (``microbatch``), the step's attention-record list
+    (``records``) and, under DST, its top-k on this chunk's stage (``budget``).
+
+    megatron's schedules call ``forward_step_func(data_iterator, model)`` once per
+    forward and pull from the iterator of the model chunk being run; each chunk's
+    iterator is visited in micro-batch order 0, 1, ..., M-1 (1F1B and the interleaved
+    schedule table alike), so the n-th pull is micro-batch n on virtual stage
+    ``chunk * pp + pp_rank``.
+    """
+
+    def __init__(self, microbatches: Sequence[Dict[str, Any]], budgets: Optional[Sequence[int]],
+                 records: list) -> None:
+        self.microbatches, self.budgets, self.records = microbatches, budgets, records
+        self.pulled = 0
+        """Micro-batches handed out so far (= index of the next one)."""
+
+    def __iter__(self) -> "BudgetIterator":
+        return self
+
+    def __next__(self) -> Dict[str, Any]:
+        m = self.pulled
+        if m >= len(self.microbatches):
+            raise RuntimeError(f"the step has {len(self.microbatches)} micro-batches; "
+                               "the schedule pulled one more")
+        self.pulled += 1
+        out = {**self.microbatches[m], "microbatch": m, "records": self.records}
+        if self.budgets is not None:
+            out["budget"] = int(self.budgets[m])
+        return out
 
 
 @dataclass
@@ -167,42 +192,39 @@ class StepBatches:
     """Tokens in the whole global batch (all DP ranks), for throughput."""
     global_docs: int
     """Segments in the global batch."""
-    packing: Optional[object] = None
-    """The sampler's ``StepPacking`` of the whole step (every DP rank's segments)."""
+    planned: Any = None
+    """The library's :class:`~sparsebalance.balancer.PlannedStep` (packing, lengths as
+    trained, static density, forecast)."""
     budget: Optional[np.ndarray] = None
-    """DST budget table ``[dp][microbatch][virtual stage]`` top-k: the plan's own table
-    (``sparsebalance.balancer.StepForecast.budget``), set by the training loop; None:
-    every layer's static ``--sb-topk``."""
+    """DST budget table ``[dp][microbatch][virtual stage]`` top-k (the plan's own,
+    checked by the library: ``planned.forecast.budget``); None: every layer's static
+    ``--sb-topk``."""
     dp_rank: int = 0
-    """This rank's data-parallel index (row of ``budget``)."""
+    """This rank's data-parallel index (row of the budget table)."""
     pp_rank: int = 0
     """This rank's pipeline index."""
     pp: int = 1
     """Pipeline ranks."""
-    pad_to: Optional[int] = None
-    """Micro-batch padding (:class:`PackedDataLoader`'s ``pad_to``)."""
+    records: list = field(default_factory=list)
+    """Attention records of this step's calls on this rank (``AttentionRecord``), filled
+    by the attention modules through each micro-batch's packed params."""
 
     @property
-    def lengths(self) -> List[List[List[int]]]:
-        """Attention segment lengths ``[dp][microbatch][segment]`` of the whole step as
-        trained (padding segment included): what the balancer plans and predicts."""
-        return [[microbatch_lengths(mb, self.pad_to) for mb in rank] for rank in self.packing.ranks]
+    def packing(self):
+        """The sampler's ``StepPacking`` of the whole step (every DP rank's segments)."""
+        return self.planned.packing
 
-    def iterators(self, num_chunks: int) -> List[Iterator]:
-        """One iterator per model chunk: every virtual stage walks the same micro-batches.
-
-        With a DST ``budget``, each pull puts the top-k of (micro-batch, this chunk's
-        virtual stage) on the micro-batch dict (``sparsebalance.tuning.hook``)."""
-        iters = [iter(self.microbatches) for _ in range(num_chunks)]
-        if self.budget is None:
-            return iters
-        from sparsebalance.tuning.hook import wrap_data_iterators
-
-        return wrap_data_iterators(iters, self.budget, self.dp_rank, self.pp_rank, self.pp)
+    def iterators(self, num_chunks: int) -> List[BudgetIterator]:
+        """One iterator per model chunk: every virtual stage walks the same micro-batches,
+        chunk ``c`` with the budgets of virtual stage ``c * pp + pp_rank``."""
+        b = self.budget
+        return [BudgetIterator(self.microbatches, None if b is None else b[self.dp_rank, :, c * self.pp + self.pp_rank],
+                               self.records) for c in range(num_chunks)]
 
 
 class PackedDataLoader:
-    """Steps of packed micro-batches for one DP rank, driven by ``PackingSampler``.
+    """Steps of packed micro-batches for one DP rank, as the library's ``StepPlanner``
+    packs (and plans) them.
 
     Args:
         dataset: megatron ``IndexedDataset``.
@@ -219,6 +241,9 @@ class PackedDataLoader:
         pad_to: pad every micro-batch to this many tokens (interleaved schedule only).
         max_carry_steps: no deferred document waits longer than this many steps.
         predictor: LatencyPredictor for the cost-based strategies (sab, wlb).
+        balancer: the run's ``sparsebalance.balancer.Balancer`` (None: no DST plan or
+            forecast); it plans (and looks ahead) inside the library's ``StepPlanner``.
+        attention: the run's ``AttentionConfig`` (sparse: each step's static density).
         pp, pp_rank: pipeline ranks and this rank's index (the packer predicts per-rank pipeline times).
         loss_starts: per dataset document, the first target token (``--mask-prompt-loss``).
         cp, cp_rank: context-parallel size and this rank's index (:func:`context_parallel_split`).
@@ -230,7 +255,9 @@ class PackedDataLoader:
                  vocab_size: Optional[int] = None, pad_to: Optional[int] = None,
                  max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0,
                  loss_starts: Optional[np.ndarray] = None, cp: int = 1, cp_rank: int = 0,
-                 pad_id: Optional[int] = None, item_length: Optional[int] = None) -> None:
+                 pad_id: Optional[int] = None, item_length: Optional[int] = None, balancer=None,
+                 attention=None) -> None:
+        from sparsebalance.balancer import StepPlanner
         from sparsebalance.batching.sampler import PackingSampler
 
         if len(doc_ids) == 0:
@@ -245,30 +272,16 @@ class PackedDataLoader:
         self.pp, self.pp_rank = pp, pp_rank
         self.cp, self.cp_rank = cp, cp_rank
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
-        self.sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
-                                      strategy=strategy, seed=seed, shuffle=shuffle,
-                                      max_carry_steps=max_carry_steps, predictor=predictor, pp=pp,
-                                      item_length=item_length)
+        sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
+                                 strategy=strategy, seed=seed, shuffle=shuffle, max_carry_steps=max_carry_steps,
+                                 predictor=predictor, pp=pp, item_length=item_length)
+        self.planner = StepPlanner(sampler, balancer, pad_to=pad_to, attention=attention)
 
-        self._ahead: Optional[tuple] = None  # (sampler state before it, the peeked step)
-
-    def peek(self) -> StepBatches:
-        """The next step without consuming it (built once: :meth:`next_step` returns the
-        same object). Checkpoints taken meanwhile still resume at that step."""
-        if self._ahead is None:
-            state = self.sampler.state_dict()
-            self._ahead = (state, self._build())
-        return self._ahead[1]
-
-    def next_step(self) -> StepBatches:
-        """Plan the next step (identically on every rank) and build this rank's micro-batches."""
-        if self._ahead is not None:
-            batches, self._ahead = self._ahead[1], None
-            return batches
-        return self._build()
-
-    def _build(self) -> StepBatches:
-        packing = self.sampler.next_step()
+    def next_step(self, more: bool = True) -> StepBatches:
+        """The library plans the next step (identically on every rank); build this rank's
+        micro-batches. ``more``: another step follows (it may be planned ahead)."""
+        planned = self.planner.next_step(more)
+        packing = planned.packing
         mine = packing.ranks[self.dp_rank]
         all_segments = [seg for rank in packing.ranks for mb in rank for seg in mb]
         microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to, self.loss_starts,
@@ -284,16 +297,16 @@ class PackedDataLoader:
             microbatches=microbatches,
             global_tokens=int(sum(s[2] for s in all_segments)),
             global_docs=len(all_segments),
-            packing=packing,
+            planned=planned,
+            budget=None if planned.forecast is None else planned.forecast.budget,
             dp_rank=self.dp_rank,
             pp_rank=self.pp_rank,
             pp=self.pp,
-            pad_to=self.pad_to,
         )
 
     def state_dict(self) -> dict:
-        return self._ahead[0] if self._ahead is not None else self.sampler.state_dict()
+        """The sampler's state at the first step not yet handed out."""
+        return self.planner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self._ahead = None
-        self.sampler.load_state_dict(state)
+        self.planner.load_state_dict(state)

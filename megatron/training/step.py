@@ -13,8 +13,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 
@@ -24,7 +25,12 @@ class StageTimers:
     Records the wall seconds of every call per name on this rank; the schedules
     time ``forward-compute`` and ``backward-compute`` once per micro-batch (per
     model chunk), in the rank's op order, so call ``i`` of a name is the ``i``-th
-    forward (backward) op of :func:`sparsebalance.pipeline.rank_order`.
+    forward (backward) op of this rank's ``order``.
+
+    Args:
+        order: this rank's ops ``(phase "F"/"B", micro-batch, chunk)`` in the order its
+            schedule runs them (:func:`sparsebalance.pipeline.rank_order`, computed once
+            per run); needed by :meth:`op_ms` only.
     """
 
     class _Timer:
@@ -39,9 +45,10 @@ class StageTimers:
                 self.owner.calls[self.name].append(time.perf_counter() - self.t0)
                 self.t0 = None
 
-    def __init__(self) -> None:
+    def __init__(self, order: Optional[List[tuple]] = None) -> None:
         self.calls: Dict[str, List[float]] = defaultdict(list)
         self._timers: Dict[str, StageTimers._Timer] = {}
+        self.order = order
 
     def __call__(self, name: str, log_level: int = 0) -> "_Timer":
         if name not in self._timers:
@@ -52,6 +59,24 @@ class StageTimers:
         """Seconds of every call since the last pop, by timer name, in call order."""
         out, self.calls = dict(self.calls), defaultdict(list)
         return out
+
+    def op_ms(self, calls: Dict[str, List[float]]) -> Tuple[np.ndarray, np.ndarray]:
+        """Forward and backward ms ``[vpp, M]`` by (chunk, micro-batch) of one step's
+        :meth:`pop` output, placed by the rank's op ``order``."""
+        vpp = 1 + max(c for _, _, c in self.order)
+        M = 1 + max(m for _, m, _ in self.order)
+        out = []
+        for phase, name in (("F", "forward-compute"), ("B", "backward-compute")):
+            ops = [(m, c) for ph, m, c in self.order if ph == phase]
+            secs = calls.get(name, [])
+            if len(secs) != len(ops):
+                raise RuntimeError(f"{len(secs)} timed {phase} calls on this pipeline rank, "
+                                   f"the schedule model expects {len(ops)}")
+            table = np.zeros((vpp, M))
+            for (m, c), sec in zip(ops, secs):
+                table[c, m] = sec * 1e3
+            out.append(table)
+        return out[0], out[1]
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -77,7 +102,7 @@ def forward_step(data_iterator, model):
 
     batch = next(data_iterator)
     # DST: a micro-batch may carry its top-k on this stage (an int the data iterator put
-    # there, sparsebalance.tuning.hook); no budget means the module default (--sb-topk).
+    # there, data.BudgetIterator); no budget means the module default (--sb-topk).
     budget, microbatch = batch.get("budget"), batch.get("microbatch")
     device = _device_of(model)
     get = lambda k: batch[k].to(device, non_blocking=True)
@@ -87,7 +112,8 @@ def forward_step(data_iterator, model):
     if "cu_seqlens_padded" in batch:  # context parallelism (data.context_parallel_split)
         cp_extra = _context_parallel_params(batch, device)
         max_len = cp_extra.pop("max_len")
-    # The packed params are the budget's one carrier to the attention modules; a layer
+    # The packed params are the budget's one carrier to the attention modules (and the
+    # step's record list the way back); a layer
     # recomputed in backward (--recompute-granularity) gets the same object, so it
     # routes as its original forward did although later micro-batches ran meanwhile.
     # The host copy of the boundaries rides along: routing reads them without a device sync.
@@ -95,7 +121,7 @@ def forward_step(data_iterator, model):
     packed = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=max_len, max_seqlen_kv=max_len,
                                      budget=budget, microbatch=microbatch, cu_seqlens_host=host,
-                                     **cp_extra)
+                                     records=batch.get("records"), **cp_extra)
     output = model(get("tokens"), get("position_ids"), None, labels=get("labels"),
                    packed_seq_params=packed)
     return output, partial(loss_func, get("loss_mask"))
@@ -136,10 +162,13 @@ class StepResult:
     stage_times: Dict[str, List[float]] = field(default_factory=dict)
     """Seconds of each call by schedule timer (forward-compute, backward-compute) on
     this rank, in call order."""
+    op_ms: Optional[Tuple[np.ndarray, np.ndarray]] = None
+    """Forward and backward ms ``[vpp, M]`` of this rank's ops (:meth:`StageTimers.op_ms`)."""
     budget: Optional[object] = None
     """The step's DST budget table ``[dp][microbatch][virtual stage]`` (None: DST off)."""
     attention_records: list = field(default_factory=list)
-    """``sparsebalance.runtime`` records of this step's attention calls on this rank."""
+    """``AttentionRecord`` of this step's attention calls on this rank
+    (``sparsebalance.attention.packed``)."""
     peak_memory_mb: float = 0.0
     """This process's memory high-water mark after the step (:func:`peak_memory_mb`)."""
 
@@ -149,7 +178,7 @@ def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_backward = get_forward_backward_func()
-    iters = batches.iterators(len(model))  # wrapped with the DST budgets when planned
+    iters = batches.iterators(len(model))  # each pull: index, record list, DST budget
     outputs = forward_backward(
         forward_step_func=forward_step,
         data_iterator=iters if len(model) > 1 else iters[0],
@@ -186,9 +215,7 @@ def params_l2_norm(model) -> float:
 def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) -> StepResult:
     """Zero grads, run the schedule, finalize grads, Adam step, LR step."""
     from megatron.training.initialize import use_cpu
-    from sparsebalance import runtime
 
-    runtime.pop_records()  # drop anything recorded outside this step
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -201,7 +228,8 @@ def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) 
         result.params_norm = params_l2_norm(model)
     result.skipped = not update_ok
     result.stage_times = timers.pop()
-    result.attention_records = runtime.pop_records()
+    result.op_ms = timers.op_ms(result.stage_times)
+    result.attention_records = batches.records
     result.peak_memory_mb = peak_memory_mb(use_cpu(args))
     return result
 
@@ -218,9 +246,6 @@ def evaluate(args, model, loader, iters: int) -> StepResult:
             total.loss_tokens += r.loss_tokens
     for chunk in model:
         chunk.train()
-    from sparsebalance import runtime
-
-    runtime.pop_records()  # evaluation is not part of any training step's metrics
     return total
 
 

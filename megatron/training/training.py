@@ -6,10 +6,11 @@ and all-gathers every rank's :class:`~megatron.training.step_metrics.RankStep` (
 measured op times feed the DST predictor's recalibration, identical on every rank).
 Only rank 0 prints (:class:`~megatron.training.run_log.RunLogger`).
 
-With a predictor (``--sb-profile`` / ``--sb-cost-model``) each step is also planned
-and predicted by :class:`sparsebalance.balancer.Balancer` (DST budgets with
-``--sb-dst``; :func:`forecast_step` puts the plan's table on the step's batches, whose
-data iterators hand each micro-batch its entry). ``--summary-json`` gets the metrics
+The library decides each step in one call (the loader's
+:class:`sparsebalance.balancer.StepPlanner`: packing and, with a predictor, the plan of
+:class:`sparsebalance.balancer.Balancer`, DST budgets with ``--sb-dst``, whose table the
+step's data iterators hand out per micro-batch) and hears what it measured in another
+(``Balancer.observe``). ``--summary-json`` gets the metrics
 of :meth:`RunLogger._balance_metrics`. After :func:`setup` builds the run's
 :class:`~sparsebalance.config.SparseBalanceConfig` (``TrainState.sb``), the ``--sb-*``
 settings are read from it.
@@ -126,6 +127,7 @@ def setup(args) -> TrainState:
     from megatron.training.step import StageTimers
     from megatron.training.tokenizer import args_vocab_size, padded_vocab_size
     from sparsebalance.balancer import Balancer, build_predictor
+    from sparsebalance.pipeline import rank_order
 
     initialize(args)
     cpu = use_cpu(args)
@@ -153,7 +155,8 @@ def setup(args) -> TrainState:
                               micro_batches=args.num_microbatches, seq_length=args.micro_batch_tokens,
                               strategy=sb.packing.strategy, seed=args.seed, vocab_size=vocab, pad_to=pad_to,
                               max_carry_steps=sb.packing.max_carry_steps, predictor=sampler_predictor,
-                              pp=pp, pp_rank=pp_rank, loss_starts=loss_starts, pad_id=pad_id, **cp)
+                              pp=pp, pp_rank=pp_rank, loss_starts=loss_starts, pad_id=pad_id,
+                              balancer=balancer, attention=sb.attention, **cp)
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
         valid = PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,
@@ -161,7 +164,8 @@ def setup(args) -> TrainState:
                                  strategy="megatron", seed=args.seed, shuffle=False, vocab_size=vocab,
                                  pad_to=pad_to, loss_starts=loss_starts, pad_id=pad_id, **cp)
     config = transformer_config(args, use_cpu=cpu)
-    timers = StageTimers()
+    timers = StageTimers(rank_order(sb.parallel.schedule, pp, pp_rank, args.num_microbatches,
+                                    sb.parallel.vpp))
     config.timers = timers
     config.finalize_model_grads_func = finalize_model_grads
     model = build_model(args, config, vocab, sb.attention)
@@ -227,12 +231,8 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         state.mark(f"step {state.iteration + 1}")
         profiled = profiler.before_step(state.iteration)
         t0 = time.perf_counter()
-        batches = loader.next_step()
-        if balancer is not None:
-            ahead = balancer.ahead and state.iteration + 1 < args.train_iters
-            forecast = forecast_step(balancer, batches, loader.peek() if ahead else None)
-        else:
-            forecast = None
+        batches = loader.next_step(more=state.iteration + 1 < args.train_iters)
+        forecast = batches.planned.forecast
         lr = float(state.optimizer.param_groups[0]["lr"])  # the rate this step applies
         result = train_step(args, state.model, state.optimizer, state.scheduler, batches, state.timers)
         result.budget = batches.budget
@@ -242,7 +242,7 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         meas_fwd, meas_bwd = gathered.measured_ops()
         if balancer is not None:  # same table on every rank -> same correction everywhere
             balancer.observe(forecast, meas_fwd, meas_bwd)
-        entry = _step_log(args, state.sb.attention, state.iteration, lr, step_s, batches, result, forecast, gathered,
+        entry = _step_log(args, state.iteration, lr, step_s, batches, result, forecast, gathered,
                           (meas_fwd + meas_bwd).sum(axis=2))
         entry.profiled = profiled
         hooks.log.step(entry)
@@ -280,13 +280,9 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
 
 def _gather_step(args, result, step_s: float, pp_rank: int, dp_rank: int) -> GatheredStep:
     """Every rank's measurements of the step just run (one all-gather)."""
-    from sparsebalance.balancer import op_times
-
     vpp = args.virtual_pipeline_model_parallel_size or 1
     M, pp = args.num_microbatches, args.pipeline_model_parallel_size
-    calls = result.stage_times
-    fwd = op_times(calls.get("forward-compute", []), "F", pp, pp_rank, M, vpp)
-    bwd = op_times(calls.get("backward-compute", []), "B", pp, pp_rank, M, vpp)
+    fwd, bwd = result.op_ms
     recs = result.attention_records
     mine = RankStep(loss_sum=result.loss_sum, loss_tokens=result.loss_tokens, fwd_s=fwd.sum() / 1e3,
                     bwd_s=bwd.sum() / 1e3, pp_rank=pp_rank, dp_rank=dp_rank, step_s=step_s,
@@ -297,10 +293,9 @@ def _gather_step(args, result, step_s: float, pp_rank: int, dp_rank: int) -> Gat
                         vpp=vpp, microbatches=M)
 
 
-def _step_log(args, attention, iteration: int, lr: float, step_s: float, batches, result, forecast,
+def _step_log(args, iteration: int, lr: float, step_s: float, batches, result, forecast,
               gathered: GatheredStep, mb_ms: np.ndarray) -> StepLog:
-    """Rank 0's record of one step (``attention``: the run's ``AttentionConfig``; ``mb_ms``:
-    measured ms per ``[dp, microbatch]``)."""
+    """Rank 0's record of one step (``mb_ms``: measured ms per ``[dp, microbatch]``)."""
     return StepLog(
         iteration=iteration,
         loss=gathered.loss(),
@@ -320,7 +315,7 @@ def _step_log(args, attention, iteration: int, lr: float, step_s: float, batches
         bubble=gathered.bubbles(),
         kept_pairs=float(gathered.column("kept_pairs").sum()),
         causal_pairs=float(gathered.column("causal_pairs").sum()),
-        static_density=_static_density(attention, batches),
+        static_density=batches.planned.static_density,
         peak_memory_mb=gathered.column("peak_mb").tolist(),
     )
 
@@ -395,25 +390,3 @@ class _Timeline:
         write_gantt(os.path.join(self.dir, f"step_{it:07d}.png"),
                     {"predicted": sim(pf, pb), "measured": sim(mf, mb)},
                     title=f"iteration {it}: predicted vs measured op times (megatron op order)")
-
-
-def _static_density(attention, batches) -> Optional[float]:
-    """Density of the step's whole global batch at the static top-k (the baseline that
-    DST's retained attention is compared with, on the same documents)."""
-    if not attention.sparse or batches.packing is None:
-        return None
-    from sparsebalance.pairs import density
-
-    return density([n for rank in batches.lengths for mb in rank for n in mb], attention.topk,
-                   attention.block_size)
-
-
-def forecast_step(balancer, batches, nxt=None):
-    """The :class:`~sparsebalance.balancer.StepForecast` of ``batches`` (planned ahead or
-    now), starting the background plan of the next step's batches ``nxt`` (None: none);
-    under DST the budget table goes on the batches, whose data iterators put each entry
-    on its micro-batch (:meth:`~megatron.training.data.StepBatches.iterators`)."""
-    then = None if nxt is None else (nxt, nxt.lengths)
-    forecast = balancer.forecast(batches, batches.lengths, then=then)
-    batches.budget = forecast.budget
-    return forecast

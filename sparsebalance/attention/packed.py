@@ -1,11 +1,13 @@
-"""Packed-sequence params that carry their micro-batch's attention budget: the one
-budget carrier from the DST plan to the attention modules.
+"""Packed-sequence params that carry their micro-batch's attention budget to the
+attention modules, and the records of what those modules did back to the driver.
 
 megatron-core hands the ``packed_seq_params`` of a micro-batch, untouched, from the
 model's forward to every layer's ``core_attention``; the driver's forward step builds
-one :class:`BudgetedPackedSeqParams` per micro-batch with the budget the data
-iterator attached (:mod:`sparsebalance.tuning.hook`, which also checked it). Nothing
-else holds the budget, so it is right under pipeline parallelism (the backward of
+one :class:`BudgetedPackedSeqParams` per micro-batch with the budget its data iterator
+attached (the plan's entry, checked by ``sparsebalance.balancer.check_budget``) and the
+step's record list, to which every sparse attention forward appends an
+:class:`AttentionRecord` (:func:`record`). Nothing else holds the budget or the records
+(no process-wide state), so it is right under pipeline parallelism (the backward of
 micro-batch ``m`` runs after later micro-batches' forwards) and under activation
 recomputation (megatron re-runs the attention forward in backward with the same
 params object: the checkpointed function's closure holds it, so the recomputed call
@@ -14,10 +16,36 @@ routes as the original did).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass
+class AttentionRecord:
+    """What one attention call did (one layer, one micro-batch)."""
+
+    layer_number: int
+    """1-based global layer number as megatron-core numbers layers."""
+    microbatch: Optional[int]
+    """Micro-batch id the packed params carried, or None when they carried none."""
+    topk: Optional[int]
+    """Budget the module used (None: dense attention)."""
+    kept_pairs: int
+    """Kept (query, key) pairs summed over documents and heads."""
+    causal_pairs: int
+    """Causal (query, key) pairs summed over documents and heads."""
+    doc_lengths: tuple = field(default_factory=tuple)
+    """Lengths of the documents (cu_seqlens segments) in the call, in tokens."""
+    doc_kept_pairs: tuple = field(default_factory=tuple)
+    """Kept pairs of each document (over heads), when the backend routed by the shared plan
+    (empty otherwise): what a sparsity estimator learns a document's density from."""
+
+    @property
+    def density(self) -> float:
+        """Fraction of causal pairs kept (1.0 for dense)."""
+        return self.kept_pairs / self.causal_pairs if self.causal_pairs else 1.0
 
 
 @dataclass
@@ -37,6 +65,16 @@ class BudgetedPackedSeqParams(PackedSeqParams):
     """Context parallelism: this rank's
     :class:`~sparsebalance.attention.context_parallel.CPLayout` of the micro-batch
     (None without CP)."""
+    records: Optional[list] = None
+    """The list the attention modules append their :class:`AttentionRecord` to (the
+    driver's, one per step); None: nothing is recorded."""
+
+
+def record(packed_seq_params, rec: AttentionRecord) -> None:
+    """Append ``rec`` to the record list ``packed_seq_params`` carries (if any)."""
+    records = getattr(packed_seq_params, "records", None)
+    if records is not None:
+        records.append(rec)
 
 
 def budget_of(packed_seq_params, default: Optional[int]) -> Tuple[Optional[int], Optional[int]]:

@@ -7,7 +7,8 @@ micro-batch's budget from the
 :class:`~sparsebalance.attention.packed.BudgetedPackedSeqParams` megatron hands it
 (falling back to its static ``topk``), runs :func:`sparsebalance.ops.sparse_attention` (or dense
 causal attention for layers in ``dense_layers`` or a ``None`` budget) and
-records the kept/causal pair counts with ``sparsebalance.runtime.record_attention``.
+appends an :class:`~sparsebalance.attention.packed.AttentionRecord` of the kept/causal
+pair counts to the record list the packed params carry.
 
 Layouts as in :mod:`sparsebalance.attention.dense`: THD ``[T, H, D]`` with
 ``packed_seq_params.cu_seqlens_q`` (returns ``[T, H * D]``) or SBHD
@@ -31,9 +32,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from sparsebalance import runtime
 from sparsebalance.attention.dense import CausalVarlenAttention, causal_local_attention, causal_varlen_attention
-from sparsebalance.attention.packed import budget_of
+from sparsebalance.attention.packed import AttentionRecord, budget_of, record
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention
 from sparsebalance.ops.plan import RoutingRule, default_scale, host_cu, plan_slot, routing_rule
@@ -114,7 +114,7 @@ class SparseAttention(CausalVarlenAttention):
             kept = round(dens * causal)
         if _recomputing():  # the original forward of this call was recorded already
             return out
-        runtime.record_attention(runtime.AttentionRecord(
+        record(packed_seq_params, AttentionRecord(
             layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=kept,
             causal_pairs=causal, doc_lengths=tuple(lens.tolist()),
             doc_kept_pairs=() if doc_kept is None else tuple(int(x) for x in doc_kept)))
@@ -140,7 +140,7 @@ class SparseAttention(CausalVarlenAttention):
                                                    backend=self.backend)
         if not _recomputing():
             lens = (layout.cu_real[1:] - layout.cu_real[:-1]).long()
-            runtime.record_attention(runtime.AttentionRecord(
+            record(packed_seq_params, AttentionRecord(
                 layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=kept,
                 causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
         return out

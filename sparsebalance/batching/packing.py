@@ -108,6 +108,24 @@ class StepPacking:
         """Real tokens trained in this step."""
         return sum(s[2] for r in self.ranks for mb in r for s in mb)
 
+    def lengths(self, pad_to: Optional[int] = None) -> list:
+        """Attention segment lengths ``[dp][microbatch][segment]`` as trained: with
+        ``pad_to``, each micro-batch ends in one padding segment up to ``pad_to`` tokens
+        (computed like a document); an empty micro-batch is one padding token (the
+        driver's micro-batches, ``megatron/training/data.py``, follow this rule)."""
+        out = []
+        for rank in self.ranks:
+            row = []
+            for mb in rank:
+                lens = [int(s[2]) for s in mb]
+                if pad_to is not None or not mb:
+                    pad = max((pad_to or 1) - sum(lens), 0)
+                    if pad:
+                        lens.append(pad)
+                row.append(lens)
+            out.append(row)
+        return out
+
     @property
     def step_ms(self) -> Optional[float]:
         """Predicted step time: the slowest rank (ms)."""

@@ -135,7 +135,7 @@ class SparsityEstimator:
     def update_microbatch(self, sources: Sequence[Optional[str]], lengths: Sequence[int], kept: float,
                           causal: float) -> None:
         """Fold in a micro-batch measured as a whole, e.g. from the attention records
-        (``sparsebalance.runtime.AttentionRecord``: ``kept_pairs`` and ``causal_pairs`` summed
+        (``sparsebalance.attention.packed.AttentionRecord``: ``kept_pairs`` and ``causal_pairs`` summed
         over its documents and heads, and over layers when several records are added up).
 
         Each document is taken at its current prediction scaled so that the micro-batch's

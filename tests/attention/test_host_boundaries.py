@@ -68,11 +68,9 @@ def test_recomputed_layer_reuses_its_forwards_plan(routing_counts, mp, monkeypat
 
 
 def test_records_carry_each_documents_kept_pairs(mp):
-    from sparsebalance import runtime
-
     q, k, v, cu = _inputs([300, 20, 200], 2)
-    runtime.pop_records()
-    _core(topk=2, threshold=0.5)(q, k, v, None, packed_seq_params=_params(cu, 2))
-    (rec,) = runtime.pop_records()
+    records = []
+    _core(topk=2, threshold=0.5)(q, k, v, None, packed_seq_params=_params(cu, 2, records=records))
+    (rec,) = records
     assert len(rec.doc_kept_pairs) == 3 and sum(rec.doc_kept_pairs) == rec.kept_pairs
     assert rec.doc_kept_pairs[1] == 20 * 21 // 2 * 4  # a one-block document keeps all it has

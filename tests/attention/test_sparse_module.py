@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from sparsebalance import runtime
 from sparsebalance.pairs import kept_pairs
 
 
@@ -27,13 +26,18 @@ def _layer(cfg, layer_number, **spec_kw):
     return build_module(spec, config=cfg, layer_number=layer_number)
 
 
-def _thd(cfg, lens, seed=0):
+def _thd(cfg, lens, seed=0, records=None):
+    """(input, packed params); ``records``: the list the params carry (None: plain
+    megatron-core ``PackedSeqParams``, which carry no record list)."""
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from sparsebalance.attention.packed import BudgetedPackedSeqParams
 
     T = sum(lens)
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                          max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+    kw = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+              max_seqlen_kv=max(lens))
+    psp = PackedSeqParams(**kw) if records is None else BudgetedPackedSeqParams(**kw, records=records)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, 1, cfg.hidden_size, generator=g).requires_grad_()
     return x, psp
@@ -46,15 +50,15 @@ def test_transformer_layer_thd_forward_backward_budget_and_records(mp):
     layer = _layer(cfg, 1, block_size=16, topk=1, backend="cpu")
     assert isinstance(layer.self_attention.core_attention, SparseAttention)
     lens = [100, 7, 60]
-    x, psp = _thd(cfg, lens)
-    runtime.pop_records()
+    records = []
+    x, psp = _thd(cfg, lens, records=records)
     out, _ = layer(x, attention_mask=None, packed_seq_params=psp)
     assert out.shape == x.shape
     out.square().mean().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
     w = layer.self_attention.linear_qkv.weight
     assert w.grad is not None and w.grad.abs().sum() > 0
-    (rec,) = runtime.pop_records()
+    (rec,) = records  # the backward added none
     H = cfg.num_attention_heads
     assert rec.layer_number == 1 and rec.topk == 1 and rec.doc_lengths == tuple(lens)
     assert rec.kept_pairs == int(kept_pairs(lens, 1, 16).sum()) * H
@@ -62,11 +66,13 @@ def test_transformer_layer_thd_forward_backward_budget_and_records(mp):
 
     # A budget the packed params carry (the micro-batch's) overrides the static topk
     # and changes the output.
-    from sparsebalance.attention.packed import BudgetedPackedSeqParams
+    import dataclasses
 
-    bpsp = BudgetedPackedSeqParams(**vars(psp), budget=3, microbatch=5)
+    records3 = []
+    bpsp = dataclasses.replace(psp, budget=3, microbatch=5, records=records3)
     out3, _ = layer(x, attention_mask=None, packed_seq_params=bpsp)
-    (rec3,) = runtime.pop_records()
+    (rec3,) = records3
+    assert len(records) == 1  # each micro-batch's params carry their own list
     assert rec3.topk == 3 and rec3.microbatch == 5
     assert rec3.kept_pairs == int(kept_pairs(lens, 3, 16).sum()) * H > rec.kept_pairs
     assert not torch.allclose(out3, out)
@@ -82,9 +88,10 @@ def test_dense_layers_and_backends_agree_in_layer(mp):
         outs[be] = layer(x, attention_mask=None, packed_seq_params=psp)[0]
     torch.testing.assert_close(outs["cpu"], outs["reference"], rtol=1e-4, atol=1e-5)
     dense_layer = _layer(cfg, 2, block_size=16, topk=0, backend="cpu", dense_layers=(2,))
-    runtime.pop_records()
-    dense = dense_layer(x, attention_mask=None, packed_seq_params=psp)[0]
-    (rec,) = runtime.pop_records()
+    records = []
+    _, rpsp = _thd(cfg, lens, seed=1, records=records)
+    dense = dense_layer(x, attention_mask=None, packed_seq_params=rpsp)[0]
+    (rec,) = records
     assert rec.topk is None and rec.density == 1.0
     big = _layer(cfg, 2, block_size=16, topk=100, backend="cpu")(x, attention_mask=None,
                                                                   packed_seq_params=psp)[0]

@@ -11,7 +11,7 @@ packer must *estimate* each document's cost before the step runs.
 
 Model: the achieved kept pairs of a document = ``ratio * kept_pairs(L, topk, B)``.
 ``ratio`` is a running (exponential) average per (length bucket, topk) of the
-ratios the attention modules report (``sparsebalance.runtime.AttentionRecord``),
+ratios the attention modules report (``sparsebalance.attention.packed.AttentionRecord``),
 refined per document once that document has been seen (e.g. in the previous epoch).
 Lookups are vectorised (one ``log2`` and two array gathers per window), well under
 a millisecond for thousands of documents.
@@ -138,7 +138,7 @@ class DensityEstimator:
             t.doc_seen[d] = True
 
     def observe_record(self, record, doc_ids=None) -> None:
-        """Feed back a ``sparsebalance.runtime.AttentionRecord`` (kept pairs summed over
+        """Feed back a ``sparsebalance.attention.packed.AttentionRecord`` (kept pairs summed over
         heads; divided by the head count implied by the causal pairs)."""
         L = np.asarray(record.doc_lengths, dtype=np.int64)
         causal = int((L * (L + 1) // 2).sum())

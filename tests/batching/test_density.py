@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from density_estimator import DensityEstimator
 
+from sparsebalance.attention.packed import AttentionRecord
 from sparsebalance.pairs import causal_pairs, kept_pairs
-from sparsebalance.runtime import AttentionRecord
 
 B, K = 64, 4
 

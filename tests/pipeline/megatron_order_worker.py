@@ -10,8 +10,8 @@ Each pipeline rank runs a tiny model chunk per virtual stage. The chunk records
 ("F", microbatch, chunk) when megatron's forward step runs it, with the micro-batch
 id megatron itself sets (``layer.current_microbatch``), and ("B", microbatch,
 chunk) from an autograd hook on its output when megatron's backward step reaches
-it. Data iterators are wrapped in ``sparsebalance.tuning.hook.BudgetIterator`` with
-a known plan; each forward also records the budget and micro-batch id its batch
+it. The data iterators are the driver's (``megatron.training.data.StepBatches.iterators``)
+with a known plan; each forward also records the budget and micro-batch id its batch
 carried. Rank 0 writes ``[{rank: {"order": [...], "budgets": [...]}} per run]``.
 """
 
@@ -59,12 +59,13 @@ def _worker(rank: int, world: int, runs: list, init: str, out: str) -> None:
 
 
 def _run(rank: int, world: int, vpp: int, M: int) -> dict:
+    import numpy as np
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
-    from sparsebalance.tuning.hook import wrap_data_iterators
+    from megatron.training.data import StepBatches
 
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=world,
@@ -105,18 +106,18 @@ def _run(rank: int, world: int, vpp: int, M: int) -> dict:
     torch.manual_seed(0)
     model = [Chunk(c) for c in range(vpp)]
 
-    def data():
-        for m in range(M):
-            yield {"x": torch.randn(SEQ, 1, HIDDEN), "id": m}
+    data = [{"x": torch.randn(SEQ, 1, HIDDEN), "id": m} for m in range(M)]
 
     def forward_step(it, chunk):
         batch = next(it)
-        assert batch["microbatch"] == batch["id"]  # the hook's index is the pull order
+        assert batch["microbatch"] == batch["id"]  # the iterator's index is the pull order
         out = chunk(batch["x"], batch["microbatch"], batch["budget"])
         return out, lambda o: (o.float().pow(2).mean(), {"loss": o.detach().pow(2).mean()})
 
     plan = plan_budget(1, M, world * vpp)
-    iters = wrap_data_iterators([data() for _ in range(vpp)], plan, 0, rank, world)
+    batches = StepBatches(microbatches=data, global_tokens=0, global_docs=M,
+                          budget=np.asarray(plan), dp_rank=0, pp_rank=rank, pp=world)
+    iters = batches.iterators(vpp)
     get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iters if vpp > 1 else iters[0],
         model=model if vpp > 1 else model[0], num_microbatches=M, seq_length=SEQ,

@@ -219,8 +219,8 @@ def main() -> int:
     if dump is not None:
         next_step, last = data.PackedDataLoader.next_step, {}
 
-        def recording_next_step(self):
-            last["batches"] = next_step(self)
+        def recording_next_step(self, *args, **kwargs):
+            last["batches"] = next_step(self, *args, **kwargs)
             return last["batches"]
 
         data.PackedDataLoader.next_step = recording_next_step

@@ -1,6 +1,6 @@
 """Run ``pretrain()`` as pretrain_gpt.py does and dump, per rank, what the SparseBalance
 tests compare: every step's DST budget table, the budget each attention call used
-(``sparsebalance.runtime`` records) and the sampler state after the step.
+(the attention records) and the sampler state after the step.
 
 Writes ``$SB_TEST_DUMP/rank<r>.json`` (a test-only env var, not a driver flag).
 """

@@ -81,6 +81,22 @@ def test_padding_segment_is_masked(dataset):
     assert empty["tokens"].shape == (1, 1) and float(empty["loss_mask"].sum()) == 0
 
 
+def test_the_lengths_the_library_plans_are_the_segments_trained(dataset):
+    """StepPacking.lengths (what the balancer plans and predicts) equals the cu_seqlens of
+    the micro-batches the driver builds, padded, unpadded and empty."""
+    from megatron.training.data import build_microbatch
+    from sparsebalance.batching.packing import StepPacking
+
+    ds, texts = dataset
+    mbs = [[(0, 0, 11), (2, 0, 3)], [], [(2, 4, 2)]]
+    packing = StepPacking(step=0, epoch=0, ranks=[mbs])
+    for pad_to in (None, 32):
+        built = [np.diff(build_microbatch(ds, np.arange(len(ds)), mb, pad_to=pad_to)["cu_seqlens"].numpy())
+                 for mb in mbs]
+        assert packing.lengths(pad_to) == [[b.tolist() for b in built]]
+    assert packing.lengths(None) == [[[11, 3], [1], [2]]]
+
+
 LEAKAGE = [  # (more driver flags, head dims RoPE rotates)
     ((), 16),                                         # head dim 64 / 4 = 16, all rotated
     (("--rotary-percent", "0.5", "--rotary-base", "500000"), 8),  # GPT-NeoX style partial rotary

@@ -8,9 +8,13 @@ bookkeeping to the end of step 3's: step 4's packing and its background plan inc
 one JSON object: the repository files the step ran (``driver``: megatron/training and
 pretrain_gpt.py; ``library``: sparsebalance/), and the crossings into the library:
 each distinct (caller function -> library function) call whose caller lies outside
-sparsebalance/ (the driver, or megatron-core calling the attention module)::
+sparsebalance/ (the driver, or megatron-core calling the attention module). A library
+function torch's autograd engine runs in backward (a custom ``Function.backward``
+whose forward the library called) is listed apart, under ``autograd_callbacks``,
+with the call that started that backward: nobody outside the library calls it.
+``--functions`` adds every repository function the step ran (``file:function``)::
 
-    .venv/bin/python tools/ci/step_route.py
+    .venv/bin/python tools/ci/step_route.py [--functions]
 """
 
 from __future__ import annotations
@@ -35,13 +39,15 @@ def _rel(path: str) -> str:
     return os.path.relpath(path, REPO) if path.startswith(REPO + os.sep) else ""
 
 
-def _caller(frame) -> str:
-    """``file:function`` of the nearest caller in the repository or megatron-core (torch's
-    module call machinery and the standard library are looked through)."""
-    f = frame.f_back
+def _caller(frame) -> tuple:
+    """(``file:function`` of the nearest caller in the repository or megatron-core, whether
+    torch's autograd engine ran in between); torch's module call machinery and the
+    standard library are looked through."""
+    f, engine = frame.f_back, False
     while f is not None and not _rel(f.f_code.co_filename):
+        engine = engine or f.f_code.co_name == "_engine_run_backward"
         f = f.f_back
-    return "" if f is None else f"{_rel(f.f_code.co_filename)}:{f.f_code.co_name}"
+    return ("" if f is None else f"{_rel(f.f_code.co_filename)}:{f.f_code.co_name}"), engine
 
 
 def worker() -> None:
@@ -50,7 +56,7 @@ def worker() -> None:
 
     from megatron.training import training
 
-    files, edges = set(), set()
+    files, edges, callbacks, funcs = set(), set(), set(), set()
 
     def prof(frame, event, arg):
         if event != "call":
@@ -59,10 +65,11 @@ def worker() -> None:
         if not callee or callee == "megatron-core":
             return
         files.add(callee)
+        funcs.add(f"{callee}:{frame.f_code.co_name}")
         if callee.startswith("sparsebalance/"):
-            caller = _caller(frame)
+            caller, engine = _caller(frame)
             if caller and not caller.startswith("sparsebalance/"):
-                edges.add(f"{caller} -> {callee}:{frame.f_code.co_name}")
+                (callbacks if engine else edges).add(f"{caller} -> {callee}:{frame.f_code.co_name}")
 
     def on_step(iteration, state, result):
         if iteration == TRACED_STEP - 1:
@@ -73,7 +80,8 @@ def worker() -> None:
             threading.setprofile(None)
             out = os.path.join(os.environ["SB_ROUTE_OUT"], f"rank{os.environ.get('RANK', '0')}.json")
             with open(out, "w") as f:
-                json.dump({"files": sorted(files), "edges": sorted(edges)}, f)
+                json.dump({"files": sorted(files), "edges": sorted(edges),
+                           "callbacks": sorted(callbacks), "functions": sorted(funcs)}, f)
 
     pretrain = training.pretrain
     training.pretrain = lambda args: pretrain(args, on_step=on_step)
@@ -95,16 +103,21 @@ def main() -> int:
               os.path.abspath(__file__), *PROJECT_RUN_FLAGS, *RUN_FLAGS, *flags, "--data-path", corpus,
               "--train-iters", str(TRACED_STEP + 1)],
              env={**_env(), "SB_ROUTE_OUT": tmp, "SB_ROUTE_WORKER": "1"})
-        files, edges = set(), set()
+        files, edges, callbacks, funcs = set(), set(), set(), set()
         for r in (0, 1):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 d = json.load(f)
             files.update(d["files"])
             edges.update(d["edges"])
+            callbacks.update(d["callbacks"])
+            funcs.update(d["functions"])
     driver = sorted(f for f in files if not f.startswith("sparsebalance/"))
     library = sorted(f for f in files if f.startswith("sparsebalance/"))
-    print(json.dumps({"files": len(files), "driver": driver, "library": library,
-                      "crossings": sorted(edges)}, indent=1))
+    out = {"files": len(files), "driver": driver, "library": library, "crossings": sorted(edges),
+           "autograd_callbacks": sorted(callbacks)}
+    if "--functions" in sys.argv[1:]:
+        out["functions"] = sorted(funcs)
+    print(json.dumps(out, indent=1))
     return 0
 
 
