@@ -68,14 +68,6 @@ class PackingConfig:
     def __post_init__(self) -> None:
         _check(self.max_carry_steps >= 0, f"packing.max_carry_steps must be >= 0, got {self.max_carry_steps}")
 
-    @property
-    def uses_predictor(self) -> bool:
-        """The strategy packs by predicted cost when a predictor is given (asks the
-        strategy registry, which raises on an unknown name)."""
-        from sparsebalance.batching.strategies import get_strategy
-
-        return get_strategy(self.strategy).predictor != "none"
-
 
 @dataclass(frozen=True)
 class DSTConfig:

@@ -128,7 +128,7 @@ def context_parallel_split(mb: Dict[str, torch.Tensor], cp: int, rank: int) -> D
     Padding tokens (id 0, label 0, loss mask 0, position 0) end each padded segment;
     real tokens keep their positions, labels and loss mask.
     """
-    from sparsebalance.attention.context_parallel import local_token_index, padded_lengths
+    from sparsebalance.cp_split import local_token_index, padded_lengths
 
     cu = mb["cu_seqlens"].long().numpy()
     lens = np.diff(cu)

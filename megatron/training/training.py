@@ -127,6 +127,7 @@ def setup(args) -> TrainState:
     from megatron.training.step import StageTimers
     from megatron.training.tokenizer import args_vocab_size, padded_vocab_size
     from sparsebalance.balancer import Balancer, build_predictor
+    from sparsebalance.batching.strategies import get_strategy
     from sparsebalance.pipeline import rank_order
 
     initialize(args)
@@ -147,7 +148,7 @@ def setup(args) -> TrainState:
     if sb.predictor.enabled:
         predictor = build_predictor(sb, warn=_rank0_warn())
         balancer = Balancer(sb, predictor)
-        if sb.packing.uses_predictor:
+        if get_strategy(sb.packing.strategy).predictor != "none":  # raises on an unknown name
             # Its own instance: the packer's costs never see the online correction, so
             # the data order stays a function of (seed, step) (see sparsebalance/balancer.py).
             sampler_predictor = build_predictor(sb)

@@ -1,11 +1,10 @@
 """Context parallelism (CP) for packed documents: the token split and the K/V exchange.
 
-Split (Megatron's THD layout, the one megatron-core's RoPE assumes): every document
-is padded to a multiple of ``2 * cp`` tokens and cut into ``2 * cp`` equal chunks;
-CP rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` of every document (head/tail
-pairing: an early chunk, cheap in causal attention, with a late, expensive one),
-documents in order. A routing block may straddle two ranks' chunks: routing sums
-its queries over the CP group (:func:`sparse_attention_local`), so it stays exact.
+Split (:mod:`sparsebalance.cp_split`, Megatron's THD layout): every document is padded
+to a multiple of ``2 * cp`` tokens and cut into ``2 * cp`` equal chunks; CP rank ``r``
+holds chunks ``r`` and ``2 * cp - 1 - r`` of every document. A routing block may
+straddle two ranks' chunks: routing sums its queries over the CP group
+(:func:`sparse_attention_local`), so it stays exact.
 (Padding to whole routing blocks instead would put all of a document's padding in
 rank 0's tail chunk and unbalance the ranks.) Padding tokens sit at the end of their
 document: real tokens never attend to them and they attend to nothing (their output
@@ -27,33 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-
-def padded_lengths(lengths: Sequence[int], cp: int) -> np.ndarray:
-    """Document lengths rounded up to a multiple of ``2 * cp`` tokens (int64)."""
-    unit = 2 * int(cp)
-    L = np.asarray(lengths, dtype=np.int64)
-    return (L + unit - 1) // unit * unit
-
-
-def local_token_index(padded: Sequence[int], cp: int, rank: int) -> np.ndarray:
-    """Indices into the padded packed layout of the tokens CP rank ``rank`` holds, in
-    its local order (per document: chunk ``rank`` then chunk ``2 * cp - 1 - rank``).
-
-    Args:
-        padded: padded document lengths, each a multiple of ``2 * cp``.
-    Returns:
-        int64 ``[sum(padded) / cp]``.
-    """
-    P = np.asarray(padded, dtype=np.int64)
-    if np.any(P % (2 * cp)):
-        raise ValueError(f"padded lengths must be multiples of 2 * cp = {2 * cp}")
-    S = P // (2 * cp)  # chunk size per document
-    start = np.cumsum(P) - P
-    heads = start + rank * S
-    tails = start + (2 * cp - 1 - rank) * S
-    firsts = np.stack([heads, tails], 1).reshape(-1)
-    sizes = np.repeat(S, 2)
-    return np.repeat(firsts - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()))
+from sparsebalance.cp_split import local_token_index, padded_lengths
 
 
 @dataclass

@@ -57,6 +57,8 @@ from typing import Optional
 
 import numpy as np
 
+from sparsebalance.cp_split import padded_lengths
+
 
 @dataclass(frozen=True)
 class Link:
@@ -113,8 +115,6 @@ class ContextParallel:
         """Document lengths as the training split stores them under CP."""
         if self.size == 1:
             return np.asarray(lengths, dtype=np.int64)
-        from sparsebalance.attention.context_parallel import padded_lengths  # torch: only under CP
-
         return padded_lengths(lengths, self.size)
 
     def exchange_bytes_per_token(self, kv_heads: int, head_dim: int) -> float:

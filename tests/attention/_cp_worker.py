@@ -31,6 +31,7 @@ def main() -> None:
 
     from sparsebalance.attention import context_parallel as C
     from sparsebalance.attention.dense import causal_local_attention, causal_varlen_attention
+    from sparsebalance.cp_split import padded_lengths
     from sparsebalance.ops import sparse_attention
 
     dist.init_process_group("gloo")
@@ -40,7 +41,7 @@ def main() -> None:
     T = sum(LENGTHS)
     q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, HKV, HKV))
     w = torch.randn(T, H, D, generator=g)  # loss weights
-    P = C.padded_lengths(LENGTHS, cp)
+    P = padded_lengths(LENGTHS, cp)
     lay = C.build_layout(LENGTHS, P, cp, rank)
     # local tensors: real rows from the full ones, padding rows random (must not matter)
     def local(x):
@@ -111,10 +112,11 @@ def padding_only_share(group, dump: str) -> None:
     from sparsebalance.attention.dense import CausalVarlenAttention
     from sparsebalance.attention.packed import BudgetedPackedSeqParams
     from sparsebalance.attention.sparse import SparseAttention
+    from sparsebalance.cp_split import padded_lengths
 
     cp, rank = dist.get_world_size(), dist.get_rank()
     lengths = [1]
-    lay = C.build_layout(lengths, C.padded_lengths(lengths, cp), cp, rank)
+    lay = C.build_layout(lengths, padded_lengths(lengths, cp), cp, rank)
     assert (len(lay.local_rows) == 0) == (rank == 1), lay.local_rows
     config = TransformerConfig(num_layers=1, hidden_size=H * D, num_attention_heads=H, num_query_groups=HKV,
                                context_parallel_size=cp, use_cpu_initialization=True)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparsebalance.attention.context_parallel import build_layout, local_causal_work, local_token_index, padded_lengths
+from sparsebalance.attention.context_parallel import build_layout, local_causal_work
+from sparsebalance.cp_split import local_token_index, padded_lengths
 from sparsebalance.ops.plan import build_plan, restrict_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -32,8 +32,8 @@ def test_rank_pairs_add_up_to_the_documents_pairs(topk, block, cp):
 def test_rank_pairs_match_the_routing_mask_and_the_drivers_split(length, topk):
     """Kept pairs of each CP rank's real queries, counted from the reference routing mask
     (``ops.reference._doc_mask``) and the token split the driver trains with
-    (``attention.context_parallel.local_token_index``)."""
-    from sparsebalance.attention.context_parallel import local_token_index, padded_lengths
+    (``sparsebalance.cp_split.local_token_index``)."""
+    from sparsebalance.cp_split import local_token_index, padded_lengths
     from sparsebalance.ops.reference import _doc_mask
 
     B, cp = 16, 2
