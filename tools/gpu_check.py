@@ -65,6 +65,7 @@ from tools.harness.gpu import stages as gpu_stages  # noqa: E402
 from tools.harness.gpu.bench import BENCH_BACKENDS  # noqa: E402
 from tools.harness.gpu.proc import Part  # noqa: E402
 from tools.harness.gpu.report import OPTIONAL_PARTS, PARTS  # noqa: E402
+from tools.harness.gpu.stages import TRAIN_QUANTILE  # noqa: E402
 
 PART_BUDGET_S = {"deps": 60, "build": 240, "tests": 400, "bench": 480, "train": 330,
                  "profile": 150, "accuracy": 1800}
@@ -94,6 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", default=None,
                    help="train: document lengths for make_corpus.py (a shared/ name or a .json "
                         "path; default gpudata/prolong.json if present, else prolong)")
+    p.add_argument("--train-quantile", type=float, default=TRAIN_QUANTILE,
+                   help="train: the --lengths quantile make_corpus.py maps to the micro-batch length "
+                        f"(default {TRAIN_QUANTILE}: the ProLong mix's 99th percentile at 64K tokens, "
+                        "median ~7.8K, block-128 top-8 density ~0.10: the long-document mix at density "
+                        "<= 0.12 the training target names; 0.999, Run 5's, gives ~0.17)")
     p.add_argument("--budget-s", type=float, default=1500.0,
                    help="wall-clock budget of all parts; a part that would start after it is failed")
     p.add_argument("--part-budgets", dest="part_budgets_arg", default="",
@@ -124,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--seq-lens must be integers >= 1024")
     if not a.train_seq_lens or min(a.train_seq_lens) < 1024:
         p.error("--train-seq-lens must be integers >= 1024")
+    if not 0.0 < a.train_quantile <= 1.0:
+        p.error(f"--train-quantile must be in (0, 1], got {a.train_quantile}")
     if a.budget_s <= 0:
         p.error("--budget-s must be > 0")
     if a.bench_reps < 1:

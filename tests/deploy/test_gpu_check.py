@@ -12,6 +12,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -577,6 +578,10 @@ def test_train_and_profile_use_the_bench_best_backend(monkeypatch, tmp_path):
         # the last step profiled: the attention kernels' share of a step
         assert "--use-pytorch-profiler" in c and c[c.index("--profile-step-end") + 1] == c[c.index("--train-iters") + 1]
     assert runs[0][runs[0].index("--sb-attention-backend") + 1] == "flex"  # the bench's best
+    # the corpus: the long-document mix (make_corpus's --quantile), recorded with each run
+    corpora = [c for c in calls if c[1] == "tools/make_corpus.py"]
+    assert corpora and {c[c.index("--quantile") + 1] for c in corpora} == {str(gc.TRAIN_QUANTILE)}
+    assert train.data["runs"][0]["corpus"] == {"lengths": "prolong.json", "quantile": gc.TRAIN_QUANTILE}
     a.train_backend = "fa4"  # --train-backend overrides the bench's choice
     calls.clear()
     gc.RUNNERS["train"](a, 600.0)
@@ -723,3 +728,28 @@ def test_flex_gate_parts_times_plan_layout_and_mask():
     got = mod.flex_gate_parts(q, k, cu, 2, 32, 32 ** -0.5, False, timed)
     assert got == (1.0, 2.0, 3.0)
     assert seen[:2] == [RoutingPlan.__name__, FlexLayout.__name__] and seen[2] == "BlockMask"
+
+
+def test_train_mix_estimate_reproduces_the_profiled_run_and_grows_with_document_length(tmp_path, capsys):
+    """tools/harness/gpu/train_mix.py: at the profiled run's own corpus the estimate is the
+    measured kernel-time ratio; longer documents raise dense attention work and lower density."""
+    from tools.harness.gpu import train_mix
+
+    runs = [{"name": "dense 4096", "kernel_ms": 300.0, "attention_kernel_ms": 100.0},
+            {"name": "sparse 4096", "kernel_ms": 240.0, "attention_kernel_ms": 20.0}]
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"parts": [{"name": "train", "data": {"runs": runs}}]}))
+    lengths = tmp_path / "l.json"
+    lengths.write_text(json.dumps(list(range(50, 5000, 7))))
+    assert train_mix.main(["--report", str(report), "--lengths", str(lengths), "--run-quantile", "0.999",
+                           "--quantiles", "0.999,0.5", "--seq-len", "4096", "--block-size", "64",
+                           "--num-docs", "300"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    same, longer = out["estimates"]
+    assert same["speedup_estimate"] == pytest.approx(300 / 240, abs=1e-3)
+    assert same["speedup_if_sparse_attention_were_free"] == pytest.approx(300 / 220, abs=1e-3)
+    assert longer["median_length"] > same["median_length"] and longer["density"] < same["density"]
+    assert longer["dense_kernel_ms"] > same["dense_kernel_ms"]
+    assert longer["speedup_estimate"] > same["speedup_estimate"]
+    causal, kept = train_mix.pairs_per_token(np.array([4096 * 2 + 10]), 4096, 8, 64)  # chunked at 4096
+    assert causal == pytest.approx((2 * 4096 * 4097 / 2 + 55) / (4096 * 2 + 10)) and kept < causal

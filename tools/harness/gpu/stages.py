@@ -21,6 +21,9 @@ TRAIN_ITERS = 9
 """The last one profiled (--profile --use-pytorch-profiler: the attention kernels' share of
 the step), left out of the timing."""
 TRAIN_TOPK = 8
+TRAIN_QUANTILE = 0.99
+"""make_corpus.py's --quantile for the training corpus: the source quantile mapped to the
+micro-batch length (see gpu_check.py's --train-quantile)."""
 """Top-k at block 128 in training: (8 + 2) x 128 keys per query, ~4% of a 64K document
 (more for short documents, which stay dense; the summary reports the mean)."""
 
@@ -153,10 +156,12 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
         if cap < 30:
             runs.append({"name": name, "error": "no time left"})
             continue
-        corpus = os.path.join(work, f"corpus_{n}")
+        q = getattr(a, "train_quantile", TRAIN_QUANTILE)
+        corpus = os.path.join(work, f"corpus_{n}_q{q}")
         if not os.path.isfile(corpus + ".idx"):
             proc = run([sys.executable, "tools/make_corpus.py", "--output-prefix", corpus, "--lengths", a.lengths,
-                        "--num-docs", "200" if a.dry_run else "600", "--max-length", str(n)], cap)
+                        "--num-docs", "200" if a.dry_run else "600", "--max-length", str(n),
+                        "--quantile", str(q)], cap)
             if proc.returncode != 0:
                 runs.append({"name": name, "error": "corpus: " + last_line(proc)})
                 continue
@@ -183,7 +188,8 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
             runs.append({"name": name, "error": "pretrain_gpt.py: " + last_line(proc)})
             continue
         with open(summary) as fh:
-            runs.append(train_run_record(name, json.load(fh), getattr(a, "device_name", None)))
+            runs.append({**train_run_record(name, json.load(fh), getattr(a, "device_name", None)),
+                         "corpus": {"lengths": os.path.basename(a.lengths), "quantile": q}})
     return train_verdict(runs, seq_lens)
 
 
