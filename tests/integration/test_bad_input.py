@@ -397,7 +397,7 @@ CASES = [
     Case("gpu-check-bad-train-quantile", "tools/gpu_check.py",
          _p("--train-quantile", "1.5", "--out", "{d}/gc3"), r"--train-quantile", _p("{d}/gc3")),
     Case("train-mix-missing-report", "tools/harness/gpu/train_mix.py",
-         _p("--report", "{d}/no_report.json", "--run-quantile", "0.999"), r"no_report.json"),
+         _p("--report", "{d}/no_report.json", "--run-quantile", "0.999"), r"no_report.json", cold=True),
     Case("train-mix-bad-quantile", "tools/harness/gpu/train_mix.py",
          _p("--report", "{d}/no_report.json", "--run-quantile", "2"), r"quantile"),
     Case("triton-audit-unknown-kernel", "tools/triton_resource_audit.py", _p("--kernels", "fwd,nope"), r"kernels",
