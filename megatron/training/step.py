@@ -30,7 +30,7 @@ class StageTimers:
     Args:
         order: this rank's ops ``(phase "F"/"B", micro-batch, chunk)`` in the order its
             schedule runs them (:func:`sparsebalance.pipeline.rank_order`, computed once
-            per run); needed by :meth:`op_ms` only.
+            per run), by which :meth:`op_ms` places the timed calls.
     """
 
     class _Timer:
@@ -45,7 +45,7 @@ class StageTimers:
                 self.owner.calls[self.name].append(time.perf_counter() - self.t0)
                 self.t0 = None
 
-    def __init__(self, order: Optional[List[tuple]] = None) -> None:
+    def __init__(self, order: List[tuple]) -> None:
         self.calls: Dict[str, List[float]] = defaultdict(list)
         self._timers: Dict[str, StageTimers._Timer] = {}
         self.order = order
