@@ -52,6 +52,7 @@ from typing import Hashable, List, Optional, Tuple
 import numpy as np
 
 from sparsebalance.config import AttentionConfig, ModelShape, ParallelConfig, SparseBalanceConfig
+from sparsebalance.pairs import density
 
 Lengths = List[List[List[int]]]
 """Segment token counts ``[dp][microbatch][segment]`` of one step."""
@@ -386,8 +387,6 @@ class StepPlanner:
         packing = self.sampler.next_step()
         step = PlannedStep(packing=packing, lengths=packing.lengths(self.pad_to))
         if self.attention is not None:
-            from sparsebalance.pairs import density
-
             step.static_density = density([n for rank in step.lengths for mb in rank for n in mb],
                                           self.attention.topk, self.attention.block_size)
         return step
