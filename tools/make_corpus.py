@@ -44,6 +44,11 @@ class _Parser(argparse.ArgumentParser):
         usage_error(message, prog=PROG)
 
 
+def lengths_path(name: str) -> str:
+    """A length file: ``name`` itself when it ends in .json, else shared/data/lengths/NAME.json."""
+    return name if name.endswith(".json") else os.path.join(SHARED_LENGTHS, name + ".json")
+
+
 def scaled_lengths(source: np.ndarray, num_docs: int, max_length: int, quantile: float,
                    rng: np.random.Generator, min_length: int = 2) -> np.ndarray:
     """``num_docs`` lengths resampled from ``source`` with ``quantile(source) -> max_length``."""
@@ -86,8 +91,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.num_docs < 1 or args.max_length < 2 or not 0.0 < args.quantile <= 1.0:
         usage_error("need --num-docs >= 1, --max-length >= 2 and 0 < --quantile <= 1", prog=PROG)
-    src = (args.lengths if args.lengths.endswith(".json")
-           else os.path.join(SHARED_LENGTHS, args.lengths + ".json"))
+    src = lengths_path(args.lengths)
     if not os.path.isfile(src):
         usage_error(f"length file {src} not found (a name needs shared/ as the sibling of the repo root; "
                     "or pass a path to a .json list)", prog=PROG)

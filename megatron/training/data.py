@@ -195,10 +195,6 @@ class StepBatches:
     planned: Any = None
     """The library's :class:`~sparsebalance.balancer.PlannedStep` (packing, lengths as
     trained, static density, forecast)."""
-    budget: Optional[np.ndarray] = None
-    """DST budget table ``[dp][microbatch][virtual stage]`` top-k (the plan's own,
-    checked by the library: ``planned.forecast.budget``); None: every layer's static
-    ``--sb-topk``."""
     dp_rank: int = 0
     """This rank's data-parallel index (row of the budget table)."""
     pp_rank: int = 0
@@ -213,6 +209,13 @@ class StepBatches:
     def packing(self):
         """The sampler's ``StepPacking`` of the whole step (every DP rank's segments)."""
         return self.planned.packing
+
+    @property
+    def budget(self) -> Optional[np.ndarray]:
+        """DST budget table ``[dp][microbatch][virtual stage]`` top-k (the plan's own,
+        checked by the library); None: every layer's static ``--sb-topk``."""
+        forecast = None if self.planned is None else self.planned.forecast
+        return None if forecast is None else forecast.budget
 
     def iterators(self, num_chunks: int) -> List[BudgetIterator]:
         """One iterator per model chunk: every virtual stage walks the same micro-batches,
@@ -298,7 +301,6 @@ class PackedDataLoader:
             global_tokens=int(sum(s[2] for s in all_segments)),
             global_docs=len(all_segments),
             planned=planned,
-            budget=None if planned.forecast is None else planned.forecast.budget,
             dp_rank=self.dp_rank,
             pp_rank=self.pp_rank,
             pp=self.pp,

@@ -48,7 +48,9 @@ class StageTimers:
     def __init__(self, order: List[tuple]) -> None:
         self.calls: Dict[str, List[float]] = defaultdict(list)
         self._timers: Dict[str, StageTimers._Timer] = {}
-        self.order = order
+        self._shape = (1 + max(c for _, _, c in order), 1 + max(m for _, m, _ in order))  # (vpp, M)
+        self._ops = {ph: [(c, m) for p, m, c in order if p == ph] for ph in ("F", "B")}
+        """(chunk, micro-batch) of each timed call of a phase, in the order the schedule runs them."""
 
     def __call__(self, name: str, log_level: int = 0) -> "_Timer":
         if name not in self._timers:
@@ -63,18 +65,15 @@ class StageTimers:
     def op_ms(self, calls: Dict[str, List[float]]) -> Tuple[np.ndarray, np.ndarray]:
         """Forward and backward ms ``[vpp, M]`` by (chunk, micro-batch) of one step's
         :meth:`pop` output, placed by the rank's op ``order``."""
-        vpp = 1 + max(c for _, _, c in self.order)
-        M = 1 + max(m for _, m, _ in self.order)
         out = []
         for phase, name in (("F", "forward-compute"), ("B", "backward-compute")):
-            ops = [(m, c) for ph, m, c in self.order if ph == phase]
-            secs = calls.get(name, [])
+            ops, secs = self._ops[phase], calls.get(name, [])
             if len(secs) != len(ops):
                 raise RuntimeError(f"{len(secs)} timed {phase} calls on this pipeline rank, "
                                    f"the schedule model expects {len(ops)}")
-            table = np.zeros((vpp, M))
-            for (m, c), sec in zip(ops, secs):
-                table[c, m] = sec * 1e3
+            table = np.zeros(self._shape)
+            if ops:
+                table[tuple(np.array(ops).T)] = np.asarray(secs) * 1e3
             out.append(table)
         return out[0], out[1]
 

@@ -751,5 +751,6 @@ def test_train_mix_estimate_reproduces_the_profiled_run_and_grows_with_document_
     assert longer["median_length"] > same["median_length"] and longer["density"] < same["density"]
     assert longer["dense_kernel_ms"] > same["dense_kernel_ms"]
     assert longer["speedup_estimate"] > same["speedup_estimate"]
-    causal, kept = train_mix.pairs_per_token(np.array([4096 * 2 + 10]), 4096, 8, 64)  # chunked at 4096
-    assert causal == pytest.approx((2 * 4096 * 4097 / 2 + 55) / (4096 * 2 + 10)) and kept < causal
+    causal, kept = train_mix.pairs_per_token(np.array([4096, 10]), 8, 64)
+    assert causal == pytest.approx((4096 * 4097 / 2 + 55) / 4106) and kept < causal
+    assert train_mix.pairs_per_token(np.array([64, 10]), 8, 64) == pytest.approx(((64 * 65 / 2 + 55) / 74,) * 2)

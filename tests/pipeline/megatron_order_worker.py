@@ -59,6 +59,8 @@ def _worker(rank: int, world: int, runs: list, init: str, out: str) -> None:
 
 
 def _run(rank: int, world: int, vpp: int, M: int) -> dict:
+    from types import SimpleNamespace
+
     import numpy as np
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
@@ -66,6 +68,7 @@ def _run(rank: int, world: int, vpp: int, M: int) -> dict:
     from megatron.core.transformer import TransformerConfig
 
     from megatron.training.data import StepBatches
+    from sparsebalance.balancer import PlannedStep
 
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=world,
@@ -115,8 +118,9 @@ def _run(rank: int, world: int, vpp: int, M: int) -> dict:
         return out, lambda o: (o.float().pow(2).mean(), {"loss": o.detach().pow(2).mean()})
 
     plan = plan_budget(1, M, world * vpp)
-    batches = StepBatches(microbatches=data, global_tokens=0, global_docs=M,
-                          budget=np.asarray(plan), dp_rank=0, pp_rank=rank, pp=world)
+    planned = PlannedStep(None, [], forecast=SimpleNamespace(budget=np.asarray(plan)))
+    batches = StepBatches(microbatches=data, global_tokens=0, global_docs=M, planned=planned, dp_rank=0,
+                          pp_rank=rank, pp=world)
     iters = batches.iterators(vpp)
     get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iters if vpp > 1 else iters[0],

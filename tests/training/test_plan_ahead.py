@@ -9,7 +9,7 @@ import pytest
 from conftest import balancer_config
 
 from megatron.training.data import PackedDataLoader
-from sparsebalance.balancer import Balancer, check_budget
+from sparsebalance.balancer import Balancer, PlannedStep, check_budget
 from sparsebalance.predictor import get_predictor
 
 
@@ -122,8 +122,8 @@ def test_each_pull_carries_its_index_records_and_budget():
 
                 records = []
                 b = StepBatches(microbatches=[{"x": m} for m in range(M)], global_tokens=0, global_docs=M,
-                                budget=plan, dp_rank=d, pp_rank=r, pp=pp,
-                                records=records)
+                                planned=PlannedStep(None, [], forecast=SimpleNamespace(budget=plan)),
+                                dp_rank=d, pp_rank=r, pp=pp, records=records)
                 its = b.iterators(vpp)
                 for m in range(M):  # interleaved across chunks, as the interleaved schedule pulls
                     for c in reversed(range(vpp)):

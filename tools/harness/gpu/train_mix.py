@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from megatron.training.arguments import usage_error  # noqa: E402
+from tools.make_corpus import lengths_path, scaled_lengths  # noqa: E402
 
 PROG = "train_mix.py"
 
@@ -48,21 +49,20 @@ def _train_pair(report: dict, seq_len: int) -> tuple:
     return pair
 
 
-def pairs_per_token(lengths: np.ndarray, seq_len: int, topk: int, block: int) -> tuple:
-    """(causal, kept) (query, key) pairs per token of documents chunked at ``seq_len``."""
+def pairs_per_token(lengths: np.ndarray, topk: int, block: int) -> tuple:
+    """(causal, kept) (query, key) pairs per token of documents of ``lengths`` (the corpus
+    clips them at the micro-batch length, so each is one attention segment)."""
     from sparsebalance.pairs import causal_pairs, kept_pairs
 
-    full, rem = lengths // seq_len, lengths % seq_len
-    chunks = np.concatenate([np.repeat(seq_len, int(full.sum())), rem[rem > 0]])
-    return causal_pairs(chunks).sum() / chunks.sum(), kept_pairs(chunks, topk, block).sum() / chunks.sum()
+    return causal_pairs(lengths).sum() / lengths.sum(), kept_pairs(lengths, topk, block).sum() / lengths.sum()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--report", required=True, help="gpu_check report JSON with a profiled train part")
-    p.add_argument("--lengths", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
-                                                     "..", "shared", "data", "lengths", "prolong.json"),
-                   help="document lengths (JSON list) the corpus was resampled from")
+    p.add_argument("--lengths", default="prolong",
+                   help="document lengths the corpus was resampled from (make_corpus.py's --lengths: "
+                        "a shared/ name or a .json path)")
     p.add_argument("--run-quantile", type=float, required=True, help="the profiled run's corpus quantile")
     p.add_argument("--quantiles", default="0.999,0.99,0.95,0.9", help="corpus quantiles to estimate")
     p.add_argument("--seq-len", type=int, default=65536)
@@ -80,15 +80,14 @@ def main(argv=None) -> int:
     try:
         with open(a.report) as fh:
             dense, sparse = _train_pair(json.load(fh), a.seq_len)
-        with open(a.lengths) as fh:
+        with open(lengths_path(a.lengths)) as fh:
             source = np.asarray(json.load(fh), dtype=np.float64)
     except (OSError, ValueError) as e:
         usage_error(str(e), prog=PROG)
-    from tools.make_corpus import scaled_lengths
 
     def mix(q):
         L = scaled_lengths(source, a.num_docs, a.seq_len, q, np.random.default_rng(0))
-        return L, pairs_per_token(L, a.seq_len, a.topk, a.block_size)
+        return L, pairs_per_token(L, a.topk, a.block_size)
 
     _, (c0, k0) = mix(a.run_quantile)
     att_d, att_s = dense["attention_kernel_ms"], sparse["attention_kernel_ms"]
