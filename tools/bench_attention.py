@@ -7,7 +7,9 @@ density (1.0 = the work saved is fully turned into time), gate_ms (routing plan:
 block means, gate, top-k, as every layer runs it: the plan's skeleton, built once per
 micro-batch, is cached; for flex also the buffer layout and the block mask, for fa4 its
 descriptors; gate_parts_ms times the parts alone, fa4's with the skeleton),
-gate_share = gate_ms / sparse_ms, and speedup_min (ratio of the fastest repetitions, a
+gate_share = gate_ms / sparse_ms, route (``fused``: the plan by three Triton kernels, the
+default on CUDA; ``torch``: by torch ops) with gate_torch_ms (fused: the same gate by torch
+ops, for comparison), and speedup_min (ratio of the fastest repetitions, a
 cross-check on a loaded machine). On CUDA the dense baseline is the fastest of SDPA's
 flash and cuDNN kernels (--dense-backends), named in dense_backend; flex also reports
 padding_ratio (rows of its block-aligned buffer / tokens).
@@ -179,6 +181,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     from sparsebalance.attention.dense import causal_varlen_attention
     from sparsebalance.ops import build_plan, resolve_backend, sparse_attention
+    from sparsebalance.ops.plan import fused_route
     from sparsebalance.pairs import density as exact_density
 
     torch.set_num_threads(a.threads)
@@ -243,7 +246,17 @@ def main(argv=None) -> int:
         _, t = timed(route)
         return t, t
 
+    def run_gate_torch():  # the same gate by torch ops: what the fused route saves
+        os.environ["SPARSEBALANCE_ROUTE"] = "torch"
+        try:
+            return run_gate()
+        finally:
+            os.environ["SPARSEBALANCE_ROUTE"] = route_env
+
+    route_env = os.environ.get("SPARSEBALANCE_ROUTE") or "auto"
     runs = {"sparse": run_sparse, "gate": run_gate}
+    if fused_route(dev):
+        runs["gate_torch"] = run_gate_torch
     if backend == "flex":  # where the gate's time goes: routing plan, buffer layout, block mask
         runs["gate_parts"] = lambda: flex_gate_parts(q, k, cu, a.topk, a.block_size, scale,
                                                      use_compiled(dev), timed)
@@ -293,6 +306,9 @@ def main(argv=None) -> int:
         "density_exact": round(exact_density(lens, a.topk, a.block_size), 5),
         "speedup": round(speedup, 3), "efficiency": round(speedup * run_sparse.density, 3),
         "gate_ms": round(gate_ms, 2), "gate_share": round(gate_ms / sparse_ms, 4),
+        # routing by the three Triton kernels (fused) or torch ops; fused: the torch gate too
+        "route": "fused" if fused_route(dev) else "torch",
+        "gate_torch_ms": round(med("gate_torch", 1), 2) if "gate_torch" in times else None,
         # flex: the gate's parts, each timed alone (the layout is built once per micro-batch
         # in training, where every layer reuses it; the plan and the mask once per layer)
         "gate_parts_ms": {n: round(statistics.median(t[i] for t in times["gate_parts"]), 2)

@@ -28,7 +28,7 @@ DRY=0
 [[ ${1:-} == --dry-run ]] && DRY=1
 plan() {  # step name, then gpu_check.sh's arguments
     case $1 in
-    fa4tests)  echo "--parts deps,tests --test-modules test_fa4_gpu.py --budget-s ${FA4TESTS_S:-120}" ;;
+    fa4tests)  echo "--parts deps,tests --test-modules test_fa4_gpu.py,test_route_gpu.py --budget-s ${FA4TESTS_S:-120}" ;;
     fa4bench)  echo "--parts bench --backends fa4 --seq-lens 65536,131072 --budget-s ${FA4BENCH_S:-120}" ;;
     train)     echo "--parts train --train-seq-lens 65536 --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${TRAIN_S:-160}" ;;
     tests)     echo "--parts build,tests --test-modules test_flex_gpu.py,test_gpu_backends.py --budget-s ${TESTS_S:-170}" ;;

@@ -47,7 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from sparsebalance.ops.flex import FlexLayout, cached_layout
-from sparsebalance.ops.plan import RoutingPlan, TopK, build_plan
+from sparsebalance.ops.plan import MICROBATCHES_CACHED, RoutingPlan, TensorCache, TopK, build_plan, fused_route
 
 
 def _has_fa4() -> bool:
@@ -116,12 +116,53 @@ class FA4Descriptors:
                                        self.bwd_full_idx, block_size=(B, B))
 
 
+_constants = TensorCache(MICROBATCHES_CACHED)
+"""kv_cnt tensor, heads -> (forward full counts, diagonal counts, diagonal ids): the tables
+that depend on the counts only (top-k routing: one kv_cnt tensor serves every layer of a
+micro-batch)."""
+
+
+def _count_tables(kv_cnt: torch.Tensor, H: int, NB: int) -> tuple:
+    def build():
+        i32 = dict(dtype=torch.int32, device=kv_cnt.device)
+        full_cnt = (kv_cnt.to(torch.int32).expand(H, NB) - 1).clamp(min=0).unsqueeze(0).contiguous()
+        diag_idx = torch.arange(NB, **i32).view(1, 1, NB, 1).expand(1, H, NB, 1).contiguous()
+        return full_cnt, torch.ones((1, H, NB), **i32), diag_idx
+
+    return _constants.get(kv_cnt, H, build)
+
+
 @torch.no_grad()
 def fa4_descriptors(plan: RoutingPlan) -> FA4Descriptors:
     """The forward and backward block-sparse tables of ``plan`` (device ops, no host sync).
 
-    ``plan.kv_cnt`` may be ``[NB]`` (one count for every head) or ``[H, NB]``.
+    ``plan.kv_cnt`` may be ``[NB]`` (one count for every head) or ``[H, NB]``. Where the
+    routing runs fused (:func:`~sparsebalance.ops.plan.fused_route`) and the plan knows its
+    documents' ends, the query-direction lists are one Triton kernel
+    (:func:`~sparsebalance.ops.route_kernels.bwd_descriptors`) and the count tables are
+    cached per micro-batch; otherwise (and as the tests' oracle) torch ops.
     """
+    H, NB, W = plan.kv_idx.shape
+    dev = plan.kv_idx.device
+    if plan.doc_end is not None and fused_route(dev):
+        from sparsebalance.ops.route_kernels import bwd_descriptors
+
+        full_cnt, diag_cnt, diag_idx = _count_tables(plan.kv_cnt, H, NB)
+        if W > 1:  # entries past a row's count (its diagonal, the -1 padding) are never read
+            full_idx = plan.kv_idx[:, :, :W - 1].clamp(min=0)
+        else:
+            full_idx = torch.zeros((H, NB, 1), dtype=torch.int32, device=dev)
+        bwd_cnt, bwd_idx = bwd_descriptors(plan.kv_idx, plan.doc_end)
+        return FA4Descriptors(
+            fwd_full_cnt=full_cnt, fwd_full_idx=full_idx.unsqueeze(0), bwd_full_cnt=bwd_cnt.unsqueeze(0),
+            bwd_full_idx=bwd_idx.unsqueeze(0), diag_cnt=diag_cnt, diag_idx=diag_idx,
+            block_size=plan.block_size)
+    return torch_descriptors(plan)
+
+
+@torch.no_grad()
+def torch_descriptors(plan: RoutingPlan) -> FA4Descriptors:
+    """:func:`fa4_descriptors` in torch ops (a few dozen small ones)."""
     H, NB, W = plan.kv_idx.shape
     dev = plan.kv_idx.device
     i32 = dict(dtype=torch.int32, device=dev)

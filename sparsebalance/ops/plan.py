@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 import math
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
@@ -52,6 +54,9 @@ class RoutingPlan:
     plan is built; lets :func:`reverse_index` size its output without a device sync."""
     doc_kept: Optional[np.ndarray] = None
     """int64 ``[n_docs]``: kept pairs of each document, summed over heads (host)."""
+    doc_end: Optional[torch.Tensor] = None
+    """int32 ``[NB]``: one past the last block of each block's document (set by
+    :func:`build_plan`; fa4's device descriptors read it)."""
 
     @property
     def density(self) -> float:
@@ -419,6 +424,8 @@ class _Skeleton:
     sent: list
     causal_pairs: int
     kv_nnz: int
+    max_blocks: int
+    """Blocks of the longest document."""
 
 
 def _topk_key(topk: TopK):
@@ -502,14 +509,46 @@ def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums
     return plan
 
 
+_ROUTES = ("auto", "fused", "torch")
+
+
+def fused_route(device: torch.device) -> bool:
+    """Whether top-k routing on ``device`` runs as the three Triton kernels of
+    :mod:`~sparsebalance.ops.route_kernels` instead of torch ops: ``$SPARSEBALANCE_ROUTE``
+    ``auto`` (default: on CUDA with triton), ``fused`` (also on CPU tensors, through
+    Triton's interpreter: tests) or ``torch``."""
+    mode = os.environ.get("SPARSEBALANCE_ROUTE") or "auto"
+    if mode not in _ROUTES:
+        raise ValueError(f"SPARSEBALANCE_ROUTE must be one of {', '.join(_ROUTES)}, got {mode!r}")
+    if mode == "auto":
+        if not _triton_found:
+            _triton_found.append(importlib.util.find_spec("triton") is not None)
+        return device.type == "cuda" and _triton_found[0]
+    return mode == "fused"
+
+
+_triton_found: list = []
+
+
 def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None) -> RoutingPlan:
     rule = current_rule()
     thr = rule.threshold
     sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device,
                    None if thr is None else rule.topk_min)
-    kv_idx = sk.kv_template.clone()
     kv_cnt = sk.meta_d[2] if thr is None else sk.meta_d[2].clone()
-    if sk.route:
+    fused = (sk.route is not None and thr is None and reduce_q_sums is None
+             and fused_route(q.device))
+    if fused:
+        from sparsebalance.ops import route_kernels
+
+        fused = sk.max_blocks <= route_kernels.MAX_BLOCKS
+    if fused:  # the whole choice in three kernels, every row written
+        m = sk.meta_d
+        kv_idx = route_kernels.route_rows(q, k, m[0], m[1], m[2], m[3], m[4], sk.kv_template.shape[2],
+                                          sk.max_blocks, int(block_size), float(softmax_scale))
+    else:
+        kv_idx = sk.kv_template.clone()
+    if sk.route and not fused:
         sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums,
                      kv_cnt=kv_cnt, threshold=thr)
     nnz, doc_kept = sk.kv_nnz, sk.doc_kept
@@ -530,6 +569,7 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
         causal_pairs=sk.causal_pairs,
         kv_nnz=nnz,
         doc_kept=doc_kept,
+        doc_end=sk.meta_d[6],
     )
 
 
@@ -560,7 +600,7 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
                        dev.type != "cpu") if len(sel) else None
 
     # Everything the device needs from the host, in one copy.
-    meta = np.stack([qb_start, qb_len, kv_cnt, fb_of, i_in_doc, doc_of])
+    meta = np.stack([qb_start, qb_len, kv_cnt, fb_of, i_in_doc, doc_of, fb_of + nb[doc_of]])
     sent = _send([meta] + (route.host() if route else []), dev)
     meta_d = sent[0].to(torch.int32)
     # Default rows (all of blocks 0..i kept) are exact wherever i <= topk + 1.
@@ -569,7 +609,8 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
     kv_template = torch.where(e <= i_d, fb_d + e, -1).unsqueeze(0).expand(H, NB, W).contiguous()
     doc_kept = np.bincount(doc_of, weights=full, minlength=n_docs).astype(np.int64) * H
     return _Skeleton(doc_kept=doc_kept, meta_d=meta_d, kv_template=kv_template, route=route, sent=sent,
-                     causal_pairs=int((lens * (lens + 1) // 2).sum()) * H, kv_nnz=int(kv_cnt.sum()))
+                     causal_pairs=int((lens * (lens + 1) // 2).sum()) * H, kv_nnz=int(kv_cnt.sum()),
+                     max_blocks=int(nb.max()) if n_docs else 0)
 
 
 class _RouteHost:

@@ -73,3 +73,21 @@ def descriptor_mask(d, direction: str = "forward") -> torch.Tensor:
     rows = torch.arange(NB * B, device=cnt.device)
     causal = rows.view(-1, 1) >= rows.view(1, -1)
     return full | (part & causal)
+
+
+def fused_descriptors_checked(plan):
+    """fa4's descriptors of ``plan`` by the fused kernels, after checking every table
+    equals the torch-built one."""
+    import os
+
+    from sparsebalance.ops.fa4 import fa4_descriptors, torch_descriptors
+
+    os.environ["SPARSEBALANCE_ROUTE"] = "fused"
+    try:
+        fused = fa4_descriptors(plan)
+    finally:
+        del os.environ["SPARSEBALANCE_ROUTE"]
+    plain = torch_descriptors(plan)
+    for f in ("fwd_full_cnt", "fwd_full_idx", "bwd_full_cnt", "bwd_full_idx", "diag_cnt", "diag_idx"):
+        assert torch.equal(getattr(fused, f), getattr(plain, f)), f
+    return fused

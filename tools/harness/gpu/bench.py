@@ -168,7 +168,8 @@ def bench_row(pt: dict, res: dict) -> dict:
             "dense_ms_by_backend": res.get("dense_ms_by_backend"),
             "speedup": res["speedup"], "efficiency_fwd": fwd_speedup * res["density"],
             "efficiency": res["efficiency"], "gate_share": res["gate_share"],
-            "gate_parts_ms": res.get("gate_parts_ms"),
+            "gate_parts_ms": res.get("gate_parts_ms"), "gate_ms": res.get("gate_ms"),
+            "route": res.get("route"), "gate_torch_ms": res.get("gate_torch_ms"),
             "dense_backend": res.get("dense_backend", "sdpa"),
             "padding_ratio": res.get("padding_ratio", 1.0), **kept_tflops(res)}
 

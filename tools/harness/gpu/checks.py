@@ -66,7 +66,7 @@ def part_build(a, left: float) -> Part:
     return Part("build", True, detail=f"sm_{major}{minor}", data={"arch": arch})
 
 
-TEST_MODULES_FIRST = ("test_fa4_gpu.py", "test_flex_gpu.py", "test_gpu_backends.py")
+TEST_MODULES_FIRST = ("test_fa4_gpu.py", "test_route_gpu.py", "test_flex_gpu.py", "test_gpu_backends.py")
 """CUDA test modules run first, in this order (the kernels' correctness); the others
 (the measured ``auto``, which times every backend) follow alphabetically."""
 

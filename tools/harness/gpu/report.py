@@ -141,12 +141,17 @@ def _fmt(v, spec: str) -> str:
 
 def _gate_parts(row: dict) -> str:
     """`` (plan a, layout b, mask c ms)`` for a flex row that timed them (fa4: descriptors
-    instead of the mask), else ``""``."""
+    instead of the mask; with the fused route, also its gate against the torch route's),
+    else ``""``."""
     parts = row.get("gate_parts_ms")
-    if not parts:
+    torch_gate = row.get("gate_torch_ms")
+    if not parts and torch_gate is None:
         return ""
     names = {"plan": "plan", "layout": "layout", "block_mask": "mask", "descriptors": "descriptors"}
-    return " (" + ", ".join(f"{names.get(k, k)} {v:.1f}" for k, v in parts.items()) + " ms)"
+    said = [f"{names.get(k, k)} {v:.1f}" for k, v in (parts or {}).items()]
+    if torch_gate is not None:  # the fused route's gate, and the same gate by torch ops
+        said.append(f"gate {row['gate_ms']:.1f} fused vs {torch_gate:.1f} torch")
+    return " (" + ", ".join(said) + " ms)"
 
 
 def render_markdown(doc: dict) -> str:

@@ -1,0 +1,198 @@
+"""The fused routing (three Triton kernels) equals the torch route, run by Triton's CPU
+interpreter; fa4's query-direction lists from its kernel equal the torch ones.
+
+TRITON_INTERPRET must be set before triton is imported, so the outer test re-runs this
+file in a child pytest with the variable set (and ``SPARSEBALANCE_ROUTE`` switched per
+test). The outer process also compiles the kernels for sm_80 / sm_90 (what the
+interpreter never checks) and tests the switch itself. Sizes are tiny: the interpreter
+is slow."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from _cases import fused_descriptors_checked, make_inputs
+
+# name -> (doc lengths, H, Hkv, D, block_size, topk)
+CASES = {
+    "ragged-gqa-single-tokens": ([300, 1, 40, 200, 17], 4, 2, 16, 16, 2),
+    "one-long-doc": ([1000], 2, 1, 8, 16, 3),
+    "per-doc-budgets": ([100, 80, 513, 260], 3, 1, 8, 16, torch.tensor([2, 0, 5, 1])),
+    "mha-odd-dim": ([400, 33], 2, 2, 24, 16, 4),
+}
+
+
+def _routes(lens, H, Hkv, D, B, topk, seed=0, q=None, k=None):
+    """(torch route's plan, fused route's plan, fused route_rows calls) of one input."""
+    from sparsebalance.ops import plan as P
+    from sparsebalance.ops import route_kernels
+
+    if q is None:
+        q, k, _, _, _ = make_inputs(lens, H, Hkv, D, seed=seed)
+    cu = torch.tensor([0] + list(lens)).cumsum(0).to(torch.int32)
+    calls = []
+    real = route_kernels.route_rows
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    plans = []
+    for mode in ("torch", "fused"):
+        os.environ["SPARSEBALANCE_ROUTE"] = mode
+        P._skeletons.clear()
+        route_kernels.route_rows = counted
+        try:
+            plans.append(P.build_plan(q, k, cu, topk, B, D ** -0.5))
+        finally:
+            route_kernels.route_rows = real
+            del os.environ["SPARSEBALANCE_ROUTE"]
+    return plans[0], plans[1], len(calls)
+
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+
+    def test_route_kernels_under_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))) or ".",
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        passed = re.search(r"(\d+) passed", r.stdout)
+        assert passed and int(passed.group(1)) == len(CASES) + 2, r.stdout[-2000:]
+
+    def test_route_switch(monkeypatch):
+        """``auto``: fused on CUDA only; ``fused`` / ``torch`` forced; anything else one line."""
+        from sparsebalance.ops.plan import fused_route
+
+        monkeypatch.delenv("SPARSEBALANCE_ROUTE", raising=False)
+        assert not fused_route(torch.device("cpu"))
+        assert fused_route(torch.device("cuda"))  # triton is installed here
+        monkeypatch.setenv("SPARSEBALANCE_ROUTE", "torch")
+        assert not fused_route(torch.device("cuda"))
+        monkeypatch.setenv("SPARSEBALANCE_ROUTE", "fused")
+        assert fused_route(torch.device("cpu"))
+        monkeypatch.setenv("SPARSEBALANCE_ROUTE", "Fused")
+        with pytest.raises(ValueError, match="^SPARSEBALANCE_ROUTE must be one of auto, fused, torch, got 'Fused'$"):
+            fused_route(torch.device("cpu"))
+
+    _VIEWS = {"view", "_unsafe_view", "slice", "select", "expand", "unsqueeze", "squeeze", "permute",
+              "reshape", "alias", "as_strided", "t", "transpose", "split", "split_with_sizes", "unbind",
+              "detach", "lift_fresh", "_reshape_alias"}
+
+    def test_fused_route_launches_per_layer(monkeypatch):
+        """Host work per layer on the fa4 path (routing and descriptors, the skeleton cached):
+        with the fused route, 4 Triton launches and a few torch ops, whatever the number of
+        documents; the torch route issues several dozen ops, more with more documents.
+        Kernels are counted, not run (the interpreter is not on in this process)."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from sparsebalance.ops import route_kernels as rk
+        from sparsebalance.ops.fa4 import fa4_prepare
+
+        state = {"on": True, "ops": 0, "launches": 0}
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if state["on"] and func.__name__.split(".")[0] not in _VIEWS:
+                    state["ops"] += 1
+                return func(*args, **(kwargs or {}))
+
+        class Stub:  # kernel[grid](...) counted, not run
+            def __getitem__(self, grid):
+                return lambda *a, **kw: state.__setitem__("launches", state["launches"] + 1)
+
+        for name in ("_block_means_kernel", "_route_kernel", "_bwd_desc_kernel"):
+            monkeypatch.setattr(rk, name, Stub())
+
+        def per_layer(lens, mode):
+            monkeypatch.setenv("SPARSEBALANCE_ROUTE", mode)
+            q, k, _, cu, _ = make_inputs(lens, 16, 2, 8)
+            fa4_prepare(q, k, cu, 2, 128, 0.35)  # the micro-batch's first layer builds the skeleton
+            state.update(ops=0, launches=0)
+            with Count():
+                fa4_prepare(q, k, cu, 2, 128, 0.35)
+            return state["ops"], state["launches"]
+
+        one, mix = [8192], [1500, 700, 2300, 300, 900, 1200, 800, 492]
+        assert per_layer(one, "fused") == per_layer(mix, "fused")
+        ops, launches = per_layer(mix, "fused")
+        assert launches == 4 and ops <= 12, (ops, launches)
+        torch_one, torch_mix = per_layer(one, "torch")[0], per_layer(mix, "torch")[0]
+        assert torch_mix > torch_one > 5 * ops, (torch_one, torch_mix, ops)
+
+    def test_route_kernels_compile_without_a_gpu(arch=90):
+        """Each kernel compiles to a sm_90 cubin (H100 / H200) at the shapes training meets: bf16 inputs, head
+        dim 64 and 128, a 512-block document (64K tokens) and the longest one routed."""
+        triton = pytest.importorskip("triton")
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from sparsebalance.ops import route_kernels as rk
+
+        i32, p32 = "i32", "*i32"
+        route = {"QM": "*fp32", "KM": "*fp32", "KV_IDX": p32, "KV_CNT": p32, "FIRST": p32, "IDX": p32,
+                 "H": i32, "REP": i32, "W": i32, "D": i32}
+        cases = [
+            (rk._block_means_kernel, {"X": "*bf16", "OUT": "*fp32", "QB_START": p32, "QB_LEN": p32,
+                                      "s_xt": i32, "s_xh": i32, "scale": "fp32", "NH": i32, "D": i32},
+             {"B": 128, "ROWS": 32, "BLOCK_D": 64}),
+            (rk._route_kernel, route, {"C_P2": 512, "W_P2": 16, "BLOCK_DC": 16}),
+            (rk._route_kernel, route, {"C_P2": rk.MAX_BLOCKS, "W_P2": 64, "BLOCK_DC": 1}),
+            (rk._bwd_desc_kernel, {"KV_IDX": p32, "DOC_END": p32, "BWD_CNT": p32, "BWD_IDX": p32, "W": i32},
+             {"W_P2": 16, "BLOCK_M": 16}),
+        ]
+        for fn, sig, ce in cases:
+            src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in ce}}, constexprs=ce)
+            out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+            assert out.asm["cubin"] and out.metadata.shared <= 48 * 1024, (fn.fn.__name__, ce)
+
+else:
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_fused_route_and_descriptors_equal_torch_ones(name):
+        lens, H, Hkv, D, B, topk = CASES[name]
+        ref, got, calls = _routes(lens, H, Hkv, D, B, topk)
+        assert calls == 1, "the fused route did not run"
+        assert torch.equal(got.kv_idx, ref.kv_idx)
+        assert torch.equal(got.kv_cnt, ref.kv_cnt) and got.kept_pairs == ref.kept_pairs
+        assert torch.equal(got.doc_end, ref.doc_end)
+        fused = fused_descriptors_checked(got)
+        assert int(fused.bwd_full_cnt.sum()) == int(fused.fwd_full_cnt.sum()) > 0
+
+    def test_ties_fill_from_the_left():
+        """Every key of a document equal: all gates tie, the lowest candidates are kept
+        (the torch route's rule); so do zero queries' gates."""
+        lens, H, D = [500, 300], 2, 8
+        q, k, _, _, _ = make_inputs(lens, H, 1, D, seed=2)
+        k = k[:1].expand_as(k).contiguous()
+        ref, got, calls = _routes(lens, H, 1, D, 16, 3, q=q, k=k)
+        assert calls == 1 and torch.equal(got.kv_idx, ref.kv_idx)
+        row = got.kv_idx[0, 20].tolist()  # block 20 of document 0: sink, blocks 1-3, diagonal
+        assert row[:5] == [0, 1, 2, 3, 20]
+        q0 = torch.zeros_like(q)
+        ref, got, _ = _routes(lens, H, 1, D, 16, 3, q=q0, k=-k)
+        assert torch.equal(got.kv_idx, ref.kv_idx) and got.kv_idx[1, 30].tolist()[:5] == [0, 1, 2, 3, 30]
+
+    def test_many_rows_one_kernel_per_layer():
+        """The whole choice is one route_rows call per layer, with the skeleton cached."""
+        from sparsebalance.ops import plan as P
+        from sparsebalance.ops import route_kernels
+
+        lens = [300, 100]
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        calls = []
+        real = route_kernels.route_rows
+        route_kernels.route_rows = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        os.environ["SPARSEBALANCE_ROUTE"] = "fused"
+        try:
+            P._skeletons.clear()
+            for layer in range(3):
+                q, k, _, _, _ = make_inputs(lens, 2, 1, 8, seed=layer)
+                P.build_plan(q, k, cu, 2, 16, 8 ** -0.5)
+        finally:
+            route_kernels.route_rows = real
+            del os.environ["SPARSEBALANCE_ROUTE"]
+        assert len(calls) == 3 and len(P._skeletons.entries) == 1
