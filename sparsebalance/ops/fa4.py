@@ -47,7 +47,15 @@ from typing import Callable, Optional
 import torch
 
 from sparsebalance.ops.flex import FlexLayout, cached_layout
-from sparsebalance.ops.plan import MICROBATCHES_CACHED, RoutingPlan, TensorCache, TopK, build_plan, fused_route
+from sparsebalance.ops.plan import (
+    MICROBATCHES_CACHED,
+    RoutingPlan,
+    TensorCache,
+    TopK,
+    build_plan,
+    fused_route,
+    run_fused,
+)
 
 
 def _has_fa4() -> bool:
@@ -142,22 +150,26 @@ def fa4_descriptors(plan: RoutingPlan) -> FA4Descriptors:
     (:func:`~sparsebalance.ops.route_kernels.bwd_descriptors`) and the count tables are
     cached per micro-batch; otherwise (and as the tests' oracle) torch ops.
     """
-    H, NB, W = plan.kv_idx.shape
-    dev = plan.kv_idx.device
-    if plan.doc_end is not None and fused_route(dev):
+    if plan.doc_end is not None and fused_route(plan.kv_idx.device):
         from sparsebalance.ops.route_kernels import bwd_descriptors
 
-        full_cnt, diag_cnt, diag_idx = _count_tables(plan.kv_cnt, H, NB)
-        if W > 1:  # entries past a row's count (its diagonal, the -1 padding) are never read
-            full_idx = plan.kv_idx[:, :, :W - 1].clamp(min=0)
-        else:
-            full_idx = torch.zeros((H, NB, 1), dtype=torch.int32, device=dev)
-        bwd_cnt, bwd_idx = bwd_descriptors(plan.kv_idx, plan.doc_end)
-        return FA4Descriptors(
-            fwd_full_cnt=full_cnt, fwd_full_idx=full_idx.unsqueeze(0), bwd_full_cnt=bwd_cnt.unsqueeze(0),
-            bwd_full_idx=bwd_idx.unsqueeze(0), diag_cnt=diag_cnt, diag_idx=diag_idx,
-            block_size=plan.block_size)
+        bwd = run_fused(bwd_descriptors, plan.kv_idx, plan.doc_end)
+        if bwd is not None:
+            return _fused_descriptors(plan, *bwd)
     return torch_descriptors(plan)
+
+
+def _fused_descriptors(plan: RoutingPlan, bwd_cnt: torch.Tensor, bwd_idx: torch.Tensor) -> FA4Descriptors:
+    """The forward tables from ``plan`` (count tables cached), the backward ones given."""
+    H, NB, W = plan.kv_idx.shape
+    full_cnt, diag_cnt, diag_idx = _count_tables(plan.kv_cnt, H, NB)
+    if W > 1:  # entries past a row's count (its diagonal, the -1 padding) are never read
+        full_idx = plan.kv_idx[:, :, :W - 1].clamp(min=0)
+    else:
+        full_idx = torch.zeros((H, NB, 1), dtype=torch.int32, device=plan.kv_idx.device)
+    return FA4Descriptors(
+        fwd_full_cnt=full_cnt, fwd_full_idx=full_idx.unsqueeze(0), bwd_full_cnt=bwd_cnt.unsqueeze(0),
+        bwd_full_idx=bwd_idx.unsqueeze(0), diag_cnt=diag_cnt, diag_idx=diag_idx, block_size=plan.block_size)
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ import contextvars
 import importlib.util
 import math
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
@@ -521,6 +522,8 @@ def fused_route(device: torch.device) -> bool:
     if mode not in _ROUTES:
         raise ValueError(f"SPARSEBALANCE_ROUTE must be one of {', '.join(_ROUTES)}, got {mode!r}")
     if mode == "auto":
+        if _fused_state["off"] is not None:
+            return False
         if not _triton_found:
             _triton_found.append(importlib.util.find_spec("triton") is not None)
         return device.type == "cuda" and _triton_found[0]
@@ -528,6 +531,28 @@ def fused_route(device: torch.device) -> bool:
 
 
 _triton_found: list = []
+_fused_state = {"worked": False, "off": None}
+"""``worked``: a fused launch succeeded in this process; ``off``: why ``auto`` turned the
+fused route off (its first launch failed), or None."""
+
+
+def run_fused(fn: Callable, *args):
+    """``fn(*args)`` (a launcher of :mod:`~sparsebalance.ops.route_kernels`). Under
+    ``SPARSEBALANCE_ROUTE=auto``, if the first fused launch of the process fails (a
+    Triton that cannot compile the kernels), routing warns once and stays on torch ops
+    from then on (returns None); ``fused`` forced, or any later failure, raises."""
+    try:
+        out = fn(*args)
+    except Exception as exc:  # the compiler's errors have no common base class
+        if _fused_state["worked"] or (os.environ.get("SPARSEBALANCE_ROUTE") or "auto") != "auto":
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        _fused_state["off"] = f"{type(exc).__name__}: {first}"
+        warnings.warn(f"fused routing failed on its first launch ({_fused_state['off']}); "
+                      "routing by torch ops from here on (SPARSEBALANCE_ROUTE=torch silences this)")
+        return None
+    _fused_state["worked"] = True
+    return out
 
 
 def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None) -> RoutingPlan:
@@ -544,9 +569,10 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
         fused = sk.max_blocks <= route_kernels.MAX_BLOCKS
     if fused:  # the whole choice in three kernels, every row written
         m = sk.meta_d
-        kv_idx = route_kernels.route_rows(q, k, m[0], m[1], m[2], m[3], m[4], sk.kv_template.shape[2],
-                                          sk.max_blocks, int(block_size), float(softmax_scale))
-    else:
+        kv_idx = run_fused(route_kernels.route_rows, q, k, m[0], m[1], m[2], m[3], m[4],
+                           sk.kv_template.shape[2], sk.max_blocks, int(block_size), float(softmax_scale))
+        fused = kv_idx is not None
+    if not fused:
         kv_idx = sk.kv_template.clone()
     if sk.route and not fused:
         sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums,

@@ -18,7 +18,10 @@ docs/gpu.md). Here the same plan is three kernels:
 
 The choice equals the torch route's wherever the gates do; the gates' fp32 sums run in
 another order, so a near tie at the k-th gate (relative gap ~1e-6) may go the other way.
-Importing this module imports triton (:mod:`sparsebalance.ops.plan` imports it lazily).
+Compile keys: the block size and head dim, and powers of two at least the longest
+document's blocks (a few per run) and the row width; the row width itself is not
+specialised on, so new budgets reuse the kernels. Importing this module imports triton
+(:mod:`sparsebalance.ops.plan` imports it lazily).
 """
 
 import torch
@@ -50,7 +53,7 @@ def _block_means_kernel(X, OUT, QB_START, QB_LEN, s_xt, s_xh, scale,
     tl.store(OUT + (b * NH + h) * D + d, mean, mask=d < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W"])  # W follows the budgets: no recompile when it moves
 def _route_kernel(QM, KM, KV_IDX, KV_CNT, FIRST, IDX, H, REP, W, D,
                   C_P2: tl.constexpr, W_P2: tl.constexpr, BLOCK_DC: tl.constexpr):
     """Row ``KV_IDX[h, m, :W]`` of query block ``m`` (block ``i`` of a document whose block 0
@@ -100,7 +103,7 @@ def _route_kernel(QM, KM, KV_IDX, KV_CNT, FIRST, IDX, H, REP, W, D,
                  mask=(e < W) & ((e == 0) | (e > k)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W"])
 def _bwd_desc_kernel(KV_IDX, DOC_END, BWD_CNT, BWD_IDX, W,
                      W_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     """``BWD_IDX[h, n, :]``: the query blocks after ``n`` in its document whose row of

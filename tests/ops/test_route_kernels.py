@@ -124,6 +124,38 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         torch_one, torch_mix = per_layer(one, "torch")[0], per_layer(mix, "torch")[0]
         assert torch_mix > torch_one > 5 * ops, (torch_one, torch_mix, ops)
 
+    def test_first_failed_launch_falls_back_under_auto(monkeypatch):
+        """A Triton that cannot compile the kernels: under ``auto`` the first failure warns
+        once and routing stays on torch ops (the same plan); forced ``fused``, or a failure
+        after a fused launch worked, raises."""
+        from sparsebalance.ops import plan as P
+        from sparsebalance.ops import route_kernels as rk
+
+        def boom(*a, **kw):
+            raise RuntimeError("PTX too new\nmore lines")
+
+        monkeypatch.setattr(P, "_fused_state", {"worked": False, "off": None})
+        monkeypatch.setattr(P, "_triton_found", [True])
+        monkeypatch.setattr(rk, "route_rows", boom)
+        monkeypatch.delenv("SPARSEBALANCE_ROUTE", raising=False)
+        q, k, _, cu, _ = make_inputs([400, 300], 2, 1, 8)
+        want = P.build_plan(q, k, cu, 2, 16, 0.3)  # CPU: the torch route
+        real = P.fused_route
+        monkeypatch.setattr(P, "fused_route", lambda dev: real(torch.device("cuda")))  # as on a GPU
+        P._skeletons.clear()
+        with pytest.warns(UserWarning, match=r"^fused routing failed on its first launch "
+                          r"\(RuntimeError: PTX too new\); routing by torch ops"):
+            got = P.build_plan(q, k, cu, 2, 16, 0.3)
+        assert torch.equal(got.kv_idx, want.kv_idx) and not real(torch.device("cuda"))
+        monkeypatch.setattr(P, "_fused_state", {"worked": True, "off": None})
+        P._skeletons.clear()
+        with pytest.raises(RuntimeError, match="PTX too new"):
+            P.build_plan(q, k, cu, 2, 16, 0.3)
+        monkeypatch.setattr(P, "_fused_state", {"worked": False, "off": None})
+        monkeypatch.setenv("SPARSEBALANCE_ROUTE", "fused")
+        with pytest.raises(RuntimeError, match="PTX too new"):
+            P.build_plan(q, k, cu, 2, 16, 0.3)
+
     def test_route_kernels_compile_without_a_gpu(arch=90):
         """Each kernel compiles to a sm_90 cubin (H100 / H200) at the shapes training meets: bf16 inputs, head
         dim 64 and 128, a 512-block document (64K tokens) and the longest one routed."""
