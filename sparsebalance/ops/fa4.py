@@ -12,7 +12,8 @@ block-aligned buffer of the flex backend (:func:`~sparsebalance.ops.flex.flex_la
 the plan's global block ``b`` fills buffer rows ``[b * B, (b + 1) * B)``, every document
 starts on a block boundary and its last block is zero padded. Unlike flex there is no
 bucket padding: FA4's compile key does not hold the sequence length, so the buffer is
-exactly the plan's blocks. The buffer is one batch row, ``[1, NB * B, H, D]``, FA4's own
+exactly the plan's blocks; when every document fills whole blocks it is the tokens
+themselves (nothing copied). The buffer is one batch row, ``[1, NB * B, H, D]``, FA4's own
 layout (no transposes).
 
 Descriptors (``BlockSparseTensorsTorch``, int32, batch 1, one row per query head):
@@ -245,9 +246,17 @@ def fa4_prepare(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, topk
     return plan, layout, fa4_descriptors(plan)
 
 
+def _is_identity(layout: FlexLayout) -> bool:
+    """Every document fills whole blocks: buffer row ``t`` is token ``t``, no padding."""
+    return layout.padded_tokens == layout.tokens
+
+
 def _to_buffer(x: torch.Tensor, layout: FlexLayout) -> torch.Tensor:
     """``[T, h, D]`` -> ``[1, NB * B, h, D]``: tokens at their buffer rows, zeros elsewhere
-    (differentiable: the gradient of ``x`` is the buffer's gradient at those rows)."""
+    (differentiable: the gradient of ``x`` is the buffer's gradient at those rows); with no
+    padding, ``x`` itself (a view, nothing copied)."""
+    if _is_identity(layout):
+        return x.unsqueeze(0)
     buf = x.new_zeros((layout.padded_tokens,) + tuple(x.shape[1:]))
     return buf.index_copy(0, layout.pos, x).unsqueeze(0)
 
@@ -263,7 +272,7 @@ def fa4_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayou
         softmax_scale=scale, causal=False, pack_gqa=False, mask_mod=causal_mask_mod(),
         block_sparse_tensors=desc.forward_tensors(),
         block_sparse_tensors_bwd=desc.backward_tensors())
-    return out[0].index_select(0, layout.pos)
+    return out[0] if _is_identity(layout) else out[0].index_select(0, layout.pos)
 
 
 def check_inputs(q: torch.Tensor, block_size: int) -> None:

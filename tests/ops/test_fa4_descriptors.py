@@ -124,3 +124,19 @@ def test_float16_is_refused_by_backends_without_it():
     assert out.dtype == torch.float16 and bool(torch.isfinite(out).all())
     with pytest.raises(ValueError, match="float16 runs on backends fa4, reference only"):
         sparse_attention(q, k, v, cu, topk=1, block_size=64, backend="cpu")
+
+
+def test_buffer_is_the_tokens_themselves_when_documents_fill_whole_blocks():
+    """Documents of whole blocks: no buffer copy (a view of q); else tokens at their rows,
+    zeros in the padding, and the gradient flows back to the tokens only."""
+    x = torch.randn(384, 2, 8, requires_grad=True)
+    whole = flex_layout(torch.tensor([0, 256, 384], dtype=torch.int32), 128, x.device, bucket=False)
+    buf = fa4._to_buffer(x, whole)
+    assert buf.shape == (1, 384, 2, 8) and buf.data_ptr() == x.data_ptr()
+    y = torch.randn(385, 2, 8, requires_grad=True)  # documents of 129 and 256 tokens: 2 + 2 blocks
+    ragged = flex_layout(torch.tensor([0, 129, 385], dtype=torch.int32), 128, y.device, bucket=False)
+    buf = fa4._to_buffer(y, ragged)[0]
+    assert buf.shape == (512, 2, 8) and torch.equal(buf[:129], y[:129]) and torch.equal(buf[256:], y[129:])
+    assert not buf[129:256].any()
+    buf.sum().backward()
+    assert torch.equal(y.grad, torch.ones_like(y))
