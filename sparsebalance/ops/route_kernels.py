@@ -18,9 +18,9 @@ docs/gpu.md). Here the same plan is three kernels:
 
 The choice equals the torch route's wherever the gates do; the gates' fp32 sums run in
 another order, so a near tie at the k-th gate (relative gap ~1e-6) may go the other way.
-Compile keys: the block size and head dim, and powers of two at least the longest
-document's blocks (a few per run) and the row width; the row width itself is not
-specialised on, so new budgets reuse the kernels. Importing this module imports triton
+Compile keys: the block size, the head dim, and powers of two at least the micro-batch's
+blocks and the plan's row width; the row width itself is not specialised on, so
+micro-batches of one packed length and new budgets reuse the compiled kernels. Importing this module imports triton
 (:mod:`sparsebalance.ops.plan` imports it lazily).
 """
 
@@ -157,7 +157,10 @@ def route_rows(q: torch.Tensor, k: torch.Tensor, qb_start: torch.Tensor, qb_len:
         k = k.contiguous()
     qm = _launch_means(q, qb_start, qb_len, block_size, scale)
     km = _launch_means(k, qb_start, qb_len, block_size, 1.0)
-    C = max(16, triton.next_power_of_2(max_blocks))
+    # the gate row's width: from the micro-batch's length, not its longest document, so
+    # micro-batches of one packed length share one compiled kernel
+    bound = -(-q.shape[0] // block_size)
+    C = max(16, triton.next_power_of_2(bound if bound <= MAX_BLOCKS else max_blocks))
     _route_kernel[(NB, H)](qm, km, kv_idx, kv_cnt, first, idx, H, H // k.shape[1], W, D,
                            C_P2=C, W_P2=max(16, triton.next_power_of_2(W)),
                            BLOCK_DC=max(1, min(triton.next_power_of_2(D), 8192 // C)))

@@ -93,7 +93,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         from sparsebalance.ops import route_kernels as rk
         from sparsebalance.ops.fa4 import fa4_prepare
 
-        state = {"on": True, "ops": 0, "launches": 0}
+        state = {"on": True, "ops": 0, "launches": 0, "keys": set()}
 
         class Count(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -101,26 +101,34 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                     state["ops"] += 1
                 return func(*args, **(kwargs or {}))
 
-        class Stub:  # kernel[grid](...) counted, not run
+        class Stub:  # kernel[grid](...) counted with its compile-time arguments, not run
+            def __init__(self, name):
+                self.name = name
+
             def __getitem__(self, grid):
-                return lambda *a, **kw: state.__setitem__("launches", state["launches"] + 1)
+                def launch(*a, **kw):
+                    state["launches"] += 1
+                    state["keys"].add((self.name, tuple(sorted(kw.items()))))
+                return launch
 
         for name in ("_block_means_kernel", "_route_kernel", "_bwd_desc_kernel"):
-            monkeypatch.setattr(rk, name, Stub())
+            monkeypatch.setattr(rk, name, Stub(name))
 
-        def per_layer(lens, mode):
+        def per_layer(lens, mode, topk=2):
             monkeypatch.setenv("SPARSEBALANCE_ROUTE", mode)
             q, k, _, cu, _ = make_inputs(lens, 16, 2, 8)
-            fa4_prepare(q, k, cu, 2, 128, 0.35)  # the micro-batch's first layer builds the skeleton
+            fa4_prepare(q, k, cu, topk, 128, 0.35)  # the micro-batch's first layer builds the skeleton
             state.update(ops=0, launches=0)
             with Count():
-                fa4_prepare(q, k, cu, 2, 128, 0.35)
+                fa4_prepare(q, k, cu, topk, 128, 0.35)
             return state["ops"], state["launches"]
 
         one, mix = [8192], [1500, 700, 2300, 300, 900, 1200, 800, 492]
         assert per_layer(one, "fused") == per_layer(mix, "fused")
-        ops, launches = per_layer(mix, "fused")
+        ops, launches = per_layer(mix, "fused", torch.tensor([1, 0, 5, 2, 3, 9, 2, 4]))
         assert launches == 4 and ops <= 12, (ops, launches)
+        # micro-batches of one length, other documents and budgets: the same compiled kernels
+        assert len(state["keys"]) == 3, state["keys"]
         torch_one, torch_mix = per_layer(one, "torch")[0], per_layer(mix, "torch")[0]
         assert torch_mix > torch_one > 5 * ops, (torch_one, torch_mix, ops)
 
