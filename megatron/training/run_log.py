@@ -89,6 +89,12 @@ def warmup_steps(n: int) -> int:
     return skip if n > skip else 0
 
 
+def routing_used() -> str:
+    """How the sparse backends' plans were routed (fused Triton kernels or torch ops)."""
+    plan = sys.modules.get("sparsebalance.ops.plan")
+    return plan.route_used() if plan is not None else "torch"
+
+
 def flex_compile_count() -> int:
     """Graphs the flex backend compiled in this process (0 when it never ran)."""
     flex = sys.modules.get("sparsebalance.ops.flex")
@@ -292,6 +298,7 @@ class RunLogger:
             "attention_backend_reason": backend["reason"],
             "dense_kernel": backend.get("dense_kernel"),
             "flex_compiles": flex_compile_count(),
+            "routing": routing_used(),
             "peak_memory_mb": peaks.tolist(),
             "peak_memory_mb_max": float(peaks.max()) if len(peaks) else None,
             "peak_memory_source": peak_memory_source(use_cpu(self.args)),

@@ -536,6 +536,14 @@ _fused_state = {"worked": False, "off": None}
 fused route off (its first launch failed), or None."""
 
 
+def route_used() -> str:
+    """How top-k plans were routed in this process: ``fused`` (a fused launch ran),
+    ``torch``, or ``torch (fused off: why)`` after :func:`run_fused` turned it off."""
+    if _fused_state["off"] is not None:
+        return f"torch (fused off: {_fused_state['off']})"
+    return "fused" if _fused_state["worked"] else "torch"
+
+
 def run_fused(fn: Callable, *args):
     """``fn(*args)`` (a launcher of :mod:`~sparsebalance.ops.route_kernels`). Under
     ``SPARSEBALANCE_ROUTE=auto``, if the first fused launch of the process fails (a

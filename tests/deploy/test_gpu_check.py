@@ -73,8 +73,10 @@ def test_report_files(tmp_path):
                fwd_tflops=300.0, fwd_bwd_tflops=250.0, dense_backend="flash")
     flex_row = dict(row, backend="flex", gate_share=0.178,
                     gate_parts_ms={"plan": 3.04, "layout": 1.0, "block_mask": 4.5})
+    fa4_row = dict(row, backend="fa4", seq_len=131072, gate_share=0.03, gate_ms=0.31, route="fused",
+                   gate_torch_ms=4.2)
     parts = [gc.Part("tests", True, 12.0, "10 passed"),
-             gc.Part("bench", False, 30.0, "1 points, 1 failed", {"rows": [row, flex_row], "failed": ["x"]})]
+             gc.Part("bench", False, 30.0, "1 points, 1 failed", {"rows": [row, flex_row, fa4_row], "failed": ["x"]})]
     gc.write_report(str(tmp_path), parts, "NVIDIA H100")
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert doc["device"] == "NVIDIA H100" and doc["passed"] is False
@@ -83,6 +85,7 @@ def test_report_files(tmp_path):
     assert "| bench | **FAIL** | 30 | 1 points, 1 failed |" in md
     assert "| cuda | 65536 | 128 | 0.052 | 1.00 (10.00) | 5.00 (40.00) | flash | 250 | 0.52 | 0.42 | 2.0% |" in md
     assert "| 0.42 | 17.8% (plan 3.0, layout 1.0, mask 4.5 ms) |" in md
+    assert "| 0.42 | 3.0% (gate 0.3 fused vs 4.2 torch ms) |" in md
     assert "- x" in md  # the failed point is listed
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
 
@@ -151,10 +154,12 @@ def test_train_verdict():
     # not on the median step; both are reported
     d = {**summ(down, 1e4), "step_ms_all": [9e3] * 8, "step_tokens_all": [131072] * 8, "warmup_steps_skipped": 2}
     sp = {**summ(down, 1.6e4, 0.17), "step_ms_all": [40e3, 30e3, 2.6e3, 25e3, 2.6e3, 20e3, 2.6e3, 2.6e3],
-          "step_tokens_all": [131072] * 8, "warmup_steps_skipped": 2, "flex_compiles": 6}
+          "step_tokens_all": [131072] * 8, "warmup_steps_skipped": 2, "flex_compiles": 6,
+          "routing": "fused"}
     runs = [st.train_run_record("dense 65536", d), st.train_run_record("sparse 65536", sp)]
     assert runs[1]["ms_per_1k_tokens_median"] == pytest.approx(2.6e3 / 131.072)
     assert runs[1]["flex_compiles"] == 6 and runs[0]["flex_compiles"] is None
+    assert runs[1]["routing"] == "fused" and runs[0]["routing"] is None
     ok, detail, data = st.train_verdict(runs, [65536])
     assert data["median_step_speedup_64k"] == pytest.approx(9e3 / 2.6e3) and data["speedup_64k"] == 1.6
     assert "median_step_speedup_64k 3.46x" in detail

@@ -155,7 +155,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                           r"\(RuntimeError: PTX too new\); routing by torch ops"):
             got = P.build_plan(q, k, cu, 2, 16, 0.3)
         assert torch.equal(got.kv_idx, want.kv_idx) and not real(torch.device("cuda"))
+        assert P.route_used() == "torch (fused off: RuntimeError: PTX too new)"
         monkeypatch.setattr(P, "_fused_state", {"worked": True, "off": None})
+        assert P.route_used() == "fused"
         P._skeletons.clear()
         with pytest.raises(RuntimeError, match="PTX too new"):
             P.build_plan(q, k, cu, 2, 16, 0.3)

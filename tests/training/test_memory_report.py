@@ -77,6 +77,7 @@ if __name__ != "__main__":
         np.testing.assert_allclose(s["peak_memory_mb"], measured.max(axis=1))
         assert s["peak_memory_mb_max"] == max(s["peak_memory_mb"])
         assert s["flex_compiles"] == 0  # the flex backend never ran here
+        assert s["routing"] == "torch"  # the fused route runs on CUDA only
         # a high-water mark: never down from step to step; a torch process is >100 MB
         assert (np.diff(measured, axis=1) >= 0).all(), measured
         assert (measured > 100).all() and (measured < 64 * 1024).all(), measured

@@ -189,6 +189,8 @@ def render_markdown(doc: dict) -> str:
                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in train["data"]["runs"]:
             backend = r.get("attention_backend") or r.get("error", "")
+            if r.get("routing") and not r.get("name", "").startswith("dense"):
+                backend += f" (routing: {r['routing']})"
             if r.get("dense_kernel") and r.get("name", "").startswith("dense"):
                 backend = {"fa4": "FA4 varlen", "sdpa": "SDPA per document"}.get(r["dense_kernel"], r["dense_kernel"])
             md.append(f"| {r['name']} | {_fmt(r.get('tokens_per_s'), '.0f')} | "
