@@ -65,6 +65,9 @@ class StepLog:
     RSS of the process on CPU)."""
     profiled: bool = False
     """Ran under ``--profile`` (left out of the summary's timing)."""
+    compiles: int = 0
+    """:func:`kernel_compiles` on rank 0 after this step (a count that grows after step 2
+    means a shape or budget reached a compile key)."""
 
     @property
     def density(self) -> float:
@@ -93,6 +96,16 @@ def routing_used() -> str:
     """How the sparse backends' plans were routed (fused Triton kernels or torch ops)."""
     plan = sys.modules.get("sparsebalance.ops.plan")
     return plan.route_used() if plan is not None else "torch"
+
+
+def kernel_compiles() -> int:
+    """JIT compilations the sparse attention path holds in this process: FA4's kernels,
+    flex's graphs and the fused routing's kernels (0 for a module never loaded)."""
+    total = 0
+    for name in ("sparsebalance.ops.fa4", "sparsebalance.ops.flex", "sparsebalance.ops.route_kernels"):
+        mod = sys.modules.get(name)
+        total += int(mod.compile_count()) if mod is not None else 0
+    return total
 
 
 def flex_compile_count() -> int:
@@ -298,6 +311,8 @@ class RunLogger:
             "attention_backend_reason": backend["reason"],
             "dense_kernel": backend.get("dense_kernel"),
             "flex_compiles": flex_compile_count(),
+            "kernel_compiles_all": [s.compiles for s in steps],
+            "kernel_compiles_after_step_2": steps[-1].compiles - steps[1].compiles if len(steps) > 2 else None,
             "routing": routing_used(),
             "peak_memory_mb": peaks.tolist(),
             "peak_memory_mb_max": float(peaks.max()) if len(peaks) else None,

@@ -129,13 +129,24 @@ def _bwd_desc_kernel(KV_IDX, DOC_END, BWD_CNT, BWD_IDX, W,
     tl.store(BWD_CNT + base + n, count)
 
 
+_keys: set = set()
+"""(kernel, compile-time arguments, input dtype) launched in this process."""
+
+
+def compile_count() -> int:
+    """Distinct compile-time argument sets this process launched (Triton compiles each
+    once; its own specialisations on pointer alignment are not counted)."""
+    return len(_keys)
+
+
 def _launch_means(x: torch.Tensor, qb_start, qb_len, B: int, scale: float) -> torch.Tensor:
     """fp32 ``[NB, h, D]``: every block's mean of ``x [T, h, D]``, times ``scale``."""
     NB, (nh, D) = qb_start.shape[0], x.shape[1:]
     out = torch.empty((NB, nh, D), dtype=torch.float32, device=x.device)
     if NB:
-        _block_means_kernel[(NB, nh)](x, out, qb_start, qb_len, x.stride(0), x.stride(1), scale,
-                                      nh, D, B=B, ROWS=min(B, 32), BLOCK_D=triton.next_power_of_2(D))
+        ce = dict(B=B, ROWS=min(B, 32), BLOCK_D=triton.next_power_of_2(D))
+        _keys.add(("means", tuple(ce.items()), x.dtype))
+        _block_means_kernel[(NB, nh)](x, out, qb_start, qb_len, x.stride(0), x.stride(1), scale, nh, D, **ce)
     return out
 
 
@@ -161,9 +172,10 @@ def route_rows(q: torch.Tensor, k: torch.Tensor, qb_start: torch.Tensor, qb_len:
     # micro-batches of one packed length share one compiled kernel
     bound = -(-q.shape[0] // block_size)
     C = max(16, triton.next_power_of_2(bound if bound <= MAX_BLOCKS else max_blocks))
-    _route_kernel[(NB, H)](qm, km, kv_idx, kv_cnt, first, idx, H, H // k.shape[1], W, D,
-                           C_P2=C, W_P2=max(16, triton.next_power_of_2(W)),
-                           BLOCK_DC=max(1, min(triton.next_power_of_2(D), 8192 // C)))
+    ce = dict(C_P2=C, W_P2=max(16, triton.next_power_of_2(W)),
+              BLOCK_DC=max(1, min(triton.next_power_of_2(D), 8192 // C)))
+    _keys.add(("route", tuple(ce.items())))
+    _route_kernel[(NB, H)](qm, km, kv_idx, kv_cnt, first, idx, H, H // k.shape[1], W, D, **ce)
     return kv_idx
 
 
@@ -175,6 +187,7 @@ def bwd_descriptors(kv_idx: torch.Tensor, doc_end: torch.Tensor) -> tuple:
     cnt = torch.empty((H, NB), dtype=torch.int32, device=kv_idx.device)
     idx = torch.zeros((H, NB, NB), dtype=torch.int32, device=kv_idx.device)
     if NB:
-        _bwd_desc_kernel[(NB, H)](kv_idx, doc_end, cnt, idx, W,
-                                  W_P2=max(16, triton.next_power_of_2(W)), BLOCK_M=16)
+        ce = dict(W_P2=max(16, triton.next_power_of_2(W)), BLOCK_M=16)
+        _keys.add(("bwd", tuple(ce.items())))
+        _bwd_desc_kernel[(NB, H)](kv_idx, doc_end, cnt, idx, W, **ce)
     return cnt, idx

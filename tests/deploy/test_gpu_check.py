@@ -155,14 +155,16 @@ def test_train_verdict():
     d = {**summ(down, 1e4), "step_ms_all": [9e3] * 8, "step_tokens_all": [131072] * 8, "warmup_steps_skipped": 2}
     sp = {**summ(down, 1.6e4, 0.17), "step_ms_all": [40e3, 30e3, 2.6e3, 25e3, 2.6e3, 20e3, 2.6e3, 2.6e3],
           "step_tokens_all": [131072] * 8, "warmup_steps_skipped": 2, "flex_compiles": 6,
-          "routing": "fused"}
+          "routing": "fused", "kernel_compiles_after_step_2": 0}
     runs = [st.train_run_record("dense 65536", d), st.train_run_record("sparse 65536", sp)]
     assert runs[1]["ms_per_1k_tokens_median"] == pytest.approx(2.6e3 / 131.072)
     assert runs[1]["flex_compiles"] == 6 and runs[0]["flex_compiles"] is None
     assert runs[1]["routing"] == "fused" and runs[0]["routing"] is None
+    assert runs[1]["compiles_after_step_2"] == 0
     ok, detail, data = st.train_verdict(runs, [65536])
     assert data["median_step_speedup_64k"] == pytest.approx(9e3 / 2.6e3) and data["speedup_64k"] == 1.6
-    assert "median_step_speedup_64k 3.46x" in detail
+    assert "median_step_speedup_64k 3.46x" in detail and "; sparse compilations after step 2: 64k 0" in detail
+    assert data["compiles_after_step_2_64k"] == 0
     # a profiled step (the last) is left out of the median step; its kernel split is kept
     prof = {**sp, "step_ms_all": sp["step_ms_all"] + [1e5], "step_tokens_all": [131072] * 9,
             "step_profiled_all": [False] * 8 + [True],

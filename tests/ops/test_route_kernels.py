@@ -231,10 +231,13 @@ else:
         os.environ["SPARSEBALANCE_ROUTE"] = "fused"
         try:
             P._skeletons.clear()
+            compiled = []
             for layer in range(3):
                 q, k, _, _, _ = make_inputs(lens, 2, 1, 8, seed=layer)
                 P.build_plan(q, k, cu, 2, 16, 8 ** -0.5)
+                compiled.append(route_kernels.compile_count())
         finally:
             route_kernels.route_rows = real
             del os.environ["SPARSEBALANCE_ROUTE"]
         assert len(calls) == 3 and len(P._skeletons.entries) == 1
+        assert compiled[0] >= 2 and compiled == compiled[:1] * 3  # q/k means and the route: no new keys

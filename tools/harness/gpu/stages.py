@@ -106,6 +106,7 @@ def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
             "step_ms_all": ms, "step_tokens_all": tokens, "warmup_steps_skipped": skip,
             "ms_per_1k_tokens_median": statistics.median(per_1k) if per_1k else None,
             "flex_compiles": s.get("flex_compiles"), "routing": s.get("routing"),
+            "compiles_after_step_2": s.get("kernel_compiles_after_step_2"),
             "peak_memory_mb_max": s.get("peak_memory_mb_max"), "step_ms_median": s.get("step_ms_median"),
             "density_mean": s.get("density_mean"), "plan_ms_median": s.get("plan_ms_median"),
             "attention_backend": s.get("attention_backend"), "dense_kernel": s.get("dense_kernel"),
@@ -131,10 +132,15 @@ def train_verdict(runs: List[dict], seq_lens: List[int]) -> Result:
         # shape is compiled; tokens/s above counts the steps that compiled too
         if d and s and d.get("ms_per_1k_tokens_median") and s.get("ms_per_1k_tokens_median"):
             data[f"median_step_speedup_{n // 1024}k"] = d["ms_per_1k_tokens_median"] / s["ms_per_1k_tokens_median"]
+        # the target's "no compilation after step 2" (FA4, flex and the routing kernels)
+        if s and s.get("compiles_after_step_2") is not None:
+            data[f"compiles_after_step_2_{n // 1024}k"] = s["compiles_after_step_2"]
     bad = [r["name"] + (f": {r['error']}" if r.get("error") else ": loss did not decrease")
            for r in runs if r.get("error") or not r.get("loss_down")]
     speed = ", ".join(f"{k} {v:.2f}x" for k, v in data.items() if "speedup_" in k)
+    late = ", ".join(f"{k.rsplit('_', 1)[1]} {v}" for k, v in data.items() if k.startswith("compiles_after"))
     detail = (f"{len(runs) - len(bad)}/{len(runs)} runs ok; sparse/dense tokens/s: {speed or 'n/a'}"
+              + (f"; sparse compilations after step 2: {late}" if late else "")
               + (f"; failed: {'; '.join(bad)}" if bad else ""))
     return bool(runs) and not bad, detail, data
 
