@@ -1,11 +1,12 @@
 """Block top-k routing plan shared by every kernel backend.
 
-The plan is computed once per call in plain PyTorch (fp32 gate; ties at the
-k-th value keep the lower block id) and handed to the cpu / triton / cuda kernels
-as small int32 tables, so all backends select exactly the same key blocks. The
-O(blocks) metadata is numpy on the host; the gates and the choice are batched
-tensor ops on q's device (all documents in padded batches, no host sync when
-cu_seqlens and topk are host values).
+The plan is computed once per call (fp32 gate; ties at the k-th value keep the lower
+block id) and handed to every kernel backend as small int32 tables, so all backends
+select the same key blocks. The O(blocks) metadata is numpy on the host, once per
+micro-batch; the gates and the choice run on q's device with no host sync: on CUDA as
+three Triton kernels (:mod:`~sparsebalance.ops.route_kernels`, :func:`fused_route`), on
+the CPU (and with ``SPARSEBALANCE_ROUTE=torch``) as batched tensor ops over all
+documents in padded batches.
 
 Blocks are numbered globally over the packed batch: document ``d`` of length
 ``L`` contributes ``ceil(L / B)`` consecutive blocks (the last may be partial).

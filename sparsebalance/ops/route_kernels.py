@@ -20,8 +20,8 @@ The choice equals the torch route's wherever the gates do; the gates' fp32 sums 
 another order, so a near tie at the k-th gate (relative gap ~1e-6) may go the other way.
 Compile keys: the block size, the head dim, and powers of two at least the micro-batch's
 blocks and the plan's row width; the row width itself is not specialised on, so
-micro-batches of one packed length and new budgets reuse the compiled kernels. Importing this module imports triton
-(:mod:`sparsebalance.ops.plan` imports it lazily).
+micro-batches of one packed length and new budgets reuse the compiled kernels.
+Importing this module imports triton (:mod:`sparsebalance.ops.plan` imports it lazily).
 """
 
 import torch
