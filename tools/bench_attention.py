@@ -149,12 +149,13 @@ def fa4_gate_parts(q, k, cu, topk, block_size: int, scale: float, timed):
     from sparsebalance.ops import build_plan
     from sparsebalance.ops.fa4 import fa4_descriptors
     from sparsebalance.ops.flex import flex_layout
-    from sparsebalance.ops.plan import _build_skeleton, host_cu
+    from sparsebalance.ops.plan import _build_skeleton, fused_route, host_cu
 
     plan, t_plan = timed(lambda: build_plan(q, k, cu, topk, block_size, scale))
     _, t_lay = timed(lambda: flex_layout(cu, block_size, q.device, bucket=False))
     _, t_desc = timed(lambda: fa4_descriptors(plan))
-    _, t_skel = timed(lambda: _build_skeleton(host_cu(cu), topk, block_size, q.shape[1], q.device))
+    _, t_skel = timed(lambda: _build_skeleton(host_cu(cu), topk, block_size, q.shape[1], q.device,
+                                              host_route=not fused_route(q.device)))
     return t_plan, t_lay, t_desc, t_skel
 
 
@@ -247,13 +248,16 @@ def main(argv=None) -> int:
         return t, t
 
     def run_gate_torch():  # the same gate by torch ops: what the fused route saves
+        before = os.environ.get("SPARSEBALANCE_ROUTE")
         os.environ["SPARSEBALANCE_ROUTE"] = "torch"
         try:
             return run_gate()
         finally:
-            os.environ["SPARSEBALANCE_ROUTE"] = route_env
+            if before is None:
+                del os.environ["SPARSEBALANCE_ROUTE"]
+            else:
+                os.environ["SPARSEBALANCE_ROUTE"] = before
 
-    route_env = os.environ.get("SPARSEBALANCE_ROUTE") or "auto"
     runs = {"sparse": run_sparse, "gate": run_gate}
     if fused_route(dev):
         runs["gate_torch"] = run_gate_torch

@@ -145,49 +145,47 @@ def _count_tables(kv_cnt: torch.Tensor, H: int, NB: int) -> tuple:
 def fa4_descriptors(plan: RoutingPlan) -> FA4Descriptors:
     """The forward and backward block-sparse tables of ``plan`` (device ops, no host sync).
 
-    ``plan.kv_cnt`` may be ``[NB]`` (one count for every head) or ``[H, NB]``. Where the
-    routing runs fused (:func:`~sparsebalance.ops.plan.fused_route`) and the plan knows its
-    documents' ends, the query-direction lists are one Triton kernel
-    (:func:`~sparsebalance.ops.route_kernels.bwd_descriptors`) and the count tables are
-    cached per micro-batch; otherwise (and as the tests' oracle) torch ops.
+    ``plan.kv_cnt`` may be ``[NB]`` (one count for every head) or ``[H, NB]``. The tables
+    that depend on the counts only are cached per micro-batch. Where the routing runs fused
+    (:func:`~sparsebalance.ops.plan.fused_route`) and the plan knows its documents' ends,
+    the query-direction lists are one Triton kernel
+    (:func:`~sparsebalance.ops.route_kernels.bwd_descriptors`); otherwise torch ops.
     """
+    bwd = None
     if plan.doc_end is not None and fused_route(plan.kv_idx.device):
         from sparsebalance.ops.route_kernels import bwd_descriptors
 
         bwd = run_fused(bwd_descriptors, plan.kv_idx, plan.doc_end)
-        if bwd is not None:
-            return _fused_descriptors(plan, *bwd)
-    return torch_descriptors(plan)
+    return _descriptors(plan, bwd)
 
 
-def _fused_descriptors(plan: RoutingPlan, bwd_cnt: torch.Tensor, bwd_idx: torch.Tensor) -> FA4Descriptors:
-    """The forward tables from ``plan`` (count tables cached), the backward ones given."""
+@torch.no_grad()
+def torch_descriptors(plan: RoutingPlan) -> FA4Descriptors:
+    """:func:`fa4_descriptors` with the query-direction lists by torch ops (the tests' oracle)."""
+    return _descriptors(plan, None)
+
+
+def _descriptors(plan: RoutingPlan, bwd: Optional[tuple]) -> FA4Descriptors:
+    """The forward tables of ``plan`` and ``bwd`` = (counts, lists), or the lists by torch ops."""
     H, NB, W = plan.kv_idx.shape
     full_cnt, diag_cnt, diag_idx = _count_tables(plan.kv_cnt, H, NB)
     if W > 1:  # entries past a row's count (its diagonal, the -1 padding) are never read
         full_idx = plan.kv_idx[:, :, :W - 1].clamp(min=0)
     else:
         full_idx = torch.zeros((H, NB, 1), dtype=torch.int32, device=plan.kv_idx.device)
+    bwd_cnt, bwd_idx = bwd if bwd is not None else _query_lists(full_cnt[0], full_idx)
     return FA4Descriptors(
         fwd_full_cnt=full_cnt, fwd_full_idx=full_idx.unsqueeze(0), bwd_full_cnt=bwd_cnt.unsqueeze(0),
         bwd_full_idx=bwd_idx.unsqueeze(0), diag_cnt=diag_cnt, diag_idx=diag_idx, block_size=plan.block_size)
 
 
-@torch.no_grad()
-def torch_descriptors(plan: RoutingPlan) -> FA4Descriptors:
-    """:func:`fa4_descriptors` in torch ops (a few dozen small ones)."""
-    H, NB, W = plan.kv_idx.shape
-    dev = plan.kv_idx.device
-    i32 = dict(dtype=torch.int32, device=dev)
-    cnt = plan.kv_cnt.to(torch.int32).expand(H, NB)
-    full_cnt = (cnt - 1).clamp(min=0).contiguous()
-    Wf = max(W - 1, 1)
-    full_idx = torch.zeros((H, NB, Wf), **i32)
-    if W > 1:  # entries past a row's count (its diagonal, the -1 padding) are never read
-        full_idx[:, :, :W - 1] = plan.kv_idx[:, :, :W - 1].clamp(min=0)
-    # query direction: the (key block n, query block m) pairs of the full lists sorted by n
-    # then m (one sort of the kept entries, not of an NB x NB table), each placed at its
-    # rank within its key block's row
+def _query_lists(full_cnt: torch.Tensor, full_idx: torch.Tensor) -> tuple:
+    """Per key block the query blocks keeping it as a full block, from the key-direction
+    lists ``full_cnt [H, NB]``, ``full_idx [H, NB, Wf]``: ``(cnt [H, NB], idx [H, NB, NB])``
+    int32, ascending, zero past each count. The (key block n, query block m) pairs sorted by
+    n then m (one sort of the kept entries, not of an NB x NB table), each placed at its
+    rank within its key block's row."""
+    (H, NB, Wf), dev = full_idx.shape, full_idx.device
     valid = torch.arange(Wf, device=dev).view(1, 1, Wf) < full_cnt.unsqueeze(-1)
     m = torch.arange(NB, device=dev).view(1, NB, 1)
     key = torch.where(valid, full_idx.long() * NB + m, NB * NB).view(H, -1)
@@ -195,17 +193,11 @@ def torch_descriptors(plan: RoutingPlan) -> FA4Descriptors:
     ok = key < NB * NB
     n_s = torch.where(ok, key // NB, NB)  # NB: the dump row of the padding entries
     counts = torch.zeros((H, NB + 1), dtype=torch.int64, device=dev).scatter_add_(1, n_s, ok.long())
-    bwd_cnt = counts[:, :NB].to(torch.int32).contiguous()
     start = counts.cumsum(1) - counts
     pos = torch.arange(key.shape[1], device=dev).view(1, -1) - start.gather(1, n_s)
-    bwd_idx = torch.zeros((H, (NB + 1) * NB), dtype=torch.int32, device=dev)
-    bwd_idx.scatter_(1, torch.where(ok, n_s * NB + pos, NB * NB), torch.where(ok, key % NB, 0).to(torch.int32))
-    bwd_idx = bwd_idx[:, :NB * NB].view(H, NB, NB)
-    diag_idx = torch.arange(NB, **i32).view(1, 1, NB, 1).expand(1, H, NB, 1).contiguous()
-    return FA4Descriptors(
-        fwd_full_cnt=full_cnt.unsqueeze(0), fwd_full_idx=full_idx.unsqueeze(0),
-        bwd_full_cnt=bwd_cnt.unsqueeze(0), bwd_full_idx=bwd_idx.contiguous().unsqueeze(0),
-        diag_cnt=torch.ones((1, H, NB), **i32), diag_idx=diag_idx, block_size=plan.block_size)
+    idx = torch.zeros((H, (NB + 1) * NB), dtype=torch.int32, device=dev)
+    idx.scatter_(1, torch.where(ok, n_s * NB + pos, NB * NB), torch.where(ok, key % NB, 0).to(torch.int32))
+    return counts[:, :NB].to(torch.int32).contiguous(), idx[:, :NB * NB].view(H, NB, NB).contiguous()
 
 
 _mask_mod: list = []

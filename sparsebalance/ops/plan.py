@@ -428,6 +428,8 @@ class _Skeleton:
     kv_nnz: int
     max_blocks: int
     """Blocks of the longest document."""
+    routed: bool
+    """Some document has a choice to make (``route`` is None when the fused kernels make it)."""
 
 
 def _topk_key(topk: TopK):
@@ -437,11 +439,11 @@ def _topk_key(topk: TopK):
 
 
 def _skeleton(cu_seqlens, topk, B: int, H: int, dev: torch.device,
-              kmin: Optional[int] = None) -> _Skeleton:
+              kmin: Optional[int] = None, host_route: bool = True) -> _Skeleton:
     """:func:`_build_skeleton`, cached per (cu_seqlens tensor, budget, block, heads, device,
-    threshold routing's minimum)."""
-    return _skeletons.get(cu_seqlens, (_topk_key(topk), B, H, dev, kmin),
-                          lambda: _build_skeleton(host_cu(cu_seqlens), topk, B, H, dev, kmin),
+    threshold routing's minimum, host route)."""
+    return _skeletons.get(cu_seqlens, (_topk_key(topk), B, H, dev, kmin, host_route),
+                          lambda: _build_skeleton(host_cu(cu_seqlens), topk, B, H, dev, kmin, host_route),
                           hold=topk)  # a budget tensor is keyed by its id: keep it alive
 
 
@@ -512,6 +514,9 @@ def _build_plan(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums
 
 
 _ROUTES = ("auto", "fused", "torch")
+FUSED_MAX_BLOCKS = 8192
+"""Most blocks one document may have for the fused route (a row's gates sit in one
+Triton program's registers); a micro-batch with a longer one takes the torch route."""
 
 
 def fused_route(device: torch.device) -> bool:
@@ -567,25 +572,28 @@ def run_fused(fn: Callable, *args):
 def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None) -> RoutingPlan:
     rule = current_rule()
     thr = rule.threshold
-    sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device,
-                   None if thr is None else rule.topk_min)
+    kmin = None if thr is None else rule.topk_min
+    fused = thr is None and reduce_q_sums is None and fused_route(q.device)
+    sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device, kmin, host_route=not fused)
     kv_cnt = sk.meta_d[2] if thr is None else sk.meta_d[2].clone()
-    fused = (sk.route is not None and thr is None and reduce_q_sums is None
-             and fused_route(q.device))
-    if fused:
+    kv_idx = None
+    if sk.routed and sk.route is None:  # the fused kernels make the choice, every row written
         from sparsebalance.ops import route_kernels
 
-        fused = sk.max_blocks <= route_kernels.MAX_BLOCKS
-    if fused:  # the whole choice in three kernels, every row written
+        # the gate row's width from the micro-batch's length, not its longest document, so
+        # micro-batches of one packed length share one compiled kernel
+        width = -(-q.shape[0] // int(block_size))
         m = sk.meta_d
-        kv_idx = run_fused(route_kernels.route_rows, q, k, m[0], m[1], m[2], m[3], m[4],
-                           sk.kv_template.shape[2], sk.max_blocks, int(block_size), float(softmax_scale))
-        fused = kv_idx is not None
-    if not fused:
+        kv_idx = run_fused(route_kernels.route_rows, q, k, m[0], m[1], m[2], m[3], m[4], sk.kv_template.shape[2],
+                           width if width <= FUSED_MAX_BLOCKS else sk.max_blocks, int(block_size),
+                           float(softmax_scale))
+        if kv_idx is None:  # the fused route turned itself off: the torch route's skeleton
+            sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device, kmin)
+    if kv_idx is None:
         kv_idx = sk.kv_template.clone()
-    if sk.route and not fused:
-        sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums,
-                     kv_cnt=kv_cnt, threshold=thr)
+        if sk.route:
+            sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums,
+                         kv_cnt=kv_cnt, threshold=thr)
     nnz, doc_kept = sk.kv_nnz, sk.doc_kept
     if thr is not None and sk.route:  # the counts were chosen on the device: one read back
         ql = sk.meta_d[1].long()
@@ -609,10 +617,12 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
 
 
 def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
-                    kmin: Optional[int] = None) -> _Skeleton:
+                    kmin: Optional[int] = None, host_route: bool = True) -> _Skeleton:
     """``kmin`` None: top-k routing (the counts are known here). An int: threshold routing
     with that minimum; rows with more than ``min(kmin, topk)`` candidates are routed on
-    the device, which sets their counts (the ones here are the caps)."""
+    the device, which sets their counts (the ones here are the caps). ``host_route``
+    False: no :class:`_RouteHost` (the fused kernels route), unless a document is longer
+    than they take."""
     # Per-block metadata is O(blocks): numpy on the host, from cu_seqlens.
     starts, lens = cu[:-1], np.diff(cu)
     n_docs = len(lens)
@@ -631,8 +641,11 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
     full = (kv_cnt - 1) * B * qb_len + qb_len * (qb_len + 1) // 2
     kr = kd if kmin is None else np.minimum(kd, kmin)  # rows past kr + 1 make a choice
     sel = np.flatnonzero(nb > kr + 2)  # documents with a real choice
-    route = _RouteHost(sel, nb, kd, kr, first_block, qb_start, qb_len, doc_of, i_in_doc, H, B,
-                       dev.type != "cpu") if len(sel) else None
+    max_blocks = int(nb.max()) if n_docs else 0
+    route = None
+    if len(sel) and (host_route or max_blocks > FUSED_MAX_BLOCKS):
+        route = _RouteHost(sel, nb, kd, kr, first_block, qb_start, qb_len, doc_of, i_in_doc, H, B,
+                           dev.type != "cpu")
 
     # Everything the device needs from the host, in one copy.
     meta = np.stack([qb_start, qb_len, kv_cnt, fb_of, i_in_doc, doc_of, fb_of + nb[doc_of]])
@@ -645,7 +658,7 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
     doc_kept = np.bincount(doc_of, weights=full, minlength=n_docs).astype(np.int64) * H
     return _Skeleton(doc_kept=doc_kept, meta_d=meta_d, kv_template=kv_template, route=route, sent=sent,
                      causal_pairs=int((lens * (lens + 1) // 2).sum()) * H, kv_nnz=int(kv_cnt.sum()),
-                     max_blocks=int(nb.max()) if n_docs else 0)
+                     max_blocks=max_blocks, routed=len(sel) > 0)
 
 
 class _RouteHost:

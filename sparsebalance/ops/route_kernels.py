@@ -28,10 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_BLOCKS = 8192
-"""Most blocks one document may have for :func:`route_rows` (a row's gates sit in one
-program's registers); longer documents take the torch route."""
-
 
 @triton.jit
 def _block_means_kernel(X, OUT, QB_START, QB_LEN, s_xt, s_xh, scale,
@@ -152,26 +148,23 @@ def _launch_means(x: torch.Tensor, qb_start, qb_len, B: int, scale: float) -> to
 
 def route_rows(q: torch.Tensor, k: torch.Tensor, qb_start: torch.Tensor, qb_len: torch.Tensor,
                kv_cnt: torch.Tensor, first: torch.Tensor, idx: torch.Tensor, W: int,
-               max_blocks: int, block_size: int, scale: float) -> torch.Tensor:
+               width: int, block_size: int, scale: float) -> torch.Tensor:
     """``kv_idx [H, NB, W]`` (int32) of ``q [T, H, D]``, ``k [T, Hkv, D]`` for blocks with
     starts ``qb_start``, lengths ``qb_len``, counts ``kv_cnt``, document block 0 ``first``
-    and index in the document ``idx`` (int32 ``[NB]`` each, on q's device); ``max_blocks``:
-    the most blocks of one document (<= :data:`MAX_BLOCKS`)."""
+    and index in the document ``idx`` (int32 ``[NB]`` each, on q's device); ``width``: at
+    least the blocks of the longest document, at most
+    :data:`~sparsebalance.ops.plan.FUSED_MAX_BLOCKS` (one compiled kernel per power of two)."""
     (H, D), NB = q.shape[1:], qb_start.shape[0]
     kv_idx = torch.empty((H, NB, W), dtype=torch.int32, device=q.device)
     if NB == 0:
         return kv_idx
-    q, k = q.detach(), k.detach()
     if q.stride(2) != 1:
         q = q.contiguous()
     if k.stride(2) != 1:
         k = k.contiguous()
     qm = _launch_means(q, qb_start, qb_len, block_size, scale)
     km = _launch_means(k, qb_start, qb_len, block_size, 1.0)
-    # the gate row's width: from the micro-batch's length, not its longest document, so
-    # micro-batches of one packed length share one compiled kernel
-    bound = -(-q.shape[0] // block_size)
-    C = max(16, triton.next_power_of_2(bound if bound <= MAX_BLOCKS else max_blocks))
+    C = max(16, triton.next_power_of_2(width))
     ce = dict(C_P2=C, W_P2=max(16, triton.next_power_of_2(W)),
               BLOCK_DC=max(1, min(triton.next_power_of_2(D), 8192 // C)))
     _keys.add(("route", tuple(ce.items())))

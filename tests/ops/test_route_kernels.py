@@ -174,6 +174,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         from triton.compiler import ASTSource
 
         from sparsebalance.ops import route_kernels as rk
+        from sparsebalance.ops.plan import FUSED_MAX_BLOCKS
 
         i32, p32 = "i32", "*i32"
         route = {"QM": "*fp32", "KM": "*fp32", "KV_IDX": p32, "KV_CNT": p32, "FIRST": p32, "IDX": p32,
@@ -183,7 +184,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                                       "s_xt": i32, "s_xh": i32, "scale": "fp32", "NH": i32, "D": i32},
              {"B": 128, "ROWS": 32, "BLOCK_D": 64}),
             (rk._route_kernel, route, {"C_P2": 512, "W_P2": 16, "BLOCK_DC": 16}),
-            (rk._route_kernel, route, {"C_P2": rk.MAX_BLOCKS, "W_P2": 64, "BLOCK_DC": 1}),
+            (rk._route_kernel, route, {"C_P2": FUSED_MAX_BLOCKS, "W_P2": 64, "BLOCK_DC": 1}),
             (rk._bwd_desc_kernel, {"KV_IDX": p32, "DOC_END": p32, "BWD_CNT": p32, "BWD_IDX": p32, "W": i32},
              {"W_P2": 16, "BLOCK_M": 16}),
         ]
