@@ -98,20 +98,21 @@ def routing_used() -> str:
     return plan.route_used() if plan is not None else "torch"
 
 
+def _compiles(module: str) -> int:
+    """``module.compile_count()``, 0 for a module this process never loaded."""
+    mod = sys.modules.get(module)
+    return int(mod.compile_count()) if mod is not None else 0
+
+
 def kernel_compiles() -> int:
     """JIT compilations the sparse attention path holds in this process: FA4's kernels,
-    flex's graphs and the fused routing's kernels (0 for a module never loaded)."""
-    total = 0
-    for name in ("sparsebalance.ops.fa4", "sparsebalance.ops.flex", "sparsebalance.ops.route_kernels"):
-        mod = sys.modules.get(name)
-        total += int(mod.compile_count()) if mod is not None else 0
-    return total
+    flex's graphs and the fused routing's kernels."""
+    return sum(_compiles(f"sparsebalance.ops.{m}") for m in ("fa4", "flex", "route_kernels"))
 
 
 def flex_compile_count() -> int:
     """Graphs the flex backend compiled in this process (0 when it never ran)."""
-    flex = sys.modules.get("sparsebalance.ops.flex")
-    return int(flex.compile_count()) if flex is not None else 0
+    return _compiles("sparsebalance.ops.flex")
 
 
 _PEAK_RANKS_SHOWN = 16
