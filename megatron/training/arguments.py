@@ -427,6 +427,13 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
                    default="torch_dist", help="only torch_dist (Megatron-LM's default) is written and read")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="with --use-distributed-optimizer: save its state per parameter (gathered over DP), "
+                        "so the checkpoint resumes under any DP, TP and PP (default: dp_reshardable, which "
+                        "resumes under another DP size only; plain Adam's state is always per parameter)")
+    g.add_argument("--distrib-optim-fully-reshardable-mem-efficient", action="store_true",
+                   help="with --dist-ckpt-optim-fully-reshardable: gather onto DP rank 0 only, over gloo "
+                        "(less memory, same checkpoint content)")
     g.add_argument("--no-save-optim", action="store_true",
                    help="save the model and data position only (no optimizer state or LR schedule)")
     g.add_argument("--no-load-optim", action="store_true",

@@ -35,9 +35,18 @@ seeded by (seed, epoch)).
 With ``--use-distributed-optimizer`` each DP rank writes its shard of the optimizer
 state in megatron's ``dp_reshardable`` format (Megatron-LM's default; see
 :func:`_sharded_state`): such a checkpoint resumes with the same flag and model-parallel
-layout (plain Adam's state is laid out per parameter instead, so switching the flag on
-resume is a one-line "does not match" error; ``--finetune`` takes the weights of
-either into any layout).
+layout, under any DP size (the buckets are saved without their DP padding). With
+``--dist-ckpt-optim-fully-reshardable`` it is saved ``fully_reshardable`` instead: the
+shards are gathered and written per parameter, with the parameter's own sharding, so the
+checkpoint resumes under any DP, TP and PP (``--distrib-optim-fully-reshardable-mem-efficient``
+gathers over gloo onto DP rank 0 only: less memory, same content). The format is recorded
+in the checkpoint (``content_metadata``, as Megatron-LM does) and a load follows the
+checkpoint's format, whatever the flags of the resuming run. Plain Adam's state is laid
+out per parameter, so it resumes under any layout too; switching
+``--use-distributed-optimizer`` on resume is a one-line "does not match" error
+(``--finetune`` takes the weights of either into any layout). The sampler continues under
+another DP size when the global batch is unchanged (it re-partitions the remaining
+documents; :meth:`sparsebalance.batching.sampler.PackingSampler.load_state_dict`).
 
 Why a custom save strategy: megatron's default torch_dist save hands the
 writing to worker processes (``FileSystemWriterAsync.write_preloaded_data_multiproc``)
@@ -50,6 +59,7 @@ read back by megatron's default ``TorchDistLoadShardedStrategy``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -348,17 +358,31 @@ def _sync_strategy():
 
 
 DISTRIB_OPTIM_SHARDING = "dp_reshardable"
-"""``--use-distributed-optimizer`` state format (megatron-core's
+"""``--use-distributed-optimizer`` state format by default (megatron-core's
 ``metadata["distrib_optim_sharding_type"]``; see :func:`_sharded_state`)."""
+FULLY_RESHARDABLE = "fully_reshardable"
+"""The format of ``--dist-ckpt-optim-fully-reshardable``."""
 
 
-def _sharded_state(model: List[torch.nn.Module], optimizer, is_loading: bool) -> dict:
+def content_metadata(fully_reshardable: bool = False, mem_efficient: bool = False) -> dict:
+    """What megatron's ``sharded_state_dict`` methods are told about the checkpoint's
+    layout (Megatron-LM's ``_build_sharded_state_dict_metadata``; stored in the checkpoint
+    as ``content_metadata``). Read by the distributed optimizer only."""
+    if not fully_reshardable:
+        return {"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING}
+    return {"distrib_optim_sharding_type": FULLY_RESHARDABLE,
+            "distrib_optim_fully_reshardable_mem_efficient": bool(mem_efficient)}
+
+
+def _sharded_state(model: List[torch.nn.Module], optimizer, is_loading: bool,
+                   metadata: Optional[dict] = None) -> dict:
     """Model chunks and optimizer as megatron sharded state dicts.
 
     With the distributed optimizer each DP rank holds a shard of the optimizer state;
-    ``DISTRIB_OPTIM_SHARDING`` picks how megatron writes it. Its default format in
-    0.16.1 (``fully_sharded_model_space``) is deprecated there and fails its own
-    validation (``ShardedTensor.flattened_range is not supported``). With
+    ``metadata`` (:func:`content_metadata`; default ``DISTRIB_OPTIM_SHARDING``) picks how
+    megatron writes it. Its default format in 0.16.1 (``fully_sharded_model_space``) is
+    deprecated there and fails its own validation (``ShardedTensor.flattened_range is not
+    supported``). With
     ``--overlap-param-gather`` the last step's updated parameters are still being
     gathered (the next forward would wait for them): gather them now, or ranks would
     save stale weights for the shards they do not own.
@@ -373,7 +397,7 @@ def _sharded_state(model: List[torch.nn.Module], optimizer, is_loading: bool) ->
     if optimizer is None:  # --no-save-optim / --no-load-optim: the model only
         return state
     state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING})
+        state, is_loading=is_loading, metadata=dict(metadata or content_metadata()))
     return state
 
 
@@ -422,6 +446,40 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
+@contextlib.contextmanager
+def _adam_step_kept(optimizer):
+    """Inside: a distributed optimizer without Apex / TE loads ``fully_reshardable`` state.
+
+    megatron-core 0.16.1 (``_set_main_param_and_optimizer_states``) copies every entry of a
+    parameter's torch-Adam state from the loaded tensors, ``step`` included, but that format
+    carries the step in the param groups only (KeyError 'step'). Here each parameter's own
+    ``step`` is handed back to it (a no-op copy); :func:`_restore_adam_steps` then sets it
+    from the param groups. A no-op with Apex / TE and for the other optimizers."""
+    from megatron.core.optimizer import distrib_optimizer as D
+
+    patched = []
+    if not D.HAVE_APEX_OR_TE:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if not isinstance(opt, D.DistributedOptimizer):
+                continue
+            real = opt._set_main_param_and_optimizer_states
+
+            def with_step(model_param, tensors, _opt=opt, _real=real):
+                group_index, group_order = _opt.model_param_group_index_map[model_param]
+                own = _opt.optimizer.state[_opt.optimizer.param_groups[group_index]["params"][group_order]]
+                if "step" in own and "step" not in tensors:
+                    tensors = {**tensors, "step": own["step"]}
+                return _real(model_param, tensors)
+
+            opt._set_main_param_and_optimizer_states = with_step
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+
+
 def _write_state(state: dict, path: str, cpu: bool) -> Optional[str]:
     """``megatron.core.dist_checkpointing.save`` (synchronous) step by step, with the
     ranks agreeing after each write: rank 0's ``common.pt``, every rank's shards, rank 0's
@@ -452,7 +510,8 @@ def _write_state(state: dict, path: str, cpu: bool) -> Optional[str]:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, loader, cpu: bool,
-                    balancer=None, save_optim: bool = True, settings: Optional[dict] = None) -> str:
+                    balancer=None, save_optim: bool = True, settings: Optional[dict] = None,
+                    metadata: Optional[dict] = None, model_args: Optional[dict] = None) -> str:
     """Write iteration ``iteration`` under ``root`` (all ranks call this); returns its path.
 
     ``balancer``: the run's :class:`sparsebalance.balancer.Balancer` (None: no
@@ -460,6 +519,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
     ``save_optim`` False (``--no-save-optim``): no optimizer state and no LR schedule.
     ``settings``: the run's sparse-attention / SparseBalance settings
     (:func:`megatron.training.preflight.run_settings`), compared on resume.
+    ``metadata``: the optimizer-state format (:func:`content_metadata`; default
+    ``dp_reshardable``), recorded as the checkpoint's ``content_metadata``.
+    ``model_args``: the run's model flags (``args`` in the checkpoint, read by
+    ``--use-checkpoint-args``; :mod:`megatron.training.checkpoint_args`).
 
     Raises :class:`SaveError` on every rank if any rank failed to write, or if any rank's
     weights hold a NaN / Inf (nothing is written then); the partial directory is removed
@@ -488,12 +551,21 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
     error = _step(make_dir)
     if error:
         raise fail(error)
+    metadata = dict(metadata or content_metadata())
     if save_optim:
-        state = _sharded_state(model, optimizer, is_loading=False)
+        sharding = dict(metadata)
+        if cpu and sharding["distrib_optim_sharding_type"] == FULLY_RESHARDABLE:
+            # megatron's all-gather variant stages each shard with ``Tensor.cuda()``; its
+            # gloo variant (gather onto DP rank 0) writes the same checkpoint content
+            sharding["distrib_optim_fully_reshardable_mem_efficient"] = True
+        state = _sharded_state(model, optimizer, is_loading=False, metadata=sharding)
         state.update(scheduler=scheduler.state_dict())
     else:
         state = _sharded_state(model, None, is_loading=False)
-    state.update(iteration=iteration, sampler=loader.state_dict(), optimizer_saved=save_optim)
+    state.update(iteration=iteration, sampler=loader.state_dict(), optimizer_saved=save_optim,
+                 content_metadata=metadata)
+    if model_args is not None:
+        state["args"] = model_args
     if settings is not None:
         state["settings"] = settings
     if balancer is not None:  # identical on every rank: rank 0's common.pt holds it
@@ -580,13 +652,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
         raise ValueError(f"--load: checkpoint {path} was saved with --no-save-optim (no optimizer state): "
                          "resume with --no-load-optim, or --finetune")
     schedule_line = resume_schedule(scheduler, common["scheduler"]) if load_optim else None
-    state = _sharded_state(model, optimizer if load_optim else None, is_loading=True)
+    # the checkpoint's own optimizer format (none recorded: written before the choice existed)
+    metadata = common.get("content_metadata") or content_metadata()
+    state = _sharded_state(model, optimizer if load_optim else None, is_loading=True, metadata=metadata)
     state.update(iteration=None, sampler=None, **({"scheduler": None} if load_optim else {}))
     loaded = _load(state, path, "model/layout")
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     if load_optim:
-        with torch.no_grad():  # fp32 distributed-optimizer main params are views of the weights
+        with torch.no_grad(), _adam_step_kept(optimizer):  # fp32 main params are views of the weights
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer)
         scheduler.load_state_dict(loaded["scheduler"])

@@ -165,9 +165,6 @@ REFUSED = {
         "--optimizer-cuda-graph "
         "--load-main-params-from-ckpt --freeze-all-layers --qk-clip --qk-clip-alpha --qk-clip-threshold "
         "--disable-bf16-reduced-precision-matmul --fp16-lm-cross-entropy --output-logit-dtype",
-    "the distributed optimizer's state is saved dp_reshardable (Megatron-LM's default): a resume keeps the "
-    "model-parallel layout, --finetune takes the weights into any layout":
-        "--dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient",
     "optimizer CPU offload is not supported": "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload "
                                               "--overlap-cpu-optimizer-d2h-h2d --disable-grad-buffers-cpu-backup "
                                               "--disable-param-buffers-cpu-backup",

@@ -336,7 +336,9 @@ def _save(args, state: TrainState, hooks: RunHooks, last: bool) -> None:
     try:
         ckpt.save_checkpoint(args.save, iteration, state.model, state.optimizer, state.scheduler,
                              state.loader, state.cpu, balancer=state.balancer,
-                             save_optim=not args.no_save_optim, settings=run_settings(args))
+                             save_optim=not args.no_save_optim, settings=run_settings(args),
+                             metadata=ckpt.content_metadata(args.dist_ckpt_optim_fully_reshardable,
+                                                            args.distrib_optim_fully_reshardable_mem_efficient))
     except ckpt.SaveError as e:
         if last or not args.continue_on_save_failure:
             raise

@@ -207,14 +207,29 @@ class PackingSampler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; raises ValueError naming a mismatched setting."""
-        for key in ("strategy", "seed", "num_docs", "seq_length", "item_length", "dp", "micro_batches"):
+        """Restore :meth:`state_dict`; raises ValueError naming a mismatched setting.
+
+        Another data-parallel size is accepted when the global batch is the same
+        (``dp * micro_batches`` micro-batches of ``seq_length`` tokens, as when a job resumes
+        on another number of ranks with the same ``--global-batch-size``): the state is the
+        position in the epoch's document stream plus the carried items, none of it per rank,
+        so the remaining documents are re-partitioned over the new ranks, none lost or
+        repeated. Strategies whose bins do not depend on ``dp`` (``megatron``, ``concat``,
+        ``sorted``) then pack the very same micro-batches; the others (``sab``, ``wlb``,
+        ``tokens``, ...) re-plan them for the new ranks.
+        """
+        for key in ("strategy", "seed", "num_docs", "seq_length", "item_length"):
             mine = self.strategy if key == "strategy" else (
                 int(self.lengths.size) if key == "num_docs" else getattr(self, key))
             if key == "item_length" and key not in state:  # a state from before item_length
                 continue
             if state.get(key) != mine:
                 raise ValueError(f"state_dict {key} is {state.get(key)!r}, sampler has {mine!r}")
+        saved = (state.get("dp"), state.get("micro_batches"))
+        if not all(isinstance(v, int) for v in saved) or saved[0] * saved[1] != self.dp * self.micro_batches:
+            raise ValueError(f"state_dict global batch is dp {saved[0]!r} x micro_batches {saved[1]!r}, "
+                             f"sampler has dp {self.dp} x micro_batches {self.micro_batches} "
+                             "(another DP size needs the same global batch)")
         self._epoch = int(state["epoch"])
         self._pos = int(state["pos"])
         self._head = int(state["head_offset"])
