@@ -72,10 +72,11 @@ def _check_inputs(args) -> None:
     from megatron.training.data_sources import open_data, write_mock_data
     from megatron.training.failsafe import SaveDirLock
     from megatron.training.preflight import check_save_dir, checkpoint_bytes
-    from megatron.training.tokenizer import args_vocab_size
+    from megatron.training.tokenizer import args_vocab_size, model_vocab_size
 
     try:
         vocab = args_vocab_size(args)  # reads the tokenizer files: a bad one fails here
+        model_vocab_size(args)  # --padded-vocab-size must hold the tokenizer's ids
         if args.mock_data:
             write_mock_data(args, vocab)
         documents = len(open_data(args))

@@ -45,9 +45,9 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
         if value > 0:
             raise UsageError(f"{flag} {value:g}: this driver trains without dropout (its checkpoints hold no "
                              "RNG state and its attention modules have no dropout); pass 0")
-    if args.ckpt_format != "torch_dist":
-        raise UsageError(f"--ckpt-format {args.ckpt_format}: this driver writes and reads torch_dist "
-                         "checkpoints only (Megatron-LM's default)")
+    if args.ckpt_format not in ("torch_dist", "torch"):
+        raise UsageError(f"--ckpt-format {args.ckpt_format}: this driver writes torch_dist checkpoints "
+                         "(Megatron-LM's default) and reads those and legacy --ckpt-format torch ones")
     if args.transformer_impl == "inference_optimized":
         raise UsageError("--transformer-impl inference_optimized: inference layers do not apply to training")
     if args.profile and args.profile_step_end <= args.profile_step_start:
@@ -55,9 +55,12 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
                          f"{args.profile_step_start}")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM turns it off too: nothing to split without TP
-    args.compat_warnings = []
+    args.compat_warnings = list(getattr(args, "compat_warnings", None) or [])
+    if args.ckpt_format == "torch" and args.save:
+        args.compat_warnings.append("--ckpt-format torch: Megatron-LM's legacy checkpoints are loaded, but --save "
+                                    "writes torch_dist (which --load reads too)")
     try:
-        args.compat_warnings = compat.resolve(args)
+        args.compat_warnings += compat.resolve(args)
         compat.check_hardware(args, cuda=has_cuda() and not args.cpu)
     except ValueError as e:
         raise UsageError(str(e))

@@ -161,6 +161,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=pos(int), default=128,
                    help="pad the vocabulary to a multiple of this x TP (presets of converted models set "
                         "1 to keep their vocabulary exact)")
+    g.add_argument("--padded-vocab-size", type=pos(int), default=None,
+                   help="embedding rows, as given (default: the vocabulary padded per "
+                        "--make-vocab-size-divisible-by); at least the tokenizer's ids, a multiple of TP")
     g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", dest="pad_vocab_size", action="store_false",
                    help="keep the vocabulary's exact size (= --make-vocab-size-divisible-by 1; TP > 1 still "
                         "pads to a multiple of TP)")
@@ -426,7 +429,11 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
-                   default="torch_dist", help="only torch_dist (Megatron-LM's default) is written and read")
+                   default="torch_dist", help="torch_dist (Megatron-LM's default) is written; --load reads it "
+                                              "and Megatron-LM's legacy per-rank torch format")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="with --load: take the model flags the command line leaves out from the checkpoint "
+                        "(a given one that differs is an error)")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="with --use-distributed-optimizer: save its state per parameter (gathered over DP), "
                         "so the checkpoint resumes under any DP, TP and PP (default: dp_reshardable, which "
@@ -614,8 +621,11 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
             raise UsageError(f"--mask-prompt-loss needs {loss_start_path(args.data_path)} "
                              "(write it with tools/preprocess_data.py --loss-start-key)")
     arg_checks.validate_tokenizer(args)
-    if args.save_interval and not args.save:
-        raise UsageError("--save-interval needs --save")
+    # Megatron-LM trains and saves nothing when these come without --save (benchmark
+    # scripts pass them): the same here, with one warning line each
+    for flag, given in (("--save-interval", args.save_interval), ("--no-save-optim", args.no_save_optim)):
+        if given and not args.save:
+            args.compat_warnings.append(f"{flag} without --save: no checkpoint is written (as in Megatron-LM)")
     if args.keep_last and not args.save:
         raise UsageError("--keep-last needs --save")
     if args.continue_on_save_failure and not args.save:
@@ -630,8 +640,6 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError("--exit-on-missing-checkpoint needs --load")
     if args.no_load_optim and args.load is None:
         raise UsageError("--no-load-optim needs --load")
-    if args.no_save_optim and not args.save:
-        raise UsageError("--no-save-optim needs --save")
     return args
 
 
@@ -640,6 +648,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     parser = build_parser(megatron_lm_flags=True)
     args = parser.parse_args(argv)
     try:
+        args.compat_warnings = []
+        if args.use_checkpoint_args:
+            from megatron.training.checkpoint_args import apply_checkpoint_args, explicit_dests
+
+            try:
+                apply_checkpoint_args(args, explicit_dests(parser, argv), args.compat_warnings.append)
+            except ValueError as e:
+                raise UsageError(str(e))
         return validate(args, world_size)
     except UsageError as e:
         usage_error(str(e), prog=parser.prog)

@@ -70,6 +70,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron.training.legacy_checkpoint import is_legacy, load_legacy, load_legacy_weights
 from sparsebalance.io import atomic_write_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -639,6 +640,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
     from megatron.training.lr_schedule import resume_schedule
 
     path = iter_dir(root, choose_checkpoint(root, warn))
+    if is_legacy(path):  # Megatron-LM's --ckpt-format torch
+        return load_legacy(path, model, optimizer, scheduler, warn, load_optim, balancer=balancer)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
     except _errors() as e:
@@ -680,6 +683,9 @@ def load_weights(root: str, model, warn: Warn = None) -> int:
     """``--finetune``: load only the model weights of the newest intact checkpoint (any
     layout); optimizer, scheduler and data order start fresh. Returns its iteration."""
     iteration = choose_checkpoint(root, warn)
+    if is_legacy(iter_dir(root, iteration)):
+        load_legacy_weights(iter_dir(root, iteration), model)
+        return iteration
     state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
     loaded = _load(state, iter_dir(root, iteration), "model")
     for i, chunk in enumerate(model):

@@ -210,8 +210,6 @@ REFUSED = {
     "NullTokenizer (--tokenizer-type); no tiktoken, metadata file or extra special tokens":
         "--tiktoken-num-special-tokens --tiktoken-pattern --tokenizer-metadata --tokenizer-sentencepiece-legacy "
         "--tokenizer-special-tokens --allow-ambiguous-pad-tokens --tiktoken-special-tokens",
-    "the padded vocabulary follows from --vocab-size (or the tokenizer) and --make-vocab-size-divisible-by":
-        "--padded-vocab-size",
     "training-loop variants not implemented: every iteration from 1 to --train-iters trains":
         "--skip-train --iterations-to-skip --phase-transition-iterations --test-mode",
     "validation runs --eval-iters batches of the validation split (--full-validation is not supported)":
@@ -332,8 +330,6 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--train-data-path", "separate split files are not supported: give --data-path and --split"),
     ("--valid-data-path", "separate split files are not supported: give --data-path and --split"),
     ("--test-data-path", "separate split files are not supported: give --data-path and --split"),
-    ("--use-checkpoint-args", "model flags are not read from checkpoints: pass them (tools/checkpoint/"
-                              "convert.py prints them for a converted model)"),
     ("--checkpoint-activations", "deprecated in Megatron-LM: use --recompute-activations"),
     ("--use-legacy-models", "only megatron-core models exist here"),
 ]

@@ -180,3 +180,21 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
     (``--make-vocab-size-divisible-by``): embedding rows split evenly over TP ranks."""
     multiple = divisible_by * tensor_parallel
     return -(-vocab_size // multiple) * multiple
+
+
+def model_vocab_size(args) -> int:
+    """Embedding rows of the run's model: ``--padded-vocab-size`` when given (Megatron-LM
+    takes it as is, e.g. from a checkpoint's args), else the tokenizer's vocabulary padded
+    by :func:`padded_vocab_size`. ValueError (one line) when the given size cannot hold
+    the tokenizer's ids or does not split evenly over the TP ranks."""
+    vocab, tp = args_vocab_size(args), args.tensor_model_parallel_size
+    given = getattr(args, "padded_vocab_size", None)
+    if given is None:
+        return padded_vocab_size(vocab, args.make_vocab_size_divisible_by, tp)
+    if given < vocab:
+        raise ValueError(f"--padded-vocab-size {given} is smaller than the vocabulary of --tokenizer-type "
+                         f"{args.tokenizer_type} ({vocab} ids): give at least {vocab}")
+    if given % tp:
+        raise ValueError(f"--padded-vocab-size {given} does not split over --tensor-model-parallel-size {tp}: "
+                         f"give a multiple of {tp}")
+    return given

@@ -125,15 +125,14 @@ def setup(args) -> TrainState:
     from megatron.training.model import build_model, build_optimizer, transformer_config
     from megatron.training.sb_config import sparsebalance_config
     from megatron.training.step import StageTimers
-    from megatron.training.tokenizer import args_vocab_size, padded_vocab_size
+    from megatron.training.tokenizer import model_vocab_size
     from sparsebalance.balancer import Balancer, build_predictor
     from sparsebalance.batching.strategies import get_strategy
     from sparsebalance.pipeline import rank_order
 
     initialize(args)
     cpu = use_cpu(args)
-    vocab = padded_vocab_size(args_vocab_size(args), args.make_vocab_size_divisible_by,
-                              args.tensor_model_parallel_size)
+    vocab = args.padded_vocab_size = model_vocab_size(args)  # saved in checkpoints' args
     dataset = open_data(args)
     loss_starts = open_loss_starts(args.data_path, dataset.sequence_lengths) if args.mask_prompt_loss else None
     train_ids, valid_ids, _ = split_documents(len(dataset), args.split_fractions)
@@ -330,6 +329,7 @@ def _save(args, state: TrainState, hooks: RunHooks, last: bool) -> None:
     ``last`` save of the run (end or preemption): nothing follows that could make up for it.
     """
     from megatron.training import checkpointing as ckpt
+    from megatron.training.checkpoint_args import saved_args
 
     iteration, log, warn = state.iteration, hooks.log, hooks.warn
     state.mark(f"checkpoint save at iteration {iteration}")
@@ -337,6 +337,7 @@ def _save(args, state: TrainState, hooks: RunHooks, last: bool) -> None:
         ckpt.save_checkpoint(args.save, iteration, state.model, state.optimizer, state.scheduler,
                              state.loader, state.cpu, balancer=state.balancer,
                              save_optim=not args.no_save_optim, settings=run_settings(args),
+                             model_args=saved_args(args),
                              metadata=ckpt.content_metadata(args.dist_ckpt_optim_fully_reshardable,
                                                             args.distrib_optim_fully_reshardable_mem_efficient))
     except ckpt.SaveError as e:
