@@ -135,6 +135,8 @@ HARDWARE = {
                                    "--use-grouped-gemm-for-dense-mlp",
 }
 MOE = "mixture of experts is not supported: this driver trains dense GPT models"
+MODELOPT = ("NVIDIA ModelOpt (quantization, distillation, export; Megatron-LM's pretrain_gpt.py adds these flags "
+            "when it is installed) is not supported: train without it, quantize or distil afterwards")
 OFFLOAD = "activation offloading is not supported (use --recompute-granularity)"
 DYNAMIC_CP = ("dynamic (hybrid) context parallelism is not in this driver: train with a fixed "
                "--context-parallel-size; its planning is simulated as the sparsebalance+dcp arm of "
@@ -189,7 +191,8 @@ REFUSED = {
     "use --load DIR --finetune (it takes the model weights only)": "--pretrained-checkpoint",
     "local / persistent checkpoint tiers are not supported (one --save directory, --keep-last)":
         "--persistent-save-interval --save-retain-interval --replication --replication-factor --replication-jump",
-    "model flags are never read from a checkpoint here: pass them": "--use-mp-args-from-checkpoint-args",
+    "parallel sizes are never read from a checkpoint here: pass --tensor-model-parallel-size and "
+    "--pipeline-model-parallel-size (--use-checkpoint-args reads the model flags)": "--use-mp-args-from-checkpoint-args",
     "Megatron-LM's re-run state machine and result checks are not supported "
     "(--check-for-nan-in-loss-and-grad is)": "--check-for-large-grads --check-for-spiky-loss --rerun-mode "
                                              "--error-injection-rate --error-injection-type "
@@ -332,6 +335,14 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--test-data-path", "separate split files are not supported: give --data-path and --split"),
     ("--checkpoint-activations", "deprecated in Megatron-LM: use --recompute-activations"),
     ("--use-legacy-models", "only megatron-core models exist here"),
+    ("--export-", MODELOPT),
+    ("--finetune-hf-dataset", MODELOPT),
+    ("--finetune-data-split", MODELOPT),
+    ("--finetune-data-files", MODELOPT),
+    ("--qad-train-target", MODELOPT),
+    ("--freeze-base-for-mtp", MODELOPT),
+    ("--modelopt-enabled", MODELOPT),
+    ("--enable-gpt-oss", "GPT-OSS models (NVIDIA ModelOpt's YaRN setup) are not supported"),
 ]
 NEUTRAL: Dict[str, str] = {
     "--expert-model-parallel-size": "1",

@@ -136,7 +136,8 @@ def _own(flag: str, values: List[str], action, parser, cuda: bool, te: bool, tp:
         return "honoured", "value is a shell variable (not checked)"
     rules = {
         "--transformer-impl": (v == "inference_optimized", "inference layers do not apply to training"),
-        "--ckpt-format": (v not in ("", "torch_dist"), "only torch_dist checkpoints are written and read"),
+        "--ckpt-format": (v not in ("", "torch_dist", "torch"),
+                          "torch_dist checkpoints are written; torch_dist and legacy torch ones are read"),
         "--hidden-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
         "--attention-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
         "--sequence-parallel": (tp > 1, "packed micro-batches of varying length cannot be split over TP ranks"),

@@ -174,3 +174,17 @@ def test_each_megatron_lm_flag_parses_or_fails_in_one_line(corpus, capsys):
             assert flag in lines[0] or flag.replace("_", "-") in lines[0], (flag, lines[0])  # names it
             outcomes["refused"] += 1
     assert outcomes["parsed"] > 100 and outcomes["refused"] > 100, outcomes
+
+
+def test_checkpoint_flags_of_continued_pretraining_are_honoured():
+    """Issue 52's checkpoint flags are honoured by the config tool; the formats still refused
+    and ModelOpt's flags (Megatron-LM's pretrain_gpt.py adds them with ModelOpt) say why."""
+    from megatron.training.launch_check import classify
+
+    rows = classify([("--ckpt-format", ["torch"]), ("--dist-ckpt-optim-fully-reshardable", []),
+                     ("--distrib-optim-fully-reshardable-mem-efficient", []), ("--use-checkpoint-args", []),
+                     ("--padded-vocab-size", ["50304"]), ("--save-interval", ["100"]), ("--no-save-optim", []),
+                     ("--ckpt-format", ["fsdp_dtensor"]), ("--export-kd-cfg", ["kd.yaml"])], cuda=False, te=False)
+    status = [r["status"] for r in rows]
+    assert status == ["honoured"] * 7 + ["unsupported"] * 2, rows
+    assert "ModelOpt" in rows[-1]["reason"] and "torch_dist" in rows[-2]["reason"]
