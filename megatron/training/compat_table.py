@@ -192,7 +192,8 @@ REFUSED = {
     "local / persistent checkpoint tiers are not supported (one --save directory, --keep-last)":
         "--persistent-save-interval --save-retain-interval --replication --replication-factor --replication-jump",
     "parallel sizes are never read from a checkpoint here: pass --tensor-model-parallel-size and "
-    "--pipeline-model-parallel-size (--use-checkpoint-args reads the model flags)": "--use-mp-args-from-checkpoint-args",
+    "--pipeline-model-parallel-size (--use-checkpoint-args reads the model flags)":
+        "--use-mp-args-from-checkpoint-args",
     "Megatron-LM's re-run state machine and result checks are not supported "
     "(--check-for-nan-in-loss-and-grad is)": "--check-for-large-grads --check-for-spiky-loss --rerun-mode "
                                              "--error-injection-rate --error-injection-type "
