@@ -32,21 +32,17 @@ budgets continue as in an uninterrupted run; see ``sparsebalance/balancer.py``).
 No RNG state: training draws no random numbers (no dropout; the sampler is
 seeded by (seed, epoch)).
 
-With ``--use-distributed-optimizer`` each DP rank writes its shard of the optimizer
-state in megatron's ``dp_reshardable`` format (Megatron-LM's default; see
-:func:`_sharded_state`): such a checkpoint resumes with the same flag and model-parallel
-layout, under any DP size (the buckets are saved without their DP padding). With
-``--dist-ckpt-optim-fully-reshardable`` it is saved ``fully_reshardable`` instead: the
-shards are gathered and written per parameter, with the parameter's own sharding, so the
-checkpoint resumes under any DP, TP and PP (``--distrib-optim-fully-reshardable-mem-efficient``
-gathers over gloo onto DP rank 0 only: less memory, same content). The format is recorded
-in the checkpoint (``content_metadata``, as Megatron-LM does) and a load follows the
-checkpoint's format, whatever the flags of the resuming run. Plain Adam's state is laid
-out per parameter, so it resumes under any layout too; switching
-``--use-distributed-optimizer`` on resume is a one-line "does not match" error
-(``--finetune`` takes the weights of either into any layout). The sampler continues under
-another DP size when the global batch is unchanged (it re-partitions the remaining
-documents; :meth:`sparsebalance.batching.sampler.PackingSampler.load_state_dict`).
+The optimizer's state: plain Adam's per parameter (any layout on resume), the distributed
+optimizer's ``dp_reshardable`` (Megatron-LM's default: another DP size) or, with
+``--dist-ckpt-optim-fully-reshardable``, ``fully_reshardable`` (any DP, TP and PP); the
+format is recorded as ``content_metadata`` and a load follows it
+(:mod:`megatron.training.optimizer_state`). Switching ``--use-distributed-optimizer`` on
+resume is a one-line "does not match" error (``--finetune`` takes the weights of either into
+any layout). The sampler continues under another DP size when the global batch is unchanged
+(it re-partitions the remaining documents;
+:meth:`sparsebalance.batching.sampler.PackingSampler.load_state_dict`). ``args`` holds the
+run's model flags (``--use-checkpoint-args``). Megatron-LM's legacy ``--ckpt-format torch``
+checkpoints load through :mod:`megatron.training.legacy_checkpoint`.
 
 Why a custom save strategy: megatron's default torch_dist save hands the
 writing to worker processes (``FileSystemWriterAsync.write_preloaded_data_multiproc``)
@@ -59,7 +55,6 @@ read back by megatron's default ``TorchDistLoadShardedStrategy``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -71,6 +66,13 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.training.legacy_checkpoint import is_legacy, load_legacy, load_legacy_weights
+from megatron.training.optimizer_state import (
+    FULLY_RESHARDABLE,
+    adam_step_kept,
+    content_metadata,
+    restore_adam_steps,
+    sharded_state,
+)
 from sparsebalance.io import atomic_write_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -358,129 +360,6 @@ def _sync_strategy():
     return SyncTorchDistSaveStrategy("torch_dist", 1)
 
 
-DISTRIB_OPTIM_SHARDING = "dp_reshardable"
-"""``--use-distributed-optimizer`` state format by default (megatron-core's
-``metadata["distrib_optim_sharding_type"]``; see :func:`_sharded_state`)."""
-FULLY_RESHARDABLE = "fully_reshardable"
-"""The format of ``--dist-ckpt-optim-fully-reshardable``."""
-
-
-def content_metadata(fully_reshardable: bool = False, mem_efficient: bool = False) -> dict:
-    """What megatron's ``sharded_state_dict`` methods are told about the checkpoint's
-    layout (Megatron-LM's ``_build_sharded_state_dict_metadata``; stored in the checkpoint
-    as ``content_metadata``). Read by the distributed optimizer only."""
-    if not fully_reshardable:
-        return {"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING}
-    return {"distrib_optim_sharding_type": FULLY_RESHARDABLE,
-            "distrib_optim_fully_reshardable_mem_efficient": bool(mem_efficient)}
-
-
-def _sharded_state(model: List[torch.nn.Module], optimizer, is_loading: bool,
-                   metadata: Optional[dict] = None) -> dict:
-    """Model chunks and optimizer as megatron sharded state dicts.
-
-    With the distributed optimizer each DP rank holds a shard of the optimizer state;
-    ``metadata`` (:func:`content_metadata`; default ``DISTRIB_OPTIM_SHARDING``) picks how
-    megatron writes it. Its default format in 0.16.1 (``fully_sharded_model_space``) is
-    deprecated there and fails its own validation (``ShardedTensor.flattened_range is not
-    supported``). With
-    ``--overlap-param-gather`` the last step's updated parameters are still being
-    gathered (the next forward would wait for them): gather them now, or ranks would
-    save stale weights for the shards they do not own.
-    """
-    if not is_loading:
-        for chunk in model:
-            if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
-                chunk.start_param_sync(force_sync=True)
-    elif optimizer is not None:
-        _allocate_distributed_optimizer_state(optimizer)
-    state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
-    if optimizer is None:  # --no-save-optim / --no-load-optim: the model only
-        return state
-    state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata=dict(metadata or content_metadata()))
-    return state
-
-
-def _allocate_distributed_optimizer_state(optimizer) -> None:
-    """Give a distributed optimizer that has not stepped yet the state torch's Adam holds
-    before its first step (zero moments, ``step`` 0), so megatron can describe the state
-    it is about to load. Without Apex / Transformer Engine (CPU, or a GPU install without
-    them) ``DistributedOptimizer.state_dict`` reads ``step`` from every parameter's state
-    and asserts on an empty one (megatron-core 0.16.1); the loaded checkpoint then
-    overwrites all of it. A no-op with Apex / TE and for the other optimizers."""
-    from megatron.core.optimizer import distrib_optimizer as D
-
-    if D.HAVE_APEX_OR_TE:
-        return
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, D.DistributedOptimizer) or len(opt.optimizer.state):
-            continue
-        opt.init_state_fn(opt.optimizer, opt.config)
-        for group in opt.optimizer.param_groups:
-            for param in group["params"]:
-                opt.optimizer.state[param]["step"] = torch.tensor(0.0)
-
-
-def _restore_adam_steps(optimizer) -> None:
-    """After loading a distributed optimizer without Apex / TE, put the checkpoint's Adam
-    step back into every parameter's torch-Adam state, one tensor each.
-
-    megatron-core 0.16.1 (``DistributedOptimizer.load_state_dict``) restores the step
-    into the param groups, writes it into the parameters' states as ONE shared tensor
-    (which torch's Adam would then increment once per parameter each step), and then,
-    copying the per-parameter state of the ``dp_reshardable`` format, overwrites it with
-    the value the state had before the load (the step travels there as a
-    ``LocalNonpersistentObject``): a resumed run restarts Adam's bias correction at 0.
-    """
-    from megatron.core.optimizer import distrib_optimizer as D
-
-    if D.HAVE_APEX_OR_TE:
-        return
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, D.DistributedOptimizer):
-            continue
-        for group in opt.optimizer.param_groups:
-            for param in group["params"]:
-                state = opt.optimizer.state.get(param)
-                if state is not None and "step" in group:
-                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
-
-
-@contextlib.contextmanager
-def _adam_step_kept(optimizer):
-    """Inside: a distributed optimizer without Apex / TE loads ``fully_reshardable`` state.
-
-    megatron-core 0.16.1 (``_set_main_param_and_optimizer_states``) copies every entry of a
-    parameter's torch-Adam state from the loaded tensors, ``step`` included, but that format
-    carries the step in the param groups only (KeyError 'step'). Here each parameter's own
-    ``step`` is handed back to it (a no-op copy); :func:`_restore_adam_steps` then sets it
-    from the param groups. A no-op with Apex / TE and for the other optimizers."""
-    from megatron.core.optimizer import distrib_optimizer as D
-
-    patched = []
-    if not D.HAVE_APEX_OR_TE:
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            if not isinstance(opt, D.DistributedOptimizer):
-                continue
-            real = opt._set_main_param_and_optimizer_states
-
-            def with_step(model_param, tensors, _opt=opt, _real=real):
-                group_index, group_order = _opt.model_param_group_index_map[model_param]
-                own = _opt.optimizer.state[_opt.optimizer.param_groups[group_index]["params"][group_order]]
-                if "step" in own and "step" not in tensors:
-                    tensors = {**tensors, "step": own["step"]}
-                return _real(model_param, tensors)
-
-            opt._set_main_param_and_optimizer_states = with_step
-            patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states  # back to the class's method
-
-
 def _write_state(state: dict, path: str, cpu: bool) -> Optional[str]:
     """``megatron.core.dist_checkpointing.save`` (synchronous) step by step, with the
     ranks agreeing after each write: rank 0's ``common.pt``, every rank's shards, rank 0's
@@ -559,10 +438,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
             # megatron's all-gather variant stages each shard with ``Tensor.cuda()``; its
             # gloo variant (gather onto DP rank 0) writes the same checkpoint content
             sharding["distrib_optim_fully_reshardable_mem_efficient"] = True
-        state = _sharded_state(model, optimizer, is_loading=False, metadata=sharding)
+        state = sharded_state(model, optimizer, is_loading=False, metadata=sharding)
         state.update(scheduler=scheduler.state_dict())
     else:
-        state = _sharded_state(model, None, is_loading=False)
+        state = sharded_state(model, None, is_loading=False)
     state.update(iteration=iteration, sampler=loader.state_dict(), optimizer_saved=save_optim,
                  content_metadata=metadata)
     if model_args is not None:
@@ -657,15 +536,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
     schedule_line = resume_schedule(scheduler, common["scheduler"]) if load_optim else None
     # the checkpoint's own optimizer format (none recorded: written before the choice existed)
     metadata = common.get("content_metadata") or content_metadata()
-    state = _sharded_state(model, optimizer if load_optim else None, is_loading=True, metadata=metadata)
+    state = sharded_state(model, optimizer if load_optim else None, is_loading=True, metadata=metadata)
     state.update(iteration=None, sampler=None, **({"scheduler": None} if load_optim else {}))
     loaded = _load(state, path, "model/layout")
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     if load_optim:
-        with torch.no_grad(), _adam_step_kept(optimizer):  # fp32 main params are views of the weights
+        with torch.no_grad(), adam_step_kept(optimizer):  # fp32 main params are views of the weights
             optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(optimizer)
+        restore_adam_steps(optimizer)
         scheduler.load_state_dict(loaded["scheduler"])
         if schedule_line is not None and _rank_world()[0] == 0:  # an info line: the user chose it
             print(schedule_line, flush=True)

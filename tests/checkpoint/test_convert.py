@@ -332,3 +332,18 @@ def test_recipe_with_the_models_hf_tokenizer(converted, tmp_path, world):
     line = [ln for ln in p.stdout.splitlines() if "SUMMARY_JSON " in ln]
     loss = json.loads(line[0].split("SUMMARY_JSON ", 1)[1])["losses"][0]
     assert abs(loss - _hf_loss(model, docs)) <= 1e-4
+
+
+def test_converted_checkpoint_holds_its_model_flags(converted):
+    """``--use-checkpoint-args`` reads a converted checkpoint's model flags (``args`` in its
+    ``common.pt``): those of ``model_flags.txt``, and the vocabulary as converted."""
+    from megatron.training.arguments import build_parser
+    from megatron.training.checkpoint_args import read_checkpoint_args
+
+    for _, _, ckpt in converted.values():
+        saved = read_checkpoint_args(ckpt)
+        flags = build_parser().parse_args(open(os.path.join(ckpt, "model_flags.txt")).read().split())
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "swiglu", "normalization", "untie_embeddings_and_output_weights", "rotary_base"):
+            assert saved[name] == getattr(flags, name), name
+        assert saved["padded_vocab_size"] == VOCAB and "seq_length" not in saved

@@ -150,6 +150,7 @@ def hf_to_megatron(a) -> None:
     from megatron.core import dist_checkpointing
 
     from megatron.training import hf_checkpoint as H
+    from megatron.training.checkpoint_args import saved_args
     from megatron.training.checkpointing import TRACKER, _sync_strategy, iter_dir, seal_checkpoint
     from megatron.training.initialize import shutdown
 
@@ -188,7 +189,10 @@ def hf_to_megatron(a) -> None:
             if left:
                 raise ConversionError(f"no HF tensor maps to {left[0]}")
             os.makedirs(iter_dir(tmp, 0))
-            dist_checkpointing.save({"model0": model.sharded_state_dict()}, iter_dir(tmp, 0),
+            # the model flags, for --use-checkpoint-args (not --seq-length: 2 builds the model here)
+            saved = {k: v for k, v in saved_args(args).items() if k != "seq_length"}
+            saved["padded_vocab_size"] = shape.vocab
+            dist_checkpointing.save({"model0": model.sharded_state_dict(), "args": saved}, iter_dir(tmp, 0),
                                     sharded_strategy=_sync_strategy())
             seal_checkpoint(iter_dir(tmp, 0), 0)  # --load verifies it like a trained one
         finally:
