@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -87,10 +87,10 @@ def _load_chunk(chunk: torch.nn.Module, state: Dict[str, torch.Tensor], file: st
     chunk.load_state_dict({**mine, **{k: theirs[k] for k in wanted}}, strict=True)
 
 
-def load_legacy_weights(path: str, model) -> dict:
+def load_legacy_weights(path: str, model) -> Tuple[dict, str]:
     """This rank's file of the legacy checkpoint ``path`` loaded into ``model`` (DDP-wrapped
-    chunks); returns the file's whole dict. ValueError (one line) when this rank's file is
-    missing or does not fit."""
+    chunks); returns the file's whole dict and its path. ValueError (one line) when this
+    rank's file is missing or does not fit."""
     from megatron.core import parallel_state as ps
 
     tp_rank, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
@@ -110,8 +110,7 @@ def load_legacy_weights(path: str, model) -> dict:
                          f"this run has {len(model)} model chunk(s) per rank")
     for chunk, sd in zip(model, chunks):
         _load_chunk(chunk.module, sd, file)
-    state["file"] = file
-    return state
+    return state, file
 
 
 def load_legacy(path: str, model, optimizer, scheduler, warn, load_optim: bool, balancer=None) -> int:
@@ -120,8 +119,7 @@ def load_legacy(path: str, model, optimizer, scheduler, warn, load_optim: bool, 
     ValueError (one line) when this rank's file is missing or does not fit."""
     from megatron.training.lr_schedule import resume_schedule
 
-    state = load_legacy_weights(path, model)
-    file = state["file"]
+    state, file = load_legacy_weights(path, model)
     if load_optim:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 

@@ -101,6 +101,14 @@ def main() -> None:
         return it
 
     checkpointing.load_checkpoint = load_checkpoint
+    load_weights = checkpointing.load_weights
+
+    def finetune_load(*a, **k):  # --finetune: the weights only, training starts at iteration 1
+        load_weights(*a, **k)
+        holder["loaded"] = 0
+        return 0
+
+    checkpointing.load_weights = finetune_load
     setup = training.setup
 
     def recording_setup(a):

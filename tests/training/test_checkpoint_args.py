@@ -84,6 +84,16 @@ def test_legacy_torch_checkpoint_loads_and_continues(saved, corpus, world):
     assert "holds no data position" in proc.stderr
 
 
+def test_legacy_torch_checkpoint_finetunes(saved, corpus, world):
+    """``--finetune`` takes a legacy checkpoint's weights; iteration and optimizer start fresh."""
+    full, tmp = saved
+    res, _ = _run(world, tmp, "legacy_ft", [*without_model_flags(BASE), "--data-path", corpus, "--finetune",
+                                            "--load", str(tmp / "legacy"), "--ckpt-format", "torch",
+                                            "--use-checkpoint-args"])
+    assert res["loaded"]["params"] == full["saved"]["params"]
+    assert [s["iteration"] for s in res["steps"]] == list(range(1, TOTAL + 1))
+
+
 def _parse_error(argv, capsys):
     from megatron.training.arguments import parse_args
 
