@@ -59,8 +59,9 @@ class GGUFModel:
 
         try:
             self.reader = gguf.GGUFReader(path)
-        except (ValueError, OSError) as e:
-            raise ConversionError(f"{path}: not a GGUF file ({e})") from None
+        except Exception as e:  # gguf raises IndexError, ValueError, ... on a damaged file
+            detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            raise ConversionError(f"{path}: not a readable GGUF file ({detail})") from None
         self.path = path
         arch = self.field("general.architecture")
         if arch != "llama":
