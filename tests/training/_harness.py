@@ -3,7 +3,8 @@
 Launched by the tests (python or torchrun) with pretrain_gpt.py's flags; the dump
 directory comes from ``SB_TEST_DUMP`` (not a flag: the driver has no test flags).
 Each rank writes ``rank<r>.npz`` with per-step global loss and grad norm and the
-last step's gradients (main_grad) keyed by PP-independent parameter names; its
+last step's gradients (main_grad) keyed by PP-independent parameter names (under TP > 1
+gathered over the TP group, so every layout dumps whole tensors); its
 ``rank<r>.json`` is the run summary plus ``budgets`` (each step's DST table or None).
 
 ``SB_TEST_PREDICT_AS_CP1=1`` builds SAB's and DST's predictor as for
@@ -47,7 +48,7 @@ def main() -> None:
         grads.clear()
         for chunk in state.model:
             for name, p in global_param_names(chunk).items():
-                grads[name] = p.main_grad.detach().double().numpy().copy()
+                grads[name] = _whole(p, p.main_grad.detach()).double().numpy().copy()
 
     summary = pretrain(args, on_step=on_step)
     rank = torch.distributed.get_rank()
@@ -56,6 +57,20 @@ def main() -> None:
     with open(os.path.join(dump, f"rank{rank}.json"), "w") as f:
         json.dump(dict(summary, budgets=budgets), f)
     shutdown()
+
+
+def _whole(param, tensor):
+    """``tensor`` (a TP shard of ``param``'s shape) gathered over the TP group along the
+    parameter's partition dimension; unsharded parameters as they are."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(tp)]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=param.partition_dim)
 
 
 def _predict_as_cp1() -> None:
