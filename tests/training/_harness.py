@@ -5,7 +5,8 @@ directory comes from ``SB_TEST_DUMP`` (not a flag: the driver has no test flags)
 Each rank writes ``rank<r>.npz`` with per-step global loss and grad norm and the
 last step's gradients (main_grad) keyed by PP-independent parameter names (under TP > 1
 gathered over the TP group, so every layout dumps whole tensors); its
-``rank<r>.json`` is the run summary plus ``budgets`` (each step's DST table or None).
+``rank<r>.json`` is the run summary plus ``budgets`` (each step's DST table or None) and
+``microbatch_tokens`` (per step, ``(micro-batch, real tokens)`` as its sparse attention saw them).
 
 ``SB_TEST_PREDICT_AS_CP1=1`` builds SAB's and DST's predictor as for
 ``--context-parallel-size 1`` (the CP-aware one plans other budgets), so a CP run
@@ -41,10 +42,12 @@ def main() -> None:
         from megatron.training.tokenizer import args_vocab_size
 
         write_mock_data(args, args_vocab_size(args))
-    grads, budgets = {}, []
+    grads, budgets, mb_tokens = {}, [], []
 
     def on_step(iteration, state, result):
         budgets.append(None if result.budget is None else np.asarray(result.budget).tolist())
+        # real tokens of each micro-batch this rank's sparse attention saw (none if dense)
+        mb_tokens.append(sorted({(r.microbatch, sum(r.doc_lengths)) for r in result.attention_records}))
         grads.clear()
         for chunk in state.model:
             for name, p in global_param_names(chunk).items():
@@ -55,7 +58,7 @@ def main() -> None:
     os.makedirs(dump, exist_ok=True)
     np.savez(os.path.join(dump, f"rank{rank}.npz"), **{"grad/" + k: v for k, v in grads.items()})
     with open(os.path.join(dump, f"rank{rank}.json"), "w") as f:
-        json.dump(dict(summary, budgets=budgets), f)
+        json.dump(dict(summary, budgets=budgets, microbatch_tokens=mb_tokens), f)
     shutdown()
 
 
