@@ -139,7 +139,6 @@ def _own(flag: str, values: List[str], action, parser, cuda: bool, te: bool, tp:
         "--ckpt-format": (v not in ("", "torch_dist"), "only torch_dist checkpoints are written and read"),
         "--hidden-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
         "--attention-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
-        "--sequence-parallel": (tp > 1, "packed micro-batches of varying length cannot be split over TP ranks"),
     }
     bad, why = rules.get(flag, (False, ""))
     if bad:

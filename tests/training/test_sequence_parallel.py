@@ -94,3 +94,14 @@ def test_sp_saves_less_for_backward_with_the_same_loss(tp2):
 def test_gloo_runs_the_sp_collectives(tp2):
     for rank in tp2["tp2_sp"]:
         assert rank["collectives"] and all(rank["collectives"].values()), rank["collectives"]
+
+
+@pytest.mark.parametrize("tp,reason", [("2", "implemented"), ("1", "off with TP = 1, as in Megatron-LM")])
+def test_launch_check_honours_sequence_parallel(tp, reason):
+    """tools/check_launch_script.py (and the Megatron-LM config harness) count
+    --sequence-parallel as honoured with any TP size."""
+    from megatron.training.launch_check import classify
+
+    rows = classify([("--tensor-model-parallel-size", [tp]), ("--sequence-parallel", [])])
+    sp = next(r for r in rows if r["flag"] == "--sequence-parallel")
+    assert (sp["status"], sp["reason"]) == ("honoured", reason)
