@@ -70,10 +70,13 @@ True)``: ``fork`` is a null context, ``add`` / ``set_states`` do nothing). The S
 collectives (``all_gather_into_tensor`` before the column-parallel linears and
 ``reduce_scatter_tensor`` after the row-parallel ones, both synchronous and, in the
 linears' backward, ``async_op=True``; ``all_reduce`` of the norms' gradients over TP)
-are gloo's own on torch 2.13: measured correct against a gather-and-sum reference
-(``tests/training/test_cpu_bridge.py``) and about as fast as an all-reduce of the same
-input, so nothing is bridged there (an emulation by all-reduce + narrow would move twice
-the bytes). On GPU NCCL runs them as is.
+are gloo's own on torch 2.13: they return exactly what gathering and summing the ranks'
+inputs by hand gives (``tests/training/test_sequence_parallel.py``), and the emulations a
+bridge would use (all-reduce + narrow; all-gather into a list + cat) are not faster
+(``tools/bench_sp_collectives.py``, 2 ranks, 64 KB-4 MB per rank: each pair within the
+run-to-run noise of the shared machine, 0.3 ms at 64 KB, 22-54 ms at 4 MB), so nothing is
+bridged there. Only the buffers megatron allocates for them on ``torch.cuda.current_device()``
+are placed on the CPU (the table). On GPU NCCL runs them as is.
 
 The bridge is installed only when CUDA is unavailable or ``--cpu`` is given, and
 is idempotent. :func:`bridged_modules` lists what was patched (tests assert it).
