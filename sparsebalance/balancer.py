@@ -112,8 +112,9 @@ def build_predictor(config: SparseBalanceConfig, warn=None):
                  ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size, swiglu=m.swiglu,
                  block_size=att.block_size, topk=att.static_topk)
     # Under context parallelism the predictor answers per-rank times of a CP group,
-    # K/V exchange included (sparsebalance.predictor.context_parallel).
-    cp = {"context_parallel_size": config.parallel.cp}
+    # K/V exchange included (sparsebalance.predictor.context_parallel); under sequence
+    # parallelism it prices each micro-batch's padding.
+    cp = {"context_parallel_size": config.parallel.cp, "sequence_parallel_size": config.parallel.sp}
     if pc.cost_model is not None:
         return get_predictor(pc.cost_model, **shape, **cp)
     if pc.profile is None:

@@ -235,11 +235,15 @@ class ParallelConfig:
     """Model chunks per pipeline rank (> 1: the interleaved schedule)."""
     cp: int = 1
     """Context-parallel ranks per micro-batch."""
+    sp: int = 1
+    """Sequence-parallel ranks a micro-batch's tokens are split over: the tensor-parallel
+    size under ``--sequence-parallel``, else 1. Each micro-batch is padded so that every
+    CP rank's share is a multiple of it (:func:`sparsebalance.cp_split.sequence_parallel_pad`)."""
     cpu: bool = False
     """The run trains on CPU."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "vpp", "cp"):
+        for name in ("pp", "vpp", "cp", "sp"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
 
     @property

@@ -7,10 +7,16 @@ equal chunks; CP rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` of every d
 order. The driver splits micro-batches with it, the attention module builds its layout
 on it (:mod:`sparsebalance.attention.context_parallel`) and the predictor prices the
 padded lengths (:mod:`sparsebalance.predictor.context_parallel`).
+
+Sequence parallelism (megatron-core's, TP > 1 with ``--sequence-parallel``) splits the
+tokens a rank holds over its TP group, so their count must be a multiple of the TP size:
+:func:`sequence_parallel_pad` gives the extra padding, appended to the micro-batch's last
+document (after the CP padding, so each document stays a multiple of ``2 * cp``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -42,3 +48,17 @@ def local_token_index(padded: Sequence[int], cp: int, rank: int) -> np.ndarray:
     firsts = np.stack([heads, tails], 1).reshape(-1)
     sizes = np.repeat(S, 2)
     return np.repeat(firsts - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()))
+
+
+def sequence_parallel_pad(tokens: int, cp: int, sp: int) -> int:
+    """Padding tokens that make a micro-batch of ``tokens`` stored tokens (CP padding
+    included: a multiple of ``2 * cp`` when ``cp > 1``) splittable over ``sp``
+    sequence-parallel ranks: the least ``pad >= 0`` with ``(tokens + pad) / cp`` a
+    multiple of ``sp``, and with ``pad`` a multiple of ``2 * cp`` under CP (the last
+    document stays cuttable into ``2 * cp`` chunks). Less than ``sp`` tokens without CP,
+    less than ``cp * lcm(2, sp)`` with it."""
+    tokens, cp, sp = int(tokens), int(cp), int(sp)
+    if cp > 1 and tokens % (2 * cp):
+        raise ValueError(f"a CP micro-batch holds a multiple of 2 * cp = {2 * cp} tokens, got {tokens}")
+    unit = sp if cp == 1 else math.lcm(2, sp)  # per CP rank; its share is even under CP
+    return cp * (-(tokens // cp) % unit)

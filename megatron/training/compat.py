@@ -251,10 +251,6 @@ def check_hardware(args: argparse.Namespace, cuda: bool) -> None:
         raise ValueError(f"{flag} is Transformer Engine's: it needs "
                          "--transformer-impl transformer_engine on a CUDA GPU with transformer_engine "
                          "(auto/local/unfused use this project's attention)")
-    if args.sequence_parallel:  # TP > 1 here (arguments.py turns it off with TP = 1, as Megatron-LM does)
-        raise ValueError("--sequence-parallel with --tensor-model-parallel-size > 1 splits every "
-                         "micro-batch's tokens over TP ranks; packed micro-batches of varying length "
-                         "are not supported with it")
 
 
 def split_script_flags(tokens: Sequence[str]) -> List[Tuple[str, List[str]]]:

@@ -26,6 +26,12 @@ module                                      why
                                             current device
 ``optimizer.clip_grads``                    ``count_zeros_fp32``'s counter on ``"cuda"``
                                             (``--log-num-zeros-in-grad``)
+``tensor_parallel.mappings``                sequence parallelism: the all-gather /
+                                            reduce-scatter outputs on the current device
+``tensor_parallel.layers``                  sequence parallelism: the linears' gathered
+                                            input and reduce-scattered grad on it
+``utils``                                   ``GlobalMemoryBuffer`` (the linears' all-gather
+                                            buffer under sequence parallelism) on it
 ==========================================  ====================================
 
 The distributed optimizer (``--use-distributed-optimizer``) needs one more bridge.
@@ -53,6 +59,24 @@ optimizer's grad-stats group = model-parallel ranks, then every grad scaled by
 ``max_norm / (norm + 1e-6)`` when that is < 1). That keeps megatron's
 ``MegatronOptimizer.step()`` (grad copy, norm, clip, Adam, checkpoint
 ``sharded_state_dict``) in charge rather than a parallel CPU optimizer.
+
+Sequence parallelism (``--sequence-parallel``, TP > 1) needs one more spot and no
+collective. megatron-core forks its CUDA RNG tracker (``get_cuda_rng_tracker().fork()``)
+around the dropout that runs on a sequence shard (the embedding's, and the transformer
+block's); the fork needs a ``model-parallel-rng`` CUDA generator state, which a CPU run
+cannot create. The driver trains without dropout, so :func:`install_cpu_rng_tracker`
+makes the tracker megatron's own no-op one (``initialize_rng_tracker(inference_rng_tracker=
+True)``: ``fork`` is a null context, ``add`` / ``set_states`` do nothing). The SP
+collectives (``all_gather_into_tensor`` before the column-parallel linears and
+``reduce_scatter_tensor`` after the row-parallel ones, both synchronous and, in the
+linears' backward, ``async_op=True``; ``all_reduce`` of the norms' gradients over TP)
+are gloo's own on torch 2.13: they return exactly what gathering and summing the ranks'
+inputs by hand gives (``tests/training/test_sequence_parallel.py``), and the emulations a
+bridge would use (all-reduce + narrow; all-gather into a list + cat) are not faster
+(``tools/bench_sp_collectives.py``, 2 ranks, 64 KB-4 MB per rank: each pair within the
+run-to-run noise of the shared machine, 0.3 ms at 64 KB, 22-54 ms at 4 MB), so nothing is
+bridged there. Only the buffers megatron allocates for them on ``torch.cuda.current_device()``
+are placed on the CPU (the table). On GPU NCCL runs them as is.
 
 The bridge is installed only when CUDA is unavailable or ``--cpu`` is given, and
 is idempotent. :func:`bridged_modules` lists what was patched (tests assert it).
@@ -233,6 +257,9 @@ def install_cpu_bridge(force_cpu: bool = False) -> bool:
         "megatron.core.optimizer.optimizer",
         "megatron.core.optimizer.distrib_optimizer",
         "megatron.core.optimizer.clip_grads",
+        "megatron.core.tensor_parallel.mappings",
+        "megatron.core.tensor_parallel.layers",
+        "megatron.core.utils",
     ):
         module = importlib.import_module(name)
         module.torch = view
@@ -247,3 +274,11 @@ def install_cpu_bridge(force_cpu: bool = False) -> bool:
 def bridged_modules() -> tuple[str, ...]:
     """Names of the megatron modules whose ``torch`` is the CPU view."""
     return tuple(_PATCHED)
+
+
+def install_cpu_rng_tracker() -> None:
+    """megatron-core's no-op CUDA RNG tracker for a CPU run with sequence parallelism
+    (module docstring); replaces any tracker built before."""
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

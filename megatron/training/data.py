@@ -38,6 +38,16 @@ segment) and cut into ``2N`` chunks; CP rank ``r`` keeps chunks ``r`` and
 assumes). Its dict holds the local ``tokens/labels/loss_mask/position_ids`` and the
 whole micro-batch's ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded``.
 
+With sequence parallelism (``--sequence-parallel``, TP = S > 1) megatron-core splits the
+tokens a rank holds over its S TP ranks, so their count must be a multiple of S: the
+micro-batch's last segment is extended by masked padding tokens
+(:func:`sparsebalance.cp_split.sequence_parallel_pad`: fewer than S; under CP a multiple
+of ``2N`` added before the split, so each CP rank's share is a multiple of S). The
+padding is never a segment of its own: ``cu_seqlens`` keeps the real lengths and
+``cu_seqlens_padded`` (Megatron's convention, as under CP) the stored ones, so the
+attention sees the micro-batch's documents unchanged (padding rows attend to nothing)
+and RoPE splits the stored rows (:func:`sequence_parallel_pad_microbatch`).
+
 A segment is a whole document or a ``--seq-length`` chunk of a longer one (the
 chunk attends only within itself, as in Megatron); the chunk's last position is
 still trained on the next token of the document when there is one.
@@ -122,17 +132,38 @@ def build_microbatch(dataset, doc_ids: np.ndarray, segments: Sequence[Segment],
     }
 
 
-def context_parallel_split(mb: Dict[str, torch.Tensor], cp: int, rank: int) -> Dict[str, torch.Tensor]:
+def sequence_parallel_pad_microbatch(mb: Dict[str, torch.Tensor], sp: int) -> Dict[str, torch.Tensor]:
+    """A :func:`build_microbatch` dict (no CP) padded to a multiple of ``sp`` tokens for
+    sequence parallelism (see module docstring): padding rows (id 0, label 0, loss mask 0,
+    position 0) at the end, ``cu_seqlens`` unchanged, ``cu_seqlens_padded`` with the last
+    segment extended over them."""
+    from sparsebalance.cp_split import sequence_parallel_pad
+
+    cu = mb["cu_seqlens"]
+    pad = sequence_parallel_pad(int(cu[-1]), 1, sp)
+    out = dict(mb)
+    if pad:
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            x = mb[key]
+            out[key] = torch.cat([x, x.new_zeros(1, pad)], 1)
+    out["cu_seqlens_padded"] = torch.cat([cu[:-1], cu[-1:] + pad])
+    return out
+
+
+def context_parallel_split(mb: Dict[str, torch.Tensor], cp: int, rank: int, sp: int = 1
+                           ) -> Dict[str, torch.Tensor]:
     """CP rank ``rank``'s share of a :func:`build_microbatch` dict (see module docstring).
 
     Padding tokens (id 0, label 0, loss mask 0, position 0) end each padded segment;
-    real tokens keep their positions, labels and loss mask.
+    real tokens keep their positions, labels and loss mask. ``sp``: sequence-parallel
+    ranks; the last segment gets the extra padding that makes the share a multiple of it.
     """
-    from sparsebalance.cp_split import local_token_index, padded_lengths
+    from sparsebalance.cp_split import local_token_index, padded_lengths, sequence_parallel_pad
 
     cu = mb["cu_seqlens"].long().numpy()
     lens = np.diff(cu)
     P = padded_lengths(lens, cp)
+    P[-1] += sequence_parallel_pad(int(P.sum()), cp, sp)
     pstart = np.cumsum(P) - P
     doc = np.repeat(np.arange(len(lens)), P)
     pos = np.arange(int(P.sum())) - pstart[doc]
@@ -250,6 +281,8 @@ class PackedDataLoader:
         pp, pp_rank: pipeline ranks and this rank's index (the packer predicts per-rank pipeline times).
         loss_starts: per dataset document, the first target token (``--mask-prompt-loss``).
         cp, cp_rank: context-parallel size and this rank's index (:func:`context_parallel_split`).
+        sp: sequence-parallel ranks (TP under ``--sequence-parallel``; 1: off): micro-batches
+            are padded for them (module docstring).
         pad_id: targets equal to this id carry no loss (:func:`build_microbatch`).
     """
 
@@ -259,7 +292,7 @@ class PackedDataLoader:
                  max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0,
                  loss_starts: Optional[np.ndarray] = None, cp: int = 1, cp_rank: int = 0,
                  pad_id: Optional[int] = None, item_length: Optional[int] = None, balancer=None,
-                 attention=None) -> None:
+                 attention=None, sp: int = 1) -> None:
         from sparsebalance.balancer import StepPlanner
         from sparsebalance.batching.sampler import PackingSampler
 
@@ -273,7 +306,7 @@ class PackedDataLoader:
         self.loss_starts = loss_starts
         self.pad_id = pad_id
         self.pp, self.pp_rank = pp, pp_rank
-        self.cp, self.cp_rank = cp, cp_rank
+        self.cp, self.cp_rank, self.sp = cp, cp_rank, sp
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
         sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
                                  strategy=strategy, seed=seed, shuffle=shuffle, max_carry_steps=max_carry_steps,
@@ -290,7 +323,9 @@ class PackedDataLoader:
         microbatches = [build_microbatch(self.dataset, self.doc_ids, mb, self.pad_to, self.loss_starts,
                                          self.pad_id) for mb in mine]
         if self.cp > 1:
-            microbatches = [context_parallel_split(mb, self.cp, self.cp_rank) for mb in microbatches]
+            microbatches = [context_parallel_split(mb, self.cp, self.cp_rank, self.sp) for mb in microbatches]
+        elif self.sp > 1:
+            microbatches = [sequence_parallel_pad_microbatch(mb, self.sp) for mb in microbatches]
         if self.vocab_size is not None:
             top = max(int(mb["tokens"].max()) for mb in microbatches)
             if top >= self.vocab_size:

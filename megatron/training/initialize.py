@@ -54,6 +54,10 @@ def initialize(args) -> None:
         distributed_timeout_minutes=max(1, int(round(args.distributed_timeout_minutes))),
     )
     set_seeds(args.seed, cpu)
+    if cpu and getattr(args, "sequence_parallel", False):
+        from megatron.training.cpu_bridge import install_cpu_rng_tracker
+
+        install_cpu_rng_tracker()  # megatron forks it around dropout on sequence shards
 
 
 def set_seeds(seed: int, cpu: bool) -> None:

@@ -140,7 +140,6 @@ def _own(flag: str, values: List[str], action, parser, cuda: bool, te: bool, tp:
                           "torch_dist checkpoints are written; torch_dist and legacy torch ones are read"),
         "--hidden-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
         "--attention-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
-        "--sequence-parallel": (tp > 1, "packed micro-batches of varying length cannot be split over TP ranks"),
     }
     bad, why = rules.get(flag, (False, ""))
     if bad:

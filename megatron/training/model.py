@@ -97,6 +97,9 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        # Megatron's sequence parallelism: norms and residuals on 1/TP of the tokens (data.py
+        # pads each micro-batch for it); the core attention sees the gathered sequence.
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         # Context parallelism: our core_attention modules all-gather K/V over the CP group
@@ -173,6 +176,8 @@ def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torc
 
     if config.recompute_granularity is not None and use_cpu(args):
         install_cpu_recompute_rng()
+    from sparsebalance.attention.spec import get_gpt_decoder_spec
+
     spec = layer_spec(args, attention)
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
@@ -180,7 +185,7 @@ def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torc
         stage = vp_stage if vpp else None
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=get_gpt_decoder_spec(spec, config, stage),
             vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

@@ -30,12 +30,13 @@ def attention_config(args) -> AttentionConfig:
 
 
 def parallel_config(args) -> ParallelConfig:
-    """Pipeline (virtual) and context-parallel sizes, and whether the run is on CPU."""
+    """Pipeline (virtual), context- and sequence-parallel sizes, and whether the run is on CPU."""
     from megatron.training.initialize import use_cpu
 
+    sp = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
     return ParallelConfig(pp=args.pipeline_model_parallel_size,
                           vpp=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
-                          cp=getattr(args, "context_parallel_size", 1) or 1, cpu=use_cpu(args))
+                          cp=getattr(args, "context_parallel_size", 1) or 1, sp=sp, cpu=use_cpu(args))
 
 
 def model_config(args, vocab_size: int) -> ModelShape:

@@ -107,16 +107,17 @@ def forward_step(data_iterator, model):
     get = lambda k: batch[k].to(device, non_blocking=True)
     cu = get("cu_seqlens")
     max_len = int((batch["cu_seqlens"][1:] - batch["cu_seqlens"][:-1]).max())
-    cp_extra = {}
-    if "cu_seqlens_padded" in batch:  # context parallelism (data.context_parallel_split)
-        cp_extra = _context_parallel_params(batch, device)
+    cp_extra, host = {}, batch["cu_seqlens"].to(torch.int32)
+    if "cu_seqlens_padded" in batch:  # padded for context or sequence parallelism (data.py)
+        cp_extra = _padded_params(batch, device)
         max_len = cp_extra.pop("max_len")
+        if "cp_layout" in cp_extra:
+            host = None  # under CP the attention reads the layout instead
     # The packed params are the budget's one carrier to the attention modules (and the
     # step's record list the way back); a layer
     # recomputed in backward (--recompute-granularity) gets the same object, so it
     # routes as its original forward did although later micro-batches ran meanwhile.
     # The host copy of the boundaries rides along: routing reads them without a device sync.
-    host = batch["cu_seqlens"].to(torch.int32) if "cu_seqlens_padded" not in batch else None
     packed = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=max_len, max_seqlen_kv=max_len,
                                      budget=budget, microbatch=microbatch, cu_seqlens_host=host,
@@ -126,20 +127,25 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, get("loss_mask"))
 
 
-def _context_parallel_params(batch, device) -> dict:
-    """Packed-params fields of a CP micro-batch, Megatron's convention: ``cu_seqlens_q``
-    holds the real document lengths, ``cu_seqlens_q_padded`` the padded ones (what
-    megatron-core's THD RoPE splits per rank); plus this rank's layout for attention."""
+def _padded_params(batch, device) -> dict:
+    """Packed-params fields of a padded micro-batch, Megatron's convention: ``cu_seqlens_q``
+    holds the real document lengths, ``cu_seqlens_q_padded`` the stored ones (what
+    megatron-core's THD RoPE splits, per rank under CP); under CP plus this rank's layout
+    for attention. Without CP the padding (sequence parallelism's) trails the last
+    document and the attention modules leave it out (``sparsebalance.attention.dense``)."""
     from megatron.core import parallel_state as ps
 
-    from sparsebalance.attention.context_parallel import layout_from_cu
-
     padded = batch["cu_seqlens_padded"]
-    layout = layout_from_cu(batch["cu_seqlens"], padded, ps.get_context_parallel_world_size(),
-                            ps.get_context_parallel_rank())
     cu_pad = padded.to(device, non_blocking=True)
-    return {"cu_seqlens_q_padded": cu_pad, "cu_seqlens_kv_padded": cu_pad,
-            "cp_layout": layout.to(device), "max_len": int((padded[1:] - padded[:-1]).max())}
+    out = {"cu_seqlens_q_padded": cu_pad, "cu_seqlens_kv_padded": cu_pad,
+           "max_len": int((padded[1:] - padded[:-1]).max())}
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        from sparsebalance.attention.context_parallel import layout_from_cu
+
+        layout = layout_from_cu(batch["cu_seqlens"], padded, cp, ps.get_context_parallel_rank())
+        out["cp_layout"] = layout.to(device)
+    return out
 
 
 @dataclass
@@ -176,14 +182,21 @@ def run_schedule(args, model: List[torch.nn.Module], batches, forward_only: bool
     """Forward (and backward) of one global batch through megatron's schedule."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from sparsebalance.cp_split import sequence_parallel_pad
+
     forward_backward = get_forward_backward_func()
     iters = batches.iterators(len(model))  # each pull: index, record list, DST budget
+    # An upper bound (variable_seq_lengths sends true shapes); the interleaved schedule's
+    # padded length (data.py): --seq-length tokens and sequence parallelism's padding.
+    seq_length = args.micro_batch_tokens
+    if args.sequence_parallel and args.virtual_pipeline_model_parallel_size is not None:
+        seq_length += sequence_parallel_pad(seq_length, 1, args.tensor_model_parallel_size)
     outputs = forward_backward(
         forward_step_func=forward_step,
         data_iterator=iters if len(model) > 1 else iters[0],
         model=model if len(model) > 1 else model[0],
         num_microbatches=len(batches.microbatches),
-        seq_length=args.micro_batch_tokens,  # an upper bound; variable_seq_lengths sends true shapes
+        seq_length=seq_length,
         micro_batch_size=1,
         forward_only=forward_only,
     )

@@ -140,9 +140,10 @@ def setup(args) -> TrainState:
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     pad_to = args.micro_batch_tokens if interleaved else None  # see megatron/training/data.py
-    cp = dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
     pad_id = args.null_tokenizer_pad_id if args.null_tokenizer_pad_id >= 0 else None
     sb = sparsebalance_config(args, vocab)  # the library's one view of the flags
+    # how each micro-batch is split over CP ranks and padded for sequence parallelism
+    cp = dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(), sp=sb.parallel.sp)
     predictor = balancer = sampler_predictor = None
     if sb.predictor.enabled:
         predictor = build_predictor(sb, warn=_rank0_warn())

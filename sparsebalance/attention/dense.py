@@ -7,7 +7,8 @@ both layouts megatron hands to ``core_attention``:
 
 * THD (packed documents): ``query [T, H, D]``, ``key/value [T, Hkv, D]`` and
   ``packed_seq_params.cu_seqlens_q`` delimiting documents; attention never
-  crosses a document boundary. Returns ``[T, H * D]``.
+  crosses a document boundary. Returns ``[T, H * D]``. Rows after the last
+  document (``cu_seqlens_q_padded`` set: sequence parallelism's padding) get zeros.
 * SBHD: ``query [S, B, H, D]``, ``key/value [S, B, Hkv, D]``; causal over S.
   Returns ``[S, B, H * D]``.
 
@@ -147,6 +148,22 @@ def causal_local_attention(q, k_full, v_full, layout, softmax_scale: Optional[fl
     return torch.cat(outs, 0) if outs else q * 0
 
 
+def _real_rows(packed_seq_params, rows: int) -> int:
+    """Rows of a THD input (no CP) that belong to documents: ``cu_seqlens_q[-1]``. More
+    rows are stored only when ``cu_seqlens_q_padded`` extends the last document over
+    padding (sequence parallelism, ``megatron/training/data.py``); they attend to nothing
+    (zero output, no gradient) and no key is ever theirs."""
+    if getattr(packed_seq_params, "cu_seqlens_q_padded", None) is None:
+        return rows
+    from sparsebalance.ops.plan import host_cu
+
+    host = getattr(packed_seq_params, "cu_seqlens_host", None)
+    n = int(host_cu(packed_seq_params.cu_seqlens_q if host is None else host)[-1])
+    if not 0 < n <= rows:
+        raise ValueError(f"cu_seqlens_q ends at {n}, the input has {rows} rows")
+    return n
+
+
 class CausalVarlenAttention(MegatronModule):
     """Dense causal attention with megatron-core's ``DotProductAttention`` signature."""
 
@@ -218,7 +235,12 @@ class CausalVarlenAttention(MegatronModule):
             if self.cp_size > 1:
                 return self._forward_cp(query, key, value, packed_seq_params)
             cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
-            out = self._attend(query, key, value, cu, packed_seq_params)
+            n = _real_rows(packed_seq_params, query.shape[0])
+            if n < query.shape[0]:  # sequence parallelism's padding after the last document
+                out = self._attend(query[:n], key[:n], value[:n], cu, packed_seq_params)
+                out = torch.cat([out, out.new_zeros((query.shape[0] - n, *out.shape[1:]))])
+            else:
+                out = self._attend(query, key, value, cu, packed_seq_params)
             return out.reshape(out.shape[0], -1)
         if self.cp_size > 1:
             raise ValueError(f"{type(self).__name__}: context parallelism needs packed THD input")

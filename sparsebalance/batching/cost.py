@@ -61,8 +61,11 @@ class CostModel:
         nl = float(self.layers.sum())
         self.const = {ph: predictor.layer_const_ms(ph) for ph in _PHASES}
         # Extras are affine in the micro-batch's tokens (embedding, output layer, loss):
-        # probe two token counts per (stage, phase) once.
-        t0, t1 = 1024, 2048
+        # probe two token counts per (stage, phase) once, counts that need no sequence-
+        # parallel padding (the packers leave that rounding out: predictor/base.py).
+        sp = predictor.sequence_parallel
+        unit = 2 * predictor.context_parallel.size * sp if sp > 1 else 1
+        t0, t1 = 1024 * unit, 2048 * unit
         self.extra_a = np.zeros((2, pp))
         self.extra_b = np.zeros((2, pp))
         self.corr = np.ones((2, pp))

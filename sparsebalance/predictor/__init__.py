@@ -45,7 +45,8 @@ def get_predictor(name_or_profile_path: str, **model_cfg: Any) -> LatencyPredict
             size, :mod:`sparsebalance.predictor.context_parallel`) and
             ``context_parallel_link`` (a :data:`LINKS` name or a :class:`Link`; default
             the cost model's hardware: NVLink for h100-analytic and GPU profiles, gloo
-            for CPU profiles).
+            for CPU profiles); ``sequence_parallel_size`` (default 1: the TP size under
+            sequence parallelism, whose padding is priced, :meth:`LatencyPredictor.set_sequence_parallel`).
             Profiles only: ``threads`` (the thread count of the run predicted for;
             default this process's), checked against the profile's.
 
@@ -58,7 +59,8 @@ def get_predictor(name_or_profile_path: str, **model_cfg: Any) -> LatencyPredict
     recal = Recalibrator(alpha=float(cfg.pop("recalibration_alpha", 0.2)))
     cp_size = int(cfg.pop("context_parallel_size", 1))
     cp_link = cfg.pop("context_parallel_link", None)
-    pred = _build(name_or_profile_path, recal, cfg)
+    sp_size = int(cfg.pop("sequence_parallel_size", 1))
+    pred = _build(name_or_profile_path, recal, cfg).set_sequence_parallel(sp_size)
     if cp_size != 1 or cp_link is not None:
         link = LINKS.get(cp_link or pred.default_link) if not isinstance(cp_link, Link) else cp_link
         if link is None:

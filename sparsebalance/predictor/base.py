@@ -24,6 +24,16 @@ above become the times of the slowest rank of a CP group, K/V exchange included
 (:mod:`sparsebalance.predictor.context_parallel`); the subclasses' per-document
 model ``pair_ms * kept_pairs + token_ms * L + doc_ms`` (:meth:`_linear_ms`) is what
 gets split. At CP size 1 nothing changes.
+
+Sequence parallelism (:meth:`LatencyPredictor.set_sequence_parallel`): a micro-batch is
+stored with up to a few padding tokens after its last document, so that each rank's
+tokens split evenly over the TP ranks (:func:`sparsebalance.cp_split.sequence_parallel_pad`).
+They cost linear time only: ``token_ms`` per layer (:meth:`LatencyPredictor.layer_pad_ms`,
+in :meth:`~LatencyPredictor.layer_ms`; under CP per rank, plus their K/V exchange) and
+their share of the extras (:meth:`~LatencyPredictor.extras_ms`); they attend to nothing.
+The per-document terms (:meth:`~LatencyPredictor.layer_doc_ms`) leave them out: the
+packers' additive item costs do not see this rounding (fewer than TP tokens per micro-batch
+without CP); the planners' op tables and the stage times do.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from typing import Optional
 import numpy as np
 
 from sparsebalance.config import ModelShape
+from sparsebalance.cp_split import sequence_parallel_pad
 from sparsebalance.predictor.context_parallel import ContextParallel, rank_kept_pairs
 from sparsebalance.predictor.recalibration import Recalibrator
 
@@ -67,6 +78,8 @@ class LatencyPredictor(abc.ABC):
         self.shape = shape
         self.recalibrator = recalibrator or Recalibrator()
         self.context_parallel = ContextParallel()
+        self.sequence_parallel = 1
+        """TP ranks a micro-batch's tokens are split over (1: no sequence parallelism)."""
 
     default_link = "nvlink"
     """Name of the CP link (``context_parallel.LINKS``) this cost model's hardware has."""
@@ -85,6 +98,34 @@ class LatencyPredictor(abc.ABC):
             raise TypeError(f"expected a ContextParallel, got {type(cp).__name__}")
         self.context_parallel = cp
         return self
+
+    def set_sequence_parallel(self, size: int) -> "LatencyPredictor":
+        """Price sequence parallelism's padding for ``size`` TP ranks (1: none; module
+        docstring); returns ``self``."""
+        if int(size) < 1:
+            raise ValueError(f"sequence parallel size must be >= 1, got {size}")
+        self.sequence_parallel = int(size)
+        return self
+
+    def pad_tokens(self, lengths) -> int:
+        """Padding tokens a micro-batch of documents ``lengths`` is stored with after them
+        for sequence parallelism (CP's per-document padding not included); 0 without it."""
+        if self.sequence_parallel == 1:
+            return 0
+        cp = self.context_parallel
+        return sequence_parallel_pad(int(cp.padded(as_lengths(lengths)).sum()), cp.size, self.sequence_parallel)
+
+    def layer_pad_ms(self, lengths, topk: Optional[int], phase: str) -> float:
+        """One layer's time on the micro-batch's :meth:`pad_tokens` (ms): ``token_ms`` each
+        (per rank under CP, plus their K/V exchange); no attention."""
+        pad = self.pad_tokens(lengths)
+        if not pad:
+            return 0.0
+        token_ms, _ = self._linear_ms(topk, check_phase(phase))
+        cp = self.context_parallel
+        if cp.size == 1:
+            return float(token_ms * pad)
+        return float((token_ms / cp.size + self._exchange_ms_per_token(phase)) * pad)
 
     # -- attributes the packers/planners read -------------------------------------
     @property
@@ -165,21 +206,27 @@ class LatencyPredictor(abc.ABC):
         pairs = rank_kept_pairs(L, self._routed_topk(topk), s.block_size, cp.size).max(axis=1)
         padded = cp.padded(L).astype(np.float64)
         token_ms, doc_ms = self._linear_ms(topk, phase)
-        exchange = (cp.exchange_bytes_per_token(s.num_query_groups, s.head_dim) / cp.link.bytes_per_ms
-                    * (1.0 if phase == "fwd" else cp.link.bwd_factor))
         return (self._pair_ms(topk, phase) * pairs.astype(np.float64) + token_ms * padded / cp.size
-                + doc_ms + exchange * padded)
+                + doc_ms + self._exchange_ms_per_token(phase) * padded)
+
+    def _exchange_ms_per_token(self, phase: str) -> float:
+        """CP's K/V exchange (forward) or dK/dV return (backward) per stored token, ms."""
+        cp, s = self.context_parallel, self.shape
+        return (cp.exchange_bytes_per_token(s.num_query_groups, s.head_dim) / cp.link.bytes_per_ms
+                * (1.0 if phase == "fwd" else cp.link.bwd_factor))
 
     def layer_ms(self, lengths, topk: Optional[int], phase: str) -> float:
-        """One transformer layer for a micro-batch: sum(layer_doc_ms) + layer_const_ms."""
-        return float(self.layer_doc_ms(lengths, topk, phase).sum()) + self.layer_const_ms(phase)
+        """One transformer layer for a micro-batch: sum(layer_doc_ms) + layer_pad_ms +
+        layer_const_ms."""
+        return (float(self.layer_doc_ms(lengths, topk, phase).sum()) + self.layer_pad_ms(lengths, topk, phase)
+                + self.layer_const_ms(phase))
 
     def extras_ms(self, lengths, stage: int, pp: int, phase: str) -> float:
         """Per-stage extras of a micro-batch (ms): embedding on stage 0, output layer and
-        loss on stage pp-1, nothing in between."""
+        loss on stage pp-1, nothing in between; sequence parallelism's padding included."""
         self.shape.layers_of(stage, pp)  # validates stage/pp
-        # Under CP a rank embeds / scores its 1/size of the tokens (padding left out).
-        tokens = int(as_lengths(lengths).sum())
+        # Under CP a rank embeds / scores its 1/size of the tokens (CP's padding left out).
+        tokens = int(as_lengths(lengths).sum()) + self.pad_tokens(lengths)
         cp = self.context_parallel.size
         return self._extras_ms(tokens if cp == 1 else tokens / cp, stage, pp, check_phase(phase))
 

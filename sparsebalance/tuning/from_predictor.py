@@ -53,7 +53,8 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
         const = predictor.layer_const_ms(phase)
         tab = np.empty((len(levels), D, M, stages))
         for li, k in enumerate(levels):
-            per_layer = np.add.reduceat(predictor.layer_doc_ms(flat, k, phase), starts) + const
+            pad = np.array([predictor.layer_pad_ms(x, k, phase) for x in docs])  # sequence parallelism's
+            per_layer = np.add.reduceat(predictor.layer_doc_ms(flat, k, phase), starts) + pad + const
             tab[li] = ((per_layer[:, None] * layers + extras) * corr).reshape(D, M, stages)
         out.append(tab)
     return out[0], out[1]

@@ -142,3 +142,45 @@ def test_attention_package_import_is_light():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_sequence_parallel_padding_rows_are_left_out(mp, sparse):
+    """Sequence parallelism stores rows after the last document (``cu_seqlens_q_padded``
+    extends it; ``cu_seqlens_q`` keeps the real lengths): the documents' output, their
+    gradients and the record equal the unpadded call's; padding rows get zeros and no
+    gradient reaches them."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from sparsebalance.attention import SparseAttention
+    from sparsebalance.attention.dense import CausalVarlenAttention
+    from sparsebalance.attention.packed import BudgetedPackedSeqParams
+
+    cfg = _config()
+    core = (SparseAttention(cfg, 1, AttnMaskType.causal, "self", block_size=16, topk=1, backend="cpu")
+            if sparse else CausalVarlenAttention(cfg, 1, AttnMaskType.causal, "self"))
+    lens, pad = [70, 33], 3
+    T = sum(lens)
+    cu = torch.tensor([0, 70, T], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(T + pad, h, 16, generator=g).requires_grad_() for h in (4, 2, 2))
+    outs, grads, recs = [], [], []
+    for rows, padded in ((T, None), (T + pad, torch.tensor([0, 70, T + pad], dtype=torch.int32))):
+        records = []
+        psp = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=70,
+                                      max_seqlen_kv=70, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                                      cu_seqlens_host=cu, records=records)
+        out = core(q[:rows], k[:rows], v[:rows], None, packed_seq_params=psp)
+        assert out.shape == (rows, 64)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        recs.append(records)
+        for t in (q, k, v):
+            t.grad = None
+    torch.testing.assert_close(outs[1][:T], outs[0], rtol=0, atol=0)
+    assert (outs[1][T:] == 0).all()
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # padding rows: zero in both
+        assert (a[T:] == 0).all()
+    assert [r.doc_lengths for r in recs[1]] == [r.doc_lengths for r in recs[0]] == ([tuple(lens)] if sparse else [])

@@ -3,8 +3,10 @@
 Launched by the tests (python or torchrun) with pretrain_gpt.py's flags; the dump
 directory comes from ``SB_TEST_DUMP`` (not a flag: the driver has no test flags).
 Each rank writes ``rank<r>.npz`` with per-step global loss and grad norm and the
-last step's gradients (main_grad) keyed by PP-independent parameter names; its
-``rank<r>.json`` is the run summary plus ``budgets`` (each step's DST table or None).
+last step's gradients (main_grad) keyed by PP-independent parameter names (under TP > 1
+gathered over the TP group, so every layout dumps whole tensors); its
+``rank<r>.json`` is the run summary plus ``budgets`` (each step's DST table or None) and
+``microbatch_tokens`` (per step, ``(micro-batch, real tokens)`` as its sparse attention saw them).
 
 ``SB_TEST_PREDICT_AS_CP1=1`` builds SAB's and DST's predictor as for
 ``--context-parallel-size 1`` (the CP-aware one plans other budgets), so a CP run
@@ -40,22 +42,38 @@ def main() -> None:
         from megatron.training.tokenizer import args_vocab_size
 
         write_mock_data(args, args_vocab_size(args))
-    grads, budgets = {}, []
+    grads, budgets, mb_tokens = {}, [], []
 
     def on_step(iteration, state, result):
         budgets.append(None if result.budget is None else np.asarray(result.budget).tolist())
+        # real tokens of each micro-batch this rank's sparse attention saw (none if dense)
+        mb_tokens.append(sorted({(r.microbatch, sum(r.doc_lengths)) for r in result.attention_records}))
         grads.clear()
         for chunk in state.model:
             for name, p in global_param_names(chunk).items():
-                grads[name] = p.main_grad.detach().double().numpy().copy()
+                grads[name] = _whole(p, p.main_grad.detach()).double().numpy().copy()
 
     summary = pretrain(args, on_step=on_step)
     rank = torch.distributed.get_rank()
     os.makedirs(dump, exist_ok=True)
     np.savez(os.path.join(dump, f"rank{rank}.npz"), **{"grad/" + k: v for k, v in grads.items()})
     with open(os.path.join(dump, f"rank{rank}.json"), "w") as f:
-        json.dump(dict(summary, budgets=budgets), f)
+        json.dump(dict(summary, budgets=budgets, microbatch_tokens=mb_tokens), f)
     shutdown()
+
+
+def _whole(param, tensor):
+    """``tensor`` (a TP shard of ``param``'s shape) gathered over the TP group along the
+    parameter's partition dimension; unsharded parameters as they are."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(tp)]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=param.partition_dim)
 
 
 def _predict_as_cp1() -> None:

@@ -1,4 +1,6 @@
-"""Context parallelism (--context-parallel-size 2) equals CP=1, through pretrain() over gloo.
+"""Context parallelism (--context-parallel-size 2) and sequence parallelism
+(--tensor-model-parallel-size 2 --sequence-parallel) equal their references, through
+pretrain() over gloo.
 
 Each pair of runs starts from the same seed and layout (CP does not change which
 layers a rank builds, so initial weights agree) and trains 2 steps on the same
@@ -19,6 +21,12 @@ equal to --sb-topk.
 The sparse CP=2 run also recomputes every layer (--recompute-granularity full).
 PP=2 x CP=2 (4 ranks) against PP=2 (2 ranks), dense attention.
 
+Sequence parallelism, sparse attention with DST budgets, 3 steps on the corpus's packed
+documents of odd lengths: TP=2 + SP x PP=2 (4 ranks) against PP=2 (2 ranks; odd
+micro-batches, so padding is exercised, and the SP-aware cost model plans the same
+budgets), and TP=2 + SP x CP=2 (4 ranks, full recompute) against CP=1 (1 rank, 3 steps; planned as
+for CP=1 like the CP run). Each rank dumps whole (TP-gathered) gradients (_harness.py).
+
 --mock-data with CP=2 x PP=2 x DP=2 (8 ranks) against PP=2 x DP=2 (4 ranks): every rank
 writes its own copy of the mock documents, which must be the same samples everywhere
 (a CP pair splitting different samples, or DP ranks drawing from different datasets,
@@ -34,33 +42,42 @@ import pytest
 from conftest import HARNESS, TINY
 
 STEPS = 2
+SP_STEPS = 3
 # DST's anchor policy with a wide band: at PP=1 the critical-path policy has no
 # pipeline slack to trade and leaves every budget at --sb-topk (a vacuous check)
 SPARSE = ["--sparse-balance", "--sb-cost-model", "h100-analytic", "--sb-block-size", "16",
           "--sb-topk", "4", "--sb-dst", "anchor", "--sb-p", "0.5"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 CP2 = ["--context-parallel-size", "2"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 # Full recompute re-runs the K/V all-gather and the routing in backward; it is bitwise
 # neutral without CP (tests/training/test_recompute.py), so the CP run carries it too.
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
              "--recompute-num-layers", "1"]
-RUNS = {
-    "sparse_cp1": (1, SPARSE),
-    "sparse_cp2": (2, SPARSE + CP2 + RECOMPUTE, {"SB_TEST_PREDICT_AS_CP1": "1"}),
-    "pp2_cp1": (2, PP2),
-    "pp2_cp2": (4, PP2 + CP2),
+AS_CP1 = {"SB_TEST_PREDICT_AS_CP1": "1"}
+RUNS = {  # name: (ranks, flags, environment, steps)
+    "sparse_cp1": (1, SPARSE, {}, STEPS),
+    "sparse_cp2": (2, SPARSE + CP2 + RECOMPUTE, AS_CP1, STEPS),
+    "pp2_cp1": (2, PP2, {}, STEPS),
+    "pp2_cp2": (4, PP2 + CP2, {}, STEPS),
+    "sparse_pp2": (2, SPARSE + PP2, {}, SP_STEPS),
+    "sparse_pp2_tp2_sp": (4, SPARSE + PP2 + TP2_SP, {}, SP_STEPS),
+    "sparse_sp_ref": (1, SPARSE, {}, SP_STEPS),
+    "sparse_cp2_tp2_sp": (4, SPARSE + CP2 + TP2_SP + RECOMPUTE, AS_CP1, SP_STEPS),
 }
-PAIRS = [("sparse_cp2", "sparse_cp1"), ("pp2_cp2", "pp2_cp1")]
+SPARSE_PAIRS = [("sparse_cp2", "sparse_cp1"), ("sparse_pp2_tp2_sp", "sparse_pp2"),
+                ("sparse_cp2_tp2_sp", "sparse_sp_ref")]
+PAIRS = [*SPARSE_PAIRS, ("pp2_cp2", "pp2_cp1")]
 
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory, world):
     root = tmp_path_factory.mktemp("context_parallel")
     out = {}
-    for name, (nproc, extra, *env) in RUNS.items():
+    for name, (nproc, extra, env, steps) in RUNS.items():
         dump = str(root / name)
-        proc = world.launch(HARNESS, [*TINY, *extra, "--data-path", corpus, "--train-iters", str(STEPS)],
-                            nproc=nproc, extra_env={"SB_TEST_DUMP": dump, **(env[0] if env else {})})
+        proc = world.launch(HARNESS, [*TINY, *extra, "--data-path", corpus, "--train-iters", str(steps)],
+                            nproc=nproc, extra_env={"SB_TEST_DUMP": dump, **env})
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.load(open(os.path.join(dump, "rank0.json")))
         per_rank = []
@@ -84,10 +101,11 @@ def _merged(per_rank):
 
 
 @pytest.mark.parametrize("got_name,ref_name", PAIRS)
-def test_cp2_losses_and_gradients_equal_cp1(runs, got_name, ref_name):
+def test_losses_and_gradients_equal_reference(runs, got_name, ref_name):
     ref, ref_ranks = runs[ref_name]
     got, got_ranks = runs[got_name]
-    assert len(set(np.round(ref["losses"], 4))) == STEPS, "training did not move: vacuous comparison"
+    assert len(got["losses"]) == RUNS[got_name][3] == len(ref["losses"])
+    assert len(set(np.round(ref["losses"], 4))) == len(ref["losses"]), "training did not move: vacuous comparison"
     assert got["tokens"] == ref["tokens"]
     assert _rel(got["losses"], ref["losses"]) < 1e-5, (got["losses"], ref["losses"])
     assert _rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
@@ -140,15 +158,24 @@ def test_mock_data_cp2_pp2_dp2_trains_like_pp2_dp2(mock_runs):
         assert sorted(r0) == sorted(r1) and all(np.array_equal(r0[k], r1[k]) for k in r0)
 
 
-def test_sparse_routing_and_dst_budgets_identical(runs):
-    ref, _ = runs["sparse_cp1"]
-    got, _ = runs["sparse_cp2"]
+@pytest.mark.parametrize("got_name,ref_name", SPARSE_PAIRS)
+def test_sparse_routing_and_dst_budgets_identical(runs, got_name, ref_name):
+    ref, _ = runs[ref_name]
+    got, _ = runs[got_name]
     assert 0.2 < ref["density_mean"] < 0.9  # routing really chooses blocks
     assert got["density_mean"] == ref["density_mean"]  # CP ranks' kept pairs add up exactly
     assert all(b is not None for b in ref["budgets"])
     assert got["budgets"] == ref["budgets"]
     flat = np.concatenate([np.ravel(b) for b in ref["budgets"]])
     assert len(set(flat.tolist())) > 1, "DST left every budget equal: vacuous"
+
+
+def test_sequence_parallel_padding_is_exercised(runs):
+    """The TP=2 + SP x PP=2 run trained micro-batches of an odd number of tokens (each
+    padded by one row): the comparison covers the padding, not only even splits."""
+    got, _ = runs["sparse_pp2_tp2_sp"]
+    tokens = [t for step in got["microbatch_tokens"] for _, t in step]
+    assert len(tokens) == SP_STEPS * 4 and any(t % 2 for t in tokens) and any(t % 2 == 0 for t in tokens)
 
 
 def split_report(data_path: str, seq_length: int, steps: int, cp: int, seed: int) -> dict:

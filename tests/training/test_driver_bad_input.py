@@ -140,8 +140,6 @@ PARSE_CASES = {
                                                   "--transformer-impl transformer_engine needs CUDA"),
     "flash attention backend needs te impl": (["--attention-backend", "flash"], None,
                                               "--attention-backend flash is Transformer Engine's"),
-    "sequence parallel with tp 2 refused": (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2,
-                                            "--sequence-parallel with --tensor-model-parallel-size > 1"),
     "dropout above zero refused": (["--hidden-dropout", "0.1"], None,
                                    "--hidden-dropout 0.1: this driver trains without dropout"),
     "ckpt format other than torch_dist or torch refused": (["--ckpt-format", "torch_dcp"], None,
