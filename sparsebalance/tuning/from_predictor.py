@@ -82,6 +82,8 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
                     kept_at(predictor, flat, k, dens, topk_min) - kept_pairs(flat, k, predictor.block_size))
             per_layer = np.add.reduceat(doc, starts) + const
             tab[li] = ((per_layer[:, None] * layers + extras) * corr).reshape(D, M, stages)
+        if dens is not None:  # the swapped pair terms leave rounding noise across levels
+            tab = np.maximum.accumulate(tab, axis=0)
         out.append(tab)
     return out[0], out[1]
 

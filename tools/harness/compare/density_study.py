@@ -106,11 +106,21 @@ class StudyDocs:
 
 @dataclass
 class Assigned:
-    """Content of a stream of simulated documents (one row per document)."""
+    """Content of a stream of simulated documents (one row per document): the study document
+    each one drew (its source, density, length and compression ratio) and the length trend."""
 
     source: np.ndarray
-    density: np.ndarray
+    base_density: np.ndarray
+    base_length: np.ndarray
     compression: np.ndarray
+    exponent: float
+
+    def density_at(self, docs, lengths) -> np.ndarray:
+        """Density of segments of ``lengths`` tokens of documents ``docs`` (a document, or a
+        chunk of one that attends within itself): the drawn density moved along the trend."""
+        d = np.asarray(docs, dtype=np.int64)
+        n = np.asarray(lengths, dtype=np.float64)
+        return np.clip(self.base_density[d] * (n / self.base_length[d]) ** self.exponent, 1e-6, 1.0)
 
 
 def assign(lengths: np.ndarray, pool: StudyDocs, exponent: float, seed: int) -> Assigned:
@@ -126,9 +136,8 @@ def assign(lengths: np.ndarray, pool: StudyDocs, exponent: float, seed: int) -> 
         rows = np.flatnonzero(nearest == b)
         members = np.flatnonzero(pb == b)
         pick[rows] = members[rng.integers(0, members.size, rows.size)]
-    dens = pool.density[pick] * (L / pool.length[pick]) ** exponent
-    return Assigned(source=pool.source[pick], density=np.clip(dens, 1e-6, 1.0),
-                    compression=pool.compression[pick])
+    return Assigned(source=pool.source[pick], base_density=pool.density[pick],
+                    base_length=pool.length[pick], compression=pool.compression[pick], exponent=exponent)
 
 
 @dataclass
@@ -138,9 +147,27 @@ class CellContent:
     docs: Assigned
     """Content of the simulated stream (draw half)."""
     warm_lengths: np.ndarray
+    """Warm-up documents' lengths (tokens)."""
     warm: Assigned
-    """Warm-up documents (fit half) SAB's estimator has seen before the first step."""
+    """Warm-up documents' content (fit half)."""
     exponent: float
+    """The length trend ``b`` (rule 2)."""
+
+    def estimator(self, block_size: int, topk_min: int, item_length: int):
+        """A :class:`~sparsebalance.batching.density_feedback.ThresholdDensity` over the
+        simulated stream's documents that has seen the warm-up documents (chunked at
+        ``item_length`` tokens as the sampler chunks them)."""
+        from sparsebalance.batching.density_feedback import ThresholdDensity
+
+        td = ThresholdDensity(block_size=block_size, topk_min=topk_min, sources=self.docs.source,
+                              compression=self.docs.compression)
+        doc = np.repeat(np.arange(self.warm_lengths.size), -(-self.warm_lengths // item_length))
+        first = np.concatenate([[0], np.cumsum(-(-self.warm_lengths // item_length))[:-1]])
+        off = (np.arange(doc.size) - first[doc]) * item_length
+        seg = np.minimum(self.warm_lengths[doc] - off, item_length)
+        td.estimator.update_many(self.warm.source[doc], seg, self.warm.density_at(doc, seg), None,
+                                 self.warm.compression[doc])
+        return td
 
 
 def cell_content(study: dict, mode: str, lengths: np.ndarray, warm_tokens: int, seed: int) -> CellContent:
@@ -152,12 +179,12 @@ def cell_content(study: dict, mode: str, lengths: np.ndarray, warm_tokens: int, 
     fit, draw = docs.take(perm[: perm.size // 2]), docs.take(perm[perm.size // 2:])
     rng = np.random.default_rng(seed + 104729)
     L = np.asarray(lengths, dtype=np.int64)
-    warm_L = []
+    warm_L: list = []
     while sum(warm_L) < warm_tokens:
         warm_L.extend(rng.permutation(L)[: 4096].tolist())
-    warm_L = np.array(warm_L, dtype=np.int64)
-    return CellContent(docs=assign(L, draw, exponent, seed), warm_lengths=warm_L,
-                       warm=assign(warm_L, fit, exponent, seed + 1), exponent=exponent)
+    warm = np.array(warm_L, dtype=np.int64)
+    return CellContent(docs=assign(L, draw, exponent, seed), warm_lengths=warm,
+                       warm=assign(warm, fit, exponent, seed + 1), exponent=exponent)
 
 
 # Stand-in for the real study (module docstring of synthetic_study).
