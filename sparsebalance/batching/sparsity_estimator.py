@@ -1,4 +1,5 @@
-"""A document's attention density predicted before it is seen, from its source and length.
+"""A document's attention density predicted before it is seen, from its source, its length
+and its text's compression ratio.
 
 Under threshold routing (``sparsebalance.ops.plan.RoutingRule``) the key blocks a
 query block keeps follow the content, so two documents of equal length cost
@@ -9,16 +10,26 @@ was measured on earlier documents:
 1. the mean density of earlier documents of the same source and length bucket;
 2. else the mean of the same length bucket over every source;
 3. else the mean of the same source over every length;
-4. else the mean of everything seen, else ``prior``.
+4. else the mean of everything seen, else ``prior``;
+
+refined by two slopes of log density fitted within the finest cells and shared by all:
+one on ``log2`` length (within a bucket, and to carry a coarser level to lengths it has
+not seen) and one on the compression ratio (zlib compressed / raw bytes of the text,
+when the document has one). :class:`LengthOnlyEstimator` is the same without sources
+or ratios: what a length-only balancer can know.
 
 Length buckets are ``floor(buckets_per_octave * log2(L))`` (``L`` in tokens). The
-estimator is updated online with :meth:`SparsityEstimator.update` (one measured
-document) or :meth:`SparsityEstimator.update_microbatch` (a micro-batch measured as a
-whole, as the attention records report it) and costs a dictionary lookup per document.
+estimator is updated online with :meth:`SparsityEstimator.update` /
+:meth:`~SparsityEstimator.update_many` (measured documents) or
+:meth:`SparsityEstimator.update_microbatch` (a micro-batch measured as a whole, as the
+attention records report it); its state is sums per cell (``state_dict``), and a
+prediction costs one grouped lookup per distinct (source, bucket). In training it sits
+behind SAB's cost model through :mod:`sparsebalance.batching.density_feedback`.
 
 The cost it feeds is the attention-pair proxy :func:`attention_cost`: ``density x
 L (L + 1) / 2`` summed over a micro-batch's documents (per head; kernel overheads
-are not modelled). The module also holds the spread statistics the sparsity study
+are not modelled); :func:`heldout_microbatch_mape` is the held-out error of that cost
+per micro-batch. The module also holds the spread statistics the sparsity study
 reports (:func:`cv`, :func:`cv_within_buckets`).
 """
 
