@@ -170,17 +170,38 @@ def _sums(density: np.ndarray, weight: np.ndarray, lengths: np.ndarray,
     return out
 
 
-def _groups(sources: Sequence[Optional[str]], buckets: np.ndarray):
+@dataclass(frozen=True)
+class SourceCodes:
+    """Source tags of many documents as integer codes into ``names`` (-1: untagged): what a
+    caller that predicts for the same documents again and again encodes once."""
+
+    codes: np.ndarray
+    names: np.ndarray
+
+    @classmethod
+    def encode(cls, sources: Sequence[Optional[str]]) -> "SourceCodes":
+        src = np.asarray(list(sources), dtype=object)
+        none = np.array([x is None for x in src], dtype=bool)
+        names, codes = np.unique(np.where(none, "", src).astype(str), return_inverse=True)
+        return cls(np.where(none, -1, codes.reshape(-1)).astype(np.int64), names)
+
+    def __getitem__(self, idx) -> "SourceCodes":
+        return SourceCodes(self.codes[idx], self.names)
+
+    def __len__(self) -> int:
+        return int(self.codes.size)
+
+
+def _groups(sources, buckets: np.ndarray):
     """``((source, bucket), indices)`` for every distinct (source, bucket) of the documents
-    (vectorised: one sort, no per-document Python work)."""
-    src = np.asarray(list(sources) if not isinstance(sources, np.ndarray) else sources, dtype=object)
-    if src.size != buckets.size:
-        raise ValueError(f"{src.size} sources for {buckets.size} lengths")
-    if src.size == 0:
+    (vectorised: one sort, no per-document Python work); ``sources`` names or
+    :class:`SourceCodes`."""
+    enc = sources if isinstance(sources, SourceCodes) else SourceCodes.encode(sources)
+    if enc.codes.size != buckets.size:
+        raise ValueError(f"{enc.codes.size} sources for {buckets.size} lengths")
+    if enc.codes.size == 0:
         return
-    none = np.array([x is None for x in src], dtype=bool) if src.dtype == object else np.zeros(src.size, bool)
-    names, codes = np.unique(np.where(none, "", src).astype(str), return_inverse=True)
-    codes = np.where(none, -1, codes.reshape(-1)) + 1
+    names, codes = enc.names, enc.codes + 1
     span = int(buckets.max() - buckets.min()) + 1
     keys, inv = np.unique(codes * span + (buckets - buckets.min()), return_inverse=True)
     order = np.argsort(inv.reshape(-1), kind="stable")
