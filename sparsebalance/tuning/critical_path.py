@@ -56,7 +56,8 @@ _SWAP_CELLS = 4_000_000
 class _Batch:
     """Level tables laid out for the engine: columns are (candidate, replica) pairs."""
 
-    def __init__(self, inst: Instance, num_candidates: int) -> None:
+    def __init__(self, inst: Instance, num_candidates: int,
+                 weight: Optional[np.ndarray] = None) -> None:
         self.inst = inst
         self.g: Graph = build_graph(inst.schedule, inst.pp, inst.microbatches, inst.vpp,
                                     inst.group)
@@ -70,6 +71,10 @@ class _Batch:
             return a.reshape(L, D, M * S).transpose(0, 2, 1)  # [L, MS, D]
 
         self.Fr, self.Br, self.Ar = lay(inst.fwd), lay(inst.bwd), lay(inst.attn)
+        # What the total-float raise maximises: kept pairs, or with a per-micro-batch
+        # weight [D, M] (the sensitivity-aware refinement) weighted kept pairs.
+        self.Wr = self.Ar if weight is None else lay(
+            inst.attn * np.asarray(weight, dtype=float)[None, :, :, None])
         self.Lr = self.Fr + self.Br
         N = self.g.num_nodes
         s1 = self.g.succ[:, 1]
@@ -89,6 +94,10 @@ class _Batch:
     def attention(self, X: np.ndarray) -> np.ndarray:
         """[K] total attention of each candidate (summed over its replicas)."""
         return self._pick(self.Ar, X).sum(axis=0).reshape(self.K, self.D).sum(axis=1)
+
+    def weighted(self, X: np.ndarray) -> np.ndarray:
+        """[K] total weighted attention of each candidate (== attention without weights)."""
+        return self._pick(self.Wr, X).sum(axis=0).reshape(self.K, self.D).sum(axis=1)
 
     def makespan(self, X: np.ndarray) -> np.ndarray:
         """[K] step time of each candidate (slowest of its replicas)."""
@@ -143,7 +152,7 @@ class _Batch:
         float only at its earliest start and whose backward only at its latest (the
         usual case on a stage that waits for a slower one). Total float has no such
         gap, but is shared along paths, so only one op per column (the one gaining
-        the most attention) takes it per round: its forward and backward together
+        the most attention, weighted when the batch has a weight) takes it per round: its forward and backward together
         grow by at most the smaller of their total floats, so no path can pass
         ``deadline``.
         """
@@ -164,7 +173,7 @@ class _Batch:
                                     strict=False) - 1, x)
             new = _count(self.Ar, i, r, self.Ar[top, i, r], strict=True)
             gain = np.zeros(X.shape)
-            gain[i, c] = self.Ar[new, i, r] - self.Ar[x, i, r]
+            gain[i, c] = self.Wr[new, i, r] - self.Wr[x, i, r]
             best = np.argmax(gain, axis=0)
             moving = gain[best, cols] > 0
             if not moving.any():
