@@ -71,8 +71,7 @@ class _Batch:
             return a.reshape(L, D, M * S).transpose(0, 2, 1)  # [L, MS, D]
 
         self.Fr, self.Br, self.Ar = lay(inst.fwd), lay(inst.bwd), lay(inst.attn)
-        # What the total-float raise maximises: kept pairs, or with a per-micro-batch
-        # weight [D, M] (the sensitivity-aware refinement) weighted kept pairs.
+        # Weighted kept pairs (a per-micro-batch weight [D, M]: tuning/sensitivity.py).
         self.Wr = self.Ar if weight is None else lay(
             inst.attn * np.asarray(weight, dtype=float)[None, :, :, None])
         self.Lr = self.Fr + self.Br
@@ -152,7 +151,7 @@ class _Batch:
         float only at its earliest start and whose backward only at its latest (the
         usual case on a stage that waits for a slower one). Total float has no such
         gap, but is shared along paths, so only one op per column (the one gaining
-        the most attention, weighted when the batch has a weight) takes it per round: its forward and backward together
+        the most attention) takes it per round: its forward and backward together
         grow by at most the smaller of their total floats, so no path can pass
         ``deadline``.
         """
@@ -173,7 +172,7 @@ class _Batch:
                                     strict=False) - 1, x)
             new = _count(self.Ar, i, r, self.Ar[top, i, r], strict=True)
             gain = np.zeros(X.shape)
-            gain[i, c] = self.Wr[new, i, r] - self.Wr[x, i, r]
+            gain[i, c] = self.Ar[new, i, r] - self.Ar[x, i, r]
             best = np.argmax(gain, axis=0)
             moving = gain[best, cols] > 0
             if not moving.any():

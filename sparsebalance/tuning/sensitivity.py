@@ -19,12 +19,19 @@ kept pairs ``sum w_m x attn`` at a fixed step time is minimising it.
 micro-batches *without changing what the policy planned*: the step time stays at most the
 plan's and the total kept pairs at least the plan's, and the weighted pairs only grow:
 
-1. raise into the remaining total float, the op gaining the most *weighted* pairs first;
+1. raise into the float the plan leaves (``raise_indices``: free-float passes and
+   total-float rounds, unweighted): more pairs at the same step time. The swaps keep at
+   least this many pairs, so against "the plan + the same raise" the refinement only moves
+   pairs, it does not add any (``tools/sensitivity_sim.py`` reports both comparisons);
 2. swaps (local search): one op one level down, another of a more sensitive micro-batch
    one level up, on the same replica, kept only if the replica still meets the plan's step
-   time and the total pairs stay at or above the plan's. This also picks which straggler op
-   is cut: a cut on a sensitive micro-batch swapped for an equally fast cut on a less
-   sensitive one is such a move. Best weighted gain first, within a fixed compute budget.
+   time and the total pairs stay at or above step 1's. This is where the sensitive
+   micro-batches get raised first (a raise step 1 gave to a less sensitive op moves to a
+   more sensitive one whenever the float allows), and where the least sensitive straggler
+   op is cut (a cut on a sensitive micro-batch swapped for an equally fast cut on a less
+   sensitive one is such a move). Value of a swap: its gain in weighted pairs, best first;
+   time is not traded (each swap must fit the same step time), so no per-millisecond
+   ratio is needed. Within a fixed compute budget.
 
 With no weights, or equal weights, the plan is returned as it is (the invariant the tests
 hold). The anchor rule has a single answer per op and no deadline of its own; it gets the
@@ -39,7 +46,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from ..pairs import causal_pairs, kept_pairs
-from .critical_path import _TOL, _Batch
+from .critical_path import _TOL, _Batch, raise_indices
 from .instance import Instance
 from .plan import Plan, make_plan
 
@@ -96,7 +103,7 @@ def sensitivity_indices(inst: Instance, idx: np.ndarray, weight: Optional[np.nda
 
     Args:
         weight: [D, M] weights (default ``inst.weight``); None or equal: ``idx`` unchanged.
-        shift_rounds: weighted total-float raise rounds.
+        shift_rounds: total-float rounds of the raise.
         max_moves: most swaps per replica.
         budget: the swap search stops after timing this many (op x candidate) cells.
         chunk: swaps timed per sweep, best estimated gain first.
@@ -109,9 +116,11 @@ def sensitivity_indices(inst: Instance, idx: np.ndarray, weight: Optional[np.nda
     one = _Batch(inst, 1, weight)
     X = idx.reshape(D, M * S).T.copy()
     t0, a0, w0 = (float(f(X)[0]) for f in (one.makespan, one.attention, one.weighted))
-    dl = np.full(D, t0)
-    Y = one.fill(one.shift(one.fill(X, dl), dl, shift_rounds), dl)
-    spare = float(one.attention(Y)[0]) - a0  # pairs the swaps may give up overall
+    # 1. Unweighted raise into the leftover float: the swaps' floor is its pairs, so all
+    #    they change is where pairs sit, not how many.
+    Y = raise_indices(inst, idx, deadline=t0, shift_rounds=shift_rounds).reshape(D, M * S).T.copy()
+    a0 = max(a0, float(one.attention(Y)[0]))
+    spare = 0.0  # pairs the swaps may give up overall
     spent = 0.0
     for r in range(D):
         sub = dataclasses.replace(inst, dp=1, fwd=inst.fwd[:, r:r + 1], bwd=inst.bwd[:, r:r + 1],
@@ -179,6 +188,30 @@ def sensitivity_plan(inst: Instance, plan: Plan, weight: Optional[np.ndarray] = 
     if out is idx:
         return plan
     return make_plan(inst, out, f"{plan.policy}+sensitivity")
+
+
+def plan_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]],
+                sensitivity: Sequence[Sequence[Sequence[float]]], *, pp: int, k0: int, ref_topk: int,
+                eps: float = 0.0, **instance_kw) -> Dict[str, np.ndarray]:
+    """The budget tables of one step of micro-batches for an accuracy harness.
+
+    Args:
+        predictor: latency predictor (``sparsebalance.predictor.get_predictor``).
+        lengths: ``[dp][microbatch][document]`` tokens.
+        sensitivity: the same nesting, each document's loss (nats per token) under
+            ``ref_topk`` at the predictor's block size (estimated or measured).
+        pp, k0: pipeline ranks and static budget; ``instance_kw``: more of
+            :func:`~sparsebalance.tuning.from_predictor.build_instance` (vpp, schedule, levels, ...).
+
+    Returns:
+        ``{"static", "slack-only", "sensitivity"}`` -> ``[dp, M, stages]`` int tables (as
+        :func:`budget_tables`), and ``"weight"`` -> the ``[dp, M]`` weights.
+    """
+    from .from_predictor import build_instance
+
+    w = microbatch_weights(lengths, sensitivity, ref_topk, predictor.block_size)
+    inst = build_instance(predictor, lengths, pp=pp, k0=k0, weight=w, **instance_kw)
+    return {**budget_tables(inst, w, eps), "weight": w}
 
 
 def budget_tables(inst: Instance, weight: np.ndarray, eps: float = 0.0) -> Dict[str, np.ndarray]:
