@@ -1,6 +1,5 @@
 """--sb-dst-sensitivity: flags -> DSTConfig -> the balancer's plan, and the weights of a packed step."""
 
-import json
 from types import SimpleNamespace
 
 import numpy as np
