@@ -420,12 +420,13 @@ class StepPlanner:
                 state = self.sampler.state_dict()
                 nxt = self._pack()
                 self._ahead = (state, nxt)
-                then = (nxt, nxt.lengths, self._weight(nxt))
-            step.forecast = self.balancer.forecast(step, step.lengths, then=then, weight=self._weight(step))
+                then = (nxt, nxt.lengths) if self.sensitivity is None else (nxt, nxt.lengths, self._weight(nxt))
+            more_kw = {} if self.sensitivity is None else {"weight": self._weight(step)}
+            step.forecast = self.balancer.forecast(step, step.lengths, then=then, **more_kw)
         return step
 
-    def _weight(self, step: PlannedStep) -> Optional[np.ndarray]:
-        return None if self.sensitivity is None else self.sensitivity(step.packing, step.lengths)
+    def _weight(self, step: PlannedStep) -> np.ndarray:
+        return self.sensitivity(step.packing, step.lengths)
 
     def state_dict(self) -> dict:
         """The sampler's state at the first step not handed out (a step packed ahead is

@@ -1,5 +1,6 @@
 """--sb-dst-sensitivity: flags -> DSTConfig -> the balancer's plan, and the weights of a packed step."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -83,3 +84,20 @@ def test_flags(tmp_path):
         DSTConfig(policy="critical-path", sensitivity="estimate")  # no study
     with pytest.raises(ValueError, match="sensitivity"):
         DSTConfig(policy="critical-path", sensitivity="oracle", sensitivity_study="s.json")
+
+
+def test_driver_trains_with_sensitivity_estimate(long_corpus, world, tmp_path):
+    """--sb-dst-sensitivity estimate end to end (no source sidecar: the estimator
+    falls back to its length buckets, so weights still vary between micro-batches)."""
+    from conftest import PRETRAIN, TINY, summary_of
+
+    study = tmp_path / "study.json"
+    study.write_text(json.dumps(fixture_study(seed=2, docs_per_source=4, block_size=32, topk=4)))
+    proc = world.launch(PRETRAIN, [*TINY, "--seq-length", "1024",
+                                   "--data-path", long_corpus, "--train-iters", "2", "--sparse-balance",
+                                   "--sb-block-size", "32", "--sb-topk", "4", "--sb-cost-model", "h100-analytic",
+                                   "--sb-dst-sensitivity", "estimate", "--sb-sensitivity-study", str(study)],
+                        nproc=1, timeout=300)
+    summary = summary_of(proc)
+    assert summary["iterations"] == 2
+    assert summary["args"]["sb_dst_sensitivity"] == "estimate"
