@@ -144,3 +144,22 @@ def test_simulation_tool_on_the_fixture(tmp_path, capsys):
         d = res[f"sensitivity_minus_{ref}"]
         assert d["step_ms_max_diff"] <= 1e-9 and d["kept_pairs_ratio"][0] >= 1 - 1e-12
     assert arms["sensitivity"]["step_ms"] <= arms["slack-only"]["step_ms"] * (1 + 1e-12)
+
+
+def test_cli_sensitivity(tmp_path, capsys):
+    import json
+
+    from sparsebalance.tuning.__main__ import main
+
+    inst = random_instance(2, pp=4, dp=1, microbatches=16, k0=20, levels=list(range(10, 41, 2)),
+                           seq_length=32768, mean_len=5000)
+    w = _weights(inst, 2)
+    path = tmp_path / "inst.json"
+    path.write_text(json.dumps(instance_to_json(dataclasses.replace(inst, weight=w))))
+    assert main(["plan", "--instance", str(path), "--sensitivity", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = budget_tables(inst, w)["sensitivity"]
+    assert np.array_equal(np.array(got["budget"]), want)
+    path.write_text(json.dumps(instance_to_json(inst)))
+    assert main(["plan", "--instance", str(path), "--sensitivity"]) == 2
+    assert "weight" in capsys.readouterr().err
