@@ -231,8 +231,8 @@ class SparsityEstimator:
     def __post_init__(self) -> None:
         if isinstance(self.buckets_per_octave, bool) or int(self.buckets_per_octave) < 1:
             raise ValueError(f"buckets_per_octave must be >= 1, got {self.buckets_per_octave!r}")
-        if not self.floor <= float(self.prior) <= self.ceiling:
-            raise ValueError(f"prior must be in [{self.floor:g}, {self.ceiling:g}], got {self.prior!r}")
+        if not 0.0 < float(self.prior) <= self.ceiling:
+            raise ValueError(f"prior must be in (0, {self.ceiling:g}], got {self.prior!r}")
         if int(self.min_count) < 1:
             raise ValueError(f"min_count must be >= 1, got {self.min_count!r}")
         if int(self.min_slope_docs) < 2:
@@ -410,7 +410,6 @@ class LengthOnlyEstimator(SparsityEstimator):
     def __post_init__(self) -> None:
         self.use_compression = False
         super().__post_init__()
-
 
 
 @dataclass
