@@ -13,7 +13,10 @@ and the predicted loss of a plan against the static one is::
     loss_proxy = sum over ops of w_m x (attn_static - attn_plan) / layers     (nats, summed)
 
 (:func:`loss_proxy`; ``attn`` counts pairs over the stage's layers). Maximising the weighted
-kept pairs ``sum w_m x attn`` at a fixed step time is minimising it.
+kept pairs ``sum w_m x attn`` at a fixed step time is minimising it. Equal per-token
+sensitivities do not give equal weights: a pair is a larger share of a short document's
+attention, so under this model it is worth more there (the loss is linear in the *share* of a
+document's pairs dropped); equal *weights* leave the plan as it is.
 
 :func:`sensitivity_indices` takes any policy's plan and moves budget towards the sensitive
 micro-batches *without changing what the policy planned*: the step time stays at most the
