@@ -198,8 +198,10 @@ class Balancer:
         self._before_last: dict = predictor.recalibrator.state_dict()
         self._resume_from: Optional[dict] = None  # set by load_state_dict, used once
 
-    def plan(self, lengths: Lengths) -> StepForecast:
-        """Plan the budgets of a step of document ``lengths`` (under DST) and predict it."""
+    def plan(self, lengths: Lengths, weight: Optional[np.ndarray] = None) -> StepForecast:
+        """Plan the budgets of a step of document ``lengths`` (under DST) and predict it.
+        ``weight``: [dp, M] sensitivity weights (:class:`SensitivityWeights`; used under
+        ``dst.sensitivity`` "estimate", see :mod:`sparsebalance.tuning.sensitivity`)."""
         from sparsebalance.pipeline import simulate
 
         t0 = time.perf_counter()
@@ -209,8 +211,13 @@ class Balancer:
             from sparsebalance.tuning.from_predictor import build_instance
 
             inst = build_instance(pred, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
-                                  k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max)
+                                  k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max,
+                                  weight=weight if dst.sensitivity != "off" else None)
             plan = self._policy(inst, dst)
+            if inst.weight is not None:  # same step time and kept pairs, budget where it counts
+                from sparsebalance.tuning.sensitivity import sensitivity_plan
+
+                plan = sensitivity_plan(inst, plan)
             budget = check_budget(plan.budget, lengths, self.stages)
             fwd, bwd, _ = inst.at(inst.indices(budget))
             step_ms, base_ms = plan.step_ms, plan.baseline_step_ms
@@ -225,30 +232,31 @@ class Balancer:
                             model=(np.asarray(fwd) / corr[0], np.asarray(bwd) / corr[1]),
                             wait_ms=ms)
 
-    def forecast(self, step: Hashable, lengths: Lengths,
-                 then: Optional[Tuple[Hashable, Lengths]] = None) -> StepForecast:
+    def forecast(self, step: Hashable, lengths: Lengths, then: Optional[tuple] = None,
+                 weight: Optional[np.ndarray] = None) -> StepForecast:
         """The plan of ``step`` (any object naming the step, compared by identity) of
         document ``lengths``: the one planned ahead for it (waiting for it if it is not
-        done), else planned now. ``then``: the next ``(step, lengths)``, whose plan
-        :meth:`plan_ahead` starts once this one is in hand (None: no next step)."""
-        out = self._forecast(step, lengths)
+        done), else planned now. ``then``: the next ``(step, lengths)`` or ``(step, lengths,
+        weight)``, whose plan :meth:`plan_ahead` starts once this one is in hand (None: no next
+        step). ``weight``: as in :meth:`plan`."""
+        out = self._forecast(step, lengths, weight)
         if then is not None:
             self.plan_ahead(*then)
         return out
 
-    def _forecast(self, step: Hashable, lengths: Lengths) -> StepForecast:
+    def _forecast(self, step: Hashable, lengths: Lengths, weight=None) -> StepForecast:
         pending, self._pending = self._pending, None
         if pending is None or pending[0] is not step:
             self._join(pending)
             if self._resume_from is not None:  # first step after a resume (see docstring)
-                return self._plan_with(self._resume_from, lengths)
-            return self.plan(lengths)
+                return self._plan_with(self._resume_from, lengths, weight)
+            return self.plan(lengths, weight)
         t0 = time.perf_counter()
         out = self._join(pending)
         out.wait_ms = (time.perf_counter() - t0) * 1e3
         return out
 
-    def plan_ahead(self, step: Hashable, lengths: Lengths) -> None:
+    def plan_ahead(self, step: Hashable, lengths: Lengths, weight: Optional[np.ndarray] = None) -> None:
         """Start planning the next ``step`` of document ``lengths`` in the background
         (no-op unless planning ahead); :meth:`forecast` collects it."""
         if not self.ahead:
@@ -258,7 +266,7 @@ class Balancer:
 
         def work() -> None:
             try:
-                box["out"] = self.plan(lengths)
+                box["out"] = self.plan(lengths, weight)
             except BaseException as e:  # re-raised on the training thread by _join
                 box["err"] = e
 
@@ -290,13 +298,13 @@ class Balancer:
                 if m > 0 and t > 0:
                     self.predictor.observe(s, phase, m, t)
 
-    def _plan_with(self, recal_state: dict, lengths: Lengths) -> StepForecast:
+    def _plan_with(self, recal_state: dict, lengths: Lengths, weight=None) -> StepForecast:
         """:meth:`plan` under another recalibrator state, then back to the current one
         (nothing else reads the predictor meanwhile: no plan is pending)."""
         current = self.predictor.recalibrator.state_dict()
         self.predictor.recalibrator.load_state_dict(recal_state)
         try:
-            return self.plan(lengths)
+            return self.plan(lengths, weight)
         finally:
             self.predictor.recalibrator.load_state_dict(current)
 
@@ -380,11 +388,15 @@ class StepPlanner:
             (None: no padding); it enters the lengths as trained.
         attention: the run's :class:`~sparsebalance.config.AttentionConfig`; sparse: each
             step's ``static_density`` (None: not computed).
+        sensitivity: :class:`SensitivityWeights` of the run's documents (None: none); each
+            step's weights go to the balancer with its lengths.
     """
 
     def __init__(self, sampler, balancer: Optional[Balancer] = None, pad_to: Optional[int] = None,
-                 attention: Optional[AttentionConfig] = None) -> None:
+                 attention: Optional[AttentionConfig] = None,
+                 sensitivity: Optional["SensitivityWeights"] = None) -> None:
         self.sampler, self.balancer, self.pad_to = sampler, balancer, pad_to
+        self.sensitivity = sensitivity
         self.attention = attention if attention is not None and attention.sparse else None
         self._ahead: Optional[Tuple[dict, PlannedStep]] = None  # (sampler state before it, step)
 
@@ -409,9 +421,13 @@ class StepPlanner:
                 state = self.sampler.state_dict()
                 nxt = self._pack()
                 self._ahead = (state, nxt)
-                then = (nxt, nxt.lengths)
-            step.forecast = self.balancer.forecast(step, step.lengths, then=then)
+                then = (nxt, nxt.lengths) if self.sensitivity is None else (nxt, nxt.lengths, self._weight(nxt))
+            more_kw = {} if self.sensitivity is None else {"weight": self._weight(step)}
+            step.forecast = self.balancer.forecast(step, step.lengths, then=then, **more_kw)
         return step
+
+    def _weight(self, step: PlannedStep) -> np.ndarray:
+        return self.sensitivity(step.packing, step.lengths)
 
     def state_dict(self) -> dict:
         """The sampler's state at the first step not handed out (a step packed ahead is
@@ -430,3 +446,67 @@ class StepPlanner:
         """Resume at :meth:`state_dict`'s step (a step packed ahead is dropped)."""
         self._ahead = None
         self.sampler.load_state_dict(state)
+
+
+class SensitivityWeights:
+    """Each micro-batch's sensitivity weight (nats per dropped pair,
+    :func:`sparsebalance.tuning.sensitivity.microbatch_weights`) from its documents' predicted
+    sensitivities.
+
+    Args:
+        estimator: a fitted :class:`~sparsebalance.batching.sparsity_estimator.SensitivityEstimator`.
+        ref_topk, block_size: the budget its sensitivities were measured at.
+        sources: [N] source tag of each document of the split (document id = index; None: untagged).
+        compression: [N] compression ratio of each document (NaN: unknown; None: none).
+
+    Fed from a sensitivity study (:meth:`from_study`); online, its estimator takes
+    ``update_probe`` (a micro-batch's measured dense-minus-sparse loss), which the driver does
+    not measure yet.
+    """
+
+    def __init__(self, estimator, *, ref_topk: int, block_size: int, sources=None,
+                 compression=None) -> None:
+        self.estimator, self.ref_topk, self.block_size = estimator, int(ref_topk), int(block_size)
+        self.sources = None if sources is None else np.asarray(list(sources), dtype=object)
+        self.compression = None if compression is None else np.asarray(compression, dtype=float)
+
+    @classmethod
+    def from_study(cls, study: dict, sources=None, compression=None) -> "SensitivityWeights":
+        """Fitted on a sensitivity study's ``documents`` that carry ``loss_delta``
+        (``source``, ``length``, optional ``compression_ratio``); its ``config`` gives the
+        reference budget (``sens_topk``, ``block_size``; defaults 8 and 64)."""
+        from sparsebalance.batching.sparsity_estimator import SensitivityEstimator
+
+        docs = [d for d in study.get("documents", []) if d.get("loss_delta") is not None]
+        if not docs:
+            raise ValueError("the sensitivity study has no documents with a loss_delta")
+        comp = [d.get("compression_ratio") for d in docs]
+        est = SensitivityEstimator()
+        est.update_many([d.get("source") for d in docs], [int(d["length"]) for d in docs],
+                        [float(d["loss_delta"]) for d in docs], None,
+                        comp if any(c is not None for c in comp) else None)
+        cfg = study.get("config", {})
+        return cls(est, ref_topk=int(cfg.get("sens_topk", 8)), block_size=int(cfg.get("block_size", 64)),
+                   sources=sources, compression=compression)
+
+    def documents(self, doc_ids, lengths) -> np.ndarray:
+        """[n] predicted sensitivity (nats per token) of documents ``doc_ids`` of ``lengths``."""
+        ids = np.asarray(doc_ids, dtype=np.int64)
+        src = [None] * len(ids) if self.sources is None else list(self.sources[ids])
+        comp = None if self.compression is None else self.compression[ids]
+        return self.estimator.predict_many(src, lengths, comp)
+
+    def __call__(self, packing, lengths: Lengths) -> np.ndarray:
+        """[dp, M] weights of a step: ``packing`` (``StepPacking``: ``ranks[dp][M]`` segments
+        ``(doc_id, offset, length)``) and its ``lengths`` as trained (a trailing padding
+        segment gets sensitivity 0)."""
+        from sparsebalance.tuning.sensitivity import microbatch_weights
+
+        sens = []
+        for r, rank in enumerate(packing.ranks):
+            row = []
+            for m, segs in enumerate(rank):
+                s = list(self.documents([x[0] for x in segs], [x[2] for x in segs])) if segs else []
+                row.append(s + [0.0] * (len(lengths[r][m]) - len(s)))
+            sens.append(row)
+        return microbatch_weights(lengths, sens, self.ref_topk, self.block_size)

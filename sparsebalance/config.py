@@ -72,7 +72,7 @@ class PackingConfig:
 @dataclass(frozen=True)
 class DSTConfig:
     """Dynamic sparsity tuning (``--sb-dst``, ``--sb-anchor``, ``--sb-p``, ``--sb-topk-min|max``,
-    ``--sb-attn-slack``, ``--no-sb-plan-ahead``)."""
+    ``--sb-attn-slack``, ``--no-sb-plan-ahead``, ``--sb-dst-sensitivity``, ``--sb-sensitivity-study``)."""
 
     policy: str = "off"
     """"off" or a ``sparsebalance.tuning.policies.DST_POLICIES`` key (checked when resolved)."""
@@ -88,6 +88,12 @@ class DSTConfig:
     """Critical-path policy: retained attention may drop to ``(1 - slack)`` x static."""
     plan_ahead: bool = True
     """Plan step N+1 in a background thread while step N trains."""
+    sensitivity: str = "off"
+    """"off" or "estimate": among plans of the policy's step time and kept pairs, move budget
+    to the micro-batches whose documents are estimated to lose most loss per dropped pair
+    (``sparsebalance.tuning.sensitivity``)."""
+    sensitivity_study: Optional[str] = None
+    """Sensitivity study JSON (``documents`` with ``loss_delta``) the estimator starts from."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.topk_min <= self.topk_max,
@@ -95,6 +101,10 @@ class DSTConfig:
         _check(self.anchor in ("mean", "max", "min"), f"dst.anchor must be mean, max or min, got {self.anchor!r}")
         _check(0.0 <= self.p < 1.0, f"dst.p must be in [0, 1), got {self.p}")
         _check(0.0 <= self.attn_slack <= 1.0, f"dst.attn_slack must be in [0, 1], got {self.attn_slack}")
+        _check(self.sensitivity in ("off", "estimate"),
+               f"dst.sensitivity must be off or estimate, got {self.sensitivity!r}")
+        _check(self.sensitivity == "off" or self.sensitivity_study is not None,
+               "dst.sensitivity estimate needs a sensitivity study (dst.sensitivity_study)")
 
     @property
     def enabled(self) -> bool:

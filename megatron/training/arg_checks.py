@@ -159,6 +159,13 @@ def validate_balance(args: argparse.Namespace) -> None:
         raise UsageError(f"--sb-p must be in (0, 1), got {args.sb_p}")
     if not 0.0 <= args.sb_attn_slack < 1.0:
         raise UsageError(f"--sb-attn-slack must be in [0, 1), got {args.sb_attn_slack}")
+    if args.sb_dst_sensitivity != "off":
+        if args.sb_dst == "off":
+            raise UsageError("--sb-dst-sensitivity refines DST's budgets: it needs --sb-dst")
+        if args.sb_sensitivity_study is None:
+            raise UsageError("--sb-dst-sensitivity estimate needs --sb-sensitivity-study PATH")
+    if args.sb_sensitivity_study is not None and args.sb_dst_sensitivity == "off":
+        raise UsageError("--sb-sensitivity-study needs --sb-dst-sensitivity estimate")
     if args.sb_profile is not None and args.sb_cost_model is not None:
         raise UsageError("give either --sb-profile or --sb-cost-model, not both")
     if args.sb_cost_model is not None:

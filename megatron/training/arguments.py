@@ -311,6 +311,13 @@ def _sparsebalance_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sb-attn-slack", type=float, default=0.0,
                    help="critical-path policy: retained attention may drop to (1 - slack) x "
                         "the static plan's, 0 <= slack < 1")
+    g.add_argument("--sb-dst-sensitivity", choices=("off", "estimate"), default="off",
+                   help="DST: among plans of the policy's step time and kept pairs, move budget "
+                        "to the micro-batches estimated to lose most per dropped pair (estimate: "
+                        "from --sb-sensitivity-study); default off until measured on a real model")
+    g.add_argument("--sb-sensitivity-study", default=None, metavar="PATH",
+                   help="sensitivity study JSON (documents with source, length, loss_delta; "
+                        "tools/sparsity_real.py) the sensitivity estimator starts from")
     g.add_argument("--no-sb-plan-ahead", dest="sb_plan_ahead", action="store_false",
                    help="DST: plan each step in line before it runs instead of in the "
                         "background during the previous step (with the correction one step "

@@ -287,6 +287,8 @@ class PackedDataLoader:
         density: threshold routing's per-document density estimator for the packer's costs
             (:class:`sparsebalance.batching.density_feedback.ThresholdDensity`, learnt from
             :func:`megatron.training.doc_features.feedback` after each step); None: none.
+        sensitivity: DST's per-micro-batch sensitivity weights
+            (:class:`sparsebalance.balancer.SensitivityWeights`, ``--sb-dst-sensitivity``); None: none.
     """
 
     def __init__(self, dataset, doc_ids: np.ndarray, *, dp: int, dp_rank: int, micro_batches: int,
@@ -295,7 +297,7 @@ class PackedDataLoader:
                  max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0,
                  loss_starts: Optional[np.ndarray] = None, cp: int = 1, cp_rank: int = 0,
                  pad_id: Optional[int] = None, item_length: Optional[int] = None, balancer=None,
-                 attention=None, sp: int = 1, density=None) -> None:
+                 attention=None, sp: int = 1, density=None, sensitivity=None) -> None:
         from sparsebalance.balancer import StepPlanner
         from sparsebalance.batching.sampler import PackingSampler
 
@@ -315,7 +317,8 @@ class PackedDataLoader:
                                  strategy=strategy, seed=seed, shuffle=shuffle, max_carry_steps=max_carry_steps,
                                  predictor=predictor, pp=pp, item_length=item_length, density=density)
         self.density = density
-        self.planner = StepPlanner(sampler, balancer, pad_to=pad_to, attention=attention)
+        self.planner = StepPlanner(sampler, balancer, pad_to=pad_to, attention=attention,
+                                   sensitivity=sensitivity)
 
     def next_step(self, more: bool = True) -> StepBatches:
         """The library plans the next step (identically on every rank); build this rank's

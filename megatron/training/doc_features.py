@@ -166,3 +166,19 @@ def threshold_density(config, blend, dataset, doc_ids: np.ndarray) -> Optional[o
     src, comp = document_features(blend, dataset)
     return ThresholdDensity(block_size=att.block_size, topk_min=att.topk_min, sources=src[doc_ids],
                             compression=comp[doc_ids])
+
+
+def sensitivity_weights(config, blend, dataset, doc_ids: np.ndarray):
+    """DST's :class:`~sparsebalance.balancer.SensitivityWeights` over the split ``doc_ids``
+    (``--sb-dst-sensitivity estimate``): the estimator fitted on ``config.dst.sensitivity_study``,
+    each document read by its source and compression sidecars."""
+    from sparsebalance.balancer import SensitivityWeights
+
+    path = config.dst.sensitivity_study
+    try:
+        with open(path) as f:
+            study = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--sb-sensitivity-study {path}: cannot read it ({e})") from None
+    src, comp = document_features(blend, dataset)
+    return SensitivityWeights.from_study(study, sources=src[doc_ids], compression=comp[doc_ids])

@@ -157,12 +157,18 @@ def setup(args) -> TrainState:
         from megatron.training.doc_features import threshold_density
 
         density = threshold_density(sb, args.data_blend, dataset, train_ids)
+    sensitivity = None
+    if balancer is not None and sb.dst.enabled and sb.dst.sensitivity != "off":
+        from megatron.training.doc_features import sensitivity_weights
+
+        sensitivity = sensitivity_weights(sb, args.data_blend, dataset, train_ids)
     loader = PackedDataLoader(dataset, train_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,
                               micro_batches=args.num_microbatches, seq_length=args.micro_batch_tokens,
                               strategy=sb.packing.strategy, seed=args.seed, vocab_size=vocab, pad_to=pad_to,
                               max_carry_steps=sb.packing.max_carry_steps, predictor=sampler_predictor,
                               pp=pp, pp_rank=pp_rank, loss_starts=loss_starts, pad_id=pad_id,
-                              balancer=balancer, attention=sb.attention, density=density, **cp)
+                              balancer=balancer, attention=sb.attention, density=density,
+                              sensitivity=sensitivity, **cp)
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
         valid = PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,

@@ -153,11 +153,12 @@ class _Cell:
 
 
 def _sums(density: np.ndarray, weight: np.ndarray, lengths: np.ndarray,
-          compression: Optional[np.ndarray]) -> np.ndarray:
-    """[n, len(_SUMS)] per-document contributions to the sums of :class:`_Cell`."""
+          compression: Optional[np.ndarray], floor: float = 1e-6) -> np.ndarray:
+    """[n, len(_SUMS)] per-document contributions to the sums of :class:`_Cell` (``density``:
+    the estimated quantity; its log is taken at ``floor`` or above)."""
     d, w = density.astype(np.float64), weight.astype(np.float64)
     lg = np.log2(np.maximum(lengths.astype(np.float64), 1.0))
-    y = np.log(np.maximum(d, 1e-6))
+    y = np.log(np.maximum(d, floor))
     out = np.zeros((d.size, len(_SUMS)))
     out[:, :6] = np.stack([w, w * d, w * lg, w * y, w * lg * lg, w * lg * y], axis=1)
     if compression is not None:
@@ -241,14 +242,18 @@ class SparsityEstimator:
     min_slope_docs: int = 8
     """Documents with a compression ratio the pooled slope needs before it is used."""
     uses_source: ClassVar[bool] = True
+    floor: ClassVar[float] = 1e-6
+    """Smallest value predicted (and where the log of the slopes is taken)."""
+    ceiling: ClassVar[float] = 1.0
+    """Largest value predicted (a density is at most 1)."""
     _cells: dict = field(default_factory=dict, repr=False)
     _slope_cache: Optional[tuple] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.buckets_per_octave, bool) or int(self.buckets_per_octave) < 1:
             raise ValueError(f"buckets_per_octave must be >= 1, got {self.buckets_per_octave!r}")
-        if not 0.0 < float(self.prior) <= 1.0:
-            raise ValueError(f"prior must be in (0, 1], got {self.prior!r}")
+        if not 0.0 < float(self.prior) <= self.ceiling:
+            raise ValueError(f"prior must be in (0, {self.ceiling:g}], got {self.prior!r}")
         if int(self.min_count) < 1:
             raise ValueError(f"min_count must be >= 1, got {self.min_count!r}")
         if int(self.min_slope_docs) < 2:
@@ -273,14 +278,12 @@ class SparsityEstimator:
                     compressions: Optional[Sequence[float]] = None) -> None:
         """Fold in many measured documents at once (one sum per cell touched; NaN in
         ``compressions`` = unknown ratio)."""
-        d = np.asarray(densities, dtype=np.float64).reshape(-1)
-        if d.size and (d.min() < 0.0 or d.max() > 1.0 + 1e-9):
-            raise ValueError(f"density must be in [0, 1], got {d.min() if d.min() < 0 else d.max()!r}")
+        d = self._measured(np.asarray(densities, dtype=np.float64).reshape(-1))
         w = np.ones_like(d) if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
         c = None
         if compressions is not None and self.use_compression:
             c = np.asarray([np.nan if x is None else x for x in compressions], dtype=np.float64)
-        contrib = _sums(np.minimum(d, 1.0), w, np.asarray(lengths).reshape(-1), c)
+        contrib = _sums(d, w, np.asarray(lengths).reshape(-1), c, self.floor)
         for (s, b), idx in _groups(sources, self._buckets(lengths)):
             add = contrib[idx].sum(axis=0)
             for key in self._keys(s, b):
@@ -307,6 +310,12 @@ class SparsityEstimator:
         predicted = float((pred * pairs).sum()) / total
         scale = (kept / causal) / predicted if predicted > 0 else 0.0
         self.update_many(sources, lengths, np.minimum(1.0, pred * scale), pairs / total, compressions)
+
+    def _measured(self, d: np.ndarray) -> np.ndarray:
+        """Measured values as folded in: densities must lie in [0, 1] (ValueError)."""
+        if d.size and (d.min() < 0.0 or d.max() > 1.0 + 1e-9):
+            raise ValueError(f"density must be in [0, 1], got {d.min() if d.min() < 0 else d.max()!r}")
+        return np.minimum(d, 1.0)
 
     # -- predictions -------------------------------------------------------------------------
     def _buckets(self, lengths) -> np.ndarray:
@@ -378,7 +387,7 @@ class SparsityEstimator:
                 pred = np.where(np.isfinite(ci), cell.bd / cell.bw * np.exp(np.where(np.isfinite(ci), b_adj, 0.0)),
                                 pred)
             out[idx] = pred
-        return np.clip(out, 1e-6, 1.0)
+        return np.clip(out, self.floor, self.ceiling)
 
     def predict_cost(self, sources: Sequence[Optional[str]], lengths: Sequence[int],
                      compressions: Optional[Sequence[float]] = None) -> float:
@@ -422,6 +431,48 @@ class LengthOnlyEstimator(SparsityEstimator):
     def __post_init__(self) -> None:
         self.use_compression = False
         super().__post_init__()
+
+
+@dataclass
+class SensitivityEstimator(SparsityEstimator):
+    """A document's sparsity sensitivity: the loss (nats per token) it gives up under a
+    reference sparse budget against dense attention, estimated like density.
+
+    The same ladder (source + length bucket, bucket, source, everything, ``prior``) and the
+    same pooled slopes on length and compression ratio, on log sensitivity (the spread
+    between sources is multiplicative: about 40x on SmolLM2-135M at block top-8). Measured
+    deltas below ``floor`` (a dense-vs-sparse difference at the noise level, or negative)
+    count as ``floor``. What feeds it: a sensitivity study's documents
+    (``tools/sparsity_real.py``'s ``loss_delta``, via :meth:`update_many`) and, online,
+    :meth:`update_probe` with a micro-batch's measured dense-minus-sparse loss.
+    """
+
+    prior: float = 0.05
+    """Sensitivity predicted before anything is measured (nats per token; any positive
+    value: equal predictions give equal weights, which leave DST's plan as it is)."""
+    floor: ClassVar[float] = 1e-4
+    ceiling: ClassVar[float] = float("inf")
+
+    def _measured(self, d: np.ndarray) -> np.ndarray:
+        if d.size and not np.all(np.isfinite(d)):
+            raise ValueError("loss deltas must be finite")
+        return np.maximum(d, self.floor)
+
+    def update_microbatch(self, *args, **kwargs) -> None:
+        raise TypeError("a sensitivity is measured as a loss delta: use update_probe")
+
+    def update_probe(self, sources: Sequence[Optional[str]], lengths: Sequence[int], loss_delta: float,
+                     compressions: Optional[Sequence[float]] = None) -> None:
+        """Fold in one micro-batch's measured loss delta (sparse minus dense, nats per token,
+        over all its tokens): each document is taken at its current prediction scaled so
+        that their token-weighted mean equals the measurement, weighted by its token share
+        (a micro-batch of one document is an exact :meth:`update`)."""
+        n = np.asarray(lengths, dtype=np.float64).reshape(-1)
+        if n.size == 0 or n.sum() <= 0:
+            return
+        pred = self.predict_many(sources, lengths, compressions)
+        scale = max(float(loss_delta), self.floor) / float((pred * n).sum() / n.sum())
+        self.update_many(sources, lengths, pred * scale, n / n.sum(), compressions)
 
 
 def pack_in_order(lengths: Sequence[int], tokens: int) -> list:

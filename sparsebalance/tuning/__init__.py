@@ -3,8 +3,9 @@
 Planners are pure functions of an :class:`Instance` (predicted op times and
 retained attention as functions of the budget) returning a :class:`Plan`:
 ``anchor_plan`` (the paper's anchor-guided thresholding) and
-``critical_path_plan`` (pipeline-aware). ``hook`` feeds a plan into megatron's
-real schedules. CLI: ``python -m sparsebalance.tuning plan ...``.
+``critical_path_plan`` (pipeline-aware); ``sensitivity`` refines any plan toward the
+micro-batches whose loss suffers most per dropped pair. The driver's data iterators put each
+plan's entries on the micro-batches (docs/design.md). CLI: ``python -m sparsebalance.tuning plan ...``.
 """
 
 from .anchor import anchor_indices, anchor_plan

@@ -4,9 +4,11 @@
         --attn-slack 0.0 --json
     python -m sparsebalance.tuning plan --instance FILE.json --policy anchor \
         --anchor mean --p 0.1 --json
+    python -m sparsebalance.tuning plan --instance FILE.json --sensitivity --json
 
 Prints the plan as JSON (``budget``, ``step_ms``, ``baseline_step_ms``, ``attn``,
 ``baseline_attn``, ``critical_path``) or, without ``--json``, a one-line summary.
+``--sensitivity``: the plan refined by the instance's ``weight`` (``sensitivity.py``).
 A bad instance or argument gives one error line on stderr and exit code 2.
 """
 
@@ -39,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="critical-path: fraction of static attention that may be lost")
     pl.add_argument("--anchor", choices=("mean", "max", "min"), default="mean")
     pl.add_argument("--p", type=float, default=0.1, help="anchor: budget window +-p * k0")
+    pl.add_argument("--sensitivity", action="store_true",
+                    help="refine the plan by the instance's per-micro-batch 'weight' (same step "
+                         "time and kept pairs, budget toward sensitive micro-batches)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -56,6 +61,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         dst = DSTConfig(policy=args.policy, topk_min=int(inst.kmin), topk_max=int(inst.kmax),
                         anchor=args.anchor, p=args.p, attn_slack=args.attn_slack)
         plan = DST_POLICIES[args.policy](inst, dst)
+        if args.sensitivity:
+            if inst.weight is None:
+                raise ValueError("--sensitivity needs the instance's 'weight'")
+            from .sensitivity import sensitivity_plan
+
+            plan = sensitivity_plan(inst, plan)
     except ValueError as e:
         sys.stderr.write(f"error: bad instance or arguments: {e}\n")
         return 2

@@ -56,7 +56,8 @@ _SWAP_CELLS = 4_000_000
 class _Batch:
     """Level tables laid out for the engine: columns are (candidate, replica) pairs."""
 
-    def __init__(self, inst: Instance, num_candidates: int) -> None:
+    def __init__(self, inst: Instance, num_candidates: int,
+                 weight: Optional[np.ndarray] = None) -> None:
         self.inst = inst
         self.g: Graph = build_graph(inst.schedule, inst.pp, inst.microbatches, inst.vpp,
                                     inst.group)
@@ -70,6 +71,9 @@ class _Batch:
             return a.reshape(L, D, M * S).transpose(0, 2, 1)  # [L, MS, D]
 
         self.Fr, self.Br, self.Ar = lay(inst.fwd), lay(inst.bwd), lay(inst.attn)
+        # Weighted kept pairs (a per-micro-batch weight [D, M]: tuning/sensitivity.py).
+        self.Wr = self.Ar if weight is None else lay(
+            inst.attn * np.asarray(weight, dtype=float)[None, :, :, None])
         self.Lr = self.Fr + self.Br
         N = self.g.num_nodes
         s1 = self.g.succ[:, 1]
@@ -89,6 +93,10 @@ class _Batch:
     def attention(self, X: np.ndarray) -> np.ndarray:
         """[K] total attention of each candidate (summed over its replicas)."""
         return self._pick(self.Ar, X).sum(axis=0).reshape(self.K, self.D).sum(axis=1)
+
+    def weighted(self, X: np.ndarray) -> np.ndarray:
+        """[K] total weighted attention of each candidate (== attention without weights)."""
+        return self._pick(self.Wr, X).sum(axis=0).reshape(self.K, self.D).sum(axis=1)
 
     def makespan(self, X: np.ndarray) -> np.ndarray:
         """[K] step time of each candidate (slowest of its replicas)."""

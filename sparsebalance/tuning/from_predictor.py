@@ -92,13 +92,15 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
 def build_instance(predictor, lengths: Sequence[Sequence[Sequence[int]]], *, pp: int, k0: int,
                    levels: Optional[Sequence[int]] = None, kmin: Optional[int] = None,
                    kmax: Optional[int] = None, schedule: str = "1f1b", vpp: int = 1,
-                   p2p_ms: float = 0.0, group: Optional[int] = None, densities=None,
+                   p2p_ms: float = 0.0, group: Optional[int] = None,
+                   weight: Optional[np.ndarray] = None, densities=None,
                    topk_min: int = 0) -> Instance:
     """Instance for document ``lengths[dp][microbatch]`` (token counts of one micro-batch).
 
     ``levels`` default: every integer in ``[kmin, kmax]`` (defaults ``k0 // 2``, ``2 * k0``).
     ``densities`` (nested like ``lengths``) and ``topk_min``: threshold routing (module
-    docstring); the budget levels are then caps.
+    docstring); the budget levels are then caps. ``weight``: [dp, microbatch] sensitivity
+    weights (:attr:`Instance.weight`; None: none).
     """
     D, M, docs, flat, starts = _step_docs(lengths)
     dens = _flat_densities(densities, flat)
@@ -115,4 +117,4 @@ def build_instance(predictor, lengths: Sequence[Sequence[Sequence[int]]], *, pp:
         attn[li] = (pairs[:, None] * layers).reshape(D, M, S)
     return Instance(schedule=schedule, pp=pp, vpp=vpp, dp=D, microbatches=M, k0=int(k0),
                     kmin=kmin, kmax=kmax, levels=np.array(lv, dtype=np.int64), p2p_ms=p2p_ms,
-                    group=group, fwd=fwd, bwd=bwd, attn=attn)
+                    group=group, fwd=fwd, bwd=bwd, attn=attn, weight=weight)

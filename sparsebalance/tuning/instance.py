@@ -4,7 +4,7 @@ JSON form (the CLI's ``--instance``)::
 
     {"schedule": "1f1b" | "interleaved", "pp": P, "vpp": V, "dp": D, "microbatches": M,
      "k0": int, "kmin": int, "kmax": int, "levels": [int, ...] (optional),
-     "p2p_ms": float,
+     "p2p_ms": float, "weight": [[w per micro-batch] per dp replica] (optional),
      "ops": [[[{"fwd": [[k, ms], ...], "bwd": [[k, ms], ...], "attn": [[k, pairs], ...]}
                per stage] per micro-batch] per dp replica]}
 
@@ -60,6 +60,9 @@ class Instance:
     """Latency of one hop between pipeline ranks, ms."""
     group: Optional[int] = None
     """Interleaved: micro-batch group size per virtual stage (default P)."""
+    weight: Optional[np.ndarray] = None
+    """[D, M] sensitivity of each micro-batch: estimated loss per dropped kept pair
+    (``sparsebalance.tuning.sensitivity``); None: every pair counts alike."""
     k0_index: int = field(init=False)
     """Index of k0 in ``levels``."""
 
@@ -81,6 +84,12 @@ class Instance:
                 raise ValueError(f"{name} values must be finite and >= 0")
             if np.any(np.diff(a, axis=0) < 0):
                 raise ValueError(f"{name} must be non-decreasing in the budget")
+        if self.weight is not None:
+            w = np.asarray(self.weight, dtype=float)
+            if w.shape != shape[1:3] or not np.all(np.isfinite(w)) or np.any(w < 0):
+                raise ValueError(f"weight must be a [dp, microbatch] = {shape[1:3]} table of "
+                                 "finite values >= 0")
+            object.__setattr__(self, "weight", w)
         object.__setattr__(self, "k0_index", int(np.flatnonzero(lv == self.k0)[0]))
         if self.schedule == "interleaved":
             object.__setattr__(self, "group", g)
@@ -189,9 +198,14 @@ def instance_from_json(d: Any) -> Instance:
                         raise ValueError(f"ops[{r}][{m}][{s}] is missing '{n}'")
                     c = _curve(op[n], f"ops[{r}][{m}][{s}].{n}")
                     tabs[n][:, r, m, s] = np.interp(levels, c[:, 0], c[:, 1])
+    weight = d.get("weight")
+    try:
+        weight = None if weight is None else np.asarray(weight, dtype=float)
+    except (TypeError, ValueError):
+        raise ValueError("'weight' must be a [dp][microbatch] table of numbers")
     return Instance(schedule=schedule, pp=P, vpp=V, dp=D, microbatches=M, k0=k0, kmin=kmin,
                     kmax=kmax, levels=np.asarray(lv, dtype=np.int64), p2p_ms=p2p,
-                    group=None if group is None else int(group), **tabs)
+                    group=None if group is None else int(group), weight=weight, **tabs)
 
 
 def instance_to_json(inst: Instance) -> dict:
@@ -205,4 +219,6 @@ def instance_to_json(inst: Instance) -> dict:
            "levels": lv, "p2p_ms": inst.p2p_ms, "ops": ops}
     if inst.schedule == "interleaved":
         out["group"] = inst.group
+    if inst.weight is not None:
+        out["weight"] = inst.weight.tolist()
     return out

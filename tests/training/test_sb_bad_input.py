@@ -111,7 +111,7 @@ def test_help_lists_the_sparsebalance_flags():
     text = build_parser().format_help()
     flags = """--sb-batching --max-carry-steps --sparse-balance --sb-dst --sb-anchor --sb-p
     --sb-topk-min --sb-topk-max --sb-attn-slack --sb-timeline --sb-profile --sb-cost-model
-    --sb-allow-stale-profile --summary-json""".split()
+    --sb-allow-stale-profile --sb-dst-sensitivity --sb-sensitivity-study --summary-json""".split()
     assert [f for f in flags if f not in text] == []
     for name in ("megatron", "concat", "sorted", "tokens", "quadratic", "wlb", "sab"):
         assert name in text
