@@ -8,7 +8,8 @@
 //   Q  [H][NB][Bp][Dp]    K, V [Hkv][NB][Bp][Dp]    Kt, Vt [Hkv][NB][Dp][Bp]
 // Forward: OpenMP over (head, query block), longest rows first, online softmax.
 // Backward: dQ per (head, query block); dK/dV either owned by one thread per kv
-// head (no races, no buffers) or accumulated in per-thread buffers and reduced.
+// head (no races, no buffers) or accumulated in per-thread buffers over a fixed
+// longest-first split of the items (deterministic) and reduced.
 // Counts are per (head, query block) (kv_cnt [H][NB]): under per-head threshold
 // routing the rows of one query block differ in length by head.
 #include <torch/extension.h>
@@ -261,15 +262,34 @@ Geometry make_geometry(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 at::Tensor zeros_f32(int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kFloat)); }
 
-// The (head, query block) items h * NB + b, longest rows (most kept key blocks) first:
-// rows differ in length by query block and, under per-head counts, by head, and a
-// dynamic queue that takes the long ones first leaves no long row for the end.
+// Work of item it = h * NB + b: its kept key blocks times its query rows.
+int64_t item_cost(const Geometry& g, int64_t it) {
+  return (int64_t)g.kv_cnt[it] * g.qb_len[it % g.NB];
+}
+
+// The (head, query block) items, longest rows first: rows differ in length by query
+// block and, under per-head counts, by head, and a queue that takes the long ones
+// first leaves no long row for the end.
 std::vector<int64_t> longest_first(const Geometry& g) {
   std::vector<int64_t> order(g.H * g.NB);
   for (int64_t i = 0; i < (int64_t)order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return g.kv_cnt[a] > g.kv_cnt[b]; });
+                   [&](int64_t a, int64_t b) { return item_cost(g, a) > item_cost(g, b); });
   return order;
+}
+
+// The items split over n threads, longest first, each to the least loaded list (ties:
+// the lower thread): a fixed split, so the per-thread dK/dV buffers sum the same items
+// in the same order on every run (deterministic for a thread count).
+std::vector<std::vector<int64_t>> split_items(const Geometry& g, int n) {
+  std::vector<std::vector<int64_t>> lists(n);
+  std::vector<int64_t> load(n, 0);
+  for (int64_t it : longest_first(g)) {
+    const int t = (int)(std::min_element(load.begin(), load.end()) - load.begin());
+    lists[t].push_back(it);
+    load[t] += item_cost(g, it);
+  }
+  return lists;
 }
 
 // Whether the backward's dK/dV may be owned by kv head (one unit per kv head, no
@@ -282,7 +302,7 @@ bool kv_head_owner(const Geometry& g, int nthreads) {
   const int64_t rep = g.H / g.Hkv;
   std::vector<int64_t> work(g.Hkv, 0);
   for (int64_t h = 0; h < g.H; ++h)
-    for (int64_t b = 0; b < g.NB; ++b) work[h / rep] += g.cnt(h, b);
+    for (int64_t b = 0; b < g.NB; ++b) work[h / rep] += item_cost(g, h * g.NB + b);
   if (std::all_of(work.begin(), work.end(), [&](int64_t w) { return w == work[0]; })) return true;
   std::sort(work.begin(), work.end(), std::greater<int64_t>());
   std::vector<int64_t> load(nthreads, 0);
@@ -362,25 +382,27 @@ std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::T
     to_tiles(k.data_ptr<scalar_t>(), g.Hkv, g, 1.f, K.data_ptr<float>(), Kt.data_ptr<float>());
     to_tiles(v.data_ptr<scalar_t>(), g.Hkv, g, 1.f, nullptr, Vt.data_ptr<float>());
     const int64_t rep = g.H / g.Hkv;
-    const int64_t units = owner ? g.Hkv : g.H * g.NB;
-    const std::vector<int64_t> order = owner ? std::vector<int64_t>() : longest_first(g);
+    // owner: a queue of kv heads; else each thread its fixed list (split_items)
+    const std::vector<std::vector<int64_t>> lists =
+        owner ? std::vector<std::vector<int64_t>>() : split_items(g, nthreads);
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, nthreads, 1, [&](int64_t tid, int64_t) {
+    at::parallel_for(0, nthreads, 1, [&](int64_t lo, int64_t hi) {
       BwdScratch w(g);
-      const int64_t boff = owner ? 0 : tid * kvn;
-      auto run = [&](int64_t h, int64_t b) {
-        bwd_block<scalar_t>(g, h, b, Q.data_ptr<float>(), K.data_ptr<float>(), Kt.data_ptr<float>(),
-                            Vt.data_ptr<float>(), dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            lse2.data_ptr<float>(), static_cast<float>(scale), w,
-                            dK.data_ptr<float>() + boff, dV.data_ptr<float>() + boff,
-                            dq.data_ptr<scalar_t>());
-      };
-      for (int64_t u; (u = next.fetch_add(1)) < units;) {
+      for (int64_t tid = lo; tid < hi; ++tid) {
+        const int64_t boff = owner ? 0 : tid * kvn;
+        auto run = [&](int64_t h, int64_t b) {
+          bwd_block<scalar_t>(g, h, b, Q.data_ptr<float>(), K.data_ptr<float>(), Kt.data_ptr<float>(),
+                              Vt.data_ptr<float>(), dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                              lse2.data_ptr<float>(), static_cast<float>(scale), w,
+                              dK.data_ptr<float>() + boff, dV.data_ptr<float>() + boff,
+                              dq.data_ptr<scalar_t>());
+        };
         if (owner) {
-          for (int64_t h = u * rep; h < (u + 1) * rep; ++h)
-            for (int64_t b = 0; b < g.NB; ++b) run(h, b);
+          for (int64_t u; (u = next.fetch_add(1)) < g.Hkv;)
+            for (int64_t h = u * rep; h < (u + 1) * rep; ++h)
+              for (int64_t b = 0; b < g.NB; ++b) run(h, b);
         } else {
-          run(order[u] / g.NB, order[u] % g.NB);
+          for (int64_t it : lists[tid]) run(it / g.NB, it % g.NB);
         }
       }
     });
