@@ -27,12 +27,12 @@ def make_inputs(lens, H, Hkv, D, dtype=torch.float32, seed=0):
     return mk(T, H, D), mk(T, Hkv, D), mk(T, Hkv, D), cu, mk(T, H, D)
 
 
-def structured_inputs(lens, H, Hkv, D, B, seed=0):
+def structured_inputs(lens, H, Hkv, D, B, seed=0, dtype=torch.float32):
     """:func:`make_inputs` with block structure, for threshold routing: every block's tokens
     share a random direction (so block-mean gates spread, as a trained model's do, instead
     of averaging out), each query head sees it at its own strength (heads from peaked to
     flat: per-head counts differ). Values stay representable in bf16."""
-    q, k, v, cu, dout = make_inputs(lens, H, Hkv, D, seed=seed)
+    q, k, v, cu, dout = make_inputs(lens, H, Hkv, D, dtype=dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     blk = torch.cat([torch.arange(L) // B + i * 10 ** 6 for i, L in enumerate(lens)])
     _, blk = torch.unique(blk, return_inverse=True)
