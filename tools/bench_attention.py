@@ -17,8 +17,9 @@ padding_ratio (rows of its block-aligned buffer / tokens).
 Threshold routing (``--routing threshold``): the sparse run routes with a count per (query
 block, head) and a second sparse run with one count per query block (the largest head's) is
 timed alongside; ``counts`` gives each one's kept_pairs, sparse_ms and ms_per_mpair (ms per
-million kept pairs; ``_min``: of the fastest repetition), and ``per_head_over_per_block``
-the ratios (pairs, ms, ms per pair).
+million kept pairs; ``_min``: of the fastest repetition; ``cpu_ms``: the process's CPU
+time, steadier than wall time on a shared machine, best with ``--threads 1``), and
+``per_head_over_per_block`` the ratios (pairs, ms, ms per pair).
 Random q/k give flat gates (every head keeps its cap); ``--inputs blocks`` gives each block
 a shared direction seen by each head at its own strength (heads from peaked to flat:
 :func:`block_inputs`), and
@@ -349,11 +350,15 @@ def main(argv=None) -> int:
         kw = {} if rule is None else dict(threshold=rule.threshold, topk_min=rule.topk_min, per_head=rule.per_head)
 
         def run():
+            cpu0 = time.process_time()
             (out, dens), f = timed(lambda: sparse_attention(
                 q, k, v, cu, topk=a.topk, block_size=a.block_size, backend=backend, return_density=True, **kw))
             _, b = timed(lambda: torch.autograd.grad(out, (q, k, v), dout))
             run.density = dens
+            run.cpu_ms.append((time.process_time() - cpu0) * 1e3)
             return f, f + b
+
+        run.cpu_ms = []  # process CPU time of each call (warm-up included; medians reported)
 
         return run
 
@@ -428,13 +433,18 @@ def main(argv=None) -> int:
     if threshold:  # kept pairs, ms and ms per million kept pairs of both count rules
         dens = {"per-head": run_sparse.density, "per-block": runs["sparse:per-block"].density}
         ms = {"per-head": sparse_ms, "per-block": med("sparse:per-block", 1)}
+        cpu = {"per-head": run_sparse.cpu_ms[a.warmup:], "per-block": runs["sparse:per-block"].cpu_ms[a.warmup:]}
         fastest = {"per-head": min(t[1] for t in times["sparse"]),
                 "per-block": min(t[1] for t in times["sparse:per-block"])}
         counts = {n: {"kept_pairs": round(dens[n] * causal), "density": round(dens[n], 5),
                       "sparse_ms": round(ms[n], 2), "ms_per_mpair": round(ms[n] / (dens[n] * causal) * 1e6, 4),
                       # the fastest repetition: less sensitive to other load on a shared machine
                       "sparse_ms_min": round(fastest[n], 2),
-                      "ms_per_mpair_min": round(fastest[n] / (dens[n] * causal) * 1e6, 4)}
+                      "ms_per_mpair_min": round(fastest[n] / (dens[n] * causal) * 1e6, 4),
+                      # CPU time of the process (all threads): the work, whatever else runs
+                      # on the machine (on the CPU backend; spinning OpenMP threads count)
+                      "cpu_ms": round(statistics.median(cpu[n]), 2),
+                      "cpu_ms_per_mpair": round(statistics.median(cpu[n]) / (dens[n] * causal) * 1e6, 4)}
                   for n in rules}
     res = {
         "backend": backend, "dtype": a.dtype, "threads": a.threads, "reps": a.reps,
@@ -458,7 +468,8 @@ def main(argv=None) -> int:
         "counts": counts,
         "per_head_over_per_block": {
             k: round(counts["per-head"][k] / counts["per-block"][k], 4)
-            for k in ("kept_pairs", "sparse_ms", "ms_per_mpair", "ms_per_mpair_min")} if counts else None,
+            for k in ("kept_pairs", "sparse_ms", "ms_per_mpair", "ms_per_mpair_min", "cpu_ms_per_mpair")}
+        if counts else None,
         "sparse_ms_all_per_block": [round(t[1], 1) for t in times["sparse:per-block"]] if counts else None,
         "speedup": round(speedup, 3), "efficiency": round(speedup * run_sparse.density, 3),
         "gate_ms": round(gate_ms, 2), "gate_share": round(gate_ms / sparse_ms, 4),
