@@ -7,13 +7,18 @@
 // loops never allocate, gather or branch on ragged sizes:
 //   Q  [H][NB][Bp][Dp]    K, V [Hkv][NB][Bp][Dp]    Kt, Vt [Hkv][NB][Dp][Bp]
 // Forward: OpenMP over (head, query block), online softmax. Backward: dQ per
-// (head, query block); dK/dV either owned by one thread per kv head (no
-// races, no buffers) or accumulated in per-thread buffers and reduced.
+// (head, query block); dK/dV either owned by one thread per kv head (no races, no
+// buffers) or accumulated in per-thread buffers over a fixed split of the items
+// (deterministic) and reduced.
+// Counts are per (head, query block) (kv_cnt [H][NB]): under per-head threshold
+// routing the rows of one query block differ in length by head.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -30,7 +35,8 @@ struct Geometry {
   const int32_t* qb_start;
   const int32_t* qb_len;
   const int32_t* kv_idx;  // [H][NB][W]
-  const int32_t* kv_cnt;  // [NB]
+  const int32_t* kv_cnt;  // [H][NB]
+  int cnt(int64_t h, int64_t b) const { return kv_cnt[h * NB + b]; }
   int64_t tile() const { return Bp * Dp; }
 };
 
@@ -70,7 +76,7 @@ template <typename scalar_t>
 void fwd_block(const Geometry& g, int64_t h, int64_t b, const float* Q, const float* Kt,
                const float* V, FwdScratch& w, scalar_t* out, float* lse2) {
   const int64_t hk = h / (g.H / g.Hkv);
-  const int ql = g.qb_len[b], cnt = g.kv_cnt[b];
+  const int ql = g.qb_len[b], cnt = g.cnt(h, b);
   const int Bp = g.Bp, Dp = g.Dp;
   const float* q = Q + (h * g.NB + b) * g.tile();
   float* S = w.S.data();
@@ -132,7 +138,7 @@ void bwd_block(const Geometry& g, int64_t h, int64_t b, const float* Q, const fl
                const float* lse2, float scale, BwdScratch& w, float* dK, float* dV,
                scalar_t* dq) {
   const int64_t hk = h / (g.H / g.Hkv);
-  const int ql = g.qb_len[b], cnt = g.kv_cnt[b];
+  const int ql = g.qb_len[b], cnt = g.cnt(h, b);
   const int Bp = g.Bp, Dp = g.Dp;
   const int64_t s0 = g.qb_start[b];
   const float* q = Q + (h * g.NB + b) * g.tile();
@@ -217,22 +223,25 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 "sparse_attention cpu: plan tables must be contiguous int32 CPU tensors");
   }
   const int64_t NB = qb_start.numel();
-  TORCH_CHECK(qb_len.numel() == NB && kv_cnt.numel() == NB, "sparse_attention cpu: plan sizes differ");
+  TORCH_CHECK(qb_len.numel() == NB, "sparse_attention cpu: plan sizes differ");
   TORCH_CHECK(kv_idx.dim() == 3 && kv_idx.size(0) == q.size(1) && kv_idx.size(1) == NB,
               "sparse_attention cpu: kv_idx must be [H, NB, W]");
+  TORCH_CHECK(kv_cnt.dim() == 2 && kv_cnt.size(0) == q.size(1) && kv_cnt.size(1) == NB,
+              "sparse_attention cpu: kv_cnt must be [H, NB]");
   const int32_t* cnt = kv_cnt.data_ptr<int32_t>();
   const int32_t* idx = kv_idx.data_ptr<int32_t>();
   const int32_t* len = qb_len.data_ptr<int32_t>();
   const int32_t* st0 = qb_start.data_ptr<int32_t>();
   const int64_t W = kv_idx.size(2), H = q.size(1), T = q.size(0);
   for (int64_t b = 0; b < NB; ++b) {
-    TORCH_CHECK(cnt[b] >= 1 && cnt[b] <= W, "sparse_attention cpu: bad kv_cnt");
     TORCH_CHECK(len[b] >= 1 && len[b] <= block_size && st0[b] >= 0 && st0[b] + len[b] <= T,
                 "sparse_attention cpu: bad query block");
     for (int64_t h = 0; h < H; ++h) {
+      const int32_t c = cnt[h * NB + b];
+      TORCH_CHECK(c >= 1 && c <= W, "sparse_attention cpu: bad kv_cnt");
       const int32_t* r = idx + (h * NB + b) * W;
-      TORCH_CHECK(r[cnt[b] - 1] == b, "sparse_attention cpu: diagonal block must be last");
-      for (int e = 0; e + 1 < cnt[b]; ++e)
+      TORCH_CHECK(r[c - 1] == b, "sparse_attention cpu: diagonal block must be last");
+      for (int e = 0; e + 1 < c; ++e)
         TORCH_CHECK(r[e] >= 0 && r[e] < b && len[r[e]] == block_size,
                     "sparse_attention cpu: kept off-diagonal blocks must be full earlier blocks");
     }
@@ -252,6 +261,53 @@ Geometry make_geometry(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }
 
 at::Tensor zeros_f32(int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kFloat)); }
+
+// Work of item it = h * NB + b: its kept key blocks times its query rows.
+int64_t item_cost(const Geometry& g, int64_t it) {
+  return (int64_t)g.kv_cnt[it] * g.qb_len[it % g.NB];
+}
+
+// The items h * NB + b in order cut into n runs of about equal work: thread t takes
+// items [bounds[t], bounds[t + 1]). A fixed split, so the per-thread dK/dV buffers sum
+// the same items in the same order on every run (deterministic for a thread count);
+// balanced to within one row although rows differ in length by query block and, under
+// per-head counts, by head; a run is whole heads mostly, so their tiles stay in cache.
+std::vector<int64_t> split_items(const Geometry& g, int n) {
+  const int64_t items = g.H * g.NB;
+  int64_t total = 0;
+  for (int64_t it = 0; it < items; ++it) total += item_cost(g, it);
+  std::vector<int64_t> bounds(n + 1, items);
+  bounds[0] = 0;
+  int64_t done = 0;
+  int t = 1;
+  for (int64_t it = 0; it < items && t < n; ++it) {
+    done += item_cost(g, it);
+    while (t < n && done * n >= total * t) bounds[t++] = it + 1;
+  }
+  return bounds;
+}
+
+// Whether the backward's dK/dV may be owned by kv head (one unit per kv head, no
+// buffers): the units must spread evenly over the threads. Equal heads do when they
+// divide evenly or are many (top-k routing's work per head is data independent);
+// per-head counts make heads unequal, so the longest-first schedule of the units is
+// simulated and must end within 10% of a perfect split.
+bool kv_head_owner(const Geometry& g, int nthreads) {
+  if (!(g.Hkv % nthreads == 0 || g.Hkv >= 4 * nthreads)) return false;
+  const int64_t rep = g.H / g.Hkv;
+  std::vector<int64_t> work(g.Hkv, 0);
+  for (int64_t h = 0; h < g.H; ++h)
+    for (int64_t b = 0; b < g.NB; ++b) work[h / rep] += item_cost(g, h * g.NB + b);
+  if (std::all_of(work.begin(), work.end(), [&](int64_t w) { return w == work[0]; })) return true;
+  std::sort(work.begin(), work.end(), std::greater<int64_t>());
+  std::vector<int64_t> load(nthreads, 0);
+  int64_t total = 0;
+  for (int64_t w : work) {
+    *std::min_element(load.begin(), load.end()) += w;
+    total += w;
+  }
+  return *std::max_element(load.begin(), load.end()) * nthreads <= total * 11 / 10;
+}
 
 }  // namespace
 
@@ -276,7 +332,9 @@ std::vector<at::Tensor> sparse_attention_fwd(const at::Tensor& q, const at::Tens
     to_tiles(v.data_ptr<scalar_t>(), g.Hkv, g, 1.f, V.data_ptr<float>(), nullptr);
     const int64_t items = g.H * g.NB;
     std::atomic<int64_t> next{0};
-    // Dynamic work queue: later query blocks keep more key blocks.
+    // Dynamic work queue of many small items: rows differ in length (later query
+    // blocks keep more key blocks; per-head counts differ by head), and a thread that
+    // finishes early takes the next, so the threads end within one row of each other.
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       FwdScratch w(g);
       for (int64_t it; (it = next.fetch_add(1)) < items;)
@@ -310,9 +368,8 @@ std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::T
              Vt = zeros_f32(kvn);
   const float c = static_cast<float>(scale) * kLog2e;
   const int nthreads = at::get_num_threads();
-  // dK/dV ownership by kv head balances well when heads divide evenly (the work
-  // per head is data independent); otherwise per-thread buffers.
-  const bool owner = g.Hkv % nthreads == 0 || g.Hkv >= 4 * nthreads;
+  // dK/dV owned by kv head where that balances (kv_head_owner), else per-thread buffers.
+  const bool owner = kv_head_owner(g, nthreads);
   const int nbuf = owner ? 1 : nthreads;
   at::Tensor dK = zeros_f32(nbuf * kvn), dV = zeros_f32(nbuf * kvn);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "sparse_attention_bwd", [&] {
@@ -320,24 +377,26 @@ std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::T
     to_tiles(k.data_ptr<scalar_t>(), g.Hkv, g, 1.f, K.data_ptr<float>(), Kt.data_ptr<float>());
     to_tiles(v.data_ptr<scalar_t>(), g.Hkv, g, 1.f, nullptr, Vt.data_ptr<float>());
     const int64_t rep = g.H / g.Hkv;
-    const int64_t units = owner ? g.Hkv : g.H * g.NB;
+    // owner: a queue of kv heads; else each thread its fixed run of items (split_items)
+    const std::vector<int64_t> bounds = owner ? std::vector<int64_t>() : split_items(g, nthreads);
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, nthreads, 1, [&](int64_t tid, int64_t) {
+    at::parallel_for(0, nthreads, 1, [&](int64_t lo, int64_t hi) {
       BwdScratch w(g);
-      const int64_t boff = owner ? 0 : tid * kvn;
-      auto run = [&](int64_t h, int64_t b) {
-        bwd_block<scalar_t>(g, h, b, Q.data_ptr<float>(), K.data_ptr<float>(), Kt.data_ptr<float>(),
-                            Vt.data_ptr<float>(), dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            lse2.data_ptr<float>(), static_cast<float>(scale), w,
-                            dK.data_ptr<float>() + boff, dV.data_ptr<float>() + boff,
-                            dq.data_ptr<scalar_t>());
-      };
-      for (int64_t u; (u = next.fetch_add(1)) < units;) {
+      for (int64_t tid = lo; tid < hi; ++tid) {
+        const int64_t boff = owner ? 0 : tid * kvn;
+        auto run = [&](int64_t h, int64_t b) {
+          bwd_block<scalar_t>(g, h, b, Q.data_ptr<float>(), K.data_ptr<float>(), Kt.data_ptr<float>(),
+                              Vt.data_ptr<float>(), dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                              lse2.data_ptr<float>(), static_cast<float>(scale), w,
+                              dK.data_ptr<float>() + boff, dV.data_ptr<float>() + boff,
+                              dq.data_ptr<scalar_t>());
+        };
         if (owner) {
-          for (int64_t h = u * rep; h < (u + 1) * rep; ++h)
-            for (int64_t b = 0; b < g.NB; ++b) run(h, b);
+          for (int64_t u; (u = next.fetch_add(1)) < g.Hkv;)
+            for (int64_t h = u * rep; h < (u + 1) * rep; ++h)
+              for (int64_t b = 0; b < g.NB; ++b) run(h, b);
         } else {
-          run(u / g.NB, u % g.NB);
+          for (int64_t it = bounds[tid]; it < bounds[tid + 1]; ++it) run(it / g.NB, it % g.NB);
         }
       }
     });
