@@ -410,8 +410,16 @@ class StepPlanner:
 
     def state_dict(self) -> dict:
         """The sampler's state at the first step not handed out (a step packed ahead is
-        packed again after a resume)."""
-        return self._ahead[0] if self._ahead is not None else self.sampler.state_dict()
+        packed again after a resume), with the density estimator's state as it is now: it
+        holds observations made after the step packed ahead was packed, and defers their
+        use by its lag, so the repacked step sees what it saw the first time."""
+        if self._ahead is None:
+            return self.sampler.state_dict()
+        state = dict(self._ahead[0])
+        live = self.sampler.state_dict()
+        if "density" in live:
+            state["density"] = live["density"]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at :meth:`state_dict`'s step (a step packed ahead is dropped)."""

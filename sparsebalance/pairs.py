@@ -63,3 +63,25 @@ def density(lengths: ArrayLike, topk: Optional[int], block_size: int) -> float:
     """Kept pairs / causal pairs over a set of documents (1.0 when dense)."""
     c = int(causal_pairs(lengths).sum())
     return float(kept_pairs(lengths, topk, block_size).sum()) / c if c else 1.0
+
+
+def threshold_kept_pairs(lengths: ArrayLike, densities: ArrayLike, topk: Optional[int], block_size: int,
+                         topk_min: int = 0) -> np.ndarray:
+    """Kept pairs per document (per head) under threshold routing, from each document's
+    density (kept / causal pairs, e.g. measured or predicted by
+    ``sparsebalance.batching.sparsity_estimator``), within what the cap ``topk`` and the
+    floor ``topk_min`` allow: ``clip(density x L (L + 1) / 2, kept_pairs(L, topk_min),
+    kept_pairs(L, topk))``. The clip is per document, not per query block: a model, not
+    a count (a document whose blocks straddle the cap keeps a little less).
+    ``topk=None``: dense.
+
+    Returns:
+        float64 array, one count per document.
+    """
+    L = np.asarray(lengths, dtype=np.int64)
+    if topk is None:
+        return causal_pairs(L).astype(np.float64)
+    d = np.broadcast_to(np.asarray(densities, dtype=np.float64), L.shape)
+    lo = kept_pairs(L, min(int(topk_min), int(topk)), block_size).astype(np.float64)
+    hi = kept_pairs(L, topk, block_size).astype(np.float64)
+    return np.clip(d * causal_pairs(L), lo, hi)

@@ -44,6 +44,13 @@ Scaling study (a few minutes on one core; --quick: three cells)::
     OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --scaling --json \
         --report results/scaling > results/scaling/cells.json
 
+The same cells under threshold routing, each document's density drawn from a sparsity
+study's measured documents (``--density-mode bucket-mean``: each replaced by its length
+bucket's mean; tools/harness/compare/density_study.py says how documents are drawn)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --scaling --routing threshold \
+        --density-study results/sparsity_study_real.json --report results/scaling_threshold
+
 ``--cost-model auto`` (the default) uses the first GPU-measured latency profile
 committed as results/gpu_check/*profile*.json that loads, h100-analytic otherwise; the
 JSON's ``cost_model`` says which.
@@ -122,8 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="predictor name or profile path; auto: a GPU profile committed as "
                         "results/gpu_check/*profile*.json, else h100-analytic")
     g.add_argument("--block-size", type=int, default=256)
-    g.add_argument("--topk", type=int, default=32)
+    g.add_argument("--topk", type=int, default=32,
+                   help="static budget k0 (threshold routing: the cap)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--routing", choices=("topk", "threshold"), default="topk",
+                   help="threshold: content-dependent kept pairs, each document's density drawn "
+                        "from --density-study (tools/harness/compare/density_study.py)")
+    g.add_argument("--density-study", metavar="JSON",
+                   help="tools/sparsity_study.py --output JSON whose 'documents' (source, length, "
+                        "density[, compression_ratio]) give the documents their densities")
+    g.add_argument("--density-mode", choices=("measured", "bucket-mean"), default="measured",
+                   help="bucket-mean: every study density replaced by its length bucket's mean "
+                        "(what sparsity-awareness itself buys)")
+    g.add_argument("--topk-min", type=int, default=0, help="threshold routing's floor of chosen blocks")
     g = p.add_argument_group("real runs")
     g.add_argument("--ranks", type=int, default=2, help="processes = pipeline stages")
     g.add_argument("--arms", type=_names, default=None, help="comma list (default: all main arms)")
@@ -168,6 +186,17 @@ def _check(a) -> None:
             raise UsageError(f"--arms: {e}")
     if a.scaling and a.mode != "sim":
         raise UsageError("--scaling needs --mode sim")
+    if (a.routing == "threshold") != (a.density_study is not None):
+        raise UsageError("--routing threshold and --density-study go together")
+    if a.routing == "threshold" and a.mode != "sim":
+        raise UsageError("--routing threshold needs --mode sim")
+    if a.density_study is not None:
+        from tools.harness.compare.density_study import load_study
+
+        try:
+            load_study(a.density_study)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--density-study: {str(e).splitlines()[0]}")
     if a.report and os.path.isfile(a.report):
         raise UsageError(f"--report {a.report} is a file, expected a directory")
     if a.mode == "report" and not (a.report and (os.path.isfile(os.path.join(a.report, "sim.json"))
@@ -219,7 +248,9 @@ def _sim_configs(a) -> dict:
             cfg = SimConfig(pp=a.pp, dp=a.dp, micro_batches=a.micro_batches,
                             steps=a.sim_steps or (2 if a.quick else 6), seed=a.seed,
                             cost_model=a.cost_model, block_size=a.block_size, topk=a.topk,
-                            model=tuple(MODELS[model].items()))
+                            model=tuple(MODELS[model].items()), routing=a.routing,
+                            density_study=a.density_study, density_mode=a.density_mode,
+                            topk_min=a.topk_min)
             out[model] = (cfg, cfg.predictor().shape.as_dict())
         except (ValueError, OSError) as e:
             raise UsageError(str(e).splitlines()[0])

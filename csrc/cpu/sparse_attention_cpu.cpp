@@ -6,14 +6,18 @@
 // (Q pre-scaled by scale * log2(e) so the softmax uses exp2), so the inner
 // loops never allocate, gather or branch on ragged sizes:
 //   Q  [H][NB][Bp][Dp]    K, V [Hkv][NB][Bp][Dp]    Kt, Vt [Hkv][NB][Dp][Bp]
-// Forward: OpenMP over (head, query block), online softmax. Backward: dQ per
-// (head, query block); dK/dV either owned by one thread per kv head (no
-// races, no buffers) or accumulated in per-thread buffers and reduced.
+// Forward: OpenMP over (head, query block), longest rows first, online softmax.
+// Backward: dQ per (head, query block); dK/dV either owned by one thread per kv
+// head (no races, no buffers) or accumulated in per-thread buffers and reduced.
+// Counts are per (head, query block) (kv_cnt [H][NB]): under per-head threshold
+// routing the rows of one query block differ in length by head.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -30,7 +34,8 @@ struct Geometry {
   const int32_t* qb_start;
   const int32_t* qb_len;
   const int32_t* kv_idx;  // [H][NB][W]
-  const int32_t* kv_cnt;  // [NB]
+  const int32_t* kv_cnt;  // [H][NB]
+  int cnt(int64_t h, int64_t b) const { return kv_cnt[h * NB + b]; }
   int64_t tile() const { return Bp * Dp; }
 };
 
@@ -70,7 +75,7 @@ template <typename scalar_t>
 void fwd_block(const Geometry& g, int64_t h, int64_t b, const float* Q, const float* Kt,
                const float* V, FwdScratch& w, scalar_t* out, float* lse2) {
   const int64_t hk = h / (g.H / g.Hkv);
-  const int ql = g.qb_len[b], cnt = g.kv_cnt[b];
+  const int ql = g.qb_len[b], cnt = g.cnt(h, b);
   const int Bp = g.Bp, Dp = g.Dp;
   const float* q = Q + (h * g.NB + b) * g.tile();
   float* S = w.S.data();
@@ -132,7 +137,7 @@ void bwd_block(const Geometry& g, int64_t h, int64_t b, const float* Q, const fl
                const float* lse2, float scale, BwdScratch& w, float* dK, float* dV,
                scalar_t* dq) {
   const int64_t hk = h / (g.H / g.Hkv);
-  const int ql = g.qb_len[b], cnt = g.kv_cnt[b];
+  const int ql = g.qb_len[b], cnt = g.cnt(h, b);
   const int Bp = g.Bp, Dp = g.Dp;
   const int64_t s0 = g.qb_start[b];
   const float* q = Q + (h * g.NB + b) * g.tile();
@@ -217,22 +222,25 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 "sparse_attention cpu: plan tables must be contiguous int32 CPU tensors");
   }
   const int64_t NB = qb_start.numel();
-  TORCH_CHECK(qb_len.numel() == NB && kv_cnt.numel() == NB, "sparse_attention cpu: plan sizes differ");
+  TORCH_CHECK(qb_len.numel() == NB, "sparse_attention cpu: plan sizes differ");
   TORCH_CHECK(kv_idx.dim() == 3 && kv_idx.size(0) == q.size(1) && kv_idx.size(1) == NB,
               "sparse_attention cpu: kv_idx must be [H, NB, W]");
+  TORCH_CHECK(kv_cnt.dim() == 2 && kv_cnt.size(0) == q.size(1) && kv_cnt.size(1) == NB,
+              "sparse_attention cpu: kv_cnt must be [H, NB]");
   const int32_t* cnt = kv_cnt.data_ptr<int32_t>();
   const int32_t* idx = kv_idx.data_ptr<int32_t>();
   const int32_t* len = qb_len.data_ptr<int32_t>();
   const int32_t* st0 = qb_start.data_ptr<int32_t>();
   const int64_t W = kv_idx.size(2), H = q.size(1), T = q.size(0);
   for (int64_t b = 0; b < NB; ++b) {
-    TORCH_CHECK(cnt[b] >= 1 && cnt[b] <= W, "sparse_attention cpu: bad kv_cnt");
     TORCH_CHECK(len[b] >= 1 && len[b] <= block_size && st0[b] >= 0 && st0[b] + len[b] <= T,
                 "sparse_attention cpu: bad query block");
     for (int64_t h = 0; h < H; ++h) {
+      const int32_t c = cnt[h * NB + b];
+      TORCH_CHECK(c >= 1 && c <= W, "sparse_attention cpu: bad kv_cnt");
       const int32_t* r = idx + (h * NB + b) * W;
-      TORCH_CHECK(r[cnt[b] - 1] == b, "sparse_attention cpu: diagonal block must be last");
-      for (int e = 0; e + 1 < cnt[b]; ++e)
+      TORCH_CHECK(r[c - 1] == b, "sparse_attention cpu: diagonal block must be last");
+      for (int e = 0; e + 1 < c; ++e)
         TORCH_CHECK(r[e] >= 0 && r[e] < b && len[r[e]] == block_size,
                     "sparse_attention cpu: kept off-diagonal blocks must be full earlier blocks");
     }
@@ -252,6 +260,39 @@ Geometry make_geometry(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }
 
 at::Tensor zeros_f32(int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kFloat)); }
+
+// The (head, query block) items h * NB + b, longest rows (most kept key blocks) first:
+// rows differ in length by query block and, under per-head counts, by head, and a
+// dynamic queue that takes the long ones first leaves no long row for the end.
+std::vector<int64_t> longest_first(const Geometry& g) {
+  std::vector<int64_t> order(g.H * g.NB);
+  for (int64_t i = 0; i < (int64_t)order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return g.kv_cnt[a] > g.kv_cnt[b]; });
+  return order;
+}
+
+// Whether the backward's dK/dV may be owned by kv head (one unit per kv head, no
+// buffers): the units must spread evenly over the threads. Equal heads do when they
+// divide evenly or are many (top-k routing's work per head is data independent);
+// per-head counts make heads unequal, so the longest-first schedule of the units is
+// simulated and must end within 10% of a perfect split.
+bool kv_head_owner(const Geometry& g, int nthreads) {
+  if (!(g.Hkv % nthreads == 0 || g.Hkv >= 4 * nthreads)) return false;
+  const int64_t rep = g.H / g.Hkv;
+  std::vector<int64_t> work(g.Hkv, 0);
+  for (int64_t h = 0; h < g.H; ++h)
+    for (int64_t b = 0; b < g.NB; ++b) work[h / rep] += g.cnt(h, b);
+  if (std::all_of(work.begin(), work.end(), [&](int64_t w) { return w == work[0]; })) return true;
+  std::sort(work.begin(), work.end(), std::greater<int64_t>());
+  std::vector<int64_t> load(nthreads, 0);
+  int64_t total = 0;
+  for (int64_t w : work) {
+    *std::min_element(load.begin(), load.end()) += w;
+    total += w;
+  }
+  return *std::max_element(load.begin(), load.end()) * nthreads <= total * 11 / 10;
+}
 
 }  // namespace
 
@@ -275,13 +316,15 @@ std::vector<at::Tensor> sparse_attention_fwd(const at::Tensor& q, const at::Tens
     to_tiles(k.data_ptr<scalar_t>(), g.Hkv, g, 1.f, nullptr, Kt.data_ptr<float>());
     to_tiles(v.data_ptr<scalar_t>(), g.Hkv, g, 1.f, V.data_ptr<float>(), nullptr);
     const int64_t items = g.H * g.NB;
+    const std::vector<int64_t> order = longest_first(g);
     std::atomic<int64_t> next{0};
-    // Dynamic work queue: later query blocks keep more key blocks.
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       FwdScratch w(g);
-      for (int64_t it; (it = next.fetch_add(1)) < items;)
+      for (int64_t i; (i = next.fetch_add(1)) < items;) {
+        const int64_t it = order[i];
         fwd_block<scalar_t>(g, it / g.NB, it % g.NB, Q.data_ptr<float>(), Kt.data_ptr<float>(),
                             V.data_ptr<float>(), w, out.data_ptr<scalar_t>(), lse2.data_ptr<float>());
+      }
     });
   });
   return {out, lse2};
@@ -310,9 +353,8 @@ std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::T
              Vt = zeros_f32(kvn);
   const float c = static_cast<float>(scale) * kLog2e;
   const int nthreads = at::get_num_threads();
-  // dK/dV ownership by kv head balances well when heads divide evenly (the work
-  // per head is data independent); otherwise per-thread buffers.
-  const bool owner = g.Hkv % nthreads == 0 || g.Hkv >= 4 * nthreads;
+  // dK/dV owned by kv head where that balances (kv_head_owner), else per-thread buffers.
+  const bool owner = kv_head_owner(g, nthreads);
   const int nbuf = owner ? 1 : nthreads;
   at::Tensor dK = zeros_f32(nbuf * kvn), dV = zeros_f32(nbuf * kvn);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "sparse_attention_bwd", [&] {
@@ -321,6 +363,7 @@ std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::T
     to_tiles(v.data_ptr<scalar_t>(), g.Hkv, g, 1.f, nullptr, Vt.data_ptr<float>());
     const int64_t rep = g.H / g.Hkv;
     const int64_t units = owner ? g.Hkv : g.H * g.NB;
+    const std::vector<int64_t> order = owner ? std::vector<int64_t>() : longest_first(g);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, nthreads, 1, [&](int64_t tid, int64_t) {
       BwdScratch w(g);
@@ -337,7 +380,7 @@ std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::T
           for (int64_t h = u * rep; h < (u + 1) * rep; ++h)
             for (int64_t b = 0; b < g.NB; ++b) run(h, b);
         } else {
-          run(u / g.NB, u % g.NB);
+          run(order[u] / g.NB, order[u] % g.NB);
         }
       }
     });

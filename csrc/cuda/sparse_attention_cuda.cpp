@@ -40,6 +40,12 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 Plan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qb_start,
                const at::Tensor& qb_len, const at::Tensor& kv_idx, const at::Tensor& kv_cnt) {
+  const int64_t NB = qb_start.numel();
+  TORCH_CHECK(qb_len.numel() == NB && kv_idx.dim() == 3 && kv_idx.size(0) == q.size(1) &&
+                  kv_idx.size(1) == NB,
+              "sparse_attention cuda: kv_idx must be [H, NB, W]");
+  TORCH_CHECK(kv_cnt.dim() == 2 && kv_cnt.size(0) == q.size(1) && kv_cnt.size(1) == NB,
+              "sparse_attention cuda: kv_cnt must be [H, NB]");
   return Plan{qb_start.data_ptr<int>(), qb_len.data_ptr<int>(), kv_idx.data_ptr<int>(),
               kv_cnt.data_ptr<int>(), (int)qb_start.numel(), (int)kv_idx.size(2),
               (int)q.size(0), (int)q.size(1), (int)k.size(1)};

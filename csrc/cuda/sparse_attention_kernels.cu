@@ -56,7 +56,7 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ q, const scalar_t* __res
   __shared__ float ks[kChunk][MAXD];
   __shared__ float vs[kChunk][MAXD];
   const int b = blockIdx.x, h = blockIdx.y, hk = h / (p.H / p.Hkv);
-  const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[b];
+  const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[(long)h * p.NB + b];
   const int* row = p.kv_idx + ((long)h * p.NB + b) * p.W;
   for (int r0 = 0; r0 < ql; r0 += kThreads) {
     const int r = r0 + threadIdx.x;
@@ -110,7 +110,7 @@ __global__ void bwd_dq_kernel(const scalar_t* __restrict__ q, const scalar_t* __
   __shared__ float ks[kChunk][MAXD];
   __shared__ float vs[kChunk][MAXD];
   const int b = blockIdx.x, h = blockIdx.y, hk = h / (p.H / p.Hkv);
-  const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[b];
+  const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[(long)h * p.NB + b];
   const int* row = p.kv_idx + ((long)h * p.NB + b) * p.W;
   for (int r0 = 0; r0 < ql; r0 += kThreads) {
     const int r = r0 + threadIdx.x;

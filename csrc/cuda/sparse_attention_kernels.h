@@ -7,7 +7,7 @@
 // [T, Hkv, D] with H % Hkv == 0; lse2, delta [H, T] fp32. Routing plan tables are int32
 // device arrays: qb_start, qb_len [NB] (first token and length of each query block),
 // kv_idx [H, NB, W] (kept key blocks of every (head, query block), diagonal last),
-// kv_cnt [NB] (valid entries per row of kv_idx), rev_ptr [H, NB + 1] and rev_q [H, nnz]
+// kv_cnt [H, NB] (valid entries per row of kv_idx), rev_ptr [H, NB + 1] and rev_q [H, nnz]
 // (the reverse index: query blocks that keep each key block, CSR per head).
 #pragma once
 
@@ -26,7 +26,7 @@ struct Plan {
   const int* qb_start;  // [NB]
   const int* qb_len;    // [NB]
   const int* kv_idx;    // [H][NB][W]
-  const int* kv_cnt;    // [NB]
+  const int* kv_cnt;    // [H][NB]
   int NB, W, T, H, Hkv;
 };
 

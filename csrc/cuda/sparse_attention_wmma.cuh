@@ -130,7 +130,7 @@ fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* _
   auto& sm = *reinterpret_cast<FwdSmem<DP>*>(smem_raw);
   const int b = blockIdx.x, h = blockIdx.y, hk = h / (p.H / p.Hkv);
   const int warp = threadIdx.x / 32, row = threadIdx.x / 2, half = threadIdx.x % 2;
-  const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[b];
+  const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[(long)h * p.NB + b];
   const int* kv_row = p.kv_idx + ((long)h * p.NB + b) * p.W;
   for (int r0 = 0; r0 < ql; r0 += kRows) {
     __syncthreads();  // the previous pass is done with every tile
@@ -217,7 +217,7 @@ bwd_dq_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16
   auto& sm = *reinterpret_cast<DqSmem<DP>*>(smem_raw);
   const int b = blockIdx.x, h = blockIdx.y, hk = h / (p.H / p.Hkv);
   const int warp = threadIdx.x / 32, row = threadIdx.x / 2, half = threadIdx.x % 2;
-  const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[b];
+  const int s0 = p.qb_start[b], ql = p.qb_len[b], cnt = p.kv_cnt[(long)h * p.NB + b];
   const int* kv_row = p.kv_idx + ((long)h * p.NB + b) * p.W;
   for (int r0 = 0; r0 < ql; r0 += kRows) {
     __syncthreads();

@@ -74,7 +74,10 @@ class PackingSampler:
         topk: attention budget to plan for; default the predictor's ``topk``.
         pp: pipeline stages used for per-rank times.
         density: optional density estimator refining attention costs (see
-            :mod:`sparsebalance.batching.cost`).
+            :mod:`sparsebalance.batching.cost`); one with ``advance(step)`` (threshold
+            routing's :class:`~sparsebalance.batching.density_feedback.ThresholdDensity`)
+            is advanced before each packing, and one with ``state_dict`` is saved with the
+            sampler's state.
         options: strategy knobs (see each strategy).
     """
 
@@ -104,6 +107,7 @@ class PackingSampler:
 
             k = getattr(predictor, "topk", None) if topk is _DEFAULT else topk
             self.cost = CostModel(predictor, topk=k, pp=self.pp, density=density)
+        self.density = density
         self.options = dict(options or {})
         self._items_cache: tuple = (-1, None)
         self._epoch = 0
@@ -138,6 +142,8 @@ class PackingSampler:
     def next_step(self) -> StepPacking:
         """Pack the next global step (identical on every rank)."""
         t0 = time.thread_time()
+        if hasattr(self.density, "advance"):
+            self.density.advance(self._step)
         cursor = StreamCursor(self._epoch_items(self._epoch), self._pos, self._head)
         if cursor.exhausted() and len(self._carried) == 0:
             self._epoch, self._pos, self._head = self._epoch + 1, 0, 0
@@ -189,7 +195,7 @@ class PackingSampler:
         """Plain-Python state; with the same constructor arguments, loading it resumes
         the exact sequence of packings."""
         c = self._carried
-        return {
+        out = {
             "version": 1,
             "strategy": self.strategy,
             "seed": self.seed,
@@ -205,6 +211,9 @@ class PackingSampler:
             "carried": {"doc": c.doc.tolist(), "offset": c.offset.tolist(),
                         "length": c.length.tolist(), "age": c.age.tolist()},
         }
+        if hasattr(self.density, "state_dict"):
+            out["density"] = self.density.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; raises ValueError naming a mismatched setting."""
@@ -219,6 +228,8 @@ class PackingSampler:
         self._pos = int(state["pos"])
         self._head = int(state["head_offset"])
         self._step = int(state["step"])
+        if hasattr(self.density, "load_state_dict") and state.get("density") is not None:
+            self.density.load_state_dict(state["density"])
         c = state["carried"]
         self._carried = Carried(*(np.asarray(c[k], dtype=np.int64).reshape(-1)
                                   for k in ("doc", "offset", "length", "age")))

@@ -184,7 +184,7 @@ def flex_block_mask(plan: RoutingPlan, layout: FlexLayout, exact_mask_mod: bool 
     NBp, B, dev = layout.padded_blocks, plan.block_size, plan.kv_idx.device
     i32 = dict(dtype=torch.int32, device=dev)
     full_n = torch.zeros((1, H, NBp), **i32)
-    full_n[0, :, :NB] = (plan.kv_cnt.to(**i32) - 1).view(1, NB)
+    full_n[0, :, :NB] = plan.kv_cnt.to(**i32) - 1  # [H, NB]: per head
     full_i = torch.zeros((1, H, NBp, NBp), **i32)
     if W > 1:  # entries past a row's count (its diagonal, the -1 padding) are not read
         full_i[0, :, :NB, :W - 1] = plan.kv_idx[:, :, :W - 1].clamp(min=0)

@@ -76,6 +76,7 @@ def sparse_attention(
     threshold: Optional[float] = None,
     topk_min: int = 0,
     return_doc_kept: bool = False,
+    per_head: bool = True,
 ):
     """Block top-k sparse causal attention over packed documents.
 
@@ -104,9 +105,11 @@ def sparse_attention(
             (:mod:`sparsebalance.ops.autoselect`).
         return_density: also return kept (query, key) pairs / causal pairs (float).
         threshold: threshold routing (:class:`~sparsebalance.ops.plan.RoutingRule`): per
-            query block the smallest count of candidates holding this share of the gate
-            softmax in every head, within ``[topk_min, topk]``; None: top-k routing.
+            (query block, head) the smallest count of candidates holding this share of the
+            head's gate softmax, within ``[topk_min, topk]``; None: top-k routing.
         topk_min: threshold routing's least count (ignored by top-k routing).
+        per_head: threshold routing's count per (query block, head) (default); False: one
+            count per query block, the largest over its heads, kept by every head.
         return_doc_kept: also return each document's kept pairs over heads (int64 numpy
             ``[n_docs]``; None for a backend that does not route by the shared plan).
 
@@ -117,7 +120,8 @@ def sparse_attention(
         ValueError: naming the bad argument.
     """
     _validate(q, k, v, cu_seqlens, topk, block_size, softmax_scale)
-    rule = None if threshold is None else RoutingRule(threshold=float(threshold), topk_min=topk_min)
+    rule = None if threshold is None else RoutingRule(threshold=float(threshold), topk_min=topk_min,
+                                                      per_head=bool(per_head))
     name = resolve_backend(backend, q.device, q.shape[2], block_size, q.dtype)
     with routing_rule(rule), (collect_plans() if return_doc_kept else contextlib.nullcontext([])) as plans:
         out, kept = run_backend(name, q, k, v, cu_seqlens, topk, block_size, softmax_scale)

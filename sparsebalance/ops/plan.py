@@ -44,21 +44,35 @@ class RoutingPlan:
     """int32 ``[NB]``: tokens in each block (1..B)."""
     kv_idx: torch.Tensor
     """int32 ``[H, NB, W]``: kept key block ids, ascending; the diagonal block is the
-    last valid entry (at ``kv_cnt - 1``); -1 pads the row."""
+    last valid entry of row ``(h, b)`` (at ``kv_cnt[h, b] - 1``); -1 pads the row."""
     kv_cnt: torch.Tensor
-    """int32 ``[NB]``: kept key blocks per query block (same for every head)."""
+    """int32 ``[H, NB]``, contiguous: kept key blocks of each (head, query block). Always per
+    head, so every kernel reads one shape: under top-k routing (and per-block threshold
+    counts) the rows of all heads are equal. A plan built with an ``[NB]`` tensor (one count
+    for every head) gets it expanded to ``[H, NB]`` (``__post_init__``)."""
     kept_pairs: int
     """Kept (query, key) pairs summed over heads and documents."""
     causal_pairs: int
     """Causal (query, key) pairs summed over heads and documents."""
     kv_nnz: Optional[int] = None
-    """Valid entries of ``kv_idx`` per head (``kv_cnt.sum()``), known on the host when the
-    plan is built; lets :func:`reverse_index` size its output without a device sync."""
+    """Valid entries of ``kv_idx`` of the head with the most (``kv_cnt.sum(1).max()``; every
+    head has as many under top-k routing), known on the host when the plan is built; lets
+    :func:`reverse_index` size its output without a device sync."""
     doc_kept: Optional[np.ndarray] = None
     """int64 ``[n_docs]``: kept pairs of each document, summed over heads (host)."""
     doc_end: Optional[torch.Tensor] = None
     """int32 ``[NB]``: one past the last block of each block's document (set by
     :func:`build_plan`; fa4's device descriptors read it)."""
+    head_kept: Optional[np.ndarray] = None
+    """int64 ``[H]``: kept pairs of each head, summed over documents (host; sums to
+    ``kept_pairs``)."""
+
+    def __post_init__(self) -> None:
+        H, NB = self.kv_idx.shape[0], self.kv_idx.shape[1]
+        if self.kv_cnt.dim() == 1:
+            self.kv_cnt = self.kv_cnt.to(torch.int32).view(1, NB).expand(H, NB).contiguous()
+        elif tuple(self.kv_cnt.shape) != (H, NB):
+            raise ValueError(f"kv_cnt must be [NB={NB}] or [H={H}, NB], got {tuple(self.kv_cnt.shape)}")
 
     @property
     def density(self) -> float:
@@ -69,7 +83,8 @@ class RoutingPlan:
         """The same plan with its tables on ``device``."""
         mv = lambda t: t.to(device, non_blocking=True)
         return RoutingPlan(self.block_size, mv(self.qb_start), mv(self.qb_len), mv(self.kv_idx),
-                           mv(self.kv_cnt), self.kept_pairs, self.causal_pairs, self.kv_nnz)
+                           mv(self.kv_cnt), self.kept_pairs, self.causal_pairs, self.kv_nnz,
+                           head_kept=self.head_kept)
 
 
 @torch.no_grad()
@@ -90,8 +105,9 @@ def restrict_plan(plan: RoutingPlan, tokens: torch.Tensor, causal_pairs: int) ->
     qs = plan.qb_start.to("cpu", torch.int64)
     tok = tokens.to("cpu", torch.int64)
     blk = torch.searchsorted(qs, tok, right=True) - 1
-    cnt = plan.kv_cnt.to("cpu", torch.int64)
-    kept = int(((cnt[blk] - 1) * plan.block_size + (tok - qs[blk]) + 1).sum()) * H
+    cnt = plan.kv_cnt.to("cpu", torch.int64)  # [H, NB]
+    per_head = ((cnt[:, blk] - 1) * plan.block_size + (tok - qs[blk]) + 1).sum(1)
+    kept = int(per_head.sum())
     active = torch.zeros(NB, dtype=torch.bool)
     active[blk] = True
     idle = (~active).nonzero().flatten()
@@ -101,32 +117,41 @@ def restrict_plan(plan: RoutingPlan, tokens: torch.Tensor, causal_pairs: int) ->
         i = idle.to(dev)
         kv_idx[:, i] = -1
         kv_idx[:, i, 0] = i.to(kv_idx.dtype)
-        kv_cnt[i] = 1
+        kv_cnt[:, i] = 1
     return RoutingPlan(plan.block_size, plan.qb_start, plan.qb_len, kv_idx, kv_cnt, kept,
-                       int(causal_pairs), int(kv_cnt.sum()))
+                       int(causal_pairs), int(kv_cnt.sum(1).max()), head_kept=per_head.numpy())
 
 
 @dataclass(frozen=True)
 class RoutingRule:
     """How many key blocks a query block keeps besides its sink and diagonal.
 
-    ``threshold=None`` (top-k routing): the budget ``topk`` of its document. A threshold
-    ``TAU`` (threshold routing): per query block, the smallest count ``c`` such that in
-    every head the ``c`` candidates with the largest gates hold at least ``TAU`` of that
-    head's softmax over the candidates' gate scores, clamped to ``[topk_min, topk]`` (and
-    to the candidates there are); each head then keeps its own top ``c``. One count per
-    query block for all heads, so every kernel's tables keep their shape; the count follows
-    the content, so equal-length documents can cost differently. ``TAU = 1`` with a cap of
+    ``threshold=None`` (top-k routing): the budget ``topk`` of its document, in every head.
+    A threshold ``TAU`` (threshold routing): the smallest count ``c`` such that the ``c``
+    candidates with the largest gates hold at least ``TAU`` of the head's softmax over the
+    candidates' gate scores, clamped to ``[topk_min, topk]`` (and to the candidates there
+    are), and the head keeps its top ``c``. ``per_head=True`` (default): one count per
+    (query block, head), so ``RoutingPlan.kv_cnt [H, NB]`` rows differ by head.
+    ``per_head=False``: one count per query block, the largest over its heads, kept by
+    every head (each head still keeps its own top ``c``); on a pretrained model that keeps
+    about twice the pairs for the same coverage, for comparisons. The count follows the
+    content, so equal-length documents can cost differently. ``TAU = 1`` with a cap of
     every block is dense causal attention."""
 
     threshold: Optional[float] = None
+    """TAU in (0, 1]; None: top-k routing."""
     topk_min: int = 0
+    """Threshold routing's least count of chosen blocks (besides sink and diagonal)."""
+    per_head: bool = True
+    """Threshold routing: a count per (query block, head); False: per query block."""
 
     def __post_init__(self) -> None:
         if self.threshold is not None and not 0.0 < float(self.threshold) <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold!r}")
         if isinstance(self.topk_min, bool) or not isinstance(self.topk_min, int) or self.topk_min < 0:
             raise ValueError(f"topk_min must be an int >= 0, got {self.topk_min!r}")
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"per_head must be a bool, got {self.per_head!r}")
 
 
 TOPK_RULE = RoutingRule()
@@ -420,6 +445,10 @@ class _Skeleton:
 
     doc_kept: np.ndarray
     """Kept pairs per document over heads (top-k routing; threshold: of the caps)."""
+    head_kept: np.ndarray
+    """Kept pairs per head (the same for every head; threshold: of the caps)."""
+    kv_cnt: torch.Tensor
+    """int32 ``[H, NB]`` on the device: the counts of top-k routing (threshold: the caps)."""
     meta_d: torch.Tensor
     kv_template: torch.Tensor
     route: Optional["_RouteHost"]
@@ -575,7 +604,7 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
     kmin = None if thr is None else rule.topk_min
     fused = thr is None and reduce_q_sums is None and fused_route(q.device)
     sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device, kmin, host_route=not fused)
-    kv_cnt = sk.meta_d[2] if thr is None else sk.meta_d[2].clone()
+    kv_cnt = sk.kv_cnt if thr is None else sk.kv_cnt.clone()
     kv_idx = None
     if sk.routed and sk.route is None:  # the fused kernels make the choice, every row written
         from sparsebalance.ops import route_kernels
@@ -593,15 +622,17 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
         kv_idx = sk.kv_template.clone()
         if sk.route:
             sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums,
-                         kv_cnt=kv_cnt, threshold=thr)
-    nnz, doc_kept = sk.kv_nnz, sk.doc_kept
+                         kv_cnt=kv_cnt, rule=rule)
+    nnz, doc_kept, head_kept = sk.kv_nnz, sk.doc_kept, sk.head_kept
     if thr is not None and sk.route:  # the counts were chosen on the device: one read back
         ql = sk.meta_d[1].long()
-        per_block = (kv_cnt.long() - 1) * int(block_size) * ql + ql * (ql + 1) // 2
-        per_doc = torch.zeros(len(sk.doc_kept), dtype=torch.int64, device=q.device)
-        per_doc.scatter_add_(0, sk.meta_d[5].long(), per_block)
-        both = torch.cat([per_doc, kv_cnt.long().sum().view(1)]).cpu().numpy()
-        doc_kept, nnz = both[:-1] * q.shape[1], int(both[-1])
+        per_block = (kv_cnt.long() - 1) * int(block_size) * ql + ql * (ql + 1) // 2  # [H, NB]
+        n_docs, H = len(sk.doc_kept), q.shape[1]
+        per_doc = torch.zeros(n_docs, dtype=torch.int64, device=q.device)
+        per_doc.scatter_add_(0, sk.meta_d[5].long(), per_block.sum(0))
+        back = torch.cat([per_doc, per_block.sum(1), kv_cnt.long().sum(1)]).cpu().numpy()
+        doc_kept, head_kept = back[:n_docs], back[n_docs:n_docs + H]
+        nnz = int(back[n_docs + H:].max())
     return RoutingPlan(
         block_size=int(block_size),
         qb_start=sk.meta_d[0],
@@ -613,6 +644,7 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
         kv_nnz=nnz,
         doc_kept=doc_kept,
         doc_end=sk.meta_d[6],
+        head_kept=head_kept,
     )
 
 
@@ -658,7 +690,9 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
     doc_kept = np.bincount(doc_of, weights=full, minlength=n_docs).astype(np.int64) * H
     return _Skeleton(doc_kept=doc_kept, meta_d=meta_d, kv_template=kv_template, route=route, sent=sent,
                      causal_pairs=int((lens * (lens + 1) // 2).sum()) * H, kv_nnz=int(kv_cnt.sum()),
-                     max_blocks=max_blocks, routed=len(sel) > 0)
+                     max_blocks=max_blocks, routed=len(sel) > 0,
+                     kv_cnt=meta_d[2].view(1, NB).expand(H, NB).contiguous(),
+                     head_kept=np.full(H, int(full.sum()), dtype=np.int64))
 
 
 class _RouteHost:
@@ -721,9 +755,10 @@ class _RouteHost:
         return out
 
     def run(self, q, k, kv_idx, sent: list, scale: float, reduce_q_sums=None,
-            kv_cnt: Optional[torch.Tensor] = None, threshold: Optional[float] = None) -> None:
-        """Overwrite the routed rows of ``kv_idx`` (device ops only); threshold routing also
-        writes their counts into ``kv_cnt``."""
+            kv_cnt: Optional[torch.Tensor] = None, rule: Optional["RoutingRule"] = None) -> None:
+        """Overwrite the routed rows of ``kv_idx [H, NB, W]`` (device ops only); threshold
+        routing (``rule.threshold`` set) also writes their counts into ``kv_cnt [H, NB]``."""
+        threshold = None if rule is None else rule.threshold
         dev, B = q.device, self.B
         H, hkv, D = q.shape[1], k.shape[1], q.shape[2]
         W = kv_idx.shape[2]
@@ -759,7 +794,7 @@ class _RouteHost:
             g.masked_fill_((j < 1) | (j >= i_abs) | (i_abs >= i0 + nrows), float("-inf"))
             keep = kk  # blocks chosen per row besides sink and diagonal
             if threshold is not None:
-                keep = _threshold_counts(g, threshold, kl, kk, i_abs - 1).clamp_(max=kmax)  # padding rows
+                keep = _threshold_counts(g, threshold, kl, kk, i_abs - 1, rule.per_head).clamp_(max=kmax)
             if kmax == 0:
                 ch = torch.empty((H, c, R, 0), dtype=torch.int32, device=dev)
             elif threshold is None:
@@ -773,20 +808,22 @@ class _RouteHost:
             out[..., 1:1 + kmax] = torch.where(ch >= 0, ch + fb, -1)
             out.scatter_(-1, (keep + 1).long().expand(H, c, R, 1), (fb + i_abs).expand(H, c, R, 1))
             kv_idx[:, dst] = out.view(H, c * R, W)[:, src]
-            if threshold is not None:
-                kv_cnt[dst] = (keep + 2).to(kv_cnt.dtype).view(c * R)[src]
+            if threshold is not None:  # keep: [H or 1, c, R, 1]
+                kv_cnt[:, dst] = (keep + 2).to(kv_cnt.dtype).expand(H, c, R, 1).reshape(H, c * R)[:, src]
 
 
 def _threshold_counts(g: torch.Tensor, tau: float, kmin: torch.Tensor, kmax: torch.Tensor,
-                      ncand: torch.Tensor) -> torch.Tensor:
+                      ncand: torch.Tensor, per_head: bool = True) -> torch.Tensor:
     """Threshold routing's count per row of gates ``g [H, ..., C]`` (``-inf`` where a
     column is not a candidate): the smallest ``c`` whose top ``c`` candidates hold at
-    least ``tau`` of the softmax over the candidates in every head, clamped to
-    ``[kmin, kmax]`` and to the ``ncand`` candidates. Returns int32 ``[1, ..., 1]``."""
+    least ``tau`` of the head's softmax over the candidates (``per_head`` False: the
+    largest such ``c`` over the heads), clamped to ``[kmin, kmax]`` and to the ``ncand``
+    candidates. Returns int32 ``[H, ..., 1]`` (``per_head`` False: ``[1, ..., 1]``)."""
     p = torch.softmax(g, dim=-1).nan_to_num_(0.0)  # rows without candidates: padding rows
     mass = p.sort(dim=-1, descending=True).values.cumsum_(-1)
-    need = (mass < tau).sum(-1, keepdim=True, dtype=torch.int32) + 1
-    c = need.amax(0, keepdim=True)
+    c = (mass < tau).sum(-1, keepdim=True, dtype=torch.int32) + 1
+    if not per_head:
+        c = c.amax(0, keepdim=True)
     hi = torch.minimum(kmax, ncand.clamp(min=0))
     return torch.minimum(torch.maximum(c, torch.minimum(kmin, hi)), hi).to(torch.int32)
 
@@ -800,22 +837,25 @@ def reverse_index(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``rev_ptr`` int32 ``[H, NB + 1]`` (offsets into ``rev_q`` for each head's row,
         relative to that head's segment) and ``rev_q`` int32 ``[H, NNZ]`` query block
-        ids sorted by key block then query block; NNZ is the same for every head.
+        ids sorted by key block then query block. NNZ is the most valid entries of any
+        head (``plan.kv_nnz``); a head with fewer (per-head threshold counts) has its
+        row padded with 0 past ``rev_ptr[h, NB]``, never read.
     """
     H, NB, W = plan.kv_idx.shape
     kt = torch.int32 if NB * NB + NB < 2 ** 31 else torch.int64  # int32 keys sort faster
     kv = plan.kv_idx.to(kt)
     valid = kv >= 0
     qb = torch.arange(NB, device=kv.device, dtype=kt).view(1, NB, 1).expand(H, NB, W)
-    nnz = plan.kv_nnz if plan.kv_nnz is not None else int(valid[0].sum())
-    keys = torch.where(valid, kv * NB + qb, NB * NB + NB)
+    nnz = plan.kv_nnz if plan.kv_nnz is not None else int(valid.sum((1, 2)).max())
+    pad = NB * NB + NB  # sorts last; its key block NB + 1 lands in a dropped count
+    keys = torch.where(valid, kv * NB + qb, pad)
     keys = torch.sort(keys.reshape(H, -1), dim=-1).values[:, :nnz]
-    rev_q = (keys % NB).to(torch.int32)
+    rev_q = torch.where(keys < pad, keys % NB, 0).to(torch.int32)
     kb = (keys // NB).long()
-    counts = torch.zeros((H, NB), dtype=torch.int64, device=kv.device)
+    counts = torch.zeros((H, NB + 2), dtype=torch.int64, device=kv.device)
     counts.scatter_add_(1, kb, torch.ones_like(kb))
     rev_ptr = torch.zeros((H, NB + 1), dtype=torch.int64, device=kv.device)
-    rev_ptr[:, 1:] = torch.cumsum(counts, 1)
+    rev_ptr[:, 1:] = torch.cumsum(counts[:, :NB], 1)
     return rev_ptr.to(torch.int32), rev_q.contiguous()
 
 

@@ -7,7 +7,8 @@ query groups of ``query_block_size`` tokens gate against key blocks of
 ``block_size`` tokens; a query always keeps its own key block (causal) and the
 sink, plus the top-``topk`` key blocks strictly before its own block. Under threshold
 routing (:func:`~sparsebalance.ops.plan.routing_rule`) ``topk`` is the cap and the count
-per query group follows :class:`~sparsebalance.ops.plan.RoutingRule`.
+per (query group, head) follows :class:`~sparsebalance.ops.plan.RoutingRule` (one count
+per query group for all heads when the rule's ``per_head`` is False).
 """
 
 from __future__ import annotations
@@ -44,16 +45,19 @@ def _doc_mask(qd: torch.Tensor, kd: torch.Tensor, topk: int, B: int, Bq: int, sc
     rule = current_rule()
     if topk > 0 and rule.threshold is not None:
         # threshold routing, written out per query group: each head's softmax over the
-        # candidates' gates, the smallest count holding TAU of it in every head, clamped
+        # candidates' gates, the smallest count holding TAU of it (per head, or the largest
+        # over the heads for every head when the rule is per block), clamped
         g = gate.masked_fill(~cand, float("-inf"))
         ncand = cand.sum(-1)  # [nq]
         p = torch.softmax(g, dim=-1).nan_to_num(0.0)
         mass = p.sort(dim=-1, descending=True).values.cumsum(-1)
-        count = ((mass < rule.threshold).sum(-1) + 1).amax(0)  # [nq]
+        count = (mass < rule.threshold).sum(-1) + 1  # [H, nq]
+        if not rule.per_head:
+            count = count.amax(0, keepdim=True).expand(H, nq)
         hi = torch.clamp(ncand, max=topk)
         count = torch.minimum(torch.maximum(count, torch.clamp(hi, max=rule.topk_min)), hi)
         order = torch.sort(g, dim=-1, descending=True, stable=True).indices  # [H, nq, nk]
-        ranked = (torch.arange(nk, device=dev).view(1, 1, -1) < count.view(1, -1, 1)).expand(H, nq, nk)
+        ranked = torch.arange(nk, device=dev).view(1, 1, -1) < count.unsqueeze(-1)  # [H, nq, nk]
         keep_blk |= torch.zeros_like(keep_blk).scatter_(-1, order, ranked) & cand
     elif topk > 0:
         g = gate.masked_fill(~cand, float("-inf"))

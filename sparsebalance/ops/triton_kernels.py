@@ -92,7 +92,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, QB_START, QB_LEN, KV_IDX, KV_CNT, qk_scale,
     hk = h // REP
     s0 = tl.load(QB_START + b)
     ql = tl.load(QB_LEN + b)
-    cnt = tl.load(KV_CNT + b)
+    cnt = tl.load(KV_CNT + h * NB + b)  # [H, NB]
     rm = tl.arange(0, BLOCK)
     rd = tl.arange(0, BLOCK_D)
     qmask = (rm[:, None] < ql) & (rd[None, :] < D)
@@ -137,7 +137,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, QB_START, QB_LEN, KV_IDX, KV_CNT
     hk = h // REP
     s0 = tl.load(QB_START + b)
     ql = tl.load(QB_LEN + b)
-    cnt = tl.load(KV_CNT + b)
+    cnt = tl.load(KV_CNT + h * NB + b)  # [H, NB]
     rm = tl.arange(0, BLOCK)
     rd = tl.arange(0, BLOCK_D)
     qmask = (rm[:, None] < ql) & (rd[None, :] < D)

@@ -6,7 +6,10 @@ extras_ms``, times the predictor's online correction for that stage and phase,
 i.e. exactly ``stage_ms``), and retained attention = layers of the stage x kept
 (query, key) pairs of block top-k routing (``sparsebalance.pairs``).
 For the interleaved schedule the model is split into ``pp * vpp`` chunks and
-stage ``j = v * pp + rank`` is chunk ``j``. Under context parallelism
+stage ``j = v * pp + rank`` is chunk ``j``. Under threshold routing (content-dependent
+kept pairs) ``densities`` gives each document's density and the cap is the budget: its
+kept pairs are ``sparsebalance.pairs.threshold_kept_pairs`` and its attention time moves by
+the predictor's ``pair_ms`` per pair away from the top-k count. Under context parallelism
 (``predictor.set_context_parallel``) the op times are those of the slowest rank of
 a CP group, K/V exchange included; retained attention stays the whole model's.
 """
@@ -17,7 +20,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..pairs import kept_pairs
+from ..pairs import kept_pairs, threshold_kept_pairs
 from .instance import Instance
 
 
@@ -34,14 +37,34 @@ def _step_docs(lengths: Sequence[Sequence[Sequence[int]]]):
     return D, M, docs, np.concatenate(docs), starts
 
 
+def _flat_densities(densities, flat: np.ndarray) -> Optional[np.ndarray]:
+    if densities is None:
+        return None
+    d = np.concatenate([np.asarray(m, dtype=np.float64).reshape(-1) for r in densities for m in r])
+    if d.shape != flat.shape:
+        raise ValueError(f"densities has {d.size} documents, lengths {flat.size}")
+    return d
+
+
+def kept_at(predictor, flat: np.ndarray, k: Optional[int], dens: Optional[np.ndarray],
+            topk_min: int = 0) -> np.ndarray:
+    """[n] kept pairs per head of documents ``flat`` at budget ``k``: top-k's count, or under
+    threshold routing (``dens`` given) the density's within the cap."""
+    if dens is None or k is None:
+        return kept_pairs(flat, k, predictor.block_size).astype(float)
+    return threshold_kept_pairs(flat, dens, k, predictor.block_size, topk_min)
+
+
 def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: Sequence[Optional[int]],
-                 stages: int) -> Tuple[np.ndarray, np.ndarray]:
+                 stages: int, densities=None, topk_min: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Calibrated forward and backward ms ``[L, dp, M, stages]`` of every op at each budget.
 
     ``levels[l]`` is a top-k (None: dense attention); all documents of the step go
-    through one ``layer_doc_ms`` call per (phase, level).
+    through one ``layer_doc_ms`` call per (phase, level). ``densities`` (nested like
+    ``lengths``): threshold routing's per-document densities (module docstring).
     """
     D, M, docs, flat, starts = _step_docs(lengths)
+    dens = _flat_densities(densities, flat)
     layers = np.array([predictor.shape.layers_of(j, stages) for j in range(stages)], dtype=float)
     out = []
     for phase in ("fwd", "bwd"):
@@ -53,8 +76,14 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
         const = predictor.layer_const_ms(phase)
         tab = np.empty((len(levels), D, M, stages))
         for li, k in enumerate(levels):
-            per_layer = np.add.reduceat(predictor.layer_doc_ms(flat, k, phase), starts) + const
+            doc = predictor.layer_doc_ms(flat, k, phase)
+            if dens is not None and k is not None:
+                doc = doc + predictor.pair_ms(k, phase) * (
+                    kept_at(predictor, flat, k, dens, topk_min) - kept_pairs(flat, k, predictor.block_size))
+            per_layer = np.add.reduceat(doc, starts) + const
             tab[li] = ((per_layer[:, None] * layers + extras) * corr).reshape(D, M, stages)
+        if dens is not None:  # the swapped pair terms leave rounding noise across levels
+            tab = np.maximum.accumulate(tab, axis=0)
         out.append(tab)
     return out[0], out[1]
 
@@ -62,22 +91,26 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
 def build_instance(predictor, lengths: Sequence[Sequence[Sequence[int]]], *, pp: int, k0: int,
                    levels: Optional[Sequence[int]] = None, kmin: Optional[int] = None,
                    kmax: Optional[int] = None, schedule: str = "1f1b", vpp: int = 1,
-                   p2p_ms: float = 0.0, group: Optional[int] = None) -> Instance:
+                   p2p_ms: float = 0.0, group: Optional[int] = None, densities=None,
+                   topk_min: int = 0) -> Instance:
     """Instance for document ``lengths[dp][microbatch]`` (token counts of one micro-batch).
 
     ``levels`` default: every integer in ``[kmin, kmax]`` (defaults ``k0 // 2``, ``2 * k0``).
+    ``densities`` (nested like ``lengths``) and ``topk_min``: threshold routing (module
+    docstring); the budget levels are then caps.
     """
     D, M, docs, flat, starts = _step_docs(lengths)
+    dens = _flat_densities(densities, flat)
     S = pp * vpp
     kmin = k0 // 2 if kmin is None else int(kmin)
     kmax = 2 * k0 if kmax is None else int(kmax)
     lv = sorted(set(range(kmin, kmax + 1) if levels is None else (int(x) for x in levels))
                 | {int(k0)})
     layers = np.array([predictor.shape.layers_of(j, S) for j in range(S)], dtype=float)
-    fwd, bwd = op_ms_tables(predictor, lengths, lv, S)
+    fwd, bwd = op_ms_tables(predictor, lengths, lv, S, densities, topk_min)
     attn = np.empty((len(lv), D, M, S))
     for li, k in enumerate(lv):
-        pairs = np.add.reduceat(kept_pairs(flat, k, predictor.block_size), starts).astype(float)
+        pairs = np.add.reduceat(kept_at(predictor, flat, k, dens, topk_min), starts)
         attn[li] = (pairs[:, None] * layers).reshape(D, M, S)
     return Instance(schedule=schedule, pp=pp, vpp=vpp, dp=D, microbatches=M, k0=int(k0),
                     kmin=kmin, kmax=kmax, levels=np.array(lv, dtype=np.int64), p2p_ms=p2p_ms,

@@ -16,7 +16,7 @@ import torch
 
 from sparsebalance.attention.context_parallel import build_layout, local_causal_work
 from sparsebalance.cp_split import local_token_index, padded_lengths
-from sparsebalance.ops.plan import build_plan, restrict_plan
+from sparsebalance.ops.plan import RoutingRule, build_plan, restrict_plan, routing_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "attention", "_cp_worker.py")
@@ -87,24 +87,32 @@ def test_16k_microbatches_split_half_the_tokens_and_equal_causal_work(path):
     assert worst <= 0.05, worst
 
 
-def test_restricted_plan_counts_only_its_tokens_and_keeps_diagonals():
+@pytest.mark.parametrize("rule", [None, RoutingRule(0.6, per_head=True), RoutingRule(0.6, per_head=False)],
+                         ids=["topk", "threshold-per-head", "threshold-per-block"])
+def test_restricted_plan_counts_only_its_tokens_and_keeps_diagonals(rule):
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 100, 137, 387], dtype=torch.int32)
     q, k = torch.randn(387, 2, 8, generator=g), torch.randn(387, 2, 8, generator=g)
-    plan = build_plan(q, k, cu, 2, 16, 0.35)
+    q[:, 0] *= 8  # head 0's gates peaked, head 1's flat: per-head counts differ
+    with routing_rule(rule):
+        plan = build_plan(q, k, cu, 4, 16, 0.35)
+    if rule is not None and rule.per_head:
+        assert bool((plan.kv_cnt[0] != plan.kv_cnt[1]).any())
     mine = torch.cat([torch.arange(0, 25), torch.arange(75, 100), torch.arange(137, 200)])
     sub = restrict_plan(plan, mine, causal_pairs=1)
     qs = plan.qb_start.long()
     blk = torch.searchsorted(qs, mine, right=True) - 1
-    want = sum(((int(plan.kv_cnt[b]) - 1) * 16 + int(t - qs[b]) + 1) for t, b in zip(mine, blk)) * 2
-    assert sub.kept_pairs == want and sub.causal_pairs == 1
+    want = [sum(((int(plan.kv_cnt[h, b]) - 1) * 16 + int(t - qs[b]) + 1) for t, b in zip(mine, blk))
+            for h in range(2)]
+    assert sub.kept_pairs == sum(want) and list(sub.head_kept) == want and sub.causal_pairs == 1
     active = torch.zeros(len(qs), dtype=torch.bool)
     active[blk] = True
     assert torch.equal(sub.kv_idx[:, active], plan.kv_idx[:, active])
     idle = (~active).nonzero().flatten()
-    assert len(idle) > 3 and torch.all(sub.kv_cnt[idle] == 1)
+    assert len(idle) > 3 and torch.all(sub.kv_cnt[:, idle] == 1)
+    assert torch.equal(sub.kv_cnt[:, active], plan.kv_cnt[:, active])
     assert torch.equal(sub.kv_idx[:, idle, 0], idle.int().expand(2, -1))
-    assert sub.kv_nnz == int(sub.kv_cnt.sum())
+    assert sub.kv_nnz == int(sub.kv_cnt.sum(1).max())
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def test_cpu_kernel_rejects_bad_plan():
     q, k, v, cu, _ = make_inputs([64], 1, 1, 16)
     qb_start = torch.tensor([0, 32], dtype=torch.int32)
     qb_len = torch.tensor([32, 32], dtype=torch.int32)
-    kv_cnt = torch.tensor([1, 2], dtype=torch.int32)
+    kv_cnt = torch.tensor([[1, 2]], dtype=torch.int32)  # [H, NB]
     bad = torch.tensor([[[0, -1], [1, 0]]], dtype=torch.int32)  # diagonal not last
     with pytest.raises(RuntimeError, match="diagonal"):
         _ext.cpu_ext.sparse_attention_fwd(q, k, v, qb_start, qb_len, bad, kv_cnt, 32, 0.25)

@@ -89,7 +89,7 @@ def test_per_head_counts_are_accepted():
     q, k, _, cu, _ = make_inputs(lens, H, Hkv, D)
     plan = build_plan(q, k, cu, topk, B, D ** -0.5)
     H_, NB, W = plan.kv_idx.shape
-    cnt = plan.kv_cnt.view(1, NB).repeat(H, 1)
+    cnt = plan.kv_cnt.clone()  # [H, NB]
     cnt[0] = torch.where(cnt[0] > 2, cnt[0] - 1, cnt[0])  # head 0 drops its last full block
     kv_idx = plan.kv_idx.clone()
     rows = torch.arange(NB)

@@ -6,7 +6,15 @@ import torch
 from _cases import make_inputs
 
 import sparsebalance.ops.plan as plan_mod
-from sparsebalance.ops.plan import _select_rows, build_plan, per_doc_topk, reverse_index, select_topk
+from sparsebalance.ops.plan import (
+    RoutingRule,
+    _select_rows,
+    build_plan,
+    per_doc_topk,
+    reverse_index,
+    routing_rule,
+    select_topk,
+)
 from sparsebalance.ops.reference import _doc_mask
 from sparsebalance.pairs import kept_pairs
 
@@ -34,7 +42,7 @@ def _rows(plan):
     """Per (head, block): list of kept key block ids."""
     H, NB, _ = plan.kv_idx.shape
     cnt = plan.kv_cnt.tolist()
-    return [[plan.kv_idx[h, b, : cnt[b]].tolist() for b in range(NB)] for h in range(H)]
+    return [[plan.kv_idx[h, b, : cnt[h][b]].tolist() for b in range(NB)] for h in range(H)]
 
 
 @pytest.mark.parametrize("topk", [0, 1, 2, 5, 100])
@@ -127,9 +135,20 @@ def test_equal_gates_pick_lowest_blocks():
     assert plan.kv_idx[:, 9, :4].tolist() == [[0, 1, 2, 9]] * 2
 
 
-def test_reverse_index_inverts_the_plan():
-    plan, *_ = _plan(2)
+@pytest.mark.parametrize("rule", [None, RoutingRule(0.7, per_head=True), RoutingRule(0.7, per_head=False)],
+                         ids=["topk", "threshold-per-head", "threshold-per-block"])
+def test_reverse_index_inverts_the_plan(rule):
+    q, k, _, cu, _ = make_inputs(LENS, 3, 1, 16)
+    q = q * torch.tensor([6.0, 1.0, 0.2]).view(1, 3, 1)  # heads from peaked to flat
+    with routing_rule(rule):
+        plan = build_plan(q, k, cu, 6, 32, 0.25)
     ptr, rq = reverse_index(plan)
+    nnz = plan.kv_cnt.sum(1)
+    if rule is not None and rule.per_head:
+        assert len(set(nnz.tolist())) > 1  # heads keep different numbers of blocks
+    assert rq.shape == (3, plan.kv_nnz) and torch.equal(ptr[:, -1], nnz.int())
+    plan.kv_nnz = None  # the same tables without the host's count
+    assert all(torch.equal(a, b) for a, b in zip((ptr, rq), reverse_index(plan)))
     rows = _rows(plan)
     H, NB = len(rows), len(rows[0])
     for h in range(H):
@@ -196,7 +215,8 @@ def _reference_plan(q, k, cu_seqlens, topk, B, scale):
         kv_idx[:, f + r0:f + n, :kk + 2] = ids + f
         kv_idx[:, f + r0:f + n, kk + 2:] = -1
     full = (kv_cnt - 1) * B * qb_len + qb_len * (qb_len + 1) // 2
-    return dict(qb_start=qb_start.int(), qb_len=qb_len.int(), kv_idx=kv_idx.int(), kv_cnt=kv_cnt.int(),
+    return dict(qb_start=qb_start.int(), qb_len=qb_len.int(), kv_idx=kv_idx.int(),
+                kv_cnt=kv_cnt.int().view(1, NB).expand(H, NB),
                 kept_pairs=int(full.sum()) * H, causal_pairs=int((lens * (lens + 1) // 2).sum()) * H)
 
 
@@ -254,7 +274,8 @@ def _assert_plan_equals_reference(q, k, cu, topk, B, scale, msg=""):
         assert got.dtype == torch.int32 and got.is_contiguous(), (name, msg)
         assert torch.equal(got, ref[name]), (name, msg)
     assert (plan.kept_pairs, plan.causal_pairs) == (ref["kept_pairs"], ref["causal_pairs"]), msg
-    assert plan.kv_nnz == int(plan.kv_cnt.sum())
+    assert plan.kv_nnz == int(plan.kv_cnt.sum(1).max())
+    assert list(plan.head_kept) == [plan.kept_pairs // q.shape[1]] * q.shape[1]
     return plan
 
 
@@ -341,5 +362,5 @@ def test_reverse_index_without_the_hosts_count():
     assert plan.kv_nnz is not None and plan.to(torch.device("cpu")).kv_nnz == plan.kv_nnz
     plan.kv_nnz = None
     slow = reverse_index(plan)
-    plan.kv_nnz = int(plan.kv_cnt.sum())
+    plan.kv_nnz = int(plan.kv_cnt.sum(1).max())
     assert all(torch.equal(a, b) for a, b in zip(slow, reverse_index(plan)))

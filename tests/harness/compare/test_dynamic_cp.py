@@ -36,8 +36,9 @@ def test_placement_is_legal(keep):
     assert got == sorted(np.concatenate(mbs).tolist())  # every document exactly once
     for m, mb in enumerate(placed):
         tok = np.zeros(4)
-        for L, k, g in mb:
+        for L, k, g, i in mb:
             assert k in (1, 2, 4) and g % k == 0 and g + k <= 4  # aligned group
+            assert np.concatenate(mbs)[i] == L  # the index names the document placed
             tok[g:g + k] += L / k
         assert tok.max() <= S / 4 + 1e-6  # per-rank token limit
         if keep:

@@ -12,7 +12,7 @@ from tools.harness.compare.scaling import GRID, run_cell, stream_for
 
 def test_grid_covers_the_issue_ranges_and_layer_splits():
     assert {c[1] for c in GRID} == {32768, 65536, 131072, 262144}
-    assert {c[0] for c in GRID} == {"qwen05b", "qwen3b", "llama7b"}
+    assert {c[0] for c in GRID} == {"qwen05b", "qwen3b", "llama7b", "smollm2"}
     assert min(c[2] for c in GRID) == 4 and max(c[2] for c in GRID) == 16
     assert min(c[3] for c in GRID) == 8 and max(c[3] for c in GRID) == 64
     assert {c[4] for c in GRID} == {1, 2, 4}

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from sparsebalance.batching import PackingSampler
-from sparsebalance.pairs import causal_pairs
+from sparsebalance.pairs import causal_pairs, threshold_kept_pairs
 from sparsebalance.pipeline import PipelineTimeline, simulate
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning import anchor_indices, critical_path_indices
@@ -36,7 +36,12 @@ from sparsebalance.tuning.instance import Instance
 from sparsebalance.tuning.plan import timeline_at
 
 from .arms import ARMS, FRONTIER, SIM_ONLY, Arm
+from .density_study import MODES, CellContent, cell_content, load_study
 from .dynamic_cp import dynamic_cp_instance
+
+WARM_STEPS = 2
+"""Threshold routing: steps' worth of documents SAB's estimator has seen before a cell's
+first step (``density_study.py``, rule 3)."""
 
 MODELS: Dict[str, Dict[str, object]] = {
     "llama7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
@@ -44,6 +49,8 @@ MODELS: Dict[str, Dict[str, object]] = {
     "qwen05b": {},
     "qwen3b": dict(num_layers=36, hidden_size=2048, num_attention_heads=16, num_query_groups=2,
                    ffn_hidden_size=11008, vocab_size=151936),
+    "smollm2": dict(num_layers=30, hidden_size=576, num_attention_heads=9, num_query_groups=3,
+                    ffn_hidden_size=1536, vocab_size=49152),
     "profile": {},
 }
 """Simulated model shapes. ``llama7b`` is the layer h100-analytic was fitted on (no FLOP
@@ -51,6 +58,8 @@ rescaling; 4 layers per stage at PP=8); ``qwen05b`` is the predictor's default
 (Qwen2.5-0.5B-like: 3 layers per stage at PP=8 plus a 151,936-token output layer on
 the last stage); ``qwen3b`` is Qwen2.5-3B's shape (36 layers: PP 4, 6, 9, 12 or 18;
 GQA with 2 K/V groups; tied 151,936-token vocabulary), its layer rescaled by FLOPs;
+``smollm2`` is SmolLM2-135M's (the real model of issue 49: 30 layers, hidden 576, 9 heads in
+3 K/V groups of head dim 64, SwiGLU 1536, tied 49,152-token vocabulary; PP 2, 3, 5, 6, 10, 15);
 ``profile`` adds no overrides (with a profile JSON as cost model: the profiled model itself)."""
 
 SIM_ARMS: Tuple[str, ...] = ("megatron", "sab", "dst", "sparsebalance", "sparsebalance-anchor",
@@ -89,6 +98,15 @@ class SimConfig:
     chunks of each document) and its op times are those of the slowest rank of the CP
     group, K/V exchange included (``sparsebalance.predictor.context_parallel``); the
     cluster has ``dp x pp x cp`` GPUs."""
+    routing: str = "topk"
+    """``topk`` (kept pairs from lengths) or ``threshold`` (per-document densities drawn from
+    ``density_study``, the budget is the cap: ``density_study.py``)."""
+    density_study: Optional[str] = None
+    """Sparsity-study JSON of per-document densities (threshold routing)."""
+    density_mode: str = "measured"
+    """``measured`` or ``bucket-mean`` (every density replaced by its length bucket's mean)."""
+    topk_min: int = 0
+    """Threshold routing's floor of chosen blocks."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "micro_batches", "steps", "block_size", "topk", "cp"):
@@ -96,6 +114,14 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.micro_batches < self.pp:
             raise ValueError(f"micro_batches ({self.micro_batches}) must be >= pp ({self.pp})")
+        if self.routing not in ("topk", "threshold"):
+            raise ValueError(f"routing must be topk or threshold, got {self.routing!r}")
+        if self.routing == "threshold" and not self.density_study:
+            raise ValueError("threshold routing needs a density study (--density-study)")
+        if self.density_mode not in MODES:
+            raise ValueError(f"density_mode must be one of {MODES}, got {self.density_mode!r}")
+        if not 0 <= self.topk_min <= self.topk:
+            raise ValueError(f"topk_min must be in [0, topk], got {self.topk_min}")
 
     def predictor(self):
         """The cost model of the simulation."""
@@ -130,20 +156,53 @@ def _nested(packed) -> List[List[List[int]]]:
     return [[[int(s[2]) for s in mb] for mb in rank] for rank in packed.ranks]
 
 
-def _packed_steps(lengths: np.ndarray, strategy: str, seq_length: int, cfg: SimConfig, predictor):
+def _segments(packed) -> Tuple[np.ndarray, np.ndarray]:
+    """(document ids, lengths) of every segment of a packed step, in ``_nested`` order."""
+    seg = [(s[0], s[2]) for rank in packed.ranks for mb in rank for s in mb]
+    arr = np.array(seg, dtype=np.int64).reshape(len(seg), 2)
+    return arr[:, 0], arr[:, 1]
+
+
+def _renest(packed, flat: np.ndarray) -> List[List[List[float]]]:
+    """``flat`` per-segment values nested ``[dp][microbatch][segment]`` like ``_nested``."""
+    out, i = [], 0
+    for rank in packed.ranks:
+        out.append([])
+        for mb in rank:
+            out[-1].append(flat[i:i + len(mb)].tolist())
+            i += len(mb)
+    return out
+
+
+def _packed_steps(lengths: np.ndarray, strategy: str, seq_length: int, cfg: SimConfig, predictor,
+                  content: Optional[CellContent] = None):
     """``cfg.steps`` packed steps (the sampler's ``StepPacking``) of one strategy; all must be
-    full steps of epoch 0."""
+    full steps of epoch 0. Threshold routing (``content``): each step also gets
+    ``true_density`` and ``predicted_density`` ([dp][microbatch][segment]): the strategy's
+    own estimator (SAB packs with it; the others only plan DST with it) predicts before the
+    step and learns from the step's true kept pairs at k0 (lag 2, as in training)."""
+    td = None if content is None else content.estimator(cfg.block_size, cfg.topk_min, seq_length)
     sampler = PackingSampler(lengths, dp=cfg.dp, micro_batches=cfg.micro_batches,
                              seq_length=seq_length, strategy=strategy, seed=cfg.seed,
                              max_carry_steps=cfg.max_carry_steps, predictor=predictor,
-                             pp=cfg.pp)
+                             pp=cfg.pp, density=td if strategy == "sab" else None)
     steps = []
-    for _ in range(cfg.steps):
+    for t in range(cfg.steps):
         packed = sampler.next_step()
         if packed.epoch != 0 or any(len(mb) == 0 for r in packed.ranks for mb in r):
             raise ValueError(f"steps: the length file holds fewer than {cfg.steps} full steps of "
                              f"{cfg.dp}x{cfg.micro_batches}x{seq_length} tokens ({strategy})")
+        if td is not None:
+            td.advance(t)  # (the sampler did it already for SAB)
+            doc, seg = _segments(packed)
+            true = content.docs.density_at(doc, seg)
+            packed.true_density = _renest(packed, true)
+            packed.predicted_density = _renest(packed, td.densities(seg, doc))
+            kept = threshold_kept_pairs(seg, true, cfg.topk, cfg.block_size, cfg.topk_min)
+            td.observe(t, doc, seg, kept, causal_pairs(seg))
         steps.append(packed)
+    if td is not None:
+        steps[0].estimator_seconds = td.seconds
     return steps
 
 
@@ -192,7 +251,12 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
     predictor = cfg.predictor()
     cp_predictors = {c: replace(cfg, cp=c).predictor() for c in (1, 2, 4, 8, 16) if c <= cfg.cp}
     strategies = sorted({a.batching for a in todo.values()})
-    packed_steps = {s: _packed_steps(lengths, s, seq_length, cfg, predictor) for s in strategies}
+    content = None
+    if cfg.routing == "threshold":
+        warm = WARM_STEPS * cfg.dp * cfg.micro_batches * seq_length
+        content = cell_content(_study(cfg.density_study), cfg.density_mode, lengths, warm, cfg.seed)
+    packed_steps = {s: _packed_steps(lengths, s, seq_length, cfg, predictor, content) for s in strategies}
+    thr = dict(topk_min=cfg.topk_min)
     acc = {n: _Acc() for n in todo}
     gantt: Dict[str, PipelineTimeline] = {}
     consistency = 0.0
@@ -201,39 +265,52 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
         for s in strategies:
             packed = packed_steps[s][step]
             nested = _nested(packed)
-            inst = build_instance(predictor, nested, pp=cfg.pp, k0=cfg.topk)
+            # Threshold routing: times from the true densities; DST plans (and SAB+dCP picks
+            # its layout) on the estimator's predictions of them.
+            true = getattr(packed, "true_density", None)
+            pred = getattr(packed, "predicted_density", None)
+            inst = build_instance(predictor, nested, pp=cfg.pp, k0=cfg.topk, densities=true, **thr)
+            plan_inst = inst if pred is None else build_instance(predictor, nested, pp=cfg.pp, k0=cfg.topk,
+                                                                 densities=pred, **thr)
             k0 = np.full((inst.dp, inst.microbatches, inst.stages), inst.k0_index)
             static = timeline_at(inst, k0)
-            # The packer's own prediction and the planner's instance must agree.
-            consistency = max(consistency, abs(static.step_ms - packed.step_ms) / packed.step_ms)
+            # The packer's own prediction and the planner's instance must agree (under
+            # threshold routing: the estimator's instance, for the packer that used it).
+            if pred is None or s == "sab":
+                planned = static if pred is None else timeline_at(plan_inst, k0)
+                consistency = max(consistency, abs(planned.step_ms - packed.step_ms) / packed.step_ms)
             static_attn = float(inst.at(k0)[2].sum())
             causal = float(causal_pairs(np.concatenate([np.asarray(m) for r in nested
                                                         for m in r])).sum()) * layers
             lb = lower_bound_ms(inst)
-            insts = {False: (inst, static)}
+            insts = {False: (inst, static, plan_inst)}
             if any(a.dynamic_cp and a.batching == s for a in todo.values()):
-                dcp = lambda keep: dynamic_cp_instance(  # noqa: E731
-                    cp_predictors, nested, seq_length, cfg.cp, pp=cfg.pp, k0=cfg.topk,
-                    keep_microbatches=keep, static=inst)
+                def dcp(keep, dens=true, base=inst):
+                    return dynamic_cp_instance(cp_predictors, nested, seq_length, cfg.cp, pp=cfg.pp,
+                                               k0=cfg.topk, keep_microbatches=keep, static=base,
+                                               densities=dens, **thr)
                 if s == "dp-balanced":  # Megatron's scheduler owns the grouping
                     dinst = dcp(False)
+                    dplan = dinst if pred is None else dcp(False, pred, plan_inst)
                 elif cfg.cp == 1:
-                    dinst = inst
+                    dinst, dplan = inst, plan_inst
                 else:
                     # SparseBalance has the predictor: per step, SAB's micro-batches with the
                     # CP scheduler placing documents inside them, or the scheduler's
-                    # regrouping, whichever it predicts faster at k0.
+                    # regrouping, whichever it predicts faster at k0 (under threshold routing
+                    # this choice and its per-micro-batch layout see the true densities).
                     dinst = min((dcp(True), dcp(False)), key=lambda x: timeline_at(x, k0).step_ms)
-                insts[True] = (dinst, timeline_at(dinst, k0))
+                    dplan = dinst
+                insts[True] = (dinst, timeline_at(dinst, k0), dplan)
             cache: Dict[Tuple[bool, str, float], Tuple[np.ndarray, float]] = {}
             for name, arm in todo.items():
                 if arm.batching != s:
                     continue
-                ainst, astatic = insts[arm.dynamic_cp]
+                ainst, astatic, aplan = insts[arm.dynamic_cp]
                 key = (arm.dynamic_cp, arm.dst, arm.param)
                 if key not in cache:
                     t0 = time.process_time()
-                    idx = _indices(ainst, arm)
+                    idx = _indices(aplan, arm)
                     cache[key] = (idx, 1e3 * (time.process_time() - t0))
                 idx, plan_ms = cache[key]
                 res = timeline_at(ainst, idx) if arm.dst != "off" else astatic
@@ -258,6 +335,8 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
     table = {"seq_length": int(seq_length), "steps": cfg.steps,
              "packer_vs_instance_max_rel_err": consistency,
              "arms": {n: _summarise(acc[n]) for n in arms}}
+    if content is not None:
+        table["threshold"] = _threshold_stats(packed_steps, content, cfg)
     base = table["arms"]["megatron"]
     for row in table["arms"].values():
         _relative(row, base)
@@ -306,3 +385,44 @@ def dominance(points: Dict[str, dict]) -> Dict[str, Optional[str]]:
                and q["retained_vs_static"] >= p["retained_vs_static"] * (1 - 1e-12)]
         out[n] = max(dom, key=lambda c: points[c]["tokens_per_ms"]) if dom else None
     return out
+
+
+_STUDIES: Dict[str, dict] = {}
+
+
+def _study(path: str) -> dict:
+    """The density study JSON, read once per process."""
+    if path not in _STUDIES:
+        _STUDIES[path] = load_study(path)
+    return _STUDIES[path]
+
+
+def _threshold_stats(packed_steps: dict, content: CellContent, cfg: SimConfig) -> dict:
+    """What the threshold cell ran on: the length trend, the mean density, and SAB's
+    estimator: its per-micro-batch attention-pair MAPE at k0 against the truth, the same for a
+    length-only view (each segment at its length bucket's mean true density over the
+    cell's steps), and its time per step."""
+    from sparsebalance.batching.sparsity_estimator import length_bucket, mape
+
+    sab = packed_steps.get("sab")
+    out = {"length_exponent": content.exponent, "mode": cfg.density_mode}
+    if not sab:
+        return out
+    rows = []
+    for packed in sab:
+        for r, rank in enumerate(packed.ranks):
+            for m, mb in enumerate(rank):
+                L = np.array([x[2] for x in mb], dtype=np.int64)
+                rows.append((L, np.asarray(packed.true_density[r][m]), np.asarray(packed.predicted_density[r][m])))
+    L_all = np.concatenate([x[0] for x in rows])
+    t_all = np.concatenate([x[1] for x in rows])
+    b_all = np.array([length_bucket(x) for x in L_all])
+    bmean = {b: float(t_all[b_all == b].mean()) for b in np.unique(b_all)}
+    kept = lambda L, d: float(threshold_kept_pairs(L, d, cfg.topk, cfg.block_size, cfg.topk_min).sum())  # noqa: E731
+    actual = [kept(L, t) for L, t, _ in rows]
+    est = [kept(L, p) for L, _, p in rows]
+    lonly = [kept(L, np.array([bmean[length_bucket(x)] for x in L])) for L, _, _ in rows]
+    return {**out, "density_mean": float(t_all.mean()),
+            "estimator_microbatch_mape": mape(est, actual),
+            "length_bucket_oracle_microbatch_mape": mape(lonly, actual),
+            "estimator_s_per_step": sab[0].estimator_seconds / len(sab)}

@@ -40,11 +40,12 @@ and its micro-batches, so the 1F1B pipeline model still applies.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sparsebalance.tuning.from_predictor import build_instance
+from sparsebalance.pairs import kept_pairs
+from sparsebalance.tuning.from_predictor import build_instance, kept_at
 from sparsebalance.tuning.instance import Instance
 
 
@@ -94,7 +95,7 @@ def _greedy(L: np.ndarray, home: np.ndarray, M: int, seq_length: int, cp: int,
         m = int(rows[r])
         load[m, g * ki:(g + 1) * ki] += L[i] ** 2 / ki
         tok[m, g * ki:(g + 1) * ki] += share
-        out[m].append((int(L[i]), ki, int(g * ki)))
+        out[m].append((int(L[i]), ki, int(g * ki), i))
     return out
 
 
@@ -114,7 +115,8 @@ def place(lengths: Sequence[np.ndarray], seq_length: int, cp: int,
         keep_microbatches: documents stay in their micro-batch (else any micro-batch).
 
     Returns:
-        Per micro-batch a list of ``(length, k, first_gpu)``: the document runs on GPUs
+        Per micro-batch a list of ``(length, k, first_gpu, index)``: the document (``index``
+        into the replica's documents in micro-batch order) runs on GPUs
         ``first_gpu .. first_gpu + k - 1`` with CP size ``k``.
     """
     M = len(lengths)
@@ -127,19 +129,23 @@ def place(lengths: Sequence[np.ndarray], seq_length: int, cp: int,
                 return out
         except _NoRoom:
             pass
-    out = []
+    out, first = [], 0
     for a in arrays:
         try:
-            out.append(_greedy(a, np.zeros(a.size, dtype=np.int64), 1, seq_length, cp, True)[0])
+            out.append([(n, k, g, first + i) for n, k, g, i in
+                        _greedy(a, np.zeros(a.size, dtype=np.int64), 1, seq_length, cp, True)[0]])
         except _NoRoom:
-            out.append([(int(x), cp, 0) for x in a.tolist()])
+            out.append([(int(x), cp, 0, first + i) for i, x in enumerate(a.tolist())])
+        first += a.size
     return out
 
 
-def _recost(predictors: Dict[int, object], placed: List[List[Tuple[int, int, int]]],
-            inst: Instance, cp: int) -> Tuple[np.ndarray, np.ndarray]:
+def _recost(predictors: Dict[int, object], placed: List[List[Tuple[int, int, int, int]]],
+            inst: Instance, cp: int, dens: Optional[np.ndarray] = None,
+            topk_min: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Forward and backward ms ``[level, dp, M, stages]`` of the placed micro-batches
-    (``placed`` flat over (replica, micro-batch), in the instance's order)."""
+    (``placed`` flat over (replica, micro-batch), in the instance's order; ``dens``: threshold
+    routing's density of each placed document in that order)."""
     base = predictors[1]
     n_mb = len(placed)
     L = np.array([d[0] for mb in placed for d in mb], dtype=np.int64)
@@ -170,18 +176,25 @@ def _recost(predictors: Dict[int, object], placed: List[List[Tuple[int, int, int
             for c in np.unique(k).tolist():
                 sel = k == c
                 cost[sel] = predictors[c].layer_doc_ms(L[sel], topk, phase)
+                if dens is not None:  # threshold routing: the kept pairs move the attention time
+                    cost[sel] += predictors[c].pair_ms(topk, phase) * (
+                        kept_at(base, L[sel], topk, dens[sel], topk_min)
+                        - kept_pairs(L[sel], topk, base.block_size))
             load = np.zeros(n_mb * cp)
             np.add.at(load, slot, cost[doc_idx])
             per_layer = load.reshape(n_mb, cp).max(axis=1) + const
             tab[li] = ((per_layer[:, None] * layers + extras) * corr).reshape(
                 inst.dp, inst.microbatches, S)
+        if dens is not None:  # the swapped pair terms leave rounding noise across levels
+            tab = np.maximum.accumulate(tab, axis=0)
         tables.append(tab)
     return tables[0], tables[1]
 
 
 def dynamic_cp_instance(predictors: Dict[int, object], nested: Sequence[Sequence[Sequence[int]]],
                         seq_length: int, cp: int, *, pp: int, k0: int,
-                        keep_microbatches: bool, static: Instance = None) -> Instance:
+                        keep_microbatches: bool, static: Instance = None, densities=None,
+                        topk_min: int = 0) -> Instance:
     """Planning instance of one packed step under dynamic CP.
 
     Args:
@@ -195,6 +208,9 @@ def dynamic_cp_instance(predictors: Dict[int, object], nested: Sequence[Sequence
             per micro-batch the faster of static and dynamic layout at ``k0`` by the
             predictor: ``static`` is then the step's instance under static CP = ``cp``)
             or ``dynamic-cp`` (Megatron's scheduler regroups the replica's documents).
+        densities, topk_min: threshold routing's per-document densities (nested like
+            ``nested``) and floor, as for ``build_instance``; placement ignores them
+            (Megatron's estimate is ``L^2 / k``).
 
     Returns:
         An ``Instance`` over the regrouped micro-batches: retained attention from their
@@ -204,8 +220,13 @@ def dynamic_cp_instance(predictors: Dict[int, object], nested: Sequence[Sequence
                                                      keep_microbatches)]
     D, M = len(nested), len(nested[0])
     regrouped = [[[d[0] for d in placed[r * M + m]] for m in range(M)] for r in range(D)]
-    inst = build_instance(predictors[1], regrouped, pp=pp, k0=k0)
-    fwd, bwd = _recost(predictors, placed, inst, cp)
+    dens = redens = None
+    if densities is not None:
+        per_rank = [np.concatenate([np.asarray(m, dtype=np.float64) for m in rank]) for rank in densities]
+        redens = [[[per_rank[r][d[3]] for d in placed[r * M + m]] for m in range(M)] for r in range(D)]
+        dens = np.array([x for rank in redens for mb in rank for x in mb])
+    inst = build_instance(predictors[1], regrouped, pp=pp, k0=k0, densities=redens, topk_min=topk_min)
+    fwd, bwd = _recost(predictors, placed, inst, cp, dens, topk_min)
     if keep_microbatches:
         if static is None:
             raise ValueError("keep_microbatches needs the static-CP instance")

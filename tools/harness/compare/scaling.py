@@ -7,7 +7,9 @@ cluster per axis, each cell a full ``cluster_sim.simulate_cell`` on every length
 * PP sweep at 128K, DP 8, CP 1: PP 8 and 16 (llama7b, 32 layers), PP 8 (qwen05b, 24
   layers), PP 12 (qwen3b: 36 layers divide by 4, 6, 9, 12, not by 8 or 16);
 * DP sweep at 128K, PP 4, CP 1 (qwen3b): DP 16, 32, 64;
-* CP sweep at PP 4, DP 8: CP 2 and 4 for qwen3b at 128K and llama7b at 256K.
+* CP sweep at PP 4, DP 8: CP 2 and 4 for qwen3b at 128K and llama7b at 256K;
+* the real model of issue 49 (SmolLM2-135M's shape, 30 layers): 32K, 64K, 128K at PP 5
+  (30 layers do not divide by 4), DP 8, CP 1.
 
 Micro-batches per replica per step: 32 (>= every PP). A cell's step holds
 ``dp x 32 x context`` tokens, more than a length file has at DP 64, so each file's
@@ -34,7 +36,8 @@ GRID: Tuple[Cell, ...] = tuple(
     + [("qwen05b", 128 * K, 8, 8, 1), ("qwen3b", 128 * K, 12, 8, 1),
        ("llama7b", 128 * K, 8, 8, 1), ("llama7b", 128 * K, 16, 8, 1)]
     + [("qwen3b", 128 * K, 4, d, 1) for d in (16, 32, 64)]
-    + [("qwen3b", 128 * K, 4, 8, c) for c in (2, 4)] + [("llama7b", 256 * K, 4, 8, c) for c in (2, 4)])
+    + [("qwen3b", 128 * K, 4, 8, c) for c in (2, 4)] + [("llama7b", 256 * K, 4, 8, c) for c in (2, 4)]
+    + [("smollm2", c * K, 5, 8, 1) for c in (32, 64, 128)])
 """The cells of the study (module docstring)."""
 QUICK_GRID: Tuple[Cell, ...] = (("qwen05b", 32 * K, 4, 8, 1), ("qwen3b", 128 * K, 4, 8, 1),
                                 ("qwen3b", 128 * K, 4, 8, 2))
