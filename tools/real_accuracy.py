@@ -175,10 +175,12 @@ def forward(model, tokens, cu, records=None):
     from sparsebalance.attention.packed import BudgetedPackedSeqParams
 
     lens = (cu[1:] - cu[:-1]).tolist()
-    pos = torch.cat([torch.arange(n) for n in lens]).view(1, -1)
-    params = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
-                                     max_seqlen_kv=max(lens), cu_seqlens_host=cu, records=records)
-    return model.gpt(tokens.view(1, -1), pos, None, packed_seq_params=params)[0]
+    dev = model.device
+    pos = torch.cat([torch.arange(n) for n in lens]).view(1, -1).to(dev)
+    params = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(dev), cu_seqlens_kv=cu.to(dev),
+                                     max_seqlen_q=max(lens), max_seqlen_kv=max(lens), cu_seqlens_host=cu.cpu(),
+                                     records=records)
+    return model.gpt(tokens.view(1, -1).to(dev), pos, None, packed_seq_params=params)[0].float().cpu()
 
 
 # --- DST's budgets, as the driver plans them ------------------------------------------------
@@ -334,9 +336,10 @@ def decode_routing(cores, state: dict):
         def attend(q, k, v, cu_seqlens, packed_seq_params=None):
             P = state["prompt"]
             cu = torch.tensor([0, P], dtype=torch.int32)
-            params = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=P,
+            dcu = cu.to(q.device)
+            params = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=dcu, cu_seqlens_kv=dcu, max_seqlen_q=P,
                                              max_seqlen_kv=P, cu_seqlens_host=cu)
-            head = orig(q[:P], k[:P], v[:P], cu, params)
+            head = orig(q[:P], k[:P], v[:P], dcu, params)
             tail = decode_attention(q[P:], k, v, P, topk=m.topk, block_size=m.block_size,
                                     scale=default_scale(q.shape[2], m.softmax_scale), rule=m.rule)
             return torch.cat([head, tail.to(head.dtype)])

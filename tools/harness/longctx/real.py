@@ -85,11 +85,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     Hkv = k.shape[1]
     kh = k.repeat_interleave(H // Hkv, dim=1).float()  # [T, H, D]
     vh = v.repeat_interleave(H // Hkv, dim=1).float()
-    out = torch.empty(A, H, D, dtype=torch.float32)
+    out = torch.empty(A, H, D, dtype=torch.float32, device=q.device)
     for a in range(A):
         t = start + a
         qt = q[a].float()  # [H, D]
-        keep = torch.zeros(H, t + 1, dtype=torch.bool)
+        keep = torch.zeros(H, t + 1, dtype=torch.bool, device=q.device)
         own = t // block_size
         cand = own - 1  # complete blocks 1 .. own-1
         if topk is None or cand <= 0 or (rule is None or rule.threshold is None) and cand <= topk:
