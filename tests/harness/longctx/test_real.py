@@ -80,3 +80,14 @@ def test_bracket_interpolates_between_static_budgets():
 def test_paired_interval_covers_a_constant_shift():
     r = paired_interval(np.full(6, 0.02), np.arange(1, 7))
     assert r["interval"] == pytest.approx([0.02] * 3) and r["mean"] == pytest.approx(0.02)
+
+
+def test_eval_longctx_real_model_hands_its_flags_to_real_accuracy():
+    from tools.eval_longctx import build_parser, real_model_argv
+
+    a = build_parser().parse_args(["--load", "m", "--real-model", "--lengths", "2048,4096", "--num-samples", "3",
+                                   "--sb-topk", "6", "--json"])
+    argv = real_model_argv(a)
+    assert argv[:4] == ["--load", "m", "--num-microbatches", "0"] and argv[-1] == "--json"
+    assert argv[argv.index("--tasks") + 1] == "niah_single,niah_multikey,variable_tracking"
+    assert argv[argv.index("--topk") + 1] == "6" and "--block-size" not in argv
