@@ -304,7 +304,8 @@ REAL_TASKS = "niah_single,niah_multikey,variable_tracking"
 
 def real_model_argv(args) -> list:
     """tools/real_accuracy.py's command line for ``--real-model`` (retrieval only)."""
-    argv = ["--load", args.load, "--num-microbatches", "0", "--tasks", REAL_TASKS if args.tasks == "all" else args.tasks,
+    tasks = REAL_TASKS if args.tasks == "all" else args.tasks
+    argv = ["--load", args.load, "--num-microbatches", "0", "--tasks", tasks,
             "--lengths", args.lengths, "--num-samples", str(args.num_samples), "--seed", str(args.seed)]
     for flag, value in (("--topk", args.sb_topk), ("--block-size", args.sb_block_size), ("--threads", args.threads),
                         ("--out", args.output)):
