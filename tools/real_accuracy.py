@@ -33,7 +33,8 @@ Retrieval: ``niah_single``, ``niah_multikey``, ``variable_tracking`` (``--tasks`
 of the answer (``tools/harness/longctx/real.py``: the prompt prefilled under the arm's block
 routing, the answer decoded with per-token routing from a full KV cache, in one forward).
 The SparseBalance arm takes DST's budgets for a PP=``--retrieval-pp`` pipeline whose
-micro-batches are the prompts (one per micro-batch, steps of ``--num-microbatches``).
+micro-batches are the prompts (one per micro-batch, steps of ``--num-microbatches``); the static
+arm's top-k is the one whose kept pairs over the prompts are nearest SparseBalance's.
 
 Tiny CPU run (a few minutes; ``make real-model`` first)::
 
@@ -266,7 +267,7 @@ def loss_part(a, model, vocab: int) -> dict:
 
     brackets = {arm.name: bracket(arm_pairs(arm, mb_lengths, a.block_size, L, heads), static_pairs)
                 for arm in sb_arms}
-    ks = sorted({a.topk} | {k for lo, hi, _ in brackets.values() for k in (lo, hi)})
+    ks = sorted({k for lo, hi, _ in brackets.values() for k in (lo, hi)})  # static-k0 itself: not needed
     arms = [Arm("dense"), *[Arm(f"static-k{k}", topk=k) for k in ks],
             Arm("threshold", topk=a.threshold_cap, threshold=a.threshold, topk_min=a.topk // 2), *sb_arms]
     per = {arm.name: {"loss": [], "tokens": [], "kept_pairs": 0, "causal_pairs": 0} for arm in arms}
@@ -356,7 +357,7 @@ def retrieval_part(a, model) -> dict:
     import torch
 
     from megatron.training.tokenizer import HFJsonTokenizer
-    from tools.harness.compare.real_arms import Arm
+    from tools.harness.compare.real_arms import Arm, arm_pairs, bracket
     from tools.harness.longctx.real import answer_correct, sized_sample
 
     tok = HFJsonTokenizer(os.path.join(a.load, "hf"))
@@ -376,10 +377,17 @@ def retrieval_part(a, model) -> dict:
     for j in range(0, len(items), step):
         lens = [[len(x["ids"][0]) + len(x["ids"][1])] for x in items[j:j + step]]
         sb_budget += list(dst_plan(a, int(model.gpt.vocab_size), lens, a.retrieval_pp)["budget"])
-    arms = [Arm("dense"), Arm(f"static-k{a.topk}", topk=a.topk),
-            Arm("threshold", topk=a.threshold_cap, threshold=a.threshold, topk_min=a.topk // 2),
-            Arm(f"sparsebalance-pp{a.retrieval_pp}", stage_budgets=np.array(sb_budget))]
     cores = attention_modules(model)
+    sb = Arm(f"sparsebalance-pp{a.retrieval_pp}", stage_budgets=np.array(sb_budget))
+    # the static arm keeps (about) SparseBalance's pairs over the prompts: the nearer bracketing budget
+    lens = [[len(x["ids"][0]) + len(x["ids"][1])] for x in items]
+    heads = int(model.args.num_attention_heads)
+    lo, hi, w = bracket(arm_pairs(sb, lens, a.block_size, len(cores), heads),
+                        lambda k: arm_pairs(Arm("s", topk=k), lens, a.block_size, len(cores), heads))
+    k_eq = hi if w >= 0.5 else lo
+    arms = [Arm("dense"), Arm(f"static-k{k_eq}", topk=k_eq),
+            Arm("threshold", topk=a.threshold_cap, threshold=a.threshold, topk_min=a.topk // 2), sb]
+    pairs = {arm.name: 0 for arm in arms}
     state = {"prompt": 0}
     restore = decode_routing(cores, state)
     t0 = time.time()
@@ -393,7 +401,9 @@ def retrieval_part(a, model) -> dict:
                 it["correct"] = {}
                 for arm in arms:
                     set_arm(cores, arm, j)
-                    pred = forward(model, seq, cu)[len(p_ids) - 1:].argmax(-1)
+                    recs = []
+                    pred = forward(model, seq, cu, recs)[len(p_ids) - 1:].argmax(-1)
+                    pairs[arm.name] += sum(r.kept_pairs for r in recs)
                     it["correct"][arm.name] = answer_correct(pred, torch.tensor(a_ids), tok.decode)
                 log(f"retrieval {j + 1}/{len(items)} {it['task']} {it['length']} ({time.time() - t0:.0f} s): "
                     + " ".join(f"{n} {'ok' if c else 'no'}" for n, c in it["correct"].items()))
@@ -407,7 +417,8 @@ def retrieval_part(a, model) -> dict:
             cell[n] += int(c)
     for it in items:
         del it["ids"]
-    return {"accuracy": acc, "correct_per_cell": cells, "samples_per_cell": a.num_samples, "chat_template": chat,
+    return {"accuracy": acc, "prompt_kept_pairs": pairs, "static_topk": k_eq, "correct_per_cell": cells,
+            "samples_per_cell": a.num_samples, "chat_template": chat,
             "items": items, "seconds": time.time() - t0,
             "decode": "prompt prefilled under the arm's block routing; answer tokens routed one by one "
                       "(Bq = 1) from a full KV cache; greedy, one teacher-forced forward"}
