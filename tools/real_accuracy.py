@@ -449,6 +449,7 @@ def main(argv=None) -> int:
         out["finetune_first_loss_dense"] = chk["loss_driver"]
         out["finetune_check"] = chk
     out["seconds"] = time.time() - t0
+    out["command"] = "tools/real_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.out:
         from sparsebalance.io import atomic_write_text
 
