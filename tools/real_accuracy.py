@@ -405,6 +405,7 @@ def retrieval_part(a, model) -> dict:
                     pred = forward(model, seq, cu, recs)[len(p_ids) - 1:].argmax(-1)
                     pairs[arm.name] += sum(r.kept_pairs for r in recs)
                     it["correct"][arm.name] = answer_correct(pred, torch.tensor(a_ids), tok.decode)
+                    it.setdefault("greedy", {})[arm.name] = tok.decode(pred.tolist())  # argmax given the gold prefix
                 log(f"retrieval {j + 1}/{len(items)} {it['task']} {it['length']} ({time.time() - t0:.0f} s): "
                     + " ".join(f"{n} {'ok' if c else 'no'}" for n, c in it["correct"].items()))
     finally:
