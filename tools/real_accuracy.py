@@ -339,7 +339,8 @@ def decode_routing(cores, state: dict):
             cu = torch.tensor([0, P], dtype=torch.int32)
             dcu = cu.to(q.device)
             params = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=dcu, cu_seqlens_kv=dcu, max_seqlen_q=P,
-                                             max_seqlen_kv=P, cu_seqlens_host=cu)
+                                             max_seqlen_kv=P, cu_seqlens_host=cu,
+                                             records=getattr(packed_seq_params, "records", None))
             head = orig(q[:P], k[:P], v[:P], dcu, params)
             tail = decode_attention(q[P:], k, v, P, topk=m.topk, block_size=m.block_size,
                                     scale=default_scale(q.shape[2], m.softmax_scale), rule=m.rule)
