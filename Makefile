@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 2
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test lint build venv clean gpu-check gpu-prep real-model
+.PHONY: demo test lint build venv clean gpu-check gpu-prep real-model real-accuracy
 
 venv: $(STAMP)
 
@@ -43,6 +43,12 @@ gpu-prep:
 # (93 MB, sha256 pinned), converted once into runs/models/smollm2-135m/ (tools/real_model.sh).
 real-model: $(STAMP)
 	PY=$(PY) bash tools/real_model.sh
+
+# Accuracy of SparseBalance's budgets vs static top-k on that model (issue 50): held-out loss per
+# micro-batch, retrieval, and the fine-tuning start; <= 45 minutes on 2 threads
+# (tools/real_accuracy.sh) -> results/real_accuracy.json and one JSON line.
+real-accuracy: real-model
+	PY=$(PY) bash tools/real_accuracy.sh
 
 clean:
 	rm -rf build *.egg-info sparsebalance/*.so

@@ -21,6 +21,16 @@ predicted right given the gold prefix, which moves before exact match does, and
 ``generate`` (real token-by-token greedy decoding; slow),
 ``loglik`` (gold vs distractor answers by log-likelihood; chance = 1/(1 + distractors)).
 
+A converted pretrained model (``convert.py gguf-to-megatron`` / ``hf-to-megatron``: ``LOAD/model_flags.txt``
+and ``LOAD/hf``) evaluates with ``--real-model``: its own tokenizer and chat template, greedy decoding
+with the prompt prefilled under the arm's block routing and the answer decoded with per-token routing,
+under dense, static top-k, threshold routing and SparseBalance's budgets (``tools/real_accuracy.py``'s
+retrieval, which this hands ``--tasks``, ``--lengths``, ``--num-samples``, ``--seed``, ``--sb-topk``,
+``--sb-block-size``, ``--threads``, ``--json`` and ``--output`` to)::
+
+    OMP_NUM_THREADS=2 .venv/bin/python tools/eval_longctx.py --load runs/models/smollm2-135m --real-model \
+        --tasks niah_single,niah_multikey,variable_tracking --lengths 2048,4096,8192 --num-samples 2
+
 Tiny CPU run::
 
     OMP_NUM_THREADS=2 .venv/bin/python tools/eval_longctx.py --load runs/longctx-smoke/dense/seed1/ckpt \\
@@ -283,7 +293,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print, per task and length, the accuracy of each answer token given "
                         "the gold prefix (greedy mode; in the JSON report always)")
     p.add_argument("--quiet", action="store_true", help="no per-sample progress on stderr")
+    p.add_argument("--real-model", action="store_true",
+                   help="LOAD is a converted pretrained model (model_flags.txt, hf/): tools/real_accuracy.py's "
+                        "retrieval arms, its tokenizer and chat template")
     return p
+
+
+REAL_TASKS = "niah_single,niah_multikey,variable_tracking"
+
+
+def real_model_argv(args) -> list:
+    """tools/real_accuracy.py's command line for ``--real-model`` (retrieval only)."""
+    tasks = REAL_TASKS if args.tasks == "all" else args.tasks
+    argv = ["--load", args.load, "--num-microbatches", "0", "--tasks", tasks,
+            "--lengths", args.lengths, "--num-samples", str(args.num_samples), "--seed", str(args.seed)]
+    for flag, value in (("--topk", args.sb_topk), ("--block-size", args.sb_block_size), ("--threads", args.threads),
+                        ("--out", args.output)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--json"] if args.json else [])
 
 
 def load_samples(args) -> list:
@@ -347,6 +375,13 @@ def report(args, results, model_args, iteration: int, chance: float, seconds: fl
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.real_model:
+        if args.data is not None or args.mode != "greedy" or args.train_args is not None:
+            fail("--real-model generates its samples in the model's tokens and decodes greedily: "
+                 "--data, --mode and --train-args do not apply")
+        import real_accuracy
+
+        return real_accuracy.main(real_model_argv(args))
     samples = load_samples(args)
     if args.sparse_attention is False and any(
             v is not None for v in (args.sb_topk, args.sb_block_size, args.sb_attention_backend)):

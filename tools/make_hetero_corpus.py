@@ -286,10 +286,7 @@ def check_args(args) -> list:
         fail("--quantile must be in (0, 1]")
     if args.seed < 0:
         fail("--seed must be >= 0")
-    sources = [s for s in args.sources.split(",") if s]
-    unknown = [s for s in sources if s not in SOURCES]
-    if unknown or not sources or len(set(sources)) != len(sources):
-        fail(f"--sources: expected distinct names from {', '.join(SOURCES)}, got {args.sources!r}")
+    sources = parse_sources(args.sources, SOURCES, fail)
     if args.train_checkpoint is not None:
         ckpt = args.train_checkpoint
         if os.path.exists(ckpt) and not os.path.isdir(ckpt):
@@ -302,6 +299,15 @@ def check_args(args) -> list:
         if args.train_hidden % 4:
             fail("--train-hidden must be a multiple of 4 (4 attention heads)")
     return sources
+
+
+def parse_sources(text: str, known: tuple, fail_fn) -> list:
+    """The names of comma list ``text`` (``--sources``): distinct, each in ``known``; else
+    ``fail_fn(message)`` (a command line's one-line exit)."""
+    names = [s for s in text.split(",") if s]
+    if not names or len(set(names)) != len(names) or any(s not in known for s in names):
+        fail_fn(f"--sources: expected distinct names from {', '.join(known)}, got {text!r}")
+    return names
 
 
 def read_lengths(name: str) -> np.ndarray:

@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
     p.add_argument("--json-key", default="text")
     p.add_argument("--tokenizer-type", choices=("ByteTokenizer", "HuggingFaceTokenizer"), default="ByteTokenizer")
-    p.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="HuggingFaceTokenizer: tokenizer.json, or a directory holding it (a converted model's hf/)")
     p.add_argument("--loss-start-key", default=None,
                    help="JSON field holding the character offset where a document's training "
                         "targets start (absent: 0); writes <prefix>_loss_start.npy for "
@@ -90,9 +91,13 @@ def main(argv=None) -> int:
     from megatron.training.indexed_io import loss_start_path, write_documents, write_loss_starts
 
     if args.tokenizer_type == "HuggingFaceTokenizer":
-        if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
-            usage_error("--tokenizer-type HuggingFaceTokenizer needs an existing --tokenizer-model", prog=PROG)
-        tokenizer = tok.HFJsonTokenizer(args.tokenizer_model)
+        if not args.tokenizer_model or not os.path.exists(args.tokenizer_model):
+            usage_error("--tokenizer-type HuggingFaceTokenizer needs an existing --tokenizer-model "
+                        "(tokenizer.json or a directory holding one)", prog=PROG)
+        try:
+            tokenizer = tok.HFJsonTokenizer(args.tokenizer_model)
+        except ValueError as e:
+            usage_error(str(e), prog=PROG)
     else:
         tokenizer = tok.ByteTokenizer()
     starts = [] if args.loss_start_key else None

@@ -72,6 +72,10 @@ class HFJsonTokenizer:
     def decode(self, ids: List[int]) -> str:
         return self._tok.decode(ids)
 
+    def offsets(self, text: str) -> List[tuple]:
+        """(start, end) character span in ``text`` of each token :meth:`encode` gives."""
+        return self._tok.encode(text).offsets
+
 
 def _byte_level_bpe(vocab: str, merges: str, flag: str):
     """GPT-2's byte-level BPE (``tokenizers`` ``Tokenizer``) from vocab.json + merges.txt."""
