@@ -41,6 +41,8 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
         args.recompute_granularity = "selective"
     if args.fp16 and args.bf16:
         raise UsageError("give --fp16 or --bf16, not both")
+    if args.squared_relu and args.swiglu:
+        raise UsageError("give --squared-relu or --swiglu, not both (Megatron-LM asserts the same)")
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if value > 0:
             raise UsageError(f"{flag} {value:g}: this driver trains without dropout (its checkpoints hold no "

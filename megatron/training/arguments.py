@@ -156,6 +156,16 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-method-std", type=pos(float), default=0.02,
                    help="std of the normal initialization of the weights")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama/Qwen style)")
+    g.add_argument("--squared-relu", action="store_true", help="squared-ReLU MLP activation (not with --swiglu)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norm weights centred on zero: each norm scales by 1 + weight (weights start at 0)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each head's query and key (--normalization's kind) before attention")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="gate the attention output per channel with sigmoid(a projection of the input), "
+                        "the gate projected with the QKV")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE rotates interleaved pairs of dims (GPT-J style) instead of the two halves")
     g.add_argument("--vocab-size", type=pos(int), default=None,
                    help="vocabulary size (default: from the tokenizer)")
     g.add_argument("--make-vocab-size-divisible-by", type=pos(int), default=128,
@@ -363,7 +373,15 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on resume, use the checkpoint's LR/WD schedule (without either flag, a "
                         "resume whose schedule differs from the checkpoint's is an error)")
+    g.add_argument("--decoupled-lr", type=nonneg(float), default=None,
+                   help="peak LR of the input embedding and output layer (default: --lr)")
+    g.add_argument("--decoupled-min-lr", type=nonneg(float), default=None,
+                   help="with --decoupled-lr: minimum LR of the input embedding and output layer "
+                        "(default: --min-lr)")
     g.add_argument("--weight-decay", type=nonneg(float), default=0.01)
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="weight decay on the --qk-layernorm weights too (other 1-D parameters and "
+                        "biases get none)")
     g.add_argument("--start-weight-decay", type=nonneg(float), default=None,
                    help="with --weight-decay-incr-style linear/cosine (default: --weight-decay)")
     g.add_argument("--end-weight-decay", type=nonneg(float), default=None,

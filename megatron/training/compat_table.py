@@ -143,11 +143,12 @@ DYNAMIC_CP = ("dynamic (hybrid) context parallelism is not in this driver: train
                "tools/compare.py --mode sim")
 REFUSED = {
     "architecture option not implemented: this driver's GPT layers take --normalization, --swiglu, "
-    "--add-qkv-bias, --disable-bias-linear, --position-embedding-type and the --rotary-* flags":
-        "--activation-func-clamp-value --apply-layernorm-1p --apply-residual-connection-post-layernorm "
-        "--attention-output-gate --glu-linear-offset --openai-gelu --quick-geglu --squared-relu "
-        "--use-te-activation-func --qk-layernorm --qk-l2-norm --softmax-type --window-size "
-        "--window-attn-skip-freq --no-rope-freq --rotary-interleaved --rope-type --mrope-section "
+    "--squared-relu, --apply-layernorm-1p, --qk-layernorm, --attention-output-gate, --add-qkv-bias, "
+    "--disable-bias-linear, --position-embedding-type and the --rotary-* flags":
+        "--activation-func-clamp-value --apply-residual-connection-post-layernorm "
+        "--glu-linear-offset --openai-gelu --quick-geglu "
+        "--use-te-activation-func --qk-l2-norm --softmax-type --window-size "
+        "--window-attn-skip-freq --no-rope-freq --rope-type --mrope-section "
         "--relative-attention-max-distance --relative-attention-num-buckets --fp32-residual-connection "
         "--csa-compress-ratios --o-groups --o-lora-rank "
         "--embedding-init-method-std --init-method-xavier-uniform --spec --onnx-safe",
@@ -158,11 +159,11 @@ REFUSED = {
         "--use-one-sent-docs --vocab-extra-ids --mask-factor --mask-type",
     "vision models are not supported": "--classes-fraction --data-per-class-fraction --num-classes "
                                        "--num-channels --patch-dim --sample-rate --iter-per-epoch",
-    "optimizer option not implemented: Adam or SGD on fp32 main parameters, one learning rate for all "
-    "parameters, megatron-core's (distributed) optimizer":
-        "--decoupled-lr --decoupled-min-lr --head-lr-mult --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype "
+    "optimizer option not implemented: Adam or SGD on fp32 main parameters, megatron-core's "
+    "(distributed) optimizer, one learning rate (--decoupled-lr for the embedding and output layer)":
+        "--head-lr-mult --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype "
         "--main-params-dtype --use-precision-aware-optimizer --grad-reduce-in-bf16 --no-weight-decay-cond-type "
-        "--apply-wd-to-qk-layernorm --ddp-reduce-scatter-with-fp32-accumulation "
+        "--ddp-reduce-scatter-with-fp32-accumulation "
         "--ddp-param-name-patterns-for-fp32-local-accumulation --num-distributed-optimizer-instances "
         "--optimizer-cuda-graph "
         "--load-main-params-from-ckpt --freeze-all-layers --qk-clip --qk-clip-alpha --qk-clip-threshold "

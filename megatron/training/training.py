@@ -245,7 +245,10 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         t0 = time.perf_counter()
         batches = loader.next_step(more=state.iteration + 1 < args.train_iters)
         forecast = batches.planned.forecast
-        lr = float(state.optimizer.param_groups[0]["lr"])  # the rate this step applies
+        # the rate this step applies (as Megatron-LM logs it: a group on the --lr schedule,
+        # not the --decoupled-lr one of the embedding and output layer)
+        groups = state.optimizer.param_groups
+        lr = float(next((g for g in groups if g.get("default_config", True)), groups[0])["lr"])
         result = train_step(args, state.model, state.optimizer, state.scheduler, batches, state.timers)
         result.budget = batches.budget
         step_s = time.perf_counter() - t0

@@ -191,8 +191,10 @@ PARSE_CASES = {
                                       "--hetero-process-meshes: a FlagScale flag"),
     "pai flag names the fork": (["--patch-tokenizer-type", "Qwen2Tokenizer"], None,
                                 "--patch-tokenizer-type: a Pai-Megatron-Patch flag"),
-    "main architecture flag says what exists": (["--qk-layernorm"], None,
-                                                "--qk-layernorm: architecture option not implemented"),
+    "main architecture flag says what exists": (["--qk-l2-norm"], None,
+                                                "--qk-l2-norm: architecture option not implemented"),
+    "squared relu excludes swiglu": (["--squared-relu", "--swiglu"], None,
+                                     "give --squared-relu or --swiglu, not both"),
     "main offload flag says what to use": (["--activation-offload-fraction", "0.5"], None,
                                            "use --recompute-granularity"),
 }
