@@ -396,6 +396,9 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-samples", type=pos(int), default=None,
                    help="samples (packed sequences) to train: iterations = this / --global-batch-size")
     g.add_argument("--seed", type=nonneg(int), default=1234)
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=pos(int), default=None, metavar="N",
+                   help="at the start and after every N-th iteration check that all data-parallel replicas "
+                        "hold the same weights (hashes all-gathered; a difference stops the run)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false",
                    help="do not stop on a non-finite loss or grad norm (default: stop with one line "
@@ -475,6 +478,9 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-last", type=pos(int), default=None, metavar="N",
                    help="after each save delete the checkpoints in --save older than the newest N "
                         "intact ones (default: keep all)")
+    g.add_argument("--save-retain-interval", type=pos(int), default=None, metavar="N",
+                   help="after each save delete the previous checkpoint unless its iteration is a multiple "
+                        "of N (a multiple of --save-interval): keeps every N-th and the newest")
     g.add_argument("--continue-on-save-failure", action="store_true",
                    help="a save that fails (disk full, unwritable --save) warns and training goes on "
                         "(default: error, exit 1); the run's last save must still succeed")
@@ -648,9 +654,14 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     arg_checks.validate_tokenizer(args)
     # Megatron-LM trains and saves nothing when these come without --save (benchmark
     # scripts pass them): the same here, with one warning line each
-    for flag, given in (("--save-interval", args.save_interval), ("--no-save-optim", args.no_save_optim)):
+    for flag, given in (("--save-interval", args.save_interval), ("--no-save-optim", args.no_save_optim),
+                        ("--save-retain-interval", args.save_retain_interval)):
         if given and not args.save:
             args.compat_warnings.append(f"{flag} without --save: no checkpoint is written (as in Megatron-LM)")
+    if args.save and args.save_retain_interval and args.save_interval \
+            and args.save_retain_interval % args.save_interval:
+        raise UsageError(f"--save-retain-interval {args.save_retain_interval} is not a multiple of "
+                         f"--save-interval {args.save_interval} (as Megatron-LM requires)")
     if args.keep_last and not args.save:
         raise UsageError("--keep-last needs --save")
     if args.continue_on_save_failure and not args.save:

@@ -190,16 +190,16 @@ REFUSED = {
     "--load resumes the newest intact checkpoint here (no other iteration can be picked)":
         "--ckpt-step --override-ckpt-iteration",
     "use --load DIR --finetune (it takes the model weights only)": "--pretrained-checkpoint",
-    "local / persistent checkpoint tiers are not supported (one --save directory, --keep-last)":
-        "--persistent-save-interval --save-retain-interval --replication --replication-factor --replication-jump",
+    "local / persistent checkpoint tiers are not supported (one --save directory, --keep-last, "
+    "--save-retain-interval)":
+        "--persistent-save-interval --replication --replication-factor --replication-jump",
     "parallel sizes are never read from a checkpoint here: pass --tensor-model-parallel-size and "
     "--pipeline-model-parallel-size (--use-checkpoint-args reads the model flags)":
         "--use-mp-args-from-checkpoint-args",
     "Megatron-LM's re-run state machine and result checks are not supported "
-    "(--check-for-nan-in-loss-and-grad is)": "--check-for-large-grads --check-for-spiky-loss --rerun-mode "
-                                             "--error-injection-rate --error-injection-type "
-                                             "--result-rejected-tracker-filename "
-                                             "--check-weight-hash-across-dp-replicas-interval",
+    "(--check-for-nan-in-loss-and-grad and --check-weight-hash-across-dp-replicas-interval are)":
+        "--check-for-large-grads --check-for-spiky-loss --rerun-mode --error-injection-rate --error-injection-type "
+        "--result-rejected-tracker-filename",
     "debugging / initialisation switches not implemented here": "--fake-process-group "
                                                                 "--dump-param-to-param-group-map "
                                                                 "--run-workload-inspector-server --enable-experimental "

@@ -1,7 +1,9 @@
-"""World worker of ``test_architecture_flags.py``: ``pretrain_gpt.py ARGS`` that also
-writes, on rank 0, ``$SB_TEST_DUMP`` (JSON): the model chunk's config fields and module
-types the flags set, and each optimizer parameter group (its parameters' names, peak /
-minimum LR, weight-decay multiplier, and the LR it had at every step)."""
+"""World worker of ``test_architecture_flags.py`` and ``test_run_checks.py``:
+``pretrain_gpt.py ARGS`` that also writes, on rank 0, ``$SB_TEST_DUMP`` (JSON, when set):
+the model chunk's config fields and module types the flags set, and each optimizer
+parameter group (its parameters' names, peak / minimum LR, weight-decay multiplier, and
+the LR it had at every step). ``SB_TEST_PERTURB=1``: rank 1 adds 1e-3 to its copy of the
+output layer's weight right after the model is built (replicas then differ)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import json
 import os
 import runpy
 import sys
+
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -52,11 +56,21 @@ def main() -> None:
         return optimizer, scheduler
 
     model.build_optimizer = build_optimizer
+    if os.environ.get("SB_TEST_PERTURB") and int(os.environ.get("RANK", "0")) == 1:
+        build_model = model.build_model
+
+        def perturbed(*a, **k):
+            chunks = build_model(*a, **k)
+            with torch.no_grad():
+                chunks[-1].module.output_layer.weight.add_(1e-3)
+            return chunks
+
+        model.build_model = perturbed
     sys.argv = [PRETRAIN, *sys.argv[1:]]
     try:
         runpy.run_path(PRETRAIN, run_name="__main__")
     finally:
-        if int(os.environ.get("RANK", "0")) == 0 and dump["groups"] is not None:
+        if int(os.environ.get("RANK", "0")) == 0 and dump["groups"] is not None and "SB_TEST_DUMP" in os.environ:
             with open(os.environ["SB_TEST_DUMP"], "w") as f:
                 json.dump(dump, f)
 

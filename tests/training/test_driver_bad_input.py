@@ -195,6 +195,8 @@ PARSE_CASES = {
                                                 "--qk-l2-norm: architecture option not implemented"),
     "squared relu excludes swiglu": (["--squared-relu", "--swiglu"], None,
                                      "give --squared-relu or --swiglu, not both"),
+    "retained checkpoints fall on saves": (["--save", "ckpt", "--save-interval", "2", "--save-retain-interval", "3"],
+                                           None, "--save-retain-interval 3 is not a multiple of --save-interval 2"),
     "main offload flag says what to use": (["--activation-offload-fraction", "0.5"], None,
                                            "use --recompute-granularity"),
 }
