@@ -43,6 +43,9 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
         raise UsageError("give --fp16 or --bf16, not both")
     if args.squared_relu and args.swiglu:
         raise UsageError("give --squared-relu or --swiglu, not both (Megatron-LM asserts the same)")
+    if args.test_mode and args.qk_layernorm and args.normalization != "LayerNorm":
+        raise UsageError("--test-mode compares the q/k norms' weights and biases: --normalization "
+                         f"{args.normalization} has no bias (use LayerNorm, or drop --test-mode)")
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if value > 0:
             raise UsageError(f"{flag} {value:g}: this driver trains without dropout (its checkpoints hold no "

@@ -161,6 +161,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="norm weights centred on zero: each norm scales by 1 + weight (weights start at 0)")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="normalise each head's query and key (--normalization's kind) before attention")
+    g.add_argument("--test-mode", action="store_true",
+                   help="with --qk-layernorm: each attention forward checks that the q/k LayerNorm weights "
+                        "and biases agree across DP and TP ranks (megatron-core's real-time test)")
     g.add_argument("--attention-output-gate", action="store_true",
                    help="gate the attention output per channel with sigmoid(a projection of the input), "
                         "the gate projected with the QKV")

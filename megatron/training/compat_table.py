@@ -216,7 +216,7 @@ REFUSED = {
         "--tiktoken-num-special-tokens --tiktoken-pattern --tokenizer-metadata --tokenizer-sentencepiece-legacy "
         "--tokenizer-special-tokens --allow-ambiguous-pad-tokens --tiktoken-special-tokens",
     "training-loop variants not implemented: every iteration from 1 to --train-iters trains":
-        "--skip-train --iterations-to-skip --phase-transition-iterations --test-mode",
+        "--skip-train --iterations-to-skip --phase-transition-iterations",
     "validation runs --eval-iters batches of the validation split (--full-validation is not supported)":
         "--full-validation",
     "use --exit-signal-handler (SIGTERM and SIGUSR1 both save and exit)": "--exit-signal",

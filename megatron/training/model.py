@@ -100,6 +100,7 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         # Megatron-LM's --apply-layernorm-1p: norms scale by 1 + weight (spec.TorchNorm on CPU)
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm=args.qk_layernorm,
+        test_mode=args.test_mode,
         attention_output_gate=args.attention_output_gate,
         rotary_interleaved=args.rotary_interleaved,
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -2,8 +2,10 @@
 ``pretrain_gpt.py ARGS`` that also writes, on rank 0, ``$SB_TEST_DUMP`` (JSON, when set):
 the model chunk's config fields and module types the flags set, and each optimizer
 parameter group (its parameters' names, peak / minimum LR, weight-decay multiplier, and
-the LR it had at every step). ``SB_TEST_PERTURB=1``: rank 1 adds 1e-3 to its copy of the
-output layer's weight right after the model is built (replicas then differ)."""
+the LR it had at every step), and how many times megatron-core's real-time test
+(``--test-mode``) ran. ``SB_TEST_PERTURB=output_layer`` (or ``q_layernorm``): rank 1
+adds 1e-3 to its copy of that weight (the first layer's, for ``q_layernorm``) right after
+the model is built (replicas then differ)."""
 
 from __future__ import annotations
 
@@ -56,13 +58,26 @@ def main() -> None:
         return optimizer, scheduler
 
     model.build_optimizer = build_optimizer
-    if os.environ.get("SB_TEST_PERTURB") and int(os.environ.get("RANK", "0")) == 1:
+    from megatron.core.transformer.attention import SelfAttention
+
+    realtime = SelfAttention.run_realtime_tests  # the world puts class attributes back after the job
+
+    def counted(self):
+        dump["realtime_tests"] = dump.get("realtime_tests", 0) + 1
+        return realtime(self)
+
+    SelfAttention.run_realtime_tests = counted
+    perturb = os.environ.get("SB_TEST_PERTURB")
+    if perturb and int(os.environ.get("RANK", "0")) == 1:
         build_model = model.build_model
 
         def perturbed(*a, **k):
             chunks = build_model(*a, **k)
+            inner = chunks[0].module
+            weight = inner.output_layer.weight if perturb == "output_layer" else \
+                inner.decoder.layers[0].self_attention.q_layernorm.weight
             with torch.no_grad():
-                chunks[-1].module.output_layer.weight.add_(1e-3)
+                weight.add_(1e-3)
             return chunks
 
         model.build_model = perturbed

@@ -1,6 +1,6 @@
 """Megatron-LM's architecture and optimizer flags that megatron-core implements and the
 driver wires: ``--apply-layernorm-1p``, ``--qk-layernorm``, ``--attention-output-gate``,
-``--rotary-interleaved``, ``--squared-relu`` (TransformerConfig / layer spec, with the
+``--rotary-interleaved``, ``--squared-relu``, ``--test-mode`` (TransformerConfig / layer spec, with the
 sparse core attention still in its slot) and ``--decoupled-lr`` / ``--decoupled-min-lr`` /
 ``--apply-wd-to-qk-layernorm`` (optimizer parameter groups)."""
 
@@ -17,7 +17,7 @@ from conftest import TINY, summary_of
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_arch_worker.py")
 ARCH = ["--apply-layernorm-1p", "--qk-layernorm", "--attention-output-gate", "--rotary-interleaved",
-        "--squared-relu"]
+        "--squared-relu", "--test-mode"]
 LR, DLR, DMIN, STEPS = 1e-3, 5e-4, 4.5e-5, 3
 
 
@@ -36,6 +36,9 @@ def test_flags_reach_the_model_and_the_param_groups(world, corpus, tmp_path):
     assert m["activation"] == "squared_relu"
     assert m["norms"] == ["_ZeroCenteredLayerNorm"]
     assert m["qkv_out"] == 4 * 64  # query + key + value + the gate (4 heads of 16, no GQA)
+    # --test-mode: megatron-core's q/k-norm consistency check ran in every attention forward
+    # (4 layers x 4 micro-batches x 3 steps; the forward-only passes of evaluation add none here)
+    assert d["realtime_tests"] == 4 * 4 * STEPS
     by_param = {p: g for g in d["groups"] for p in g["params"]}
     outer = ("embedding.word_embeddings.weight", "output_layer.weight")
     for name, g in by_param.items():

@@ -1,6 +1,7 @@
 """Megatron-LM's ``--check-weight-hash-across-dp-replicas-interval`` (replicas' weights
 hashed and compared at the start and every N iterations) and ``--save-retain-interval``
-(after each save the previous checkpoint goes unless its iteration is a multiple of N)."""
+(after each save the previous checkpoint goes unless its iteration is a multiple of N);
+``--test-mode`` runs along (its check is counted in ``test_architecture_flags.py``)."""
 
 import os
 import re
@@ -15,8 +16,9 @@ def test_hash_check_and_retained_checkpoints(world, corpus, tmp_path):
     save = tmp_path / "ckpt"
     proc = world.launch(PRETRAIN, [*TINY, "--data-path", corpus, "--train-iters", "5", "--save", str(save),
                                    "--save-interval", "1", "--save-retain-interval", "2",
-                                   "--check-weight-hash-across-dp-replicas-interval", "2"], nproc=2)
-    summary_of(proc)  # DP=2: the replicas agree at the start and after iterations 2 and 4
+                                   "--check-weight-hash-across-dp-replicas-interval", "2", "--qk-layernorm",
+                                   "--test-mode"], nproc=2)
+    summary_of(proc)  # DP=2: the replicas agree at the start, after iterations 2 and 4, in each forward
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == \
         ["iter_0000002", "iter_0000004", "iter_0000005"]
     assert len(re.findall(r"removed iter_000000[13] \(--save-retain-interval 2\)", proc.stdout)) == 2
@@ -25,8 +27,9 @@ def test_hash_check_and_retained_checkpoints(world, corpus, tmp_path):
 def test_replicas_that_differ_stop_the_run_in_one_line(world, corpus):
     proc = world.launch(WORKER, [*TINY, "--data-path", corpus, "--train-iters", "2",
                                  "--check-weight-hash-across-dp-replicas-interval", "1"],
-                        nproc=2, extra_env={"SB_TEST_PERTURB": "1"})
+                        nproc=2, extra_env={"SB_TEST_PERTURB": "output_layer"})
     assert proc.returncode == 1
     lines = [ln for ln in proc.stderr.splitlines() if "differs between" in ln]
     assert len(lines) == 2 and "--check-weight-hash-across-dp-replicas-interval: after iteration 0 " \
         "output_layer.weight differs between this rank and DP rank" in lines[0], proc.stderr[-2000:]
+
