@@ -448,6 +448,9 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=pos(int), default=1)
     g.add_argument("--eval-interval", type=nonneg(int), default=0, help="0: no evaluation")
     g.add_argument("--eval-iters", type=nonneg(int), default=2)
+    g.add_argument("--eval-global-batch-size", type=pos(int), default=None,
+                   help="samples (packed sequences) per evaluation iteration, a multiple of --micro-batch-size "
+                        "x DP (default: --global-batch-size)")
     g.add_argument("--start-eval-at-iter", type=nonneg(int), default=None,
                    help="evaluate only from this iteration on (default: from the first --eval-interval)")
     g.add_argument("--tensorboard-dir", default=None)
@@ -609,6 +612,15 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"micro-batch size x DP = {args.micro_batch_size} x {dp}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_global_batch_size % (args.micro_batch_size * dp):  # Megatron-LM asserts the same
+        raise UsageError(f"--eval-global-batch-size {args.eval_global_batch_size} is not divisible by "
+                         f"micro-batch size x DP = {args.micro_batch_size} x {dp}")
+    args.eval_num_microbatches = args.eval_global_batch_size // (args.micro_batch_size * dp)
+    if args.virtual_pipeline_model_parallel_size and args.eval_num_microbatches % pp:
+        raise UsageError(f"the interleaved schedule needs evaluation micro-batches per rank "
+                         f"({args.eval_num_microbatches}) divisible by PP {pp}")
     if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
         raise UsageError(f"the interleaved schedule needs micro-batches per rank "
                          f"({args.num_microbatches}) divisible by PP {pp}")

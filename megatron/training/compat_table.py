@@ -322,8 +322,6 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--validation-set-names", "several validation sets are not supported (--split makes one)"),
     ("--multiple-validation-sets", "several validation sets are not supported (--split makes one)"),
     ("--exit-signal-handler-for-training", "use --exit-signal-handler (save and exit 0 on SIGTERM/SIGUSR1)"),
-    ("--eval-global-batch-size", "evaluation batches are the training batches here: give it only equal to "
-                                 "--global-batch-size"),
     ("--chat-template", "chat templates are not applied: tokenize with tools/preprocess_data.py"),
     ("--eval-micro-batch-size", "evaluation packs its micro-batches as training does (--micro-batch-size x "
                                 "--seq-length tokens): only 1 is accepted"),

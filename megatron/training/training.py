@@ -172,7 +172,7 @@ def setup(args) -> TrainState:
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
         valid = PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,
-                                 micro_batches=args.num_microbatches, seq_length=args.micro_batch_tokens,
+                                 micro_batches=args.eval_num_microbatches, seq_length=args.micro_batch_tokens,
                                  strategy="megatron", seed=args.seed, shuffle=False, vocab_size=vocab,
                                  pad_to=pad_to, loss_starts=loss_starts, pad_id=pad_id, **cp)
     config = transformer_config(args, use_cpu=cpu)

@@ -2,10 +2,11 @@
 ``pretrain_gpt.py ARGS`` that also writes, on rank 0, ``$SB_TEST_DUMP`` (JSON, when set):
 the model chunk's config fields and module types the flags set, and each optimizer
 parameter group (its parameters' names, peak / minimum LR, weight-decay multiplier, and
-the LR it had at every step), and how many times megatron-core's real-time test
-(``--test-mode``) ran. ``SB_TEST_PERTURB=output_layer`` (or ``q_layernorm``): rank 1
-adds 1e-3 to its copy of that weight (the first layer's, for ``q_layernorm``) right after
-the model is built (replicas then differ)."""
+the LR it had at every step), how many times megatron-core's real-time test
+(``--test-mode``) ran, and the micro-batches of each evaluation step.
+``SB_TEST_PERTURB=output_layer`` (or ``q_layernorm``): rank 1 adds 1e-3 to its copy of that
+weight (the first layer's, for ``q_layernorm``) right after the model is built (replicas
+then differ)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ def main() -> None:
         return realtime(self)
 
     SelfAttention.run_realtime_tests = counted
+    from megatron.training import step
+
+    run_schedule = step.run_schedule  # evaluate() looks it up at call time
+
+    def recorded_schedule(args, chunks, batches, forward_only):
+        if forward_only:
+            dump.setdefault("eval_microbatches", []).append(len(batches.microbatches))
+        return run_schedule(args, chunks, batches, forward_only=forward_only)
+
+    step.run_schedule = recorded_schedule
     perturb = os.environ.get("SB_TEST_PERTURB")
     if perturb and int(os.environ.get("RANK", "0")) == 1:
         build_model = model.build_model
@@ -85,7 +96,7 @@ def main() -> None:
     try:
         runpy.run_path(PRETRAIN, run_name="__main__")
     finally:
-        if int(os.environ.get("RANK", "0")) == 0 and dump["groups"] is not None and "SB_TEST_DUMP" in os.environ:
+        if int(os.environ.get("RANK", "0")) == 0 and "SB_TEST_DUMP" in os.environ:
             with open(os.environ["SB_TEST_DUMP"], "w") as f:
                 json.dump(dump, f)
 

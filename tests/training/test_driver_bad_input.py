@@ -195,6 +195,8 @@ PARSE_CASES = {
                                                 "--qk-l2-norm: architecture option not implemented"),
     "squared relu excludes swiglu": (["--squared-relu", "--swiglu"], None,
                                      "give --squared-relu or --swiglu, not both"),
+    "evaluation batch splits over DP": (["--eval-global-batch-size", "3"], 2,
+                                        "--eval-global-batch-size 3 is not divisible by micro-batch size x DP = 1 x 2"),
     "retained checkpoints fall on saves": (["--save", "ckpt", "--save-interval", "2", "--save-retain-interval", "3"],
                                            None, "--save-retain-interval 3 is not a multiple of --save-interval 2"),
     "main offload flag says what to use": (["--activation-offload-fraction", "0.5"], None,
@@ -245,9 +247,9 @@ def test_flags_of_megatron_lm_main_are_honoured(corpus):
     args = parse_args([*NO_GBS, "--data-path", corpus, "--step-batch-size-schedule", "0:8 1B:8",
                        "--original-max-position-embeddings", "4096", "--no-pad-vocab-size",
                        "--start-eval-at-iter", "3", "--verify-integrity", "--eval-micro-batch-size", "1",
-                       "--null-tokenizer-eod-id", "7", "--eval-global-batch-size", "8", "--deterministic-mode",
+                       "--null-tokenizer-eod-id", "7", "--eval-global-batch-size", "16", "--deterministic-mode",
                        "--inference-max-seq-length", "256", "--max-tokens-to-oom", "100"], world_size=2)
-    assert args.global_batch_size == 8 and args.num_microbatches == 4
+    assert args.global_batch_size == 8 and args.num_microbatches == 4 and args.eval_num_microbatches == 8
     assert args.make_vocab_size_divisible_by == 1 and args.start_eval_at_iter == 3
     assert args.compat_warnings == []
     from megatron.training import compat
