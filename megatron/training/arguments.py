@@ -231,6 +231,10 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=pos(int), default=1)
     g.add_argument("--pipeline-model-parallel-size", type=pos(int), default=1)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=pos(int), default=None, metavar="N",
+                   help="layers of the first pipeline stage (the others split the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=pos(int), default=None, metavar="N",
+                   help="layers of the last pipeline stage (the others split the rest evenly)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=pos(int), default=None,
                    help="enables the interleaved 1F1B schedule")
     g.add_argument("--context-parallel-size", type=pos(int), default=1,
@@ -575,8 +579,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
                          "--untie-embeddings-and-output-weights or use PP=1")
     if pp > args.num_layers:
         raise UsageError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {args.num_layers}")
-    if args.num_layers % pp:
-        raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    arg_checks.validate_pipeline_layout(args)
     vstages = args.num_virtual_stages_per_pipeline_rank
     if vstages is not None:
         if pp < 2:

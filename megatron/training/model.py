@@ -108,6 +108,9 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         # pads each micro-batch for it); the core attention sees the gathered sequence.
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        # Megatron-LM's --decoder-first/last-pipeline-num-layers (checked in arg_checks.py)
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         # Context parallelism: our core_attention modules all-gather K/V over the CP group
         # (sparsebalance.attention.context_parallel); the split is done by data.py.

@@ -197,6 +197,12 @@ PARSE_CASES = {
                                      "give --squared-relu or --swiglu, not both"),
     "evaluation batch splits over DP": (["--eval-global-batch-size", "3"], 2,
                                         "--eval-global-batch-size 3 is not divisible by micro-batch size x DP = 1 x 2"),
+    "uneven stages need a pipeline": (["--decoder-first-pipeline-num-layers", "1"], None,
+                                      "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size >= 2"),
+    "uneven stages split the rest evenly": (["--pipeline-model-parallel-size", "3",
+                                             "--decoder-last-pipeline-num-layers", "1"], 3,
+                                            "--decoder-last-pipeline-num-layers: num_layers (4) less the "
+                                            "first/last stage's ([1]) is not divisible by the other 2 stage(s)"),
     "retained checkpoints fall on saves": (["--save", "ckpt", "--save-interval", "2", "--save-retain-interval", "3"],
                                            None, "--save-retain-interval 3 is not a multiple of --save-interval 2"),
     "main offload flag says what to use": (["--activation-offload-fraction", "0.5"], None,
