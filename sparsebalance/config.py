@@ -153,7 +153,8 @@ class ModelShape:
     layer stack with the paper's MoBA routing (block 256, top-k 32)."""
 
     num_layers: int = 24
-    """Transformer layers of the whole model (split evenly over PP stages)."""
+    """Transformer layers of the whole model (split evenly over PP stages, apart from
+    ``first_stage_layers`` / ``last_stage_layers``)."""
     hidden_size: int = 896
     """Model width h."""
     num_attention_heads: int = 14
@@ -172,6 +173,11 @@ class ModelShape:
     """Routing block size of the sparse attention, tokens."""
     topk: Optional[int] = 32
     """Default budget (key blocks kept besides sink + diagonal); None = dense."""
+    first_stage_layers: Optional[int] = None
+    """Layers of the first pipeline stage when PP > 1 (Megatron-LM's
+    ``--decoder-first-pipeline-num-layers``); None: its share of the even split."""
+    last_stage_layers: Optional[int] = None
+    """Layers of the last pipeline stage when PP > 1 (``--decoder-last-pipeline-num-layers``)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -189,6 +195,9 @@ class ModelShape:
             raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
         if self.topk is not None and self.topk < 0:
             raise ValueError(f"topk must be >= 0 or None, got {self.topk}")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= self.num_layers:
+                raise ValueError(f"{name} must be in [0, num_layers], got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
@@ -228,15 +237,24 @@ class ModelShape:
         return cls(**kwargs)
 
     def layers_of(self, stage: int, pp: int) -> int:
-        """Transformer layers held by pipeline stage ``stage`` of ``pp`` (even split,
-        as megatron-core requires by default)."""
+        """Transformer layers held by pipeline stage ``stage`` of ``pp``: ``first_stage_layers``
+        / ``last_stage_layers`` where given (PP > 1), the rest split evenly over the other
+        stages, as megatron-core's ``num_layers_in_first/last_pipeline_stage`` place them."""
         if pp < 1:
             raise ValueError(f"pp must be >= 1, got {pp}")
         if not 0 <= stage < pp:
             raise ValueError(f"stage must be in [0, {pp}), got {stage}")
-        if self.num_layers % pp:
+        ends = {0: self.first_stage_layers, pp - 1: self.last_stage_layers} if pp > 1 else {}
+        if ends.get(stage) is not None:
+            return int(ends[stage])
+        given = [n for n in ends.values() if n is not None]
+        rest, stages = self.num_layers - sum(given), pp - len(given)
+        if not given and rest % pp:
             raise ValueError(f"num_layers ({self.num_layers}) is not divisible by pp ({pp})")
-        return self.num_layers // pp
+        if rest < 0 or rest % stages:
+            raise ValueError(f"num_layers ({self.num_layers}) less the first/last stage's ({given}) is not "
+                             f"divisible by the other {stages} stage(s)")
+        return rest // stages
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,11 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
         args.recompute_granularity = "selective"
     if args.fp16 and args.bf16:
         raise UsageError("give --fp16 or --bf16, not both")
+    if args.squared_relu and args.swiglu:
+        raise UsageError("give --squared-relu or --swiglu, not both (Megatron-LM asserts the same)")
+    if args.test_mode and args.qk_layernorm and args.normalization != "LayerNorm":
+        raise UsageError("--test-mode compares the q/k norms' weights and biases: --normalization "
+                         f"{args.normalization} has no bias (use LayerNorm, or drop --test-mode)")
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if value > 0:
             raise UsageError(f"{flag} {value:g}: this driver trains without dropout (its checkpoints hold no "
@@ -206,6 +211,40 @@ def validate_distributed_optimizer(args: argparse.Namespace) -> None:
         raise UsageError("--overlap-param-gather needs --overlap-grad-reduce")
 
 
+def stage_layers(args: argparse.Namespace) -> list:
+    """Transformer layers of each pipeline stage (megatron-core's placement; see
+    :meth:`sparsebalance.config.ModelShape.layers_of`)."""
+    from sparsebalance.config import ModelShape
+
+    shape = ModelShape(num_layers=args.num_layers, hidden_size=1, num_attention_heads=1, num_query_groups=1,
+                       ffn_hidden_size=1, vocab_size=1, block_size=1, topk=None,
+                       first_stage_layers=args.decoder_first_pipeline_num_layers,
+                       last_stage_layers=args.decoder_last_pipeline_num_layers)
+    pp = args.pipeline_model_parallel_size
+    return [shape.layers_of(s, pp) for s in range(pp)]
+
+
+def validate_pipeline_layout(args: argparse.Namespace) -> None:
+    """``--num-layers`` over the pipeline stages: evenly, or with Megatron-LM's
+    ``--decoder-first/last-pipeline-num-layers`` (the other stages split the rest evenly;
+    not with the interleaved schedule, whose chunks this driver keeps equal)."""
+    pp, first, last = args.pipeline_model_parallel_size, args.decoder_first_pipeline_num_layers, \
+        args.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        if args.num_layers % pp:
+            raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        return
+    flag = "--decoder-first-pipeline-num-layers" if first is not None else "--decoder-last-pipeline-num-layers"
+    if pp < 2:
+        raise UsageError(f"{flag} needs --pipeline-model-parallel-size >= 2")
+    if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank:
+        raise UsageError(f"{flag} with the interleaved schedule is not supported here (uneven virtual stages)")
+    try:
+        stage_layers(args)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
 def validate_recompute(args: argparse.Namespace) -> None:
     """Megatron-LM's rules: full needs a method and a layer count, selective takes neither."""
     gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
@@ -224,13 +263,14 @@ def validate_recompute(args: argparse.Namespace) -> None:
         raise UsageError("--recompute-granularity full needs --recompute-method uniform or block")
     # megatron-core applies the method to each model chunk's layers (one chunk per virtual stage)
     vpp = args.virtual_pipeline_model_parallel_size or 1
-    chunk = args.num_layers // args.pipeline_model_parallel_size // vpp
+    chunks = sorted({layers // vpp for layers in stage_layers(args)})  # uneven first/last stages
+    chunk = chunks[0]
     if n is None:
         raise UsageError(f"--recompute-granularity full needs --recompute-num-layers (1 .. {chunk}, "
                          "the layers of one model chunk)")
     if n > chunk:
         raise UsageError(f"--recompute-num-layers {n} is more than the {chunk} layers of a model chunk "
                          "(num layers / PP / virtual stages)")
-    if method == "uniform" and chunk % n:
+    if method == "uniform" and any(c % n for c in chunks):
         raise UsageError(f"--recompute-method uniform needs --recompute-num-layers {n} to divide the "
-                         f"{chunk} layers of a model chunk")
+                         f"{next(c for c in chunks if c % n)} layers of a model chunk")

@@ -156,6 +156,19 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-method-std", type=pos(float), default=0.02,
                    help="std of the normal initialization of the weights")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama/Qwen style)")
+    g.add_argument("--squared-relu", action="store_true", help="squared-ReLU MLP activation (not with --swiglu)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norm weights centred on zero: each norm scales by 1 + weight (weights start at 0)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each head's query and key (--normalization's kind) before attention")
+    g.add_argument("--test-mode", action="store_true",
+                   help="with --qk-layernorm: each attention forward checks that the q/k LayerNorm weights "
+                        "and biases agree across DP and TP ranks (megatron-core's real-time test)")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="gate the attention output per channel with sigmoid(a projection of the input), "
+                        "the gate projected with the QKV")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE rotates interleaved pairs of dims (GPT-J style) instead of the two halves")
     g.add_argument("--vocab-size", type=pos(int), default=None,
                    help="vocabulary size (default: from the tokenizer)")
     g.add_argument("--make-vocab-size-divisible-by", type=pos(int), default=128,
@@ -222,6 +235,10 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=pos(int), default=1)
     g.add_argument("--pipeline-model-parallel-size", type=pos(int), default=1)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=pos(int), default=None, metavar="N",
+                   help="layers of the first pipeline stage (the others split the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=pos(int), default=None, metavar="N",
+                   help="layers of the last pipeline stage (the others split the rest evenly)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=pos(int), default=None,
                    help="enables the interleaved 1F1B schedule")
     g.add_argument("--context-parallel-size", type=pos(int), default=1,
@@ -367,7 +384,15 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on resume, use the checkpoint's LR/WD schedule (without either flag, a "
                         "resume whose schedule differs from the checkpoint's is an error)")
+    g.add_argument("--decoupled-lr", type=nonneg(float), default=None,
+                   help="peak LR of the input embedding and output layer (default: --lr)")
+    g.add_argument("--decoupled-min-lr", type=nonneg(float), default=None,
+                   help="with --decoupled-lr: minimum LR of the input embedding and output layer "
+                        "(default: --min-lr)")
     g.add_argument("--weight-decay", type=nonneg(float), default=0.01)
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="weight decay on the --qk-layernorm weights too (other 1-D parameters and "
+                        "biases get none)")
     g.add_argument("--start-weight-decay", type=nonneg(float), default=None,
                    help="with --weight-decay-incr-style linear/cosine (default: --weight-decay)")
     g.add_argument("--end-weight-decay", type=nonneg(float), default=None,
@@ -382,6 +407,9 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-samples", type=pos(int), default=None,
                    help="samples (packed sequences) to train: iterations = this / --global-batch-size")
     g.add_argument("--seed", type=nonneg(int), default=1234)
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=pos(int), default=None, metavar="N",
+                   help="at the start and after every N-th iteration check that all data-parallel replicas "
+                        "hold the same weights (hashes all-gathered; a difference stops the run)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false",
                    help="do not stop on a non-finite loss or grad norm (default: stop with one line "
@@ -428,6 +456,9 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=pos(int), default=1)
     g.add_argument("--eval-interval", type=nonneg(int), default=0, help="0: no evaluation")
     g.add_argument("--eval-iters", type=nonneg(int), default=2)
+    g.add_argument("--eval-global-batch-size", type=pos(int), default=None,
+                   help="samples (packed sequences) per evaluation iteration, a multiple of --micro-batch-size "
+                        "x DP (default: --global-batch-size)")
     g.add_argument("--start-eval-at-iter", type=nonneg(int), default=None,
                    help="evaluate only from this iteration on (default: from the first --eval-interval)")
     g.add_argument("--tensorboard-dir", default=None)
@@ -461,6 +492,9 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-last", type=pos(int), default=None, metavar="N",
                    help="after each save delete the checkpoints in --save older than the newest N "
                         "intact ones (default: keep all)")
+    g.add_argument("--save-retain-interval", type=pos(int), default=None, metavar="N",
+                   help="after each save delete the previous checkpoint unless its iteration is a multiple "
+                        "of N (a multiple of --save-interval): keeps every N-th and the newest")
     g.add_argument("--continue-on-save-failure", action="store_true",
                    help="a save that fails (disk full, unwritable --save) warns and training goes on "
                         "(default: error, exit 1); the run's last save must still succeed")
@@ -549,8 +583,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
                          "--untie-embeddings-and-output-weights or use PP=1")
     if pp > args.num_layers:
         raise UsageError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {args.num_layers}")
-    if args.num_layers % pp:
-        raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    arg_checks.validate_pipeline_layout(args)
     vstages = args.num_virtual_stages_per_pipeline_rank
     if vstages is not None:
         if pp < 2:
@@ -586,6 +619,15 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"micro-batch size x DP = {args.micro_batch_size} x {dp}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_global_batch_size % (args.micro_batch_size * dp):  # Megatron-LM asserts the same
+        raise UsageError(f"--eval-global-batch-size {args.eval_global_batch_size} is not divisible by "
+                         f"micro-batch size x DP = {args.micro_batch_size} x {dp}")
+    args.eval_num_microbatches = args.eval_global_batch_size // (args.micro_batch_size * dp)
+    if args.virtual_pipeline_model_parallel_size and args.eval_num_microbatches % pp:
+        raise UsageError(f"the interleaved schedule needs evaluation micro-batches per rank "
+                         f"({args.eval_num_microbatches}) divisible by PP {pp}")
     if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
         raise UsageError(f"the interleaved schedule needs micro-batches per rank "
                          f"({args.num_microbatches}) divisible by PP {pp}")
@@ -634,9 +676,14 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     arg_checks.validate_tokenizer(args)
     # Megatron-LM trains and saves nothing when these come without --save (benchmark
     # scripts pass them): the same here, with one warning line each
-    for flag, given in (("--save-interval", args.save_interval), ("--no-save-optim", args.no_save_optim)):
+    for flag, given in (("--save-interval", args.save_interval), ("--no-save-optim", args.no_save_optim),
+                        ("--save-retain-interval", args.save_retain_interval)):
         if given and not args.save:
             args.compat_warnings.append(f"{flag} without --save: no checkpoint is written (as in Megatron-LM)")
+    if args.save and args.save_retain_interval and args.save_interval \
+            and args.save_retain_interval % args.save_interval:
+        raise UsageError(f"--save-retain-interval {args.save_retain_interval} is not a multiple of "
+                         f"--save-interval {args.save_interval} (as Megatron-LM requires)")
     if args.keep_last and not args.save:
         raise UsageError("--keep-last needs --save")
     if args.continue_on_save_failure and not args.save:

@@ -30,14 +30,13 @@ from typing import Dict, List, Optional, Sequence
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
               "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
               "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "norm_epsilon",
-              "swiglu", "add_qkv_bias", "disable_bias_linear", "untie_embeddings_and_output_weights",
+              "swiglu", "squared_relu", "apply_layernorm_1p", "qk_layernorm", "attention_output_gate",
+              "rotary_interleaved", "add_qkv_bias", "disable_bias_linear", "untie_embeddings_and_output_weights",
               "padded_vocab_size")
 """Flags (argparse dests) saved as the checkpoint's ``args`` and read back."""
 COMMAND_LINE_WINS = ("seq_length", "max_position_embeddings")
 """Read from the checkpoint only when the command line leaves them out."""
-UNSUPPORTED = {"num_experts": "mixture of experts", "squared_relu": "--squared-relu",
-               "apply_layernorm_1p": "--apply-layernorm-1p", "rotary_interleaved": "--rotary-interleaved",
-               "qk_layernorm": "--qk-layernorm", "multi_latent_attention": "multi-latent attention",
+UNSUPPORTED = {"num_experts": "mixture of experts", "multi_latent_attention": "multi-latent attention",
                "mtp_num_layers": "multi-token prediction"}
 """Megatron-LM namespace entries (truthy) naming a model this driver does not build."""
 

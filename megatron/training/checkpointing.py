@@ -335,6 +335,11 @@ def remove_old_checkpoints(root: str, keep: int, newest: int) -> List[str]:
     return removed
 
 
+def remove_checkpoint(root: str, iteration: int) -> None:
+    """Delete the iteration directory of ``iteration`` under ``root`` (rank 0, after a save)."""
+    shutil.rmtree(iter_dir(root, iteration))
+
+
 # ---- save --------------------------------------------------------------------------------
 
 def _sync_strategy():

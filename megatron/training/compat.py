@@ -197,9 +197,6 @@ def resolve(args: argparse.Namespace) -> List[str]:
     """
     ignored = []
     for flag, value in given_foreign(args):
-        if flag == "--eval-global-batch-size" and value is not None and args.global_batch_size is not None \
-                and _same_number(value, str(args.global_batch_size)):
-            continue  # evaluation batches are the training batches here
         t = treatment(flag, value)
         if t.kind == "ignored":
             ignored.append(flag)

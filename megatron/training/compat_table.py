@@ -143,11 +143,12 @@ DYNAMIC_CP = ("dynamic (hybrid) context parallelism is not in this driver: train
                "tools/compare.py --mode sim")
 REFUSED = {
     "architecture option not implemented: this driver's GPT layers take --normalization, --swiglu, "
-    "--add-qkv-bias, --disable-bias-linear, --position-embedding-type and the --rotary-* flags":
-        "--activation-func-clamp-value --apply-layernorm-1p --apply-residual-connection-post-layernorm "
-        "--attention-output-gate --glu-linear-offset --openai-gelu --quick-geglu --squared-relu "
-        "--use-te-activation-func --qk-layernorm --qk-l2-norm --softmax-type --window-size "
-        "--window-attn-skip-freq --no-rope-freq --rotary-interleaved --rope-type --mrope-section "
+    "--squared-relu, --apply-layernorm-1p, --qk-layernorm, --attention-output-gate, --add-qkv-bias, "
+    "--disable-bias-linear, --position-embedding-type and the --rotary-* flags":
+        "--activation-func-clamp-value --apply-residual-connection-post-layernorm "
+        "--glu-linear-offset --openai-gelu --quick-geglu "
+        "--use-te-activation-func --qk-l2-norm --softmax-type --window-size "
+        "--window-attn-skip-freq --no-rope-freq --rope-type --mrope-section "
         "--relative-attention-max-distance --relative-attention-num-buckets --fp32-residual-connection "
         "--csa-compress-ratios --o-groups --o-lora-rank "
         "--embedding-init-method-std --init-method-xavier-uniform --spec --onnx-safe",
@@ -158,11 +159,11 @@ REFUSED = {
         "--use-one-sent-docs --vocab-extra-ids --mask-factor --mask-type",
     "vision models are not supported": "--classes-fraction --data-per-class-fraction --num-classes "
                                        "--num-channels --patch-dim --sample-rate --iter-per-epoch",
-    "optimizer option not implemented: Adam or SGD on fp32 main parameters, one learning rate for all "
-    "parameters, megatron-core's (distributed) optimizer":
-        "--decoupled-lr --decoupled-min-lr --head-lr-mult --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype "
+    "optimizer option not implemented: Adam or SGD on fp32 main parameters, megatron-core's "
+    "(distributed) optimizer, one learning rate (--decoupled-lr for the embedding and output layer)":
+        "--head-lr-mult --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype "
         "--main-params-dtype --use-precision-aware-optimizer --grad-reduce-in-bf16 --no-weight-decay-cond-type "
-        "--apply-wd-to-qk-layernorm --ddp-reduce-scatter-with-fp32-accumulation "
+        "--ddp-reduce-scatter-with-fp32-accumulation "
         "--ddp-param-name-patterns-for-fp32-local-accumulation --num-distributed-optimizer-instances "
         "--optimizer-cuda-graph "
         "--load-main-params-from-ckpt --freeze-all-layers --qk-clip --qk-clip-alpha --qk-clip-threshold "
@@ -170,10 +171,11 @@ REFUSED = {
     "optimizer CPU offload is not supported": "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload "
                                               "--overlap-cpu-optimizer-d2h-h2d --disable-grad-buffers-cpu-backup "
                                               "--disable-param-buffers-cpu-backup",
-    "uneven or custom pipeline layouts are not supported: every stage holds --num-layers / PP layers "
-    "(--num-layers-per-virtual-pipeline-stage for the interleaved schedule)":
+    "custom pipeline layouts are not supported: the stages split --num-layers evenly, apart from "
+    "--decoder-first/last-pipeline-num-layers (--num-layers-per-virtual-pipeline-stage for the interleaved "
+    "schedule); the embedding and loss are not counted as layers":
         "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
-        "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --pipeline-model-parallel-layout",
+        "--pipeline-model-parallel-layout",
     "pipeline / context-parallel communication options not implemented (p2p and all-gathers over the "
     "default backend)": "--pipeline-model-parallel-comm-backend --use-ring-exchange-p2p "
                         "--hierarchical-context-parallel-sizes --symmetric-ar-type --disable-symmetric-registration "
@@ -189,16 +191,16 @@ REFUSED = {
     "--load resumes the newest intact checkpoint here (no other iteration can be picked)":
         "--ckpt-step --override-ckpt-iteration",
     "use --load DIR --finetune (it takes the model weights only)": "--pretrained-checkpoint",
-    "local / persistent checkpoint tiers are not supported (one --save directory, --keep-last)":
-        "--persistent-save-interval --save-retain-interval --replication --replication-factor --replication-jump",
+    "local / persistent checkpoint tiers are not supported (one --save directory, --keep-last, "
+    "--save-retain-interval)":
+        "--persistent-save-interval --replication --replication-factor --replication-jump",
     "parallel sizes are never read from a checkpoint here: pass --tensor-model-parallel-size and "
     "--pipeline-model-parallel-size (--use-checkpoint-args reads the model flags)":
         "--use-mp-args-from-checkpoint-args",
     "Megatron-LM's re-run state machine and result checks are not supported "
-    "(--check-for-nan-in-loss-and-grad is)": "--check-for-large-grads --check-for-spiky-loss --rerun-mode "
-                                             "--error-injection-rate --error-injection-type "
-                                             "--result-rejected-tracker-filename "
-                                             "--check-weight-hash-across-dp-replicas-interval",
+    "(--check-for-nan-in-loss-and-grad and --check-weight-hash-across-dp-replicas-interval are)":
+        "--check-for-large-grads --check-for-spiky-loss --rerun-mode --error-injection-rate --error-injection-type "
+        "--result-rejected-tracker-filename",
     "debugging / initialisation switches not implemented here": "--fake-process-group "
                                                                 "--dump-param-to-param-group-map "
                                                                 "--run-workload-inspector-server --enable-experimental "
@@ -215,7 +217,7 @@ REFUSED = {
         "--tiktoken-num-special-tokens --tiktoken-pattern --tokenizer-metadata --tokenizer-sentencepiece-legacy "
         "--tokenizer-special-tokens --allow-ambiguous-pad-tokens --tiktoken-special-tokens",
     "training-loop variants not implemented: every iteration from 1 to --train-iters trains":
-        "--skip-train --iterations-to-skip --phase-transition-iterations --test-mode",
+        "--skip-train --iterations-to-skip --phase-transition-iterations",
     "validation runs --eval-iters batches of the validation split (--full-validation is not supported)":
         "--full-validation",
     "use --exit-signal-handler (SIGTERM and SIGUSR1 both save and exit)": "--exit-signal",
@@ -321,8 +323,6 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--validation-set-names", "several validation sets are not supported (--split makes one)"),
     ("--multiple-validation-sets", "several validation sets are not supported (--split makes one)"),
     ("--exit-signal-handler-for-training", "use --exit-signal-handler (save and exit 0 on SIGTERM/SIGUSR1)"),
-    ("--eval-global-batch-size", "evaluation batches are the training batches here: give it only equal to "
-                                 "--global-batch-size"),
     ("--chat-template", "chat templates are not applied: tokenize with tools/preprocess_data.py"),
     ("--eval-micro-batch-size", "evaluation packs its micro-batches as training does (--micro-batch-size x "
                                 "--seq-length tokens): only 1 is accepted"),

@@ -56,14 +56,15 @@ def layer_spec(args, attention=None):
             threshold=attention.threshold,
             topk_min=attention.topk_min,
             per_head=attention.per_head,
+            qk_layernorm=args.qk_layernorm,
         )
     if getattr(args, "transformer_impl", "local") == "transformer_engine":  # checked: CUDA + TE present
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
-    return get_gpt_layer_dense_spec(normalization=args.normalization)
+    return get_gpt_layer_dense_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
 
 
 def transformer_config(args, use_cpu: bool):
@@ -96,12 +97,21 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         add_qkv_bias=args.add_qkv_bias,
         init_method_std=args.init_method_std,
         gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        activation_func=_activation(args),
+        # Megatron-LM's --apply-layernorm-1p: norms scale by 1 + weight (spec.TorchNorm on CPU)
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        qk_layernorm=args.qk_layernorm,
+        test_mode=args.test_mode,
+        attention_output_gate=args.attention_output_gate,
+        rotary_interleaved=args.rotary_interleaved,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         # Megatron's sequence parallelism: norms and residuals on 1/TP of the tokens (data.py
         # pads each micro-batch for it); the core attention sees the gathered sequence.
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        # Megatron-LM's --decoder-first/last-pipeline-num-layers (checked in arg_checks.py)
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         # Context parallelism: our core_attention modules all-gather K/V over the CP group
         # (sparsebalance.attention.context_parallel); the split is done by data.py.
@@ -124,8 +134,9 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         # without experts; alltoall is the one it accepts (unused: we have no MoE).
         moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=True,
-        # Fused kernels are CUDA-only; on CPU use the unfused paths.
-        bias_activation_fusion=not use_cpu,
+        # Fused kernels are CUDA-only; on CPU use the unfused paths. megatron-core fuses
+        # only GeLU and SwiGLU with the bias.
+        bias_activation_fusion=not use_cpu and not args.squared_relu,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
@@ -137,6 +148,16 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
         recompute_modules=["core_attn"],
     )
+
+
+def _activation(args):
+    """The MLP's activation: SiLU (gated) with --swiglu, squared ReLU with --squared-relu
+    (Megatron-LM's; the two exclude each other), else GeLU."""
+    if args.squared_relu:
+        from megatron.core.activations import squared_relu
+
+        return squared_relu
+    return torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu
 
 
 _CPU_RECOMPUTE_RNG: List[str] = []
@@ -260,6 +281,13 @@ def build_optimizer(args, model: List[torch.nn.Module]):
         sgd_momentum=args.sgd_momentum,
         use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         log_num_zeros_in_grad=bool(getattr(args, "log_num_zeros_in_grad", False)),
+        # Megatron-LM's --decoupled-lr / --decoupled-min-lr: the peak / minimum LR of the
+        # parameter groups of the input embedding and output layer (megatron-core marks them
+        # is_embedding_or_output_parameter); the scheduler runs each group on its own pair.
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+        # weight decay on the q/k layernorm weights (other 1-D parameters and biases get none)
+        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm,
     )
     if opt_config.use_distributed_optimizer:
         # Harmless and once per rank: megatron zeroes the .grad of its fp32 main-param

@@ -68,7 +68,8 @@ def checkpoint_bytes(args: argparse.Namespace, vocab: int) -> int:
     kv = args.kv_channels or h // args.num_attention_heads
     q = args.num_attention_heads * kv
     g = (args.num_query_groups or args.num_attention_heads) * kv
-    layer = h * (q + 2 * g) + q * h + (3 if args.swiglu else 2) * h * f
+    gate = q if getattr(args, "attention_output_gate", False) else 0  # projected with the QKV
+    layer = h * (q + 2 * g + gate) + q * h + (3 if args.swiglu else 2) * h * f
     params = args.num_layers * layer + vocab * h * (2 if args.untie_embeddings_and_output_weights else 1)
     if args.position_embedding_type == "learned_absolute":
         params += args.max_position_embeddings * h

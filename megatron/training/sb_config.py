@@ -49,7 +49,9 @@ def model_config(args, vocab_size: int) -> ModelShape:
                       kv_channels=getattr(args, "kv_channels", None),
                       ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
                       vocab_size=vocab_size, swiglu=bool(args.swiglu), block_size=args.sb_block_size,
-                      topk=args.sb_topk if args.sparse_attention else None)
+                      topk=args.sb_topk if args.sparse_attention else None,
+                      first_stage_layers=args.decoder_first_pipeline_num_layers,
+                      last_stage_layers=args.decoder_last_pipeline_num_layers)
 
 
 def predictor_config(args) -> PredictorConfig:

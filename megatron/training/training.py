@@ -172,7 +172,7 @@ def setup(args) -> TrainState:
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
         valid = PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,
-                                 micro_batches=args.num_microbatches, seq_length=args.micro_batch_tokens,
+                                 micro_batches=args.eval_num_microbatches, seq_length=args.micro_batch_tokens,
                                  strategy="megatron", seed=args.seed, shuffle=False, vocab_size=vocab,
                                  pad_to=pad_to, loss_starts=loss_starts, pad_id=pad_id, **cp)
     config = transformer_config(args, use_cpu=cpu)
@@ -239,13 +239,21 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
     balancer, loader = state.balancer, state.loader
     start, preempted, started = state.iteration, False, time.time()
     profiler = StepProfiler(args, torch.distributed.get_rank())
+    hash_every = args.check_weight_hash_across_dp_replicas_interval
+    if hash_every:
+        from megatron.training.replica_check import check_weight_hashes
+
+        check_weight_hashes(state.model, state.iteration)
     while state.iteration < args.train_iters:
         state.mark(f"step {state.iteration + 1}")
         profiled = profiler.before_step(state.iteration)
         t0 = time.perf_counter()
         batches = loader.next_step(more=state.iteration + 1 < args.train_iters)
         forecast = batches.planned.forecast
-        lr = float(state.optimizer.param_groups[0]["lr"])  # the rate this step applies
+        # the rate this step applies (as Megatron-LM logs it: a group on the --lr schedule,
+        # not the --decoupled-lr one of the embedding and output layer)
+        groups = state.optimizer.param_groups
+        lr = float(next((g for g in groups if g.get("default_config", True)), groups[0])["lr"])
         result = train_step(args, state.model, state.optimizer, state.scheduler, batches, state.timers)
         result.budget = batches.budget
         step_s = time.perf_counter() - t0
@@ -264,6 +272,8 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         hooks.log.step(entry)
         profiler.after_step(state.iteration, hooks.log)
         check_step_finite(args, state.iteration, entry.loss, result.grad_norm)  # before eval / save
+        if hash_every and state.iteration % hash_every == 0:
+            check_weight_hashes(state.model, state.iteration)
         if hooks.timeline is not None and state.iteration % args.log_interval == 0:
             hooks.timeline.write(state.iteration, forecast, meas_fwd, meas_bwd)
         if hooks.on_step is not None:
@@ -349,6 +359,8 @@ def _save(args, state: TrainState, hooks: RunHooks, last: bool) -> None:
 
     iteration, log, warn = state.iteration, hooks.log, hooks.warn
     state.mark(f"checkpoint save at iteration {iteration}")
+    previous = max((i for i in ckpt.list_iterations(args.save) if i < iteration), default=None) \
+        if args.save_retain_interval else None
     try:
         ckpt.save_checkpoint(args.save, iteration, state.model, state.optimizer, state.scheduler,
                              state.loader, state.cpu, balancer=state.balancer,
@@ -362,6 +374,14 @@ def _save(args, state: TrainState, hooks: RunHooks, last: bool) -> None:
         warn(f"{e}; training continues (--continue-on-save-failure)")
         return
     log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
+    if previous is not None and previous % args.save_retain_interval and torch.distributed.get_rank() == 0:
+        # Megatron-LM's --save-retain-interval: the checkpoint before this one goes unless retained
+        try:
+            ckpt.remove_checkpoint(args.save, previous)
+            log.info(f"removed {os.path.basename(ckpt.iter_dir(args.save, previous))} "
+                     f"(--save-retain-interval {args.save_retain_interval})")
+        except OSError as e:  # a checkpoint left behind costs disk, not correctness
+            warn(f"--save-retain-interval: could not remove {ckpt.iter_dir(args.save, previous)}: {e}")
     if args.keep_last and torch.distributed.get_rank() == 0:
         try:
             removed = ckpt.remove_old_checkpoints(args.save, args.keep_last, newest=iteration)

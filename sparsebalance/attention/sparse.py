@@ -176,14 +176,16 @@ def get_gpt_layer_sparse_spec(
     threshold: Optional[float] = None,
     topk_min: int = 0,
     per_head: bool = True,
+    qk_layernorm: bool = False,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec with :class:`SparseAttention` as ``core_attention``.
 
     Args mirror the flags ``--sb-block-size``, ``--sb-topk``, ``--sb-attention-backend``,
-    ``--sb-dense-layers`` (1-based layer numbers); ``use_te`` and ``normalization`` are
-    passed to :func:`sparsebalance.attention.spec.get_gpt_layer_spec`.
+    ``--sb-dense-layers`` (1-based layer numbers); ``use_te``, ``normalization`` and
+    ``qk_layernorm`` are passed to :func:`sparsebalance.attention.spec.get_gpt_layer_spec`.
     """
     params = dict(block_size=block_size, topk=topk, backend=backend,
                   dense_layers=tuple(int(x) for x in dense_layers), threshold=threshold, topk_min=topk_min,
                   per_head=per_head)
-    return get_gpt_layer_spec(SparseAttention, params, use_te=use_te, normalization=normalization)
+    return get_gpt_layer_spec(SparseAttention, params, use_te=use_te, normalization=normalization,
+                              qk_layernorm=qk_layernorm)

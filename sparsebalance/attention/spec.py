@@ -4,8 +4,9 @@ We never copy megatron's ``TransformerLayer``: we take megatron-core's own spec
 (Transformer Engine's when TE is importable, the local one otherwise) and swap
 only ``self_attention.submodules.core_attention``, and in the local spec without apex
 the norms: megatron-core's torch fallback (``WrappedTorchNorm``) refuses sequence
-parallelism, :class:`TorchNorm` is the same norm that also runs under it. The final norm
-of the decoder comes from the block spec (:func:`get_gpt_decoder_spec`).
+parallelism and zero-centred gamma (Megatron-LM's ``--apply-layernorm-1p``);
+:class:`TorchNorm` is the same norm that also runs under them. The final norm of the
+decoder comes from the block spec (:func:`get_gpt_decoder_spec`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 try:  # Transformer Engine is a GPU-only extra.
@@ -29,6 +31,7 @@ def get_gpt_layer_spec(
     *,
     use_te: Optional[bool] = None,
     normalization: str = "LayerNorm",
+    qk_layernorm: bool = False,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec with ``core_attention`` replaced.
 
@@ -37,14 +40,17 @@ def get_gpt_layer_spec(
         core_attention_params: extra constructor kwargs for it (ModuleSpec params).
         use_te: use Transformer Engine linears/norms; default: when importable.
         normalization: "LayerNorm" or "RMSNorm".
+        qk_layernorm: normalise each head's query and key before attention (Megatron-LM's
+            ``--qk-layernorm``; megatron-core's ``q_layernorm`` / ``k_layernorm`` slots).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     use_te = HAS_TE if use_te is None else use_te
     if use_te:
-        spec = specs.get_gpt_layer_with_transformer_engine_spec(normalization=normalization)
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(normalization=normalization,
+                                                                qk_layernorm=qk_layernorm)
     else:
-        spec = specs.get_gpt_layer_local_spec(normalization=normalization)
+        spec = specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     spec = copy.deepcopy(spec)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=core_attention, params=dict(core_attention_params or {})
@@ -54,7 +60,49 @@ def get_gpt_layer_spec(
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(spec.submodules, name) is WrappedTorchNorm:
             setattr(spec.submodules, name, TorchNorm)
+    attention = spec.submodules.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name) is WrappedTorchNorm:
+            setattr(attention, name, TorchQKNorm)
     return spec
+
+
+class _ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """``LayerNorm`` whose scale is ``1 + weight``, the weight starting at zero (what apex's
+    and Transformer Engine's ``zero_centered_gamma`` compute)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class _ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """``RMSNorm`` whose scale is ``1 + weight``, the weight starting at zero."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+def torch_norm(config, hidden_size: int, eps: float) -> torch.nn.Module:
+    """torch's ``LayerNorm`` / ``RMSNorm`` by ``config.normalization``, zero-centred when
+    ``config.layernorm_zero_centered_gamma``."""
+    norms = {"LayerNorm": (torch.nn.LayerNorm, _ZeroCenteredLayerNorm),
+             "RMSNorm": (torch.nn.RMSNorm, _ZeroCenteredRMSNorm)}
+    if config.normalization not in norms:
+        raise ValueError(f"normalization {config.normalization!r} with sequence parallelism or "
+                         f"zero-centred gamma: use one of {sorted(norms)}")
+    if config.memory_efficient_layer_norm:
+        raise ValueError("memory-efficient layer norm needs apex or Transformer Engine norms")
+    return norms[config.normalization][bool(config.layernorm_zero_centered_gamma)](hidden_size, eps=eps)
 
 
 class TorchNorm:
@@ -64,28 +112,38 @@ class TorchNorm:
     With ``config.sequence_parallel`` each TP rank normalises its own shard of the tokens,
     so each holds part of the norm's weight (and bias) gradient: the parameters are marked
     ``sequence_parallel`` and megatron-core's ``finalize_model_grads`` sums those gradients
-    over the TP group, as it does for apex's and Transformer Engine's norms. Without
-    sequence parallelism it is ``WrappedTorchNorm`` itself.
+    over the TP group, as it does for apex's and Transformer Engine's norms. With
+    ``config.layernorm_zero_centered_gamma`` the scale is ``1 + weight`` (see
+    :func:`torch_norm`). Otherwise it is ``WrappedTorchNorm`` itself.
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        if not config.sequence_parallel:
+        if not (config.sequence_parallel or config.layernorm_zero_centered_gamma):
             return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
-        import torch
-
-        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        if config.normalization not in norms:
-            raise ValueError(f"normalization {config.normalization!r} with sequence parallelism: "
-                             f"use one of {sorted(norms)}")
-        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
-            raise ValueError("zero-centered gamma and memory-efficient layer norm need apex or "
-                             "Transformer Engine norms")
-        norm = norms[config.normalization](hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = True
+        norm = torch_norm(config, hidden_size, eps)
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
         return norm
+
+
+class TorchQKNorm:
+    """The ``q_layernorm`` / ``k_layernorm`` of :class:`TorchNorm`'s kind (``--qk-layernorm``).
+
+    It normalises each head's ``kv_channels`` after the column-parallel QKV projection, on
+    the full (gathered) sequence, so under sequence parallelism its parameters are not
+    marked: megatron-core's ``finalize_model_grads`` sums the gradients of ``q_layernorm`` /
+    ``k_layernorm`` over the TP group by name when ``config.qk_layernorm`` is set.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if not (config.sequence_parallel or config.layernorm_zero_centered_gamma):
+            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+        return torch_norm(config, hidden_size, eps)
 
 
 def get_gpt_decoder_spec(layer_spec: ModuleSpec, config, vp_stage: Optional[int] = None):

@@ -347,3 +347,27 @@ def test_converted_checkpoint_holds_its_model_flags(converted):
                      "swiglu", "normalization", "untie_embeddings_and_output_weights", "rotary_base"):
             assert saved[name] == getattr(flags, name), name
         assert saved["padded_vocab_size"] == VOCAB and "seq_length" not in saved
+
+
+def test_export_refuses_a_model_the_hf_layout_cannot_express(tmp_path):
+    """A checkpoint trained with --apply-layernorm-1p (or another option the Llama/Qwen2 HF
+    layout lacks) is refused by megatron-to-hf in one line: its weights would load and mean
+    another model (zero-centred norm weights)."""
+    import importlib.util
+
+    from megatron.training.arguments import UsageError
+    from megatron.training.checkpointing import TRACKER, iter_dir
+
+    spec = importlib.util.spec_from_file_location("convert_tool", CONVERT)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for flag, value in (("apply_layernorm_1p", True), ("apply_layernorm_1p", False)):
+        root = tmp_path / str(value)
+        os.makedirs(iter_dir(str(root), 3))
+        (root / TRACKER).write_text("3\n")
+        torch.save({"args": {"num_layers": 2, flag: value}}, os.path.join(iter_dir(str(root), 3), "common.pt"))
+        if value:
+            with pytest.raises(UsageError, match="trained with --apply-layernorm-1p, which the Llama/Qwen2"):
+                tool._refuse_non_hf_model(str(root))
+        else:
+            tool._refuse_non_hf_model(str(root))

@@ -1,5 +1,7 @@
 """The shared predictor interface: composition, vectorisation, validation."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -39,6 +41,23 @@ def test_stage_is_layers_times_layer_plus_extras(pred, pp, phase):
         per_stage.append(pred.stage_ms(lengths, 16, s, pp, phase))
     # The stages of a pipeline add up to the whole model on one stage.
     assert sum(per_stage) == pytest.approx(pred.stage_ms(lengths, 16, 0, 1, phase))
+
+
+@pytest.mark.parametrize("first,last,pp,want", [(1, 3, 4, [1, 10, 10, 3]), (None, 4, 3, [10, 10, 4]),
+                                                  (6, None, 2, [6, 18]), (2, 2, 1, [24])])
+def test_uneven_first_and_last_stages(first, last, pp, want):
+    """Megatron-LM's --decoder-first/last-pipeline-num-layers: the other stages split the rest
+    evenly, and a stage's time counts its own layers."""
+    shape = ModelShape(num_layers=24, hidden_size=128, num_attention_heads=4, num_query_groups=4, block_size=64,
+                       first_stage_layers=first, last_stage_layers=last)
+    assert [shape.layers_of(s, pp) for s in range(pp)] == want
+    pred = FittedPredictor(shape, COEF)
+    lengths = np.array([700, 64])
+    for s in range(pp):
+        assert pred.stage_ms(lengths, 8, s, pp, "fwd") == pytest.approx(
+            want[s] * pred.layer_ms(lengths, 8, "fwd") + pred.extras_ms(lengths, s, pp, "fwd"))
+    with pytest.raises(ValueError, match="not divisible by the other 2 stage"):
+        dataclasses.replace(shape, first_stage_layers=3, last_stage_layers=None).layers_of(1, 3)
 
 
 @pytest.mark.parametrize("pred", _predictors(), ids=["analytic", "fitted"])

@@ -191,8 +191,20 @@ PARSE_CASES = {
                                       "--hetero-process-meshes: a FlagScale flag"),
     "pai flag names the fork": (["--patch-tokenizer-type", "Qwen2Tokenizer"], None,
                                 "--patch-tokenizer-type: a Pai-Megatron-Patch flag"),
-    "main architecture flag says what exists": (["--qk-layernorm"], None,
-                                                "--qk-layernorm: architecture option not implemented"),
+    "main architecture flag says what exists": (["--qk-l2-norm"], None,
+                                                "--qk-l2-norm: architecture option not implemented"),
+    "squared relu excludes swiglu": (["--squared-relu", "--swiglu"], None,
+                                     "give --squared-relu or --swiglu, not both"),
+    "evaluation batch splits over DP": (["--eval-global-batch-size", "3"], 2,
+                                        "--eval-global-batch-size 3 is not divisible by micro-batch size x DP = 1 x 2"),
+    "uneven stages need a pipeline": (["--decoder-first-pipeline-num-layers", "1"], None,
+                                      "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size >= 2"),
+    "uneven stages split the rest evenly": (["--pipeline-model-parallel-size", "3",
+                                             "--decoder-last-pipeline-num-layers", "1"], 3,
+                                            "--decoder-last-pipeline-num-layers: num_layers (4) less the "
+                                            "first/last stage's ([1]) is not divisible by the other 2 stage(s)"),
+    "retained checkpoints fall on saves": (["--save", "ckpt", "--save-interval", "2", "--save-retain-interval", "3"],
+                                           None, "--save-retain-interval 3 is not a multiple of --save-interval 2"),
     "main offload flag says what to use": (["--activation-offload-fraction", "0.5"], None,
                                            "use --recompute-granularity"),
 }
@@ -241,9 +253,9 @@ def test_flags_of_megatron_lm_main_are_honoured(corpus):
     args = parse_args([*NO_GBS, "--data-path", corpus, "--step-batch-size-schedule", "0:8 1B:8",
                        "--original-max-position-embeddings", "4096", "--no-pad-vocab-size",
                        "--start-eval-at-iter", "3", "--verify-integrity", "--eval-micro-batch-size", "1",
-                       "--null-tokenizer-eod-id", "7", "--eval-global-batch-size", "8", "--deterministic-mode",
+                       "--null-tokenizer-eod-id", "7", "--eval-global-batch-size", "16", "--deterministic-mode",
                        "--inference-max-seq-length", "256", "--max-tokens-to-oom", "100"], world_size=2)
-    assert args.global_batch_size == 8 and args.num_microbatches == 4
+    assert args.global_batch_size == 8 and args.num_microbatches == 4 and args.eval_num_microbatches == 8
     assert args.make_vocab_size_divisible_by == 1 and args.start_eval_at_iter == 3
     assert args.compat_warnings == []
     from megatron.training import compat

@@ -3,7 +3,8 @@
 One PP=1 run writes a checkpoint; every layout then starts from exactly those
 weights (``--load --finetune``, which reshards) and trains 3 steps on the same
 packed data. Losses, global grad norms and final-step gradients of
-PP=2 (1F1B), PP=2 x VPP=2 (interleaved 1F1B) and DP=2 must equal PP=1 / DP=1.
+PP=2 (1F1B), PP=2 with uneven stages (``--decoder-first-pipeline-num-layers 1``: 1 + 3
+layers), PP=2 x VPP=2 (interleaved 1F1B) and DP=2 must equal PP=1 / DP=1.
 """
 
 import glob
@@ -18,6 +19,7 @@ STEPS = 3
 LAYOUTS = {
     "pp1": (1, []),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "pp2_uneven": (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
     "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "dp2": (2, []),
 }
@@ -35,20 +37,27 @@ def runs(corpus, tmp_path_factory, world):
                                 "--load", init, "--finetune"], nproc=nproc, extra_env={"SB_TEST_DUMP": dump})
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.load(open(os.path.join(dump, "rank0.json")))
-        grads = {}
+        grads, layers = {}, []
         for f in sorted(glob.glob(os.path.join(dump, "rank*.npz"))):
             with np.load(f) as z:
                 for k in z.files:
                     grads.setdefault(k, z[k])  # DP replicas hold identical grads; keep one
+                layers.append(sorted({int(k.split("layers.")[1].split(".")[0]) for k in z.files if "layers." in k}))
         out[name] = (summary, grads)
+        out["layers of " + name] = layers  # global layer indices each rank trains
     return out
+
+
+def test_uneven_stages_hold_the_layers_asked_for(runs):
+    assert runs["layers of pp2_uneven"] == [[0], [1, 2, 3]]
+    assert runs["layers of pp2"] == [[0, 1], [2, 3]]
 
 
 def _rel(a, b):
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(np.asarray(b)), 1e-30))
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2", "dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "pp2_uneven", "pp2_vpp2", "dp2"])
 def test_losses_and_grad_norms_match_reference(runs, layout):
     ref, _ = runs["pp1"]
     got, _ = runs[layout]
@@ -59,7 +68,7 @@ def test_losses_and_grad_norms_match_reference(runs, layout):
     assert got["tokens"] == ref["tokens"]
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2", "dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "pp2_uneven", "pp2_vpp2", "dp2"])
 def test_gradients_match_reference(runs, layout):
     _, ref = runs["pp1"]
     _, got = runs[layout]

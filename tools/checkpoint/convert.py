@@ -289,6 +289,25 @@ def _write_shards(tensors, out_dir: str, max_bytes: int, total: int, quiet: bool
         json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
 
 
+NOT_IN_HF = ("squared_relu", "apply_layernorm_1p", "qk_layernorm", "attention_output_gate", "rotary_interleaved")
+"""Model flags of a trained checkpoint that the Llama / Qwen2 HF layout cannot express."""
+
+
+def _refuse_non_hf_model(load: str) -> None:
+    """UsageError when the checkpoint's saved model flags use one of :data:`NOT_IN_HF`
+    (the weights would load, e.g. zero-centred norm weights, and mean another model)."""
+    from megatron.training.checkpoint_args import read_checkpoint_args
+
+    try:
+        saved = read_checkpoint_args(load) or {}
+    except ValueError:  # no saved flags (a converted or legacy checkpoint): nothing to check
+        return
+    bad = [name for name in NOT_IN_HF if saved.get(name)]
+    if bad:
+        raise UsageError(f"--load {load}: trained with --{bad[0].replace('_', '-')}, which the Llama/Qwen2 "
+                         "HF layout cannot express")
+
+
 def megatron_to_hf(a) -> None:
     import torch
 
@@ -309,6 +328,7 @@ def megatron_to_hf(a) -> None:
             raise UsageError(f"--load: no checkpoint in {a.load} (missing {TRACKER})")
     except ValueError as e:
         raise UsageError(str(e)) from None
+    _refuse_non_hf_model(a.load)
     name = a.dtype if a.dtype != "auto" else cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
     if name not in DTYPES[1:]:
         raise UsageError(f"config.json dtype {name!r} is not one of {', '.join(DTYPES[1:])}; give --dtype")
