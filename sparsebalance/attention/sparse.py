@@ -110,7 +110,8 @@ class SparseAttention(CausalVarlenAttention):
                     q, k, v, host, topk=topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
                     backend=self.backend, return_density=True, return_doc_kept=True,
                     threshold=None if self.rule is None else self.rule.threshold,
-                    topk_min=0 if self.rule is None else self.rule.topk_min)
+                    topk_min=0 if self.rule is None else self.rule.topk_min,
+                    per_head=True if self.rule is None else self.rule.per_head)
             kept = round(dens * causal)
         if _recomputing():  # the original forward of this call was recorded already
             return out
