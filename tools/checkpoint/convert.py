@@ -1,10 +1,14 @@
-"""Convert Hugging Face Llama / Qwen2 checkpoints to this driver's format and back.
+"""Convert Hugging Face Llama / Qwen2 checkpoints and llama.cpp GGUF Llamas to this driver's format and back.
 
     # HF directory (config.json + model.safetensors or a sharded index) -> our checkpoint
     .venv/bin/python tools/checkpoint/convert.py hf-to-megatron --hf-dir /models/Qwen2.5-0.5B \\
         --output ckpt/qwen0.5b
     # prints the pretrain_gpt.py model flags (also in ckpt/qwen0.5b/model_flags.txt); then
     .venv/bin/python pretrain_gpt.py $(cat ckpt/qwen0.5b/model_flags.txt) --load ckpt/qwen0.5b --finetune ...
+    # a llama.cpp GGUF file (Llama; F32/F16/BF16 or quantized, dequantized to fp32) -> our checkpoint,
+    # with hf/config.json, hf/tokenizer.json and hf/tokenizer_config.json rebuilt from its metadata
+    .venv/bin/python tools/checkpoint/convert.py gguf-to-megatron \\
+        --gguf runs/models/SmolLM2-135M-Instruct.Q4_1.gguf --output runs/models/smollm2-135m
     # our checkpoint (converted or trained, any TP/PP it was saved with) -> HF directory
     .venv/bin/python tools/checkpoint/convert.py megatron-to-hf --load runs/ft/ckpt \\
         --hf-config ckpt/qwen0.5b/hf --output exported/qwen0.5b-ft
@@ -145,7 +149,10 @@ def _progress(total: int, desc: str, quiet: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=quiet, file=sys.stderr)
 
 
-def hf_to_megatron(a) -> None:
+def write_converted(shape, flags, get, output: str, write_hf, quiet: bool) -> None:
+    """Our checkpoint of the model ``flags`` build, from HF tensors ``get(name)``, into
+    ``output`` (temp directory, then rename), with ``model_flags.txt`` and ``hf/``
+    (``write_hf(dir)`` fills it)."""
     import torch
     from megatron.core import dist_checkpointing
 
@@ -153,30 +160,16 @@ def hf_to_megatron(a) -> None:
     from megatron.training.checkpointing import TRACKER, _sync_strategy, iter_dir, seal_checkpoint
     from megatron.training.initialize import shutdown
 
-    if not os.path.isdir(a.hf_dir):
-        raise UsageError(f"--hf-dir {a.hf_dir} is not a directory")
-    cfg = _read_config(a.hf_dir)
-    shape = H.read_shape(cfg)
-    flags = H.flags_from_hf_config(cfg)
-    tok = os.path.join(a.hf_dir, "tokenizer.json")
-    if os.path.isfile(tok):
-        from megatron.training.tokenizer import HFJsonTokenizer
-
-        n = HFJsonTokenizer(tok).vocab_size
-        if n > shape.vocab:
-            raise ConversionError(f"the tokenizer has {n} tokens but the model's vocab_size is {shape.vocab}")
-    reader = HFReader(a.hf_dir)
-    reader.check({k: v for k, v in H.hf_shapes(shape).items() if k in H.hf_names(shape)})
-    tmp = _fresh_tmp(a.output)
+    tmp = _fresh_tmp(output)
     try:
         args = _model_args(flags)
         model = _build(args)
         try:
             params = dict(model.state_dict(keep_vars=True))
             names = [n for n in params if not n.endswith("_extra_state")]
-            with _progress(len(names), "hf -> megatron", a.no_progress_bar) as bar:
+            with _progress(len(names), "hf -> megatron", quiet) as bar:
                 done = set()
-                for name, tensor in H.megatron_from_hf(shape, reader.get):
+                for name, tensor in H.megatron_from_hf(shape, get):
                     if name not in params or params[name].shape != tensor.shape:
                         raise ConversionError(f"{name}: the model built from config.json has no such "
                                               f"tensor of shape {list(tensor.shape)}")
@@ -196,17 +189,64 @@ def hf_to_megatron(a) -> None:
         with open(os.path.join(tmp, TRACKER), "w") as f:
             f.write("0\n")
         os.makedirs(os.path.join(tmp, "hf"))
-        for fname in os.listdir(a.hf_dir):  # config + tokenizer files, not weights
-            src = os.path.join(a.hf_dir, fname)
-            if os.path.isfile(src) and not fname.endswith(".safetensors") and fname != WEIGHT_FILES[1]:
-                shutil.copy2(src, os.path.join(tmp, "hf", fname))
+        write_hf(os.path.join(tmp, "hf"))
         with open(os.path.join(tmp, "model_flags.txt"), "w") as f:
             f.write(" ".join(flags) + "\n")
-        os.replace(tmp, a.output)
+        os.replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"wrote {a.output}; train with: pretrain_gpt.py {' '.join(flags)} --load {a.output} --finetune")
+    print(f"wrote {output}; train with: pretrain_gpt.py {' '.join(flags)} --load {output} --finetune")
+
+
+def _check_tokenizer_fits(tokens: int, shape) -> None:
+    if tokens > shape.vocab:
+        raise ConversionError(f"the tokenizer has {tokens} tokens but the model's vocab_size is {shape.vocab}")
+
+
+def hf_to_megatron(a) -> None:
+    from megatron.training import hf_checkpoint as H
+
+    if not os.path.isdir(a.hf_dir):
+        raise UsageError(f"--hf-dir {a.hf_dir} is not a directory")
+    cfg = _read_config(a.hf_dir)
+    shape = H.read_shape(cfg)
+    flags = H.flags_from_hf_config(cfg)
+    tok = os.path.join(a.hf_dir, "tokenizer.json")
+    if os.path.isfile(tok):
+        from megatron.training.tokenizer import HFJsonTokenizer
+
+        _check_tokenizer_fits(HFJsonTokenizer(tok).vocab_size, shape)
+    reader = HFReader(a.hf_dir)
+    reader.check({k: v for k, v in H.hf_shapes(shape).items() if k in H.hf_names(shape)})
+
+    def copy_hf_files(dst: str) -> None:
+        for fname in os.listdir(a.hf_dir):  # config + tokenizer files, not weights
+            src = os.path.join(a.hf_dir, fname)
+            if os.path.isfile(src) and not fname.endswith(".safetensors") and fname != WEIGHT_FILES[1]:
+                shutil.copy2(src, os.path.join(dst, fname))
+
+    write_converted(shape, flags, reader.get, a.output, copy_hf_files, a.no_progress_bar)
+
+
+def gguf_to_megatron(a) -> None:
+    from megatron.training import hf_checkpoint as H
+    from megatron.training.gguf_checkpoint import GGUFModel
+
+    if not os.path.isfile(a.gguf):
+        raise UsageError(f"--gguf {a.gguf} is not a file")
+    src = GGUFModel(a.gguf)
+    flags = H.flags_from_hf_config(src.config)
+    tok = src.tokenizer()
+    _check_tokenizer_fits(tok.get_vocab_size(), src.shape)
+
+    def write_hf(dst: str) -> None:
+        for fname, obj in (("config.json", src.config), ("tokenizer_config.json", src.tokenizer_config())):
+            with open(os.path.join(dst, fname), "w") as f:
+                json.dump(obj, f, indent=2)
+        tok.save(os.path.join(dst, "tokenizer.json"))
+
+    write_converted(src.shape, flags, src.get, a.output, write_hf, a.no_progress_bar)
 
 
 def _write_shards(tensors, out_dir: str, max_bytes: int, total: int, quiet: bool) -> None:
@@ -309,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--hf-dir", required=True, help="config.json + model.safetensors (or a sharded index)")
     h.add_argument("--output", required=True, help="new checkpoint directory")
     h.add_argument("--no-progress-bar", action="store_true")
+    g = sub.add_parser("gguf-to-megatron", help="llama.cpp GGUF (Llama) -> checkpoint, HF config and tokenizer")
+    g.add_argument("--gguf", required=True, help="a .gguf file (F32/F16/BF16 or a quantized type, dequantized)")
+    g.add_argument("--output", required=True, help="new checkpoint directory")
+    g.add_argument("--no-progress-bar", action="store_true")
     m = sub.add_parser("megatron-to-hf", help="checkpoint -> HF directory (AutoModelForCausalLM.from_pretrained)")
     m.add_argument("--load", required=True, help="checkpoint directory (converted, or from pretrain_gpt.py --save)")
     m.add_argument("--hf-config", default=None,
@@ -328,6 +372,8 @@ def main(argv=None) -> None:
     try:
         if a.command == "hf-to-megatron":
             hf_to_megatron(a)
+        elif a.command == "gguf-to-megatron":
+            gguf_to_megatron(a)
         else:
             if a.max_shard_size_mb <= 0:
                 raise UsageError(f"--max-shard-size-mb must be > 0, got {a.max_shard_size_mb}")
