@@ -50,7 +50,20 @@ The study (``docs/sparsity_study.md``)::
         --data-path runs/hetero/corpus --tau 0.9 --topk 16 --topk-min 1 --block-size 32 \\
         --num-docs 300 --json --output results/sparsity_study.json
 
-GPU cluster run (one GPU, PP=1 model): the same flags on the cluster's checkpoint and corpus.
+On a pretrained model converted by ``tools/checkpoint/convert.py`` (``--real``; what it
+measures: :mod:`sparsity_real`, ``docs/real_study.md``): equal-length windows of a
+``tools/make_real_corpus.py`` corpus, a TAU sweep, per-head against per-block counts, the gate's
+recall of the dense mass, and the loss a document gives up under top-k and threshold routing::
+
+    # tiny CPU run (a few minutes): one document per source at 2K, no sensitivity
+    OMP_NUM_THREADS=2 .venv/bin/python tools/sparsity_study.py --real --load runs/models/smollm2-135m \
+        --data-path runs/real/corpus --lengths 2048 --docs-per-source 1 --sens-lengths none --json
+    # the study (make real-study; <= 45 minutes on a quiet 2-core machine)
+    OMP_NUM_THREADS=2 .venv/bin/python tools/sparsity_study.py --real --load runs/models/smollm2-135m \
+        --data-path runs/real/corpus --threads 2 --json --output results/real_study.json
+
+GPU cluster run (one GPU, PP=1 model): the same flags on the cluster's checkpoint and corpus
+(``--real --lengths 8192,16384,32768`` for a model with that context).
 """
 
 from __future__ import annotations
