@@ -37,9 +37,13 @@ background plan was, so budgets (and losses) continue bit for bit. A checkpoint
 without this state (written before it was saved) or saved with another number of
 (virtual) pipeline stages starts from the uncalibrated model, with one warning.
 
-Data order does not depend on measurements: SAB packs with its own predictor
+Data order does not depend on measured times: SAB packs with its own predictor
 instance whose correction stays 1.0 (the plan is a function of (seed, step) only, as
-Megatron users expect and resumption needs); run-time budgets do adapt.
+Megatron users expect and resumption needs); run-time budgets do adapt. Under threshold
+routing SAB also predicts each document's density, learnt from the attention records
+(:mod:`sparsebalance.batching.density_feedback`): the packing of step ``t`` then depends on
+(seed, records of steps before ``t - 1``), the same on every rank and after a resume
+(:meth:`StepPlanner.state_dict` saves the estimator as it is at the save).
 """
 
 from __future__ import annotations

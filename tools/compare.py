@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scaling", action="store_true",
                    help="sim mode: the scaling study (tools/harness/compare/scaling.py) "
                         "instead of --sim-models x --seq-lengths x --sim-cp at --pp/--dp")
+    p.add_argument("--scaling-models", type=_names, default=None, metavar="MODELS",
+                   help="--scaling: only the cells of these models (comma list)")
     g = p.add_argument_group("simulation")
     g.add_argument("--lengths", nargs="*", default=None,
                    help="length files (default ../shared/data/lengths/*.json)")
@@ -186,6 +188,8 @@ def _check(a) -> None:
             raise UsageError(f"--arms: {e}")
     if a.scaling and a.mode != "sim":
         raise UsageError("--scaling needs --mode sim")
+    if a.scaling_models is not None and not a.scaling:
+        raise UsageError("--scaling-models needs --scaling")
     if (a.routing == "threshold") != (a.density_study is not None):
         raise UsageError("--routing threshold and --density-study go together")
     if a.routing == "threshold" and a.mode != "sim":
@@ -242,6 +246,11 @@ def _sim_configs(a) -> dict:
         from tools.harness.compare.scaling import GRID, QUICK_GRID
 
         a.grid = QUICK_GRID if a.quick else GRID
+        if a.scaling_models is not None:
+            a.grid = tuple(c for c in a.grid if c[0] in a.scaling_models)
+            if not a.grid:
+                raise UsageError(f"--scaling-models {','.join(a.scaling_models)}: no cell of the "
+                                 f"{'quick ' if a.quick else ''}grid has these models")
         a.sim_models = sorted({c[0] for c in a.grid})
     for model in a.sim_models:
         try:

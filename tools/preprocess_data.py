@@ -10,7 +10,10 @@ GPU cluster run (a Hugging Face ``tokenizers`` JSON, e.g. Qwen2.5's)::
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model /lustre/qwen2.5/tokenizer.json
 
 One document per line; lines whose text is empty are skipped. The output appears
-only when complete (written under a temporary name, then renamed).
+only when complete (written under a temporary name, then renamed). Also writes
+``<prefix>_compression.npy``: each document's zlib compressed / raw bytes of its text, a
+feature SAB's density estimator reads under ``--sb-routing threshold``
+(``megatron/training/doc_features.py``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ class _Parser(argparse.ArgumentParser):
         usage_error(message, prog=PROG)
 
 
-def _documents(path: str, key: str, tokenizer, start_key=None, starts=None):
+def _documents(path: str, key: str, tokenizer, start_key=None, starts=None, ratios=None):
     """Token arrays of the non-empty documents; with ``start_key``, appends each one's
-    loss start (tokens of ``text[:record[start_key]]``; 0 when the field is absent)."""
+    loss start (tokens of ``text[:record[start_key]]``; 0 when the field is absent) to
+    ``starts``; appends each one's text compression ratio to ``ratios``."""
     import numpy as np
+
+    from megatron.training.doc_features import compression_ratio
 
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -61,6 +67,7 @@ def _documents(path: str, key: str, tokenizer, start_key=None, starts=None):
                 # a prefix's own tokenization: exact for the byte tokenizer; for a
                 # subword tokenizer the token straddling the offset counts as prompt
                 starts.append(len(tokenizer.encode(text[:chars])) if chars else 0)
+            ratios.append(compression_ratio(text))
             yield np.asarray(tokenizer.encode(text), dtype=np.int64)
 
 
@@ -80,6 +87,7 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.input):
         usage_error(f"--input {args.input} does not exist", prog=PROG)
     from megatron.training import tokenizer as tok
+    from megatron.training.doc_features import compression_path, write_compression
     from megatron.training.indexed_io import loss_start_path, write_documents, write_loss_starts
 
     if args.tokenizer_type == "HuggingFaceTokenizer":
@@ -93,14 +101,18 @@ def main(argv=None) -> int:
     else:
         tokenizer = tok.ByteTokenizer()
     starts = [] if args.loss_start_key else None
+    ratios: list = []
     try:
-        if os.path.exists(loss_start_path(args.output_prefix)):
-            os.remove(loss_start_path(args.output_prefix))  # never pair new data with old starts
+        for old in (loss_start_path(args.output_prefix), compression_path(args.output_prefix)):
+            if os.path.exists(old):
+                os.remove(old)  # never pair new data with old sidecars
         n = write_documents(args.output_prefix,
-                            _documents(args.input, args.json_key, tokenizer, args.loss_start_key, starts),
+                            _documents(args.input, args.json_key, tokenizer, args.loss_start_key, starts,
+                                       ratios),
                             tokenizer.vocab_size)
         if starts is not None:
             write_loss_starts(args.output_prefix, starts)
+        write_compression(args.output_prefix, ratios)
     except (ValueError, UnicodeDecodeError, OSError) as e:
         usage_error(str(e), prog=PROG, code=1)
     extra = f" and loss starts to {loss_start_path(args.output_prefix)}" if starts is not None else ""

@@ -251,6 +251,9 @@ class PackedDataLoader:
         loss_starts: per dataset document, the first target token (``--mask-prompt-loss``).
         cp, cp_rank: context-parallel size and this rank's index (:func:`context_parallel_split`).
         pad_id: targets equal to this id carry no loss (:func:`build_microbatch`).
+        density: threshold routing's per-document density estimator for the packer's costs
+            (:class:`sparsebalance.batching.density_feedback.ThresholdDensity`, learnt from
+            :func:`megatron.training.doc_features.feedback` after each step); None: none.
     """
 
     def __init__(self, dataset, doc_ids: np.ndarray, *, dp: int, dp_rank: int, micro_batches: int,
@@ -259,7 +262,7 @@ class PackedDataLoader:
                  max_carry_steps: int = 2, predictor=None, pp: int = 1, pp_rank: int = 0,
                  loss_starts: Optional[np.ndarray] = None, cp: int = 1, cp_rank: int = 0,
                  pad_id: Optional[int] = None, item_length: Optional[int] = None, balancer=None,
-                 attention=None) -> None:
+                 attention=None, density=None) -> None:
         from sparsebalance.balancer import StepPlanner
         from sparsebalance.batching.sampler import PackingSampler
 
@@ -277,7 +280,8 @@ class PackedDataLoader:
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)[self.doc_ids]
         sampler = PackingSampler(lengths, dp=dp, micro_batches=micro_batches, seq_length=seq_length,
                                  strategy=strategy, seed=seed, shuffle=shuffle, max_carry_steps=max_carry_steps,
-                                 predictor=predictor, pp=pp, item_length=item_length)
+                                 predictor=predictor, pp=pp, item_length=item_length, density=density)
+        self.density = density
         self.planner = StepPlanner(sampler, balancer, pad_to=pad_to, attention=attention)
 
     def next_step(self, more: bool = True) -> StepBatches:

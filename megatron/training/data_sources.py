@@ -89,6 +89,16 @@ class BlendedDocuments:
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def datasets(self) -> List:
+        """The blended datasets, in ``--data-path`` order."""
+        return self._datasets
+
+    @property
+    def components(self) -> tuple:
+        """(dataset number, index in that dataset) of every document of the blend."""
+        return self._which, self._index
+
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None):
         return self._datasets[self._which[idx]].get(int(self._index[idx]), offset=offset, length=length)
 

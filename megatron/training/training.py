@@ -152,12 +152,17 @@ def setup(args) -> TrainState:
             # Its own instance: the packer's costs never see the online correction, so
             # the data order stays a function of (seed, step) (see sparsebalance/balancer.py).
             sampler_predictor = build_predictor(sb)
+    density = None
+    if sampler_predictor is not None:  # threshold routing: SAB predicts each document's density
+        from megatron.training.doc_features import threshold_density
+
+        density = threshold_density(sb, args.data_blend, dataset, train_ids)
     loader = PackedDataLoader(dataset, train_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,
                               micro_batches=args.num_microbatches, seq_length=args.micro_batch_tokens,
                               strategy=sb.packing.strategy, seed=args.seed, vocab_size=vocab, pad_to=pad_to,
                               max_carry_steps=sb.packing.max_carry_steps, predictor=sampler_predictor,
                               pp=pp, pp_rank=pp_rank, loss_starts=loss_starts, pad_id=pad_id,
-                              balancer=balancer, attention=sb.attention, **cp)
+                              balancer=balancer, attention=sb.attention, density=density, **cp)
     valid = None
     if args.eval_interval and args.eval_iters and len(valid_ids):
         valid = PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,
@@ -243,6 +248,10 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         meas_fwd, meas_bwd = gathered.measured_ops()
         if balancer is not None:  # same table on every rank -> same correction everywhere
             balancer.observe(forecast, meas_fwd, meas_bwd)
+        if loader.density is not None:  # same per-segment pairs on every rank (all-reduced)
+            from megatron.training.doc_features import feedback
+
+            feedback(loader.density, batches.packing, dp_rank, result.attention_records)
         entry = _step_log(args, state.iteration, lr, step_s, batches, result, forecast, gathered,
                           (meas_fwd + meas_bwd).sum(axis=2))
         entry.profiled = profiled

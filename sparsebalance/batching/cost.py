@@ -12,10 +12,11 @@ Two views of the same model:
 
 Densities: with block-level top-k routing the kept pairs of a document follow from
 its length (``sparsebalance.pairs``), which is what the predictor counts.
-A density estimator (any object with ``ratio(lengths, topk, doc_ids)``; the tests'
-``tests/batching/density_estimator.py`` is one) can scale the attention part of each
-document's cost by an observed (achieved / modelled) ratio, for routings whose kept
-count is data-dependent; the project's block top-k routing needs none.
+A density estimator (any object with ``ratio(lengths, topk, doc_ids)``) scales the
+attention part of each document's cost by a predicted (achieved / modelled) ratio, for
+routings whose kept count is data-dependent: under threshold routing the driver passes
+:class:`sparsebalance.batching.density_feedback.ThresholdDensity` (the tests'
+``tests/batching/density_estimator.py`` is another); block top-k routing needs none.
 """
 
 from __future__ import annotations

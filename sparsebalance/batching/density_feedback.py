@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from sparsebalance.batching.sparsity_estimator import SparsityEstimator
+from sparsebalance.batching.sparsity_estimator import SourceCodes, SparsityEstimator
 from sparsebalance.pairs import causal_pairs, kept_pairs, threshold_kept_pairs
 
 
@@ -57,14 +57,15 @@ class ThresholdDensity:
             raise ValueError(f"lag must be >= 1, got {lag!r}")
         self.estimator = estimator if estimator is not None else SparsityEstimator()
         self.block_size, self.topk_min, self.lag = int(block_size), int(topk_min), int(lag)
-        self.sources = None if sources is None else np.asarray(list(sources), dtype=object)
+        # encoded once: every prediction indexes the codes instead of sorting names
+        self.sources = None if sources is None else SourceCodes.encode(sources)
         self.compression = None if compression is None else np.asarray(compression, dtype=np.float64)
         if self.sources is not None and self.compression is not None \
-                and self.sources.size != self.compression.size:
-            raise ValueError(f"{self.sources.size} sources but {self.compression.size} compression ratios")
+                and len(self.sources) != self.compression.size:
+            raise ValueError(f"{len(self.sources)} sources but {self.compression.size} compression ratios")
         self._queue: list = []  # [step, doc ids, lengths, kept, causal] not yet folded in
         self.seconds = 0.0
-        """Time spent predicting and learning so far (s, wall clock of this thread)."""
+        """CPU time this thread spent predicting and learning so far (s)."""
 
     # -- features -------------------------------------------------------------------------
     def _features(self, doc_ids, n: int):
@@ -78,11 +79,11 @@ class ThresholdDensity:
     def densities(self, lengths, doc_ids=None) -> np.ndarray:
         """[n] predicted density (kept / causal pairs) of each item (a chunk of a document
         counts as a document of its own length, with the document's tags)."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         L = np.asarray(lengths, dtype=np.int64).reshape(-1)
         src, comp = self._features(doc_ids, L.size)
         out = self.estimator.predict_many(src, L, comp)
-        self.seconds += time.perf_counter() - t0
+        self.seconds += time.thread_time() - t0
         return out
 
     def kept(self, lengths, topk: Optional[int], doc_ids=None) -> np.ndarray:
@@ -119,7 +120,7 @@ class ThresholdDensity:
     def advance(self, step: int) -> None:
         """Fold in the queued observations of steps ``<= step - lag`` (called before packing
         step ``step``)."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         keep = []
         for entry in self._queue:
             if entry[0] > step - self.lag:
@@ -132,7 +133,7 @@ class ThresholdDensity:
             dens = np.minimum(np.asarray(k) / np.asarray(c), 1.0)
             self.estimator.update_many(src, L, dens, None, comp)
         self._queue = keep
-        self.seconds += time.perf_counter() - t0
+        self.seconds += time.thread_time() - t0
 
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,4 +1,5 @@
-"""A document's attention density predicted before it is seen, from its source and length.
+"""A document's attention density predicted before it is seen, from its source, its length
+and its text's compression ratio.
 
 Under threshold routing (``sparsebalance.ops.plan.RoutingRule``) the key blocks a
 query block keeps follow the content, so two documents of equal length cost
@@ -9,16 +10,26 @@ was measured on earlier documents:
 1. the mean density of earlier documents of the same source and length bucket;
 2. else the mean of the same length bucket over every source;
 3. else the mean of the same source over every length;
-4. else the mean of everything seen, else ``prior``.
+4. else the mean of everything seen, else ``prior``;
+
+refined by two slopes of log density fitted within the finest cells and shared by all:
+one on ``log2`` length (within a bucket, and to carry a coarser level to lengths it has
+not seen) and one on the compression ratio (zlib compressed / raw bytes of the text,
+when the document has one). :class:`LengthOnlyEstimator` is the same without sources
+or ratios: what a length-only balancer can know.
 
 Length buckets are ``floor(buckets_per_octave * log2(L))`` (``L`` in tokens). The
-estimator is updated online with :meth:`SparsityEstimator.update` (one measured
-document) or :meth:`SparsityEstimator.update_microbatch` (a micro-batch measured as a
-whole, as the attention records report it) and costs a dictionary lookup per document.
+estimator is updated online with :meth:`SparsityEstimator.update` /
+:meth:`~SparsityEstimator.update_many` (measured documents) or
+:meth:`SparsityEstimator.update_microbatch` (a micro-batch measured as a whole, as the
+attention records report it); its state is sums per cell (``state_dict``), and a
+prediction costs one grouped lookup per distinct (source, bucket). In training it sits
+behind SAB's cost model through :mod:`sparsebalance.batching.density_feedback`.
 
 The cost it feeds is the attention-pair proxy :func:`attention_cost`: ``density x
 L (L + 1) / 2`` summed over a micro-batch's documents (per head; kernel overheads
-are not modelled). The module also holds the spread statistics the sparsity study
+are not modelled); :func:`heldout_microbatch_mape` is the held-out error of that cost
+per micro-batch. The module also holds the spread statistics the sparsity study
 reports (:func:`cv`, :func:`cv_within_buckets`).
 """
 
@@ -159,17 +170,38 @@ def _sums(density: np.ndarray, weight: np.ndarray, lengths: np.ndarray,
     return out
 
 
-def _groups(sources: Sequence[Optional[str]], buckets: np.ndarray):
+@dataclass(frozen=True)
+class SourceCodes:
+    """Source tags of many documents as integer codes into ``names`` (-1: untagged): what a
+    caller that predicts for the same documents again and again encodes once."""
+
+    codes: np.ndarray
+    names: np.ndarray
+
+    @classmethod
+    def encode(cls, sources: Sequence[Optional[str]]) -> "SourceCodes":
+        src = np.asarray(list(sources), dtype=object)
+        none = np.array([x is None for x in src], dtype=bool)
+        names, codes = np.unique(np.where(none, "", src).astype(str), return_inverse=True)
+        return cls(np.where(none, -1, codes.reshape(-1)).astype(np.int64), names)
+
+    def __getitem__(self, idx) -> "SourceCodes":
+        return SourceCodes(self.codes[idx], self.names)
+
+    def __len__(self) -> int:
+        return int(self.codes.size)
+
+
+def _groups(sources, buckets: np.ndarray):
     """``((source, bucket), indices)`` for every distinct (source, bucket) of the documents
-    (vectorised: one sort, no per-document Python work)."""
-    src = np.asarray(list(sources) if not isinstance(sources, np.ndarray) else sources, dtype=object)
-    if src.size != buckets.size:
-        raise ValueError(f"{src.size} sources for {buckets.size} lengths")
-    if src.size == 0:
+    (vectorised: one sort, no per-document Python work); ``sources`` names or
+    :class:`SourceCodes`."""
+    enc = sources if isinstance(sources, SourceCodes) else SourceCodes.encode(sources)
+    if enc.codes.size != buckets.size:
+        raise ValueError(f"{enc.codes.size} sources for {buckets.size} lengths")
+    if enc.codes.size == 0:
         return
-    none = np.array([x is None for x in src], dtype=bool) if src.dtype == object else np.zeros(src.size, bool)
-    names, codes = np.unique(np.where(none, "", src).astype(str), return_inverse=True)
-    codes = np.where(none, -1, codes.reshape(-1)) + 1
+    names, codes = enc.names, enc.codes + 1
     span = int(buckets.max() - buckets.min()) + 1
     keys, inv = np.unique(codes * span + (buckets - buckets.min()), return_inverse=True)
     order = np.argsort(inv.reshape(-1), kind="stable")

@@ -34,19 +34,30 @@ def dataset(tmp_path_factory, world):
     from megatron.training.indexed_io import open_dataset, open_loss_starts
 
     ds = open_dataset(str(d / "docs"))
-    return ds, open_loss_starts(str(d / "docs"), ds.sequence_lengths)
+    return ds, open_loss_starts(str(d / "docs"), ds.sequence_lengths), str(d / "docs")
 
 
 def test_sidecar_holds_token_offsets(dataset):
-    ds, starts = dataset
+    ds, starts, _ = dataset
     assert starts.tolist() == [21, 0, 0, 12]  # byte tokenizer: characters = tokens; absent = 0
     assert bytes(ds.get(0)[starts[0]:].tolist()) == b"4\n"
+
+
+def test_compression_sidecar_has_one_ratio_per_document(dataset):
+    """preprocess_data.py also writes each document's text compression ratio (SAB's density
+    estimator reads it under threshold routing)."""
+    from megatron.training.doc_features import compression_ratio
+
+    _, _, prefix = dataset
+    ratios = np.load(prefix + "_compression.npy")
+    assert ratios.shape == (len(DOCS),)
+    np.testing.assert_allclose(ratios, [compression_ratio(t) for t, _ in DOCS], rtol=1e-6)
 
 
 def test_mask_covers_exactly_the_answer(dataset):
     from megatron.training.data import build_microbatch
 
-    ds, starts = dataset
+    ds, starts, _ = dataset
     n0, n1 = (len(DOCS[i][0]) for i in (0, 1))
     mb = build_microbatch(ds, np.arange(len(ds)), [(0, 0, n0), (1, 0, n1)], loss_starts=starts)
     mask, labels = mb["loss_mask"][0], mb["labels"][0]
@@ -63,7 +74,7 @@ def test_mask_of_a_chunk_uses_document_positions(dataset):
     """A chunk of a longer document: its positions are offsets into that document."""
     from megatron.training.data import build_microbatch
 
-    ds, starts = dataset
+    ds, starts, _ = dataset
     text, start = DOCS[3]
     for off, length in ((0, 8), (8, 5), (10, 3), (0, len(text))):
         mb = build_microbatch(ds, np.arange(len(ds)), [(3, off, length)], loss_starts=starts)
@@ -91,7 +102,7 @@ def test_rewriting_without_the_key_drops_a_stale_sidecar(tmp_path, world):
 def test_sidecar_that_does_not_match_the_dataset_is_refused(tmp_path, dataset):
     from megatron.training.indexed_io import open_loss_starts
 
-    ds, _ = dataset
+    ds, _, _ = dataset
     prefix = str(tmp_path / "x")
     with pytest.raises(ValueError, match="needs .*x_loss_start.npy"):
         open_loss_starts(prefix, ds.sequence_lengths)

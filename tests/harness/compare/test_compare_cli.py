@@ -43,6 +43,9 @@ def lengths(tmp_path_factory):
     ["--mode", "real", "--arms", "megatron,nope"],
     ["--unknown-flag"],
     ["--mode", "real", "--scaling"],
+    ["--routing", "threshold"],  # no --density-study
+    ["--routing", "threshold", "--density-study", "/nonexistent/study.json"],
+    ["--scaling-models", "smollm2"],  # without --scaling
 ])
 def test_bad_input_one_line_exit_2(args):
     p = _run(*args)

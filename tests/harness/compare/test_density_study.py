@@ -95,3 +95,21 @@ def test_tiny_threshold_cell(tmp_path):
     assert table["arms"]["megatron"]["density"] != topk["arms"]["megatron"]["density"]
     with pytest.raises(ValueError):
         SimConfig(routing="threshold")  # no study
+
+
+def test_threshold_summary_pairs_the_two_modes():
+    from tools.harness.compare.threshold_summary import markdown, summarise
+
+    def run(sab, mode):
+        arms = {"megatron": 1.0, "wlb": 1.02, "sab": sab, "sparsebalance": sab}
+        cell = {"model": "smollm2", "context": 32768, "pp": 5, "dp": 8, "cp": 1, "arms": arms,
+                "best_baseline": "wlb", "sb_vs_best": sab / 1.02}
+        th = {"estimator_microbatch_mape": 0.03, "length_bucket_oracle_microbatch_mape": 0.06,
+              "estimator_share_of_step": 0.01}
+        return {"cost_model": "h100-analytic", "config": {"density_study": "s.json", "density_mode": mode},
+                "cells": [cell], "tables": [{"f": {"threshold": th}}], "command": mode}
+
+    s = summarise(run(1.05, "measured"), run(1.03, "bucket-mean"))
+    assert s["median_sb_vs_best"] == {"measured": pytest.approx(1.05 / 1.02), "bucket_mean": pytest.approx(1.03 / 1.02)}
+    assert s["cells"][0]["measured"]["sab_vs_wlb"] == pytest.approx(1.05 / 1.02)
+    assert s["cells"][0]["estimator_mape"] == 0.03 and "| smollm2 | 32K |" in markdown(s)

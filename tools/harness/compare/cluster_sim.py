@@ -401,7 +401,8 @@ def _threshold_stats(packed_steps: dict, content: CellContent, cfg: SimConfig) -
     """What the threshold cell ran on: the length trend, the mean density, and SAB's
     estimator: its per-micro-batch attention-pair MAPE at k0 against the truth, the same for a
     length-only view (each segment at its length bucket's mean true density over the
-    cell's steps), and its time per step."""
+    cell's steps), and its time per step (this machine's CPU, predicting and learning)
+    against the packer's predicted step time (the cost model's hardware)."""
     from sparsebalance.batching.sparsity_estimator import length_bucket, mape
 
     sab = packed_steps.get("sab")
@@ -422,7 +423,10 @@ def _threshold_stats(packed_steps: dict, content: CellContent, cfg: SimConfig) -
     actual = [kept(L, t) for L, t, _ in rows]
     est = [kept(L, p) for L, _, p in rows]
     lonly = [kept(L, np.array([bmean[length_bucket(x)] for x in L])) for L, _, _ in rows]
+    per_step = sab[0].estimator_seconds / len(sab)
+    step_ms = float(np.mean([p.step_ms for p in sab]))
     return {**out, "density_mean": float(t_all.mean()),
             "estimator_microbatch_mape": mape(est, actual),
             "length_bucket_oracle_microbatch_mape": mape(lonly, actual),
-            "estimator_s_per_step": sab[0].estimator_seconds / len(sab)}
+            "estimator_s_per_step": per_step,
+            "estimator_share_of_step": per_step * 1e3 / step_ms}

@@ -367,6 +367,36 @@ def scaling_report(res: dict) -> str:
                      f"{c['cp']} | " + " | ".join(f"{c['arms'][a] / c['arms']['megatron']:.3f}"
                                                if a in c["arms"] else "n/a" for a in arms)
                      + f" | {c['best_baseline']} | {c['sb_vs_best']:.3f} |")
+    if res["config"].get("routing") == "threshold":
+        lines += threshold_lines(res)
     lines += ["", "![sb_vs_best](scaling_sb_vs_best.png)", "",
               "![vs context](scaling_vs_context.png)", ""]
     return "\n".join(lines)
+
+
+def threshold_lines(res: dict) -> list:
+    """Threshold routing's section of scaling.md: per cell the densities it ran on and SAB's
+    estimator (per-micro-batch MAPE vs a length-bucket oracle, time vs the step)."""
+    cfg = res["config"]
+    lines = ["", "## Threshold routing: densities and SAB's estimator", "",
+             f"Densities from `{cfg.get('density_study')}` ({cfg.get('density_mode')}; "
+             "tools/harness/compare/density_study.py). Per cell, over its length files: mean "
+             "segment density, SAB's estimator's per-micro-batch kept-pair MAPE at k0 against the "
+             "true densities, the same for each segment at its length bucket's true mean (an "
+             "oracle of a length-only estimator), and the estimator's time per step (this CPU) "
+             "over the predicted step time.", "",
+             "| model | context | PP | DP | CP | length exponent | density | estimator MAPE | "
+             "length-bucket oracle MAPE | ratio | estimator ms/step | share of step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c, tables in zip(res["cells"], res.get("tables", [])):
+        th = [t["threshold"] for t in tables.values() if "estimator_microbatch_mape" in t.get("threshold", {})]
+        if not th:
+            continue
+        mean = lambda k: float(np.mean([t.get(k, np.nan) for t in th]))  # noqa: E731
+        lines.append(f"| {c['model']} | {c['context'] // 1024}K | {c['pp']} | {c['dp']} | {c['cp']} | "
+                     f"{mean('length_exponent'):.3f} | {mean('density_mean'):.3f} | "
+                     f"{mean('estimator_microbatch_mape'):.4f} | "
+                     f"{mean('length_bucket_oracle_microbatch_mape'):.4f} | "
+                     f"{mean('estimator_microbatch_mape') / mean('length_bucket_oracle_microbatch_mape'):.2f} | "
+                     f"{1e3 * mean('estimator_s_per_step'):.1f} | {mean('estimator_share_of_step'):.2e} |")
+    return lines
