@@ -386,9 +386,9 @@ def summarize(docs: list, args) -> dict:
 
 def run(args, fail) -> dict:
     """The ``--real`` study: the report (without ``config``'s timing, added by the caller)."""
-    from make_real_corpus import compression_ratio
     from sparsity_study import read_sidecar
 
+    from megatron.training.doc_features import compression_ratio
     from megatron.training.indexed_io import open_dataset
     from megatron.training.tokenizer import HFJsonTokenizer
 
