@@ -39,8 +39,12 @@ class AttentionConfig:
     None: top-k routing."""
     topk_min: int = 0
     """Threshold routing's least count of chosen blocks (``--sb-topk-min``)."""
+    per_head: bool = True
+    """Threshold routing's count per (query block, head); False: one per query block, the
+    largest head's (``--sb-threshold-counts per-block``)."""
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.per_head, bool), f"attention.per_head must be a bool, got {self.per_head!r}")
         _check(self.threshold is None or (isinstance(self.threshold, (int, float)) and 0 < self.threshold <= 1),
                f"attention.threshold must be None or in (0, 1], got {self.threshold!r}")
         _check(isinstance(self.topk_min, int) and self.topk_min >= 0,

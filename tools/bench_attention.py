@@ -14,6 +14,19 @@ cross-check on a loaded machine). On CUDA the dense baseline is the fastest of S
 flash and cuDNN kernels (--dense-backends), named in dense_backend; flex also reports
 padding_ratio (rows of its block-aligned buffer / tokens).
 
+Threshold routing (``--routing threshold``): the sparse run routes with a count per (query
+block, head) and a second sparse run with one count per query block (the largest head's) is
+timed alongside; ``counts`` gives each one's kept_pairs, sparse_ms and ms_per_mpair (ms per
+million kept pairs; ``_min``: of the fastest repetition; ``cpu_ms``: the process's CPU
+time, steadier than wall time on a shared machine, best with ``--threads 1``), and
+``per_head_over_per_block`` the ratios (pairs, ms, ms per pair).
+Random q/k give flat gates (every head keeps its cap); ``--inputs blocks`` gives each block
+a shared direction seen by each head at its own strength (heads from peaked to flat:
+:func:`block_inputs`), and
+``--qk FILE`` takes a model's q/k (a torch .pt dict: ``q [T, H, D]``, ``k [T, Hkv, D]``,
+optional ``v`` and int ``cu_seqlens [n_docs + 1]``; ``--seq-len`` then defaults to T and
+cuts the first tokens). ``--no-dense`` skips the dense baseline.
+
 Tiny CPU run:
     OMP_NUM_THREADS=2 .venv/bin/python tools/bench_attention.py --seq-len 2048 --heads 2 \\
         --head-dim 64 --block-size 64 --topk 4 --backend cpu --reps 3 --json
@@ -22,6 +35,11 @@ The project's CPU point (16K tokens, density ~0.08):
         --head-dim 64 --block-size 64 --topk 8 --backend cpu --json
 Document mix (lengths resampled from the ProLong length file, packed to 16K):
     ... --seq-len 16384 --doc-mix ../shared/data/lengths/prolong.json
+Threshold routing, per-head vs per-block counts (16K tokens, TAU 0.9):
+    OMP_NUM_THREADS=2 .venv/bin/python tools/bench_attention.py --seq-len 16384 --heads 8 \
+        --head-dim 64 --block-size 64 --topk 64 --routing threshold --threshold 0.9 \
+        --inputs blocks --no-dense --backend cpu --json
+    ... --qk runs/qk/smollm2_layer12.pt   (a model's q/k instead of --inputs)
 GPU cluster (one H100; dense = torch SDPA on CUDA):
     srun -N1 --gpus=1 python tools/bench_attention.py --seq-len 65536 --heads 16 \\
         --head-dim 128 --block-size 128 --topk 32 --backend cuda --dtype bf16 --json
@@ -47,7 +65,8 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(description=__doc__.split("\n")[0])
-    p.add_argument("--seq-len", type=int, required=True, help="tokens in the packed batch")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens in the packed batch (required without --qk)")
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: heads)")
     p.add_argument("--head-dim", type=int, default=64)
@@ -66,9 +85,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc-mix", default=None, metavar="LENGTHS_JSON",
                    help="pack documents with lengths resampled from this JSON list")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routing", choices=("topk", "threshold"), default="topk",
+                   help="threshold: --topk is the cap; per-head and per-block counts both timed")
+    p.add_argument("--threshold", type=float, default=0.9, metavar="TAU",
+                   help="threshold routing's share of the gate softmax, 0 < TAU <= 1")
+    p.add_argument("--topk-min", type=int, default=0, help="threshold routing's least count")
+    p.add_argument("--inputs", choices=("randn", "blocks"), default="randn",
+                   help="synthetic q/k: randn, or blocks (a shared direction per block, heads "
+                        "from peaked to flat)")
+    p.add_argument("--qk", default=None, metavar="FILE",
+                   help="q/k from a torch .pt dict (q [T, H, D], k [T, Hkv, D], optional v, cu_seqlens)")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense baseline")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.add_argument("--out", default=None, help="also write the JSON object to this file")
     a = p.parse_args(argv)
+    a.qk_data = None if a.qk is None else _read_qk(a.qk, p)
+    if a.qk_data is not None:
+        T, a.heads, a.head_dim = a.qk_data["q"].shape
+        a.kv_heads = a.qk_data["k"].shape[1]
+        if a.seq_len is not None and a.seq_len > T:
+            p.error(f"--seq-len {a.seq_len} is more than the {T} tokens of --qk {a.qk}")
+        a.seq_len = a.seq_len or T
+    if a.seq_len is None:
+        p.error("--seq-len is required (or give --qk)")
+    if not 0.0 < a.threshold <= 1.0 or a.topk_min < 0:
+        p.error("--threshold must be in (0, 1] and --topk-min >= 0")
     for name in ("seq_len", "heads", "head_dim", "block_size", "reps"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -126,8 +167,66 @@ def _read_doc_mix(path: str, p: argparse.ArgumentParser) -> list[int]:
     return pool
 
 
+def _read_qk(path: str, p: argparse.ArgumentParser) -> dict:
+    """The ``--qk`` file's tensors (checked: q [T, H, D], k [T, Hkv, D] with H % Hkv == 0,
+    v like k when present, cu_seqlens rising from 0 to T when present)."""
+    import pickle
+
+    import torch
+
+    if not os.path.isfile(path):
+        p.error(f"--qk file not found: {path}")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        p.error(f"--qk {path}: not a torch .pt file of tensors ({first[:200]})")
+    if not isinstance(data, dict) or not all(isinstance(data.get(n), torch.Tensor) for n in ("q", "k")):
+        p.error(f"--qk {path}: expected a dict with tensors 'q' [T, H, D] and 'k' [T, Hkv, D]")
+    q, k = data["q"], data["k"]
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] \
+            or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        p.error(f"--qk {path}: q {tuple(q.shape)} and k {tuple(k.shape)} are not [T, H, D] and [T, Hkv, D]")
+    v = data.get("v")
+    if v is not None and (not isinstance(v, torch.Tensor) or v.shape != k.shape):
+        p.error(f"--qk {path}: v must be shaped like k {tuple(k.shape)}")
+    cu = data.get("cu_seqlens")
+    if cu is not None:
+        cu = torch.as_tensor(cu).to(torch.int64).reshape(-1)
+        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or bool((cu[1:] < cu[:-1]).any()):
+            p.error(f"--qk {path}: cu_seqlens must rise from 0 to T={q.shape[0]}")
+    return {"q": q, "k": k, "v": v, "cu_seqlens": cu}
+
+
+def qk_lengths(cu, seq_len: int) -> list[int]:
+    """Document lengths of a ``--qk`` file's ``cu_seqlens`` (None: one document), cut to the
+    first ``seq_len`` tokens."""
+    if cu is None:
+        return [seq_len]
+    ends = [min(int(e), seq_len) for e in cu[1:].tolist()]
+    return [e - s for s, e in zip([0] + ends[:-1], ends) if e > s]
+
+
+def block_inputs(q, k, lens: list, block_size: int, g):
+    """``--inputs blocks``: q, k plus a random direction per block (of its document), seen by
+    the query heads at strengths from 4 (head 0: peaked gates) down to 0.5 (flat). At 16K
+    tokens, block 64, TAU 0.9, cap 64, per-head counts then keep ~0.55x the pairs of
+    per-block ones (SmolLM2 at 4K, issue 49: 0.245 / 0.51 = 0.48x)."""
+    import torch
+
+    blk = torch.cat([torch.arange(L) // block_size + i * 10 ** 7 for i, L in enumerate(lens)])
+    _, blk = torch.unique(blk, return_inverse=True)
+    n, D, H = int(blk.max()) + 1, q.shape[2], q.shape[1]
+    strength = torch.linspace(4.0, 0.5, H).view(1, H, 1)
+    return (q + torch.randn(n, 1, D, generator=g)[blk] * strength,
+            k + torch.randn(n, k.shape[1], D, generator=g)[blk])
+
+
 def doc_lengths(a: argparse.Namespace) -> list[int]:
-    """One document of seq_len, or resampled lengths packed to exactly seq_len."""
+    """One document of seq_len, or resampled lengths packed to exactly seq_len (``--qk``:
+    its documents)."""
+    if a.qk_data is not None and a.doc_pool is None:
+        return qk_lengths(a.qk_data["cu_seqlens"], a.seq_len)
     if a.doc_pool is None:
         return [a.seq_len]
     import numpy as np
@@ -171,6 +270,17 @@ def flex_gate_parts(q, k, cu, topk, block_size: int, scale: float, compiled: boo
     return t_plan, t_lay, t_mask
 
 
+def _nan_to_none(x):
+    """``x`` with every NaN float (in dicts and lists) replaced by None: strict JSON."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
@@ -201,9 +311,20 @@ def main(argv=None) -> int:
     lens = doc_lengths(a)
     cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
     g = torch.Generator().manual_seed(a.seed)
-    mk = lambda h: torch.randn(a.seq_len, h, a.head_dim, generator=g).to(dev, dtype).requires_grad_()
+    mk = lambda h: torch.randn(a.seq_len, h, a.head_dim, generator=g)
     q, k, v = mk(a.heads), mk(a.kv_heads), mk(a.kv_heads)
+    if a.qk_data is not None:
+        q, k = a.qk_data["q"][:a.seq_len].float(), a.qk_data["k"][:a.seq_len].float()
+        v = v if a.qk_data["v"] is None else a.qk_data["v"][:a.seq_len].float()
+    elif a.inputs == "blocks":
+        q, k = block_inputs(q, k, lens, a.block_size, g)
+    q, k, v = (t.to(dev, dtype).contiguous().requires_grad_() for t in (q, k, v))
     dout = torch.randn(q.shape, generator=g).to(dev, dtype)
+    from sparsebalance.ops.plan import RoutingRule, routing_rule
+
+    threshold = a.routing == "threshold"
+    rules = {"per-head": RoutingRule(a.threshold, a.topk_min, per_head=True),
+             "per-block": RoutingRule(a.threshold, a.topk_min, per_head=False)} if threshold else {}
     scale = a.head_dim ** -0.5
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
@@ -225,12 +346,23 @@ def main(argv=None) -> int:
 
         return run_dense
 
-    def run_sparse():
-        (out, dens), f = timed(lambda: sparse_attention(q, k, v, cu, topk=a.topk, block_size=a.block_size,
-                                                        backend=backend, return_density=True))
-        _, b = timed(lambda: torch.autograd.grad(out, (q, k, v), dout))
-        run_sparse.density = dens
-        return f, f + b
+    def sparse_run(rule=None):
+        kw = {} if rule is None else dict(threshold=rule.threshold, topk_min=rule.topk_min, per_head=rule.per_head)
+
+        def run():
+            cpu0 = time.process_time()
+            (out, dens), f = timed(lambda: sparse_attention(
+                q, k, v, cu, topk=a.topk, block_size=a.block_size, backend=backend, return_density=True, **kw))
+            _, b = timed(lambda: torch.autograd.grad(out, (q, k, v), dout))
+            run.density = dens
+            run.cpu_ms.append((time.process_time() - cpu0) * 1e3)
+            return f, f + b
+
+        run.cpu_ms = []  # process CPU time of each call (warm-up included; medians reported)
+
+        return run
+
+    run_sparse = sparse_run(rules.get("per-head"))
 
     if backend == "flex":  # routing + what FlexAttention needs before its kernel
         from sparsebalance.ops.flex import flex_prepare, padding_ratio, use_compiled
@@ -244,7 +376,8 @@ def main(argv=None) -> int:
         route = lambda: build_plan(q, k, cu, a.topk, a.block_size, scale)
 
     def run_gate():
-        _, t = timed(route)
+        with routing_rule(rules.get("per-head")):
+            _, t = timed(route)
         return t, t
 
     def run_gate_torch():  # the same gate by torch ops: what the fused route saves
@@ -259,6 +392,8 @@ def main(argv=None) -> int:
                 os.environ["SPARSEBALANCE_ROUTE"] = before
 
     runs = {"sparse": run_sparse, "gate": run_gate}
+    if threshold:  # the same attention with one count per query block, timed alongside
+        runs["sparse:per-block"] = sparse_run(rules["per-block"])
     if fused_route(dev):
         runs["gate_torch"] = run_gate_torch
     if backend == "flex":  # where the gate's time goes: routing plan, buffer layout, block mask
@@ -271,13 +406,13 @@ def main(argv=None) -> int:
         lb = [-(-L // a.block_size) for L in lens]
         fa4_padding = sum(lb) * a.block_size / a.seq_len
     dense_failed = {}
-    for name, ctx in dense_kernels(a.dense_backends, dev.type == "cuda").items():
+    for name, ctx in ({} if a.no_dense else dense_kernels(a.dense_backends, dev.type == "cuda")).items():
         try:  # a kernel this GPU / shape / dtype does not support is left out, and said so
             dense_run(ctx, name)()
             runs["dense:" + name] = dense_run(ctx, name)
         except (RuntimeError, ValueError) as exc:
             dense_failed[name] = str(exc).splitlines()[0][:200] if str(exc) else "RuntimeError"
-    if not any(n.startswith("dense:") for n in runs):
+    if not a.no_dense and not any(n.startswith("dense:") for n in runs):
         sys.stderr.write(f"bench_attention.py: error: no dense kernel ran: {dense_failed}\n")
         return 2
     for _ in range(a.warmup):
@@ -289,16 +424,37 @@ def main(argv=None) -> int:
             times[n].append(fn())
     med = lambda n, i: statistics.median(t[i] for t in times[n])
     dense_names = [n for n in runs if n.startswith("dense:")]
-    best = min(dense_names, key=lambda n: med(n, 1))
-    times["dense"] = times[best]
+    best = min(dense_names, key=lambda n: med(n, 1)) if dense_names else None
+    times["dense"] = times[best] if best else [(float("nan"),) * 2]
     dense_ms, sparse_ms, gate_ms = med("dense", 1), med("sparse", 1), med("gate", 1)
     speedup = dense_ms / sparse_ms
+    causal = sum(L * (L + 1) // 2 for L in lens) * a.heads
+    counts = None
+    if threshold:  # kept pairs, ms and ms per million kept pairs of both count rules
+        dens = {"per-head": run_sparse.density, "per-block": runs["sparse:per-block"].density}
+        ms = {"per-head": sparse_ms, "per-block": med("sparse:per-block", 1)}
+        cpu = {"per-head": run_sparse.cpu_ms[a.warmup:], "per-block": runs["sparse:per-block"].cpu_ms[a.warmup:]}
+        fastest = {"per-head": min(t[1] for t in times["sparse"]),
+                "per-block": min(t[1] for t in times["sparse:per-block"])}
+        counts = {n: {"kept_pairs": round(dens[n] * causal), "density": round(dens[n], 5),
+                      "sparse_ms": round(ms[n], 2), "ms_per_mpair": round(ms[n] / (dens[n] * causal) * 1e6, 4),
+                      # the fastest repetition: less sensitive to other load on a shared machine
+                      "sparse_ms_min": round(fastest[n], 2),
+                      "ms_per_mpair_min": round(fastest[n] / (dens[n] * causal) * 1e6, 4),
+                      # CPU time of the process (all threads): the work, whatever else runs
+                      # on the machine (on the CPU backend; spinning OpenMP threads count)
+                      "cpu_ms": round(statistics.median(cpu[n]), 2),
+                      "cpu_ms_per_mpair": round(statistics.median(cpu[n]) / (dens[n] * causal) * 1e6, 4)}
+                  for n in rules}
     res = {
         "backend": backend, "dtype": a.dtype, "threads": a.threads, "reps": a.reps,
         "seq_len": a.seq_len, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
         "block_size": a.block_size, "topk": a.topk, "n_docs": len(lens),
         "doc_mix": a.doc_mix, "max_doc_len": max(lens),
-        "dense_backend": best.split(":", 1)[1],
+        "routing": a.routing, "threshold": a.threshold if threshold else None,
+        "topk_min": a.topk_min if threshold else None,
+        "inputs": a.qk if a.qk else a.inputs,
+        "dense_backend": best.split(":", 1)[1] if best else None,
         "dense_ms_by_backend": {n.split(":", 1)[1]: [round(med(n, 0), 2), round(med(n, 1), 2)]
                                 for n in dense_names},
         "dense_failed": dense_failed,
@@ -307,7 +463,14 @@ def main(argv=None) -> int:
         "dense_ms": round(dense_ms, 2), "sparse_ms": round(sparse_ms, 2),
         "dense_fwd_ms": round(med("dense", 0), 2), "sparse_fwd_ms": round(med("sparse", 0), 2),
         "density": round(run_sparse.density, 5),
+        # top-k routing's density (under threshold routing: of the caps)
         "density_exact": round(exact_density(lens, a.topk, a.block_size), 5),
+        "counts": counts,
+        "per_head_over_per_block": {
+            k: round(counts["per-head"][k] / counts["per-block"][k], 4)
+            for k in ("kept_pairs", "sparse_ms", "ms_per_mpair", "ms_per_mpair_min", "cpu_ms_per_mpair")}
+        if counts else None,
+        "sparse_ms_all_per_block": [round(t[1], 1) for t in times["sparse:per-block"]] if counts else None,
         "speedup": round(speedup, 3), "efficiency": round(speedup * run_sparse.density, 3),
         "gate_ms": round(gate_ms, 2), "gate_share": round(gate_ms / sparse_ms, 4),
         # routing by the three Triton kernels (fused) or torch ops; fused: the torch gate too
@@ -324,7 +487,7 @@ def main(argv=None) -> int:
         "sparse_ms_all": [round(t[1], 1) for t in times["sparse"]],
         "dense_ms_all": [round(t[1], 1) for t in times["dense"]],
     }
-    text = json.dumps(res)
+    text = json.dumps(_nan_to_none(res))  # --no-dense: the dense figures are null
     if a.out:
         from sparsebalance.io import atomic_write_text
 

@@ -6,9 +6,10 @@
 // (Q pre-scaled by scale * log2(e) so the softmax uses exp2), so the inner
 // loops never allocate, gather or branch on ragged sizes:
 //   Q  [H][NB][Bp][Dp]    K, V [Hkv][NB][Bp][Dp]    Kt, Vt [Hkv][NB][Dp][Bp]
-// Forward: OpenMP over (head, query block), longest rows first, online softmax.
-// Backward: dQ per (head, query block); dK/dV either owned by one thread per kv
-// head (no races, no buffers) or accumulated in per-thread buffers and reduced.
+// Forward: OpenMP over (head, query block), online softmax. Backward: dQ per
+// (head, query block); dK/dV either owned by one thread per kv head (no races, no
+// buffers) or accumulated in per-thread buffers over a fixed split of the items
+// (deterministic) and reduced.
 // Counts are per (head, query block) (kv_cnt [H][NB]): under per-head threshold
 // routing the rows of one query block differ in length by head.
 #include <torch/extension.h>
@@ -261,15 +262,29 @@ Geometry make_geometry(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 at::Tensor zeros_f32(int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kFloat)); }
 
-// The (head, query block) items h * NB + b, longest rows (most kept key blocks) first:
-// rows differ in length by query block and, under per-head counts, by head, and a
-// dynamic queue that takes the long ones first leaves no long row for the end.
-std::vector<int64_t> longest_first(const Geometry& g) {
-  std::vector<int64_t> order(g.H * g.NB);
-  for (int64_t i = 0; i < (int64_t)order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return g.kv_cnt[a] > g.kv_cnt[b]; });
-  return order;
+// Work of item it = h * NB + b: its kept key blocks times its query rows.
+int64_t item_cost(const Geometry& g, int64_t it) {
+  return (int64_t)g.kv_cnt[it] * g.qb_len[it % g.NB];
+}
+
+// The items h * NB + b in order cut into n runs of about equal work: thread t takes
+// items [bounds[t], bounds[t + 1]). A fixed split, so the per-thread dK/dV buffers sum
+// the same items in the same order on every run (deterministic for a thread count);
+// balanced to within one row although rows differ in length by query block and, under
+// per-head counts, by head; a run is whole heads mostly, so their tiles stay in cache.
+std::vector<int64_t> split_items(const Geometry& g, int n) {
+  const int64_t items = g.H * g.NB;
+  int64_t total = 0;
+  for (int64_t it = 0; it < items; ++it) total += item_cost(g, it);
+  std::vector<int64_t> bounds(n + 1, items);
+  bounds[0] = 0;
+  int64_t done = 0;
+  int t = 1;
+  for (int64_t it = 0; it < items && t < n; ++it) {
+    done += item_cost(g, it);
+    while (t < n && done * n >= total * t) bounds[t++] = it + 1;
+  }
+  return bounds;
 }
 
 // Whether the backward's dK/dV may be owned by kv head (one unit per kv head, no
@@ -282,7 +297,7 @@ bool kv_head_owner(const Geometry& g, int nthreads) {
   const int64_t rep = g.H / g.Hkv;
   std::vector<int64_t> work(g.Hkv, 0);
   for (int64_t h = 0; h < g.H; ++h)
-    for (int64_t b = 0; b < g.NB; ++b) work[h / rep] += g.cnt(h, b);
+    for (int64_t b = 0; b < g.NB; ++b) work[h / rep] += item_cost(g, h * g.NB + b);
   if (std::all_of(work.begin(), work.end(), [&](int64_t w) { return w == work[0]; })) return true;
   std::sort(work.begin(), work.end(), std::greater<int64_t>());
   std::vector<int64_t> load(nthreads, 0);
@@ -316,15 +331,15 @@ std::vector<at::Tensor> sparse_attention_fwd(const at::Tensor& q, const at::Tens
     to_tiles(k.data_ptr<scalar_t>(), g.Hkv, g, 1.f, nullptr, Kt.data_ptr<float>());
     to_tiles(v.data_ptr<scalar_t>(), g.Hkv, g, 1.f, V.data_ptr<float>(), nullptr);
     const int64_t items = g.H * g.NB;
-    const std::vector<int64_t> order = longest_first(g);
     std::atomic<int64_t> next{0};
+    // Dynamic work queue of many small items: rows differ in length (later query
+    // blocks keep more key blocks; per-head counts differ by head), and a thread that
+    // finishes early takes the next, so the threads end within one row of each other.
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       FwdScratch w(g);
-      for (int64_t i; (i = next.fetch_add(1)) < items;) {
-        const int64_t it = order[i];
+      for (int64_t it; (it = next.fetch_add(1)) < items;)
         fwd_block<scalar_t>(g, it / g.NB, it % g.NB, Q.data_ptr<float>(), Kt.data_ptr<float>(),
                             V.data_ptr<float>(), w, out.data_ptr<scalar_t>(), lse2.data_ptr<float>());
-      }
     });
   });
   return {out, lse2};
@@ -362,25 +377,26 @@ std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::T
     to_tiles(k.data_ptr<scalar_t>(), g.Hkv, g, 1.f, K.data_ptr<float>(), Kt.data_ptr<float>());
     to_tiles(v.data_ptr<scalar_t>(), g.Hkv, g, 1.f, nullptr, Vt.data_ptr<float>());
     const int64_t rep = g.H / g.Hkv;
-    const int64_t units = owner ? g.Hkv : g.H * g.NB;
-    const std::vector<int64_t> order = owner ? std::vector<int64_t>() : longest_first(g);
+    // owner: a queue of kv heads; else each thread its fixed run of items (split_items)
+    const std::vector<int64_t> bounds = owner ? std::vector<int64_t>() : split_items(g, nthreads);
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, nthreads, 1, [&](int64_t tid, int64_t) {
+    at::parallel_for(0, nthreads, 1, [&](int64_t lo, int64_t hi) {
       BwdScratch w(g);
-      const int64_t boff = owner ? 0 : tid * kvn;
-      auto run = [&](int64_t h, int64_t b) {
-        bwd_block<scalar_t>(g, h, b, Q.data_ptr<float>(), K.data_ptr<float>(), Kt.data_ptr<float>(),
-                            Vt.data_ptr<float>(), dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            lse2.data_ptr<float>(), static_cast<float>(scale), w,
-                            dK.data_ptr<float>() + boff, dV.data_ptr<float>() + boff,
-                            dq.data_ptr<scalar_t>());
-      };
-      for (int64_t u; (u = next.fetch_add(1)) < units;) {
+      for (int64_t tid = lo; tid < hi; ++tid) {
+        const int64_t boff = owner ? 0 : tid * kvn;
+        auto run = [&](int64_t h, int64_t b) {
+          bwd_block<scalar_t>(g, h, b, Q.data_ptr<float>(), K.data_ptr<float>(), Kt.data_ptr<float>(),
+                              Vt.data_ptr<float>(), dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                              lse2.data_ptr<float>(), static_cast<float>(scale), w,
+                              dK.data_ptr<float>() + boff, dV.data_ptr<float>() + boff,
+                              dq.data_ptr<scalar_t>());
+        };
         if (owner) {
-          for (int64_t h = u * rep; h < (u + 1) * rep; ++h)
-            for (int64_t b = 0; b < g.NB; ++b) run(h, b);
+          for (int64_t u; (u = next.fetch_add(1)) < g.Hkv;)
+            for (int64_t h = u * rep; h < (u + 1) * rep; ++h)
+              for (int64_t b = 0; b < g.NB; ++b) run(h, b);
         } else {
-          run(order[u] / g.NB, order[u] % g.NB);
+          for (int64_t it = bounds[tid]; it < bounds[tid + 1]; ++it) run(it / g.NB, it % g.NB);
         }
       }
     });

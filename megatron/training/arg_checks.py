@@ -146,10 +146,13 @@ def validate_balance(args: argparse.Namespace) -> None:
                          "block-aligned buffer): use auto, triton, cuda, cpu or reference")
     if args.sb_threshold is not None and args.sb_routing != "threshold":
         raise UsageError("--sb-threshold needs --sb-routing threshold")
+    if getattr(args, "sb_threshold_counts", None) is not None and args.sb_routing != "threshold":
+        raise UsageError("--sb-threshold-counts needs --sb-routing threshold")
     if args.sb_routing == "threshold":
         if not args.sparse_attention:
             raise UsageError("--sb-routing threshold needs --sparse-attention (or --sparse-balance)")
         args.sb_threshold = 0.9 if args.sb_threshold is None else args.sb_threshold
+        args.sb_threshold_counts = args.sb_threshold_counts or "per-head"
         if not 0.0 < args.sb_threshold <= 1.0:
             raise UsageError(f"--sb-threshold must be in (0, 1], got {args.sb_threshold}")
     if not 0.0 < args.sb_p < 1.0:

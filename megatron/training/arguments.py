@@ -207,6 +207,10 @@ def _sparse_attention_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sb-threshold", type=float, default=None, metavar="TAU",
                    help="threshold routing's share of the gate softmax mass, 0 < TAU <= 1 "
                         "(default 0.9; needs --sb-routing threshold)")
+    g.add_argument("--sb-threshold-counts", choices=("per-head", "per-block"), default=None,
+                   help="threshold routing's count: per (query block, head) (default) or one per "
+                        "query block, the largest head's, kept by every head (about twice the "
+                        "pairs for the same coverage; for comparisons; needs --sb-routing threshold)")
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:

@@ -55,6 +55,7 @@ def layer_spec(args, attention=None):
             # threshold routing: the budget (--sb-topk, or DST's per micro-batch) is the cap
             threshold=attention.threshold,
             topk_min=attention.topk_min,
+            per_head=attention.per_head,
         )
     if getattr(args, "transformer_impl", "local") == "transformer_engine":  # checked: CUDA + TE present
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec

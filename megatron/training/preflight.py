@@ -24,6 +24,7 @@ RESUME_SETTINGS = {
     "sb_attention_backend": "--sb-attention-backend",
     "sb_routing": "--sb-routing",
     "sb_threshold": "--sb-threshold",
+    "sb_threshold_counts": "--sb-threshold-counts",
     "sb_batching": "--sb-batching",
     "max_carry_steps": "--max-carry-steps",
     "sb_dst": "--sb-dst",

@@ -26,7 +26,8 @@ def attention_config(args) -> AttentionConfig:
     return AttentionConfig(sparse=bool(args.sparse_attention), block_size=args.sb_block_size,
                            topk=args.sb_topk, backend=args.sb_attention_backend,
                            dense_layers=tuple(args.sb_dense_layers), threshold=threshold,
-                           topk_min=(args.sb_topk_min or 0) if threshold is not None else 0)
+                           topk_min=(args.sb_topk_min or 0) if threshold is not None else 0,
+                           per_head=getattr(args, "sb_threshold_counts", None) != "per-block")
 
 
 def parallel_config(args) -> ParallelConfig:

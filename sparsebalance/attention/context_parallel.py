@@ -183,7 +183,8 @@ def local_causal_work(lengths: Sequence[int], cp: int) -> np.ndarray:
 
 
 def sparse_attention_local(q_local, query, k_full, v_full, layout: CPLayout, group, *, topk,
-                           block_size: int, scale: float, backend: str = "auto"):
+                           block_size: int, scale: float, backend: str = "auto",
+                           return_head_kept: bool = False):
     """Block top-k attention of this rank's queries against whole documents.
 
     Routing equals the CP=1 routing of the same query blocks: the gates take each
@@ -199,7 +200,8 @@ def sparse_attention_local(q_local, query, k_full, v_full, layout: CPLayout, gro
         k_full, v_full: ``[sum(lengths), Hkv, D]`` from :func:`gather_kv`.
         topk: int budget.
     Returns:
-        ``(out [n, H, D], kept_pairs)`` with kept pairs of this rank's queries (all heads).
+        ``(out [n, H, D], kept_pairs)`` with kept pairs of this rank's queries (all heads),
+        and with ``return_head_kept`` their kept pairs per head (int64 numpy ``[H]``).
     """
     from sparsebalance.ops.backends import plan_kernel, rule_backend
     from sparsebalance.ops.plan import build_plan, restrict_plan
@@ -220,4 +222,5 @@ def sparse_attention_local(q_local, query, k_full, v_full, layout: CPLayout, gro
                                          topk, block_size, scale, route_q=route_q)
     else:
         out = plan_kernel(name)(q_full, k_full, v_full, plan, scale)
-    return out.index_select(0, layout.local_pos), plan.kept_pairs
+    out = out.index_select(0, layout.local_pos)
+    return (out, plan.kept_pairs, plan.head_kept) if return_head_kept else (out, plan.kept_pairs)

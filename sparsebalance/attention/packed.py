@@ -41,6 +41,10 @@ class AttentionRecord:
     doc_kept_pairs: tuple = field(default_factory=tuple)
     """Kept pairs of each document (over heads), when the backend routed by the shared plan
     (empty otherwise): what a sparsity estimator learns a document's density from."""
+    head_kept_pairs: tuple = field(default_factory=tuple)
+    """Kept pairs of each query head (over documents; they sum to ``kept_pairs``), when the
+    backend routed by the shared plan or the layer was dense (empty otherwise): under
+    per-head threshold routing the heads of a layer keep different numbers of pairs."""
 
     @property
     def density(self) -> float:

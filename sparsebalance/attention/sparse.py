@@ -50,6 +50,8 @@ class SparseAttention(CausalVarlenAttention):
         dense_layers: 1-based global layer numbers that stay dense.
         threshold: threshold routing's TAU (the budget is then the cap), None: top-k.
         topk_min: threshold routing's least count of chosen blocks.
+        per_head: threshold routing's count per (query block, head) (default); False: one
+            count per query block (the largest head's), for comparisons.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class SparseAttention(CausalVarlenAttention):
         dense_layers: Iterable[int] = (),
         threshold: Optional[float] = None,
         topk_min: int = 0,
+        per_head: bool = True,
     ):
         super().__init__(config, layer_number, attn_mask_type, attention_type,
                          attention_dropout, softmax_scale, cp_comm_type, pg_collection)
@@ -82,7 +85,8 @@ class SparseAttention(CausalVarlenAttention):
         self.topk = topk
         self.backend = backend
         self.dense_layers = frozenset(int(x) for x in dense_layers)
-        self.rule = None if threshold is None else RoutingRule(threshold=float(threshold), topk_min=int(topk_min))
+        self.rule = None if threshold is None else RoutingRule(threshold=float(threshold), topk_min=int(topk_min),
+                                                               per_head=bool(per_head))
 
     def budget_of(self, packed_seq_params) -> tuple:
         """(top-k or None for dense, micro-batch id) of this layer for the micro-batch
@@ -97,18 +101,20 @@ class SparseAttention(CausalVarlenAttention):
         if host is None:
             host = cu_seqlens  # copied to the host once per micro-batch (plan.host_cu)
         lens = torch.from_numpy(np.diff(host_cu(host)))
-        causal = int((lens * (lens + 1) // 2).sum()) * q.shape[1]
+        H = q.shape[1]
+        causal = int((lens * (lens + 1) // 2).sum()) * H
         doc_kept = None
         if topk is None:
             out, kept = causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale), causal
+            head_kept = [causal // H] * H
         else:
             # under activation recompute the forward keeps its plan and the recomputation
             # in backward takes it back: one routing per layer and micro-batch
             mode = ("reuse" if torch.is_grad_enabled() else "store") if is_checkpointing() else None
             with plan_slot(packed_seq_params, self.layer_number, mode if packed_seq_params is not None else None):
-                out, dens, doc_kept = sparse_attention(
+                out, dens, doc_kept, head_kept = sparse_attention(
                     q, k, v, host, topk=topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
-                    backend=self.backend, return_density=True, return_doc_kept=True,
+                    backend=self.backend, return_density=True, return_doc_kept=True, return_head_kept=True,
                     threshold=None if self.rule is None else self.rule.threshold,
                     topk_min=0 if self.rule is None else self.rule.topk_min,
                     per_head=True if self.rule is None else self.rule.per_head)
@@ -118,7 +124,8 @@ class SparseAttention(CausalVarlenAttention):
         record(packed_seq_params, AttentionRecord(
             layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=kept,
             causal_pairs=causal, doc_lengths=tuple(lens.tolist()),
-            doc_kept_pairs=() if doc_kept is None else tuple(int(x) for x in doc_kept)))
+            doc_kept_pairs=() if doc_kept is None else tuple(int(x) for x in doc_kept),
+            head_kept_pairs=() if head_kept is None else tuple(int(x) for x in head_kept)))
         return out
 
     def _attend_cp(self, q, query, k_full, v_full, layout, group, packed_seq_params=None
@@ -130,20 +137,23 @@ class SparseAttention(CausalVarlenAttention):
         from sparsebalance.attention.context_parallel import sparse_attention_local
 
         topk, microbatch = self.budget_of(packed_seq_params)
-        causal = layout.causal_pairs * q.shape[1]
+        H = q.shape[1]
+        causal = layout.causal_pairs * H
         if topk is None:
             out, kept = causal_local_attention(q, k_full, v_full, layout, self.softmax_scale), causal
+            head_kept = [causal // H] * H
         else:
             scale = default_scale(q.shape[2], self.softmax_scale)
             with routing_rule(self.rule):
-                out, kept = sparse_attention_local(q, query, k_full, v_full, layout, group, topk=topk,
-                                                   block_size=self.block_size, scale=scale,
-                                                   backend=self.backend)
+                out, kept, head_kept = sparse_attention_local(
+                    q, query, k_full, v_full, layout, group, topk=topk, block_size=self.block_size,
+                    scale=scale, backend=self.backend, return_head_kept=True)
         if not _recomputing():
             lens = (layout.cu_real[1:] - layout.cu_real[:-1]).long()
             record(packed_seq_params, AttentionRecord(
                 layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=kept,
-                causal_pairs=causal, doc_lengths=tuple(lens.tolist())))
+                causal_pairs=causal, doc_lengths=tuple(lens.tolist()),
+                head_kept_pairs=() if head_kept is None else tuple(int(x) for x in head_kept)))
         return out
 
 
@@ -165,6 +175,7 @@ def get_gpt_layer_sparse_spec(
     normalization: str = "LayerNorm",
     threshold: Optional[float] = None,
     topk_min: int = 0,
+    per_head: bool = True,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec with :class:`SparseAttention` as ``core_attention``.
 
@@ -173,5 +184,6 @@ def get_gpt_layer_sparse_spec(
     passed to :func:`sparsebalance.attention.spec.get_gpt_layer_spec`.
     """
     params = dict(block_size=block_size, topk=topk, backend=backend,
-                  dense_layers=tuple(int(x) for x in dense_layers), threshold=threshold, topk_min=topk_min)
+                  dense_layers=tuple(int(x) for x in dense_layers), threshold=threshold, topk_min=topk_min,
+                  per_head=per_head)
     return get_gpt_layer_spec(SparseAttention, params, use_te=use_te, normalization=normalization)

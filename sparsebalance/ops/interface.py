@@ -77,6 +77,7 @@ def sparse_attention(
     topk_min: int = 0,
     return_doc_kept: bool = False,
     per_head: bool = True,
+    return_head_kept: bool = False,
 ):
     """Block top-k sparse causal attention over packed documents.
 
@@ -110,11 +111,14 @@ def sparse_attention(
         topk_min: threshold routing's least count (ignored by top-k routing).
         per_head: threshold routing's count per (query block, head) (default); False: one
             count per query block, the largest over its heads, kept by every head.
+        return_head_kept: also return each query head's kept pairs over documents (int64
+            numpy ``[H]``; None for a backend that does not route by the shared plan).
         return_doc_kept: also return each document's kept pairs over heads (int64 numpy
             ``[n_docs]``; None for a backend that does not route by the shared plan).
 
     Returns:
-        ``out [T, H, D]`` in q's dtype, or ``(out, density)``.
+        ``out [T, H, D]`` in q's dtype, followed by what was asked for, in this order:
+        ``density``, ``doc_kept``, ``head_kept`` (``out`` alone when nothing was).
 
     Raises:
         ValueError: naming the bad argument.
@@ -123,10 +127,11 @@ def sparse_attention(
     rule = None if threshold is None else RoutingRule(threshold=float(threshold), topk_min=topk_min,
                                                       per_head=bool(per_head))
     name = resolve_backend(backend, q.device, q.shape[2], block_size, q.dtype)
-    with routing_rule(rule), (collect_plans() if return_doc_kept else contextlib.nullcontext([])) as plans:
+    collect = return_doc_kept or return_head_kept
+    with routing_rule(rule), (collect_plans() if collect else contextlib.nullcontext([])) as plans:
         out, kept = run_backend(name, q, k, v, cu_seqlens, topk, block_size, softmax_scale)
-    doc_kept = plans[0].doc_kept if len(plans) == 1 else None
-    if not return_density:
-        return (out, doc_kept) if return_doc_kept else out
-    density = kept_density(kept, cu_seqlens, q.shape[1])
-    return (out, density, doc_kept) if return_doc_kept else (out, density)
+    plan = plans[0] if len(plans) == 1 else None
+    extra = ([kept_density(kept, cu_seqlens, q.shape[1])] if return_density else []) \
+        + ([None if plan is None else plan.doc_kept] if return_doc_kept else []) \
+        + ([None if plan is None else plan.head_kept] if return_head_kept else [])
+    return (out, *extra) if extra else out

@@ -793,7 +793,7 @@ class _RouteHost:
             j = torch.arange(C, device=dev, dtype=torch.int32)
             g.masked_fill_((j < 1) | (j >= i_abs) | (i_abs >= i0 + nrows), float("-inf"))
             keep = kk  # blocks chosen per row besides sink and diagonal
-            if threshold is not None:
+            if threshold is not None:  # clamped to kmax for the padding rows
                 keep = _threshold_counts(g, threshold, kl, kk, i_abs - 1, rule.per_head).clamp_(max=kmax)
             if kmax == 0:
                 ch = torch.empty((H, c, R, 0), dtype=torch.int32, device=dev)

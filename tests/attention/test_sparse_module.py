@@ -62,6 +62,7 @@ def test_transformer_layer_thd_forward_backward_budget_and_records(mp):
     H = cfg.num_attention_heads
     assert rec.layer_number == 1 and rec.topk == 1 and rec.doc_lengths == tuple(lens)
     assert rec.kept_pairs == int(kept_pairs(lens, 1, 16).sum()) * H
+    assert rec.head_kept_pairs == (rec.kept_pairs // H,) * H  # top-k: every head alike
     assert rec.density < 1.0
 
     # A budget the packed params carry (the micro-batch's) overrides the static topk
@@ -93,10 +94,38 @@ def test_dense_layers_and_backends_agree_in_layer(mp):
     dense = dense_layer(x, attention_mask=None, packed_seq_params=rpsp)[0]
     (rec,) = records
     assert rec.topk is None and rec.density == 1.0
+    assert rec.head_kept_pairs == (rec.causal_pairs // cfg.num_attention_heads,) * cfg.num_attention_heads
     big = _layer(cfg, 2, block_size=16, topk=100, backend="cpu")(x, attention_mask=None,
                                                                   packed_seq_params=psp)[0]
     torch.testing.assert_close(big, dense, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(outs["cpu"], dense, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_threshold_records_count_pairs_per_head(mp, backend):
+    """Under threshold routing the record's per-head kept pairs add up to its kept pairs;
+    per-head counts keep no more than per-block ones (the largest head's count). The
+    reference routes on its own: no per-head pairs to read (empty), the total is still
+    counted."""
+    cfg = _config()
+    lens = [300, 40, 200]
+    got = {}
+    for per_head in (True, False):
+        layer = _layer(cfg, 1, block_size=16, topk=6, backend=backend, threshold=0.5, topk_min=1,
+                       per_head=per_head)
+        assert layer.self_attention.core_attention.rule.per_head is per_head
+        records = []
+        x, psp = _thd(cfg, lens, records=records)
+        out, _ = layer(x, attention_mask=None, packed_seq_params=psp)
+        (rec,) = records
+        got[per_head] = rec, out.detach()
+        if backend == "reference":
+            assert rec.head_kept_pairs == ()
+        else:
+            assert len(rec.head_kept_pairs) == cfg.num_attention_heads
+            assert sum(rec.head_kept_pairs) == rec.kept_pairs == sum(rec.doc_kept_pairs)
+    assert got[True][0].kept_pairs <= got[False][0].kept_pairs
+    assert 0 < got[True][0].density < 1.0
 
 
 def test_sbhd_equals_thd_of_equal_documents(mp):

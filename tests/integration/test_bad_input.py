@@ -428,6 +428,10 @@ CASES = [
     Case("bench-docmix-not-lengths", "tools/bench_attention.py",
          _p("--seq-len", "256", "--doc-mix", "{d}/wrong_schema.json", "--out", "{d}/bench3.json"),
          r"wrong_schema\.json", _p("{d}/bench3.json")),
+    Case("bench-missing-qk", "tools/bench_attention.py", _p("--qk", "{d}/none.pt", "--out", "{d}/bench4.json"),
+         r"none\.pt", _p("{d}/bench4.json")),
+    Case("bench-qk-not-a-pt", "tools/bench_attention.py", _p("--qk", "{d}/garbage.json", "--out", "{d}/bench5.json"),
+         r"garbage\.json", _p("{d}/bench5.json")),
     # profile_latency.py
     Case("profile-negative-threads", "tools/profile_latency.py",
          _p("--output", "{d}/prof1.json", "--quick", "--threads", "-1"), r"threads", _p("{d}/prof1.json")),

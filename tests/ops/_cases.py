@@ -27,19 +27,36 @@ def make_inputs(lens, H, Hkv, D, dtype=torch.float32, seed=0):
     return mk(T, H, D), mk(T, Hkv, D), mk(T, Hkv, D), cu, mk(T, H, D)
 
 
+def structured_inputs(lens, H, Hkv, D, B, seed=0, dtype=torch.float32):
+    """:func:`make_inputs` with block structure, for threshold routing: every block's tokens
+    share a random direction (so block-mean gates spread, as a trained model's do, instead
+    of averaging out), each query head sees it at its own strength (heads from peaked to
+    flat: per-head counts differ). Values stay representable in bf16."""
+    q, k, v, cu, dout = make_inputs(lens, H, Hkv, D, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    blk = torch.cat([torch.arange(L) // B + i * 10 ** 6 for i, L in enumerate(lens)])
+    _, blk = torch.unique(blk, return_inverse=True)
+    n = int(blk.max()) + 1 if blk.numel() else 0
+    strength = torch.linspace(2.0, 0.25, H).view(1, H, 1)
+    q = (q + torch.randn(n, 1, D, generator=g)[blk] * strength).to(torch.bfloat16).to(q.dtype)
+    k = (k + torch.randn(n, Hkv, D, generator=g)[blk]).to(torch.bfloat16).to(k.dtype)
+    return q, k, v, cu, dout
+
+
 def expects_selection(lens, block_size, topk) -> bool:
     """Whether some document has more than topk + 2 blocks (so routing really drops blocks)."""
     ks = topk.tolist() if isinstance(topk, torch.Tensor) else [topk] * len(lens)
     return any(-(-L // block_size) > k + 2 for L, k in zip(lens, ks))
 
 
-def run(backend, q, k, v, cu, dout, topk, block_size):
-    """(out, dq, dk, dv, density) of one backend."""
+def run(backend, q, k, v, cu, dout, topk, block_size, **routing):
+    """(out, dq, dk, dv, density) of one backend; ``routing``: threshold routing's keyword
+    arguments of :func:`~sparsebalance.ops.sparse_attention` (threshold, topk_min, per_head)."""
     from sparsebalance.ops import sparse_attention
 
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out, dens = sparse_attention(q, k, v, cu, topk=topk, block_size=block_size, backend=backend,
-                                 return_density=True)
+                                 return_density=True, **routing)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     return (out.detach(), *grads, dens)
 

@@ -18,7 +18,7 @@ from sparsebalance.ops import fa4
 if not fa4.HAS_FA4:
     pytest.skip("flash-attn-4 not installed", allow_module_level=True)
 
-from _cases import make_inputs, run
+from _cases import make_inputs, run, structured_inputs
 
 B = 128
 
@@ -27,11 +27,15 @@ def _on(dev, *ts):
     return [t.to(dev) for t in ts]
 
 
-def _check(lens, H, Hkv, D, topk, dtype, seed=0, where=""):
-    q, k, v, cu, dout = make_inputs(lens, H, Hkv, D, dtype=dtype, seed=seed)
-    got = run("fa4", *_on("cuda", q, k, v, cu, dout), topk, B)
-    truth = run("reference", *_on("cuda", q.float(), k.float(), v.float(), cu, dout.float()), topk, B)
-    ref = run("reference", *_on("cuda", q, k, v, cu, dout), topk, B)
+def _check(lens, H, Hkv, D, topk, dtype, seed=0, where="", **routing):
+    """``routing``: threshold routing's keywords (then block-structured inputs)."""
+    if routing:
+        q, k, v, cu, dout = structured_inputs(lens, H, Hkv, D, B, seed=seed, dtype=dtype)
+    else:
+        q, k, v, cu, dout = make_inputs(lens, H, Hkv, D, dtype=dtype, seed=seed)
+    got = run("fa4", *_on("cuda", q, k, v, cu, dout), topk, B, **routing)
+    truth = run("reference", *_on("cuda", q.float(), k.float(), v.float(), cu, dout.float()), topk, B, **routing)
+    ref = run("reference", *_on("cuda", q, k, v, cu, dout), topk, B, **routing)
     assert got[4] == ref[4], f"{where} kept pairs differ: {got[4]} vs {ref[4]}"
     for what, t, r, g in zip(("out", "dq", "dk", "dv"), truth, ref, got):
         ref_err = (r.float() - t).abs().max().item()
@@ -59,6 +63,12 @@ def test_second_step_with_new_lengths_and_budgets_compiles_nothing():
 def test_preset_shape_bf16():
     """Qwen2.5-0.5B's attention: 14 query heads, 2 KV groups, head dim 64."""
     _check([3000, 1, 700, 2100], 14, 2, 64, 3, torch.bfloat16)
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "per-block"])
+def test_threshold_routing_bf16(per_head):
+    """Threshold routing: per-head counts give per-head forward and backward lists."""
+    _check([3000, 1, 700, 2100], 4, 2, 64, 8, torch.bfloat16, threshold=0.8, topk_min=1, per_head=per_head)
 
 
 def test_fp16():

@@ -7,7 +7,7 @@ content differs."""
 
 import pytest
 import torch
-from _cases import descriptor_mask, make_inputs
+from _cases import descriptor_mask, make_inputs, structured_inputs
 
 from sparsebalance.ops import fa4, sparse_attention
 from sparsebalance.ops.flex import flex_layout
@@ -25,20 +25,7 @@ CASES = {
 
 
 def _inputs(case, seed=0):
-    """make_inputs with block structure: every block's tokens share a random direction
-    (so block-mean gates spread, as a trained model's do, instead of averaging out), each
-    query head sees it at its own strength (heads from peaked to flat: per-head counts
-    differ). Values stay representable in bf16."""
-    lens, H, Hkv, D, B = case[:5]
-    q, k, v, cu, dout = make_inputs(lens, H, Hkv, D, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    blk = torch.cat([torch.arange(L) // B + i * 10 ** 4 for i, L in enumerate(lens)])
-    _, blk = torch.unique(blk, return_inverse=True)
-    n = int(blk.max()) + 1 if blk.numel() else 0
-    strength = torch.linspace(2.0, 0.25, H).view(1, H, 1)
-    q = (q + torch.randn(n, 1, D, generator=g)[blk] * strength).to(torch.bfloat16).float()
-    k = (k + torch.randn(n, Hkv, D, generator=g)[blk]).to(torch.bfloat16).float()
-    return q, k, v, cu, dout
+    return structured_inputs(*case[:5], seed=seed)
 
 
 def _run(backend, case, threshold=True, seed=0, per_head=True, grads=False):

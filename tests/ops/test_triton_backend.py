@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from _cases import make_inputs, run
+from _cases import make_inputs, run, structured_inputs
 
 # name -> (doc lengths, H, Hkv, D, block_size, topk)
 CASES = {
@@ -30,7 +30,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                            env=env, cwd=repo, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
         passed = re.search(r"(\d+) passed", r.stdout)
-        assert passed and int(passed.group(1)) == 2 * len(CASES) + 1, r.stdout[-2000:]
+        assert passed and int(passed.group(1)) == 2 * len(CASES) + 3, r.stdout[-2000:]
 
     def test_autotune_configs(monkeypatch):
         """GPU: a small warps x stages list per (block, head dim, precision); the
@@ -151,6 +151,18 @@ else:
         got = run("triton", q, k, v, cu, dout, topk, B)
         for what, a, b in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=lambda m: f"{what}: {m}")
+        assert got[4] == ref[4] < 1.0
+
+    @pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "per-block"])
+    def test_triton_matches_reference_under_threshold_routing(per_head):
+        """Threshold routing (ragged, GQA, a minimum): per-head rows of unequal length."""
+        lens, H, Hkv, D, B = [100, 1, 70], 4, 2, 16, 16
+        q, k, v, cu, dout = structured_inputs(lens, H, Hkv, D, B, seed=1)
+        kw = dict(threshold=0.8, topk_min=1, per_head=per_head)
+        ref = run("reference", q, k, v, cu, dout, 4, B, **kw)
+        got = run("triton", q, k, v, cu, dout, 4, B, **kw)
+        for what, a, b in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5, msg=lambda m: f"{what}: {m}")
         assert got[4] == ref[4] < 1.0
 
     def test_triton_bf16_error_within_twice_reference():

@@ -16,6 +16,9 @@ def _parse(argv, data="unused", world_size=None):
 @pytest.mark.parametrize("argv, said", [
     (["--sparse-attention", "--sb-routing", "threshold", "--sb-threshold", "1.5"], "--sb-threshold must be in (0, 1]"),
     (["--sparse-attention", "--sb-threshold", "0.8"], "--sb-threshold needs --sb-routing threshold"),
+    (["--sparse-attention", "--sb-threshold-counts", "per-block"],
+     "--sb-threshold-counts needs --sb-routing threshold"),
+    (["--sparse-attention", "--sb-routing", "threshold", "--sb-threshold-counts", "per-layer"], "invalid choice"),
     (["--sb-routing", "threshold"], "--sb-routing threshold needs --sparse-attention"),
     (["--sparse-attention", "--sb-routing", "window"], "invalid choice"),
     (["--sparse-attention", "--sb-attention-backend", "fa4", "--context-parallel-size", "2"],
@@ -29,16 +32,20 @@ def test_bad_threshold_flags_are_one_line(argv, said, capsys):
     assert len(err) == 1 and said in err[0]
 
 
-def test_flags_reach_the_config_and_the_layer_spec(corpus):
+@pytest.mark.parametrize("counts, per_head", [([], True), (["--sb-threshold-counts", "per-head"], True),
+                                              (["--sb-threshold-counts", "per-block"], False)])
+def test_flags_reach_the_config_and_the_layer_spec(corpus, counts, per_head):
     from megatron.training.model import layer_spec
     from megatron.training.sb_config import attention_config
 
-    args = _parse(["--sparse-attention", "--sb-routing", "threshold", "--sb-topk", "6", "--sb-topk-min", "1"], corpus)
-    assert args.sb_threshold == 0.9
+    args = _parse(["--sparse-attention", "--sb-routing", "threshold", "--sb-topk", "6", "--sb-topk-min", "1",
+                   *counts], corpus)
+    assert args.sb_threshold == 0.9 and args.sb_threshold_counts == ("per-head" if per_head else "per-block")
     att = attention_config(args)
-    assert (att.threshold, att.topk_min, att.topk) == (0.9, 1, 6)
+    assert (att.threshold, att.topk_min, att.topk, att.per_head) == (0.9, 1, 6, per_head)
     params = layer_spec(args).submodules.self_attention.submodules.core_attention.params
     assert params["threshold"] == 0.9 and params["topk_min"] == 1 and params["topk"] == 6
+    assert params["per_head"] is per_head
     topk = _parse(["--sparse-attention"], corpus)
     assert layer_spec(topk).submodules.self_attention.submodules.core_attention.params["threshold"] is None
     assert attention_config(topk).threshold is None

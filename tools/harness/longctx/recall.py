@@ -127,9 +127,11 @@ def block_topk_recall(
             c = torch.arange(qe - s).view(1, -1)
             logits.masked_fill_(c > a + (qs - s), float("-inf"))
             p = torch.softmax(logits, dim=-1)
-            keep_blk = torch.zeros((H, i + 1), dtype=torch.bool)
-            cnt = int(kv_cnt[blk])
-            keep_blk.scatter_(1, kv_idx[:, blk, :cnt] - first, True)
+            # head h keeps the first kv_cnt[h, blk] entries of its row; the rest go to a dump column
+            row = kv_idx[:, blk]  # [H, W]
+            valid = torch.arange(row.shape[1]).view(1, -1) < kv_cnt[:, blk].view(-1, 1)
+            keep_blk = torch.zeros((H, i + 2), dtype=torch.bool)
+            keep_blk = keep_blk.scatter_(1, torch.where(valid, row - first, i + 1), True)[:, :i + 1]
             keep_tok = keep_blk.repeat_interleave(B, dim=1)[:, : qe - s]  # [H, P]
             mass += (p * keep_tok.unsqueeze(1)).sum((1, 2)).double()
             blk += 1
