@@ -59,8 +59,9 @@ class GGUFModel:
 
         try:
             self.reader = gguf.GGUFReader(path)
-        except (ValueError, OSError) as e:
-            raise ConversionError(f"{path}: not a GGUF file ({e})") from None
+        except Exception as e:  # gguf raises IndexError, ValueError, ... on a damaged file
+            detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            raise ConversionError(f"{path}: not a readable GGUF file ({detail})") from None
         self.path = path
         arch = self.field("general.architecture")
         if arch != "llama":
@@ -83,8 +84,10 @@ class GGUFModel:
         m = lambda key, default=None: self.field("llama." + key, default)  # noqa: E731
         for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
             if not isinstance(m(key), int):
-                raise ConversionError(f"{self.path}: metadata llama.{key} is missing")
+                raise ConversionError(f"{self.path}: metadata llama.{key} is missing or not one integer")
         heads, hidden = m("attention.head_count"), m("embedding_length")
+        if not isinstance(m("attention.head_count_kv", heads), int):  # a list: per-layer counts
+            raise ConversionError(f"{self.path}: per-layer llama.attention.head_count_kv is not supported")
         if m("expert_count", 0):
             raise ConversionError(f"{self.path}: a mixture of experts (llama.expert_count) is not supported")
         if m("rope.scaling.type", "none") != "none" or "rope_freqs.weight" in self.tensors:

@@ -10,8 +10,8 @@ never downloads a model).
   does (every digit alone first), which transformers does not know. The chat template
   travels in ``tokenizer_config.json``.
 * ``megatron-to-hf`` exports the converted checkpoint to a directory transformers loads.
-* An unknown architecture, quantization type or pre-tokenizer: one ``error:`` line, exit 2,
-  nothing written.
+* An unknown architecture, quantization type or pre-tokenizer, or a truncated file: one
+  ``error:`` line, exit 2, nothing written.
 """
 
 import json
@@ -33,7 +33,8 @@ WORKER = os.path.join(HERE, "_logits_worker.py")
 MODELS = {"tied": dict(tied=True), "untied": dict(tied=False, seed=1)}
 BAD = {"arch": (dict(arch="mamba"), "general.architecture 'mamba' is not supported"),
        "quant": (dict(types={"attn_v": "Q8_1"}), "blk.0.attn_v.weight has type Q8_1, which is not supported"),
-       "pre": (dict(pre="tekken"), "tokenizer.ggml.pre 'tekken' is not supported")}
+       "pre": (dict(pre="tekken"), "tokenizer.ggml.pre 'tekken' is not supported"),
+       "truncated": (dict(), "not a readable GGUF file")}  # cut to half its size
 DOCS = [(0, 23), (23, 64)]
 
 
@@ -61,6 +62,8 @@ def runs(tmp_path_factory, world):
     for name, (kw, _) in BAD.items():
         d = tmp_path_factory.mktemp("bad-" + name)
         write_gguf(str(d / "model.gguf"), **kw)
+        if name == "truncated":
+            os.truncate(d / "model.gguf", os.path.getsize(d / "model.gguf") // 2)
         bad[name] = d
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     runner = WarmRunner(str(tmp_path_factory.mktemp("warm")), env)  # starts while the world converts

@@ -5,18 +5,19 @@
         --load runs/models/smollm2-135m --gguf runs/models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 Two documents (the first ``--tokens`` tokens of each ``--text`` file, by the converted
-tokenizer ``LOAD/hf``) go through (1) the driver's packed forward (THD, dense attention,
-fp32, CPU) and transformers' forward of each document; (2) one ``pretrain_gpt.py
-$(cat LOAD/model_flags.txt) --load LOAD --finetune`` step (``--lr 0``) on the same
-documents, whose first logged loss is compared with transformers' mean next-token loss.
-Prints one JSON line: ``max_logit_diff`` (max |driver - transformers| over every token
-and vocabulary entry), ``loss_driver``, ``loss_transformers``, ``loss_diff``, ``tokens``.
+tokenizer ``LOAD/hf``; by default Python's ``argparse.py`` and ``LICENSE.txt``) go through
+(1) the driver's packed forward (THD, dense attention, fp32, CPU) and transformers' forward
+of each document; (2) one ``pretrain_gpt.py $(cat LOAD/model_flags.txt) --load LOAD
+--finetune`` step (``--lr 0``, ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model
+LOAD/hf``) on the same documents, whose first logged loss is compared with transformers'
+mean next-token loss over the documents' own targets. Prints one JSON line:
+``max_logit_diff`` (max |driver - transformers| over every token and vocabulary entry),
+``max_abs_logit``, ``loss_driver``, ``loss_transformers``, ``loss_diff``, ``tokens``.
 About 2 minutes and 3 GB on 2 CPU threads for SmolLM2-135M.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -28,8 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-DEFAULT_TEXTS = (os.path.join(ROOT, "docs", "design.md"), os.path.join(ROOT, "megatron", "training",
-                                                                        "hf_checkpoint.py"))
+from megatron.training.arguments import OneLineParser, UsageError, usage_error  # noqa: E402
+
+PROG = "check_real_model.py"
+
+STDLIB = os.path.dirname(os.__file__)
+DEFAULT_TEXTS = (os.path.join(STDLIB, "argparse.py"), os.path.join(STDLIB, "LICENSE.txt"))
+"""Python's own code and licence prose: on every machine, fixed for a Python version."""
 
 
 def driver_logits(ckpt: str, tokens, cu_seqlens):
@@ -113,7 +119,7 @@ def check(load: str, gguf: str, texts, n_tokens: int) -> dict:
         with open(path) as f:
             ids = tok.encode(f.read())[:n_tokens]
         if len(ids) < n_tokens:
-            raise SystemExit(f"check_real_model.py: error: {path} has fewer than {n_tokens} tokens")
+            raise UsageError(f"--text {path} has {len(ids)} tokens, fewer than --tokens {n_tokens}")
         docs.append(np.array(ids, dtype=np.int64))
     tokens = np.concatenate(docs)
     cu = np.cumsum([0] + [len(d) for d in docs])
@@ -131,7 +137,7 @@ def check(load: str, gguf: str, texts, n_tokens: int) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="check_real_model.py", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint written by convert.py gguf-to-megatron")
     p.add_argument("--gguf", required=True, help="the GGUF file it was converted from")
     p.add_argument("--text", nargs="+", default=list(DEFAULT_TEXTS), help="one document per file")
@@ -140,7 +146,14 @@ def main(argv=None) -> None:
     from megatron.training import quiet_optional_extras
 
     quiet_optional_extras()
-    print(json.dumps(check(a.load, a.gguf, a.text, a.tokens)))
+    try:
+        for path, what in [(os.path.join(a.load, "model_flags.txt"), "--load: no converted checkpoint"),
+                           (a.gguf, "--gguf: no such file"), *((t, "--text: no such file") for t in a.text)]:
+            if not os.path.isfile(path):
+                raise UsageError(f"{what} ({path})")
+        print(json.dumps(check(a.load, a.gguf, a.text, a.tokens)))
+    except UsageError as e:
+        usage_error(str(e), prog=PROG)
 
 
 if __name__ == "__main__":
