@@ -345,34 +345,43 @@ def sensitivity(docs: list) -> dict:
     return out
 
 
+def _by_length(docs: list, values: list) -> dict:
+    """Per equal length: documents, mean and CV of ``values``, mean by source."""
+    out = {}
+    for n in sorted({d["length"] for d in docs}):
+        at = [(d["source"], v) for d, v in zip(docs, values) if d["length"] == n]
+        vals = [v for _, v in at]
+        out[str(n)] = {"documents": len(at), "mean": float(np.mean(vals)), "cv": cv(vals),
+                       "by_source": {s: float(np.mean([v for x, v in at if x == s]))
+                                     for s in sorted({x for x, _ in at})}}
+    return out
+
+
+def _tau_table(docs: list, tau: str) -> dict:
+    """Density at one TAU (key ``tau``): per-head counts, per-block counts and their pair ratio."""
+    L = [d["length"] for d in docs]
+    w = [n * (n + 1) / 2 for n in L]  # causal pairs per head
+    ph = [d["densities"][tau]["per_head"] for d in docs]
+    pb = [d["densities"][tau]["per_block"] for d in docs]
+    return {"cv_equal_length": cv_within_buckets(L, ph)["cv"], "density_mean": float(np.mean(ph)),
+            "per_block": {"cv_equal_length": cv_within_buckets(L, pb)["cv"], "density_mean": float(np.mean(pb))},
+            "per_head_over_per_block": float(np.dot(ph, w) / np.dot(pb, w)), "by_length": _by_length(docs, ph)}
+
+
+def _oracle_table(docs: list, tau: str) -> dict:
+    """The oracle's density and the gate's recall at one TAU, over the documents that have them."""
+    od = [d for d in docs if "oracle" in d]
+    recall = lambda mode: float(np.mean([d["gate_recall"][tau][mode] for d in od]))
+    return {"documents": len(od), "oracle_density_mean": float(np.mean([d["oracle"][tau] for d in od])),
+            "oracle_cv_equal_length": cv_within_buckets([d["length"] for d in od],
+                                                        [d["oracle"][tau] for d in od])["cv"],
+            "gate_recall_per_head": recall("per_head"), "gate_recall_per_block": recall("per_block")}
+
+
 def summarize(docs: list, args) -> dict:
     """The report's aggregates from the measured documents (see the module docstring)."""
-    L = [d["length"] for d in docs]
-    w = [d["length"] * (d["length"] + 1) / 2 for d in docs]  # causal pairs per head
-    grid = {}
-    for t in args.taus:
-        ph = [d["densities"][f"{t:g}"]["per_head"] for d in docs]
-        pb = [d["densities"][f"{t:g}"]["per_block"] for d in docs]
-        grid[f"{t:g}"] = {
-            "cv_equal_length": cv_within_buckets(L, ph)["cv"], "density_mean": float(np.mean(ph)),
-            "per_block": {"cv_equal_length": cv_within_buckets(L, pb)["cv"], "density_mean": float(np.mean(pb))},
-            "per_head_over_per_block": float(np.dot(ph, w) / np.dot(pb, w)),
-            "by_length": {str(n): {"documents": L.count(n),
-                                   "mean": float(np.mean([x for x, m in zip(ph, L) if m == n])),
-                                   "cv": cv([x for x, m in zip(ph, L) if m == n]),
-                                   "by_source": {s: float(np.mean([x for x, m, d in zip(ph, L, docs)
-                                                                   if m == n and d["source"] == s]))
-                                                 for s in sorted({d["source"] for d, m in zip(docs, L) if m == n})}}
-                          for n in sorted(set(L))}}
-    od = [d for d in docs if "oracle" in d]
-    oracle = {f"{t:g}": {"documents": len(od),
-                         "oracle_density_mean": float(np.mean([d["oracle"][f"{t:g}"] for d in od])),
-                         "oracle_cv_equal_length": cv_within_buckets([d["length"] for d in od],
-                                                                     [d["oracle"][f"{t:g}"] for d in od])["cv"],
-                         "gate_recall_per_head": float(np.mean([d["gate_recall"][f"{t:g}"]["per_head"] for d in od])),
-                         "gate_recall_per_block": float(np.mean([d["gate_recall"][f"{t:g}"]["per_block"]
-                                                                 for d in od]))}
-              for t in args.taus} if od else None
+    grid = {f"{t:g}": _tau_table(docs, f"{t:g}") for t in args.taus}
+    oracle = {f"{t:g}": _oracle_table(docs, f"{t:g}") for t in args.taus} if any("oracle" in d for d in docs) else None
     layers = {k: np.mean([d["by_layer"][k] for d in docs], axis=0).round(5).tolist() for k in ("per_head", "per_block")}
     est = heldout_microbatch_mape(docs, args.microbatch_tokens,
                                   {"source_and_length": SparsityEstimator(), "length_only": LengthOnlyEstimator()})
