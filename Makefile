@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 2
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test lint build venv clean gpu-check gpu-prep real-model real-accuracy
+.PHONY: demo test lint build venv clean gpu-check gpu-prep real-model real-study real-accuracy
 
 venv: $(STAMP)
 
@@ -43,6 +43,20 @@ gpu-prep:
 # (93 MB, sha256 pinned), converted once into runs/models/smollm2-135m/ (tools/real_model.sh).
 real-model: $(STAMP)
 	PY=$(PY) bash tools/real_model.sh
+
+# Its density and sensitivity study (issue 49, docs/real_study.md): a 1,000-document corpus in
+# the model's tokens (runs/real/corpus, made once), then tools/sparsity_study.py --real with its
+# documented defaults on 2 threads (<= 45 minutes on a quiet 2-core machine); prints the JSON
+# report last, also written to results/real_study.json.
+REAL_MODEL := runs/models/smollm2-135m
+real-study: real-model build runs/real/corpus.bin
+	$(PY) tools/sparsity_study.py --real --load $(REAL_MODEL) --data-path runs/real/corpus --threads 2 \
+		--json --output results/real_study.json
+
+runs/real/corpus.bin: tools/make_real_corpus.py $(REAL_MODEL).stamp
+	mkdir -p runs/real
+	$(PY) tools/make_real_corpus.py --tokenizer-model $(REAL_MODEL)/hf --output-prefix runs/real/corpus \
+		--num-docs 1000
 
 # Accuracy of SparseBalance's budgets vs static top-k on that model (issue 50): held-out loss per
 # micro-batch, retrieval, and the fine-tuning start; <= 45 minutes on 2 threads

@@ -27,10 +27,11 @@ stay whole (the closest below when none does within a bounded search: recorded i
 
 Writes ``PREFIX.jsonl`` (``{"text", "source"}`` per line), tokenizes it with
 ``tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer --tokenizer-model
---tokenizer-model`` into ``PREFIX.bin/.idx``, and the sidecar ``PREFIX_sources.json`` in
-``tools/make_hetero_corpus.py``'s format (``doc_source`` and ``lengths`` per document, plus
-``compression_ratio``: zlib-compressed over raw UTF-8 bytes of the text, and ``skipped``). Prints one
-JSON line. Deterministic for a seed, a tokenizer and a machine (its files are the text).
+--tokenizer-model`` into ``PREFIX.bin/.idx`` (and its ``PREFIX_compression.npy``: each text's zlib
+compression ratio), and the sidecar ``PREFIX_sources.json`` in ``tools/make_hetero_corpus.py``'s
+format (``doc_source`` and ``lengths`` per document, plus ``target_lengths``, the tokenizer and
+``skipped``: the sources this machine lacks, and why). Prints one JSON line. Deterministic for a
+seed, a tokenizer and a machine (its files are the text).
 
 Tiny CPU run (the converted SmolLM2's tokenizer: ``make real-model``)::
 
@@ -54,7 +55,6 @@ import json
 import math
 import os
 import sys
-import zlib
 from typing import Callable, NoReturn, Optional
 
 import numpy as np
@@ -77,12 +77,6 @@ SEARCH_TRIES = 200
 def fail(message: str, code: int = 2) -> NoReturn:
     """One ``make_real_corpus.py: error:`` line on stderr, then exit ``code``."""
     usage_error(message, prog=PROG, code=code)
-
-
-def compression_ratio(text: str) -> float:
-    """zlib-compressed / raw size of ``text``'s UTF-8 bytes (low: repetitive text)."""
-    raw = text.encode("utf-8")
-    return len(zlib.compress(raw, 6)) / max(1, len(raw))
 
 
 def scaled_lengths(source: np.ndarray, n: int, lo: int, hi: int, quantiles: tuple,
@@ -406,7 +400,6 @@ def main(argv=None) -> int:
     side = {"format": SIDECAR_FORMAT, "version": 1, "seed": args.seed, "seq_length": args.max_length,
             "lengths_from": args.lengths, "python": sys.version.split()[0], "sources": sources,
             "doc_source": picked, "lengths": lengths, "target_lengths": [int(x) for x in targets],
-            "compression_ratio": [round(compression_ratio(t), 6) for t in texts],
             "tokenizer": os.path.abspath(args.tokenizer_model), "skipped": skipped}
     atomic_write_text(sidecar_path(args.output_prefix), json.dumps(side) + "\n")
     summary = {"output_prefix": args.output_prefix, "documents": len(texts), "tokens": int(sum(lengths)),

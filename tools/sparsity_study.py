@@ -50,7 +50,20 @@ The study (``docs/sparsity_study.md``)::
         --data-path runs/hetero/corpus --tau 0.9 --topk 16 --topk-min 1 --block-size 32 \\
         --num-docs 300 --json --output results/sparsity_study.json
 
-GPU cluster run (one GPU, PP=1 model): the same flags on the cluster's checkpoint and corpus.
+On a pretrained model converted by ``tools/checkpoint/convert.py`` (``--real``; what it
+measures: :mod:`sparsity_real`, ``docs/real_study.md``): equal-length windows of a
+``tools/make_real_corpus.py`` corpus, a TAU sweep, per-head against per-block counts, the gate's
+recall of the dense mass, and the loss a document gives up under top-k and threshold routing::
+
+    # tiny CPU run (a few minutes): one document per source at 2K, no sensitivity
+    OMP_NUM_THREADS=2 .venv/bin/python tools/sparsity_study.py --real --load runs/models/smollm2-135m \
+        --data-path runs/real/corpus --lengths 2048 --docs-per-source 1 --sens-lengths none --json
+    # the study (make real-study; <= 45 minutes on a quiet 2-core machine)
+    OMP_NUM_THREADS=2 .venv/bin/python tools/sparsity_study.py --real --load runs/models/smollm2-135m \
+        --data-path runs/real/corpus --threads 2 --json --output results/real_study.json
+
+GPU cluster run (one GPU, PP=1 model): the same flags on the cluster's checkpoint and corpus
+(``--real --lengths 8192,16384,32768`` for a model with that context).
 """
 
 from __future__ import annotations
@@ -66,6 +79,8 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
+
+import sparsity_real  # noqa: E402
 
 from megatron.training import quiet_optional_extras  # noqa: E402
 from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
@@ -99,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pretrain_gpt.py flags, for checkpoints without them (default: the flags "
                         "tools/make_hetero_corpus.py trained it with, from LOAD/hetero_corpus_train.json)")
     p.add_argument("--tau", type=float, default=0.9, help="threshold routing's TAU (gate softmax mass)")
-    p.add_argument("--topk", type=int, default=16, help="cap: most key blocks a query block keeps")
+    p.add_argument("--topk", type=int, default=None,
+                   help="cap: most key blocks a query block keeps (default 16; --real: none)")
     p.add_argument("--topk-min", type=int, default=1, help="least key blocks a query block keeps")
-    p.add_argument("--block-size", type=int, default=32, help="routing block (tokens)")
+    p.add_argument("--block-size", type=int, default=None, help="routing block (tokens; default 32, --real 64)")
     p.add_argument("--num-docs", type=int, default=300, help="documents measured (the first of --docs)")
     p.add_argument("--docs", choices=("valid", "all"), default="valid",
                    help="valid: the checkpoint's held-out split (--split), all: every document")
@@ -110,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of a summary")
     p.add_argument("--output", default=None, help="also write the JSON report here (atomically)")
+    sparsity_real.add_args(p)
     return p
 
 
@@ -122,7 +139,12 @@ def check_args(args) -> None:
             fail(f"--data-path: {args.data_path + ext} does not exist")
     if not 0.0 < args.tau <= 1.0:
         fail(f"--tau must be in (0, 1], got {args.tau:g}")
-    if args.topk < 1 or args.topk_min < 0 or args.topk_min > args.topk:
+    if args.real:
+        sparsity_real.check_args(args, fail)
+    else:
+        args.topk = 16 if args.topk is None else args.topk
+        args.block_size = 32 if args.block_size is None else args.block_size
+    if args.topk_min < 0 or (args.topk is not None and (args.topk < 1 or args.topk_min > args.topk)):
         fail(f"need 0 <= --topk-min <= --topk and --topk >= 1, got {args.topk_min} and {args.topk}")
     if args.num_docs < 4:
         fail("--num-docs must be >= 4 (half fit the estimator, half are held out)")
@@ -221,15 +243,33 @@ def oracle_pairs(q, k, scale: float, block: int, tau: float) -> dict:
 
     Pairs are counted as the plan counts them: the diagonal causally, the others whole.
     """
+    return oracle_from_mass(block_mass(q, k, scale, block), q.shape[0], block, tau)
+
+
+def block_mass(q, k, scale: float, block: int):
+    """float64 ``[H, query block, key block]``: each query block's dense softmax mass on each
+    key block (the sum over its queries of their causal attention probabilities on the
+    block's keys), one head at a time (a head's ``[L, L]`` scores at most in memory).
+    q ``[L, H, D]``, k ``[L, Hkv, D]`` of one document."""
     import torch
 
     L, H, _ = q.shape
-    kk = k.float().repeat_interleave(H // k.shape[1], dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
-    s.masked_fill_(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
     nb = -(-L // block)
-    p = torch.nn.functional.pad(s.softmax(-1), (0, nb * block - L, 0, nb * block - L))
-    mass = p.view(H, nb, block, nb, block).sum(-1).sum(2).double()  # [H, query block, key block]
+    future = torch.ones(L, L, dtype=torch.bool).triu(1)
+    mass = torch.empty(H, nb, nb, dtype=torch.float64)
+    for h in range(H):
+        s = (q[:, h].float() @ k[:, h // (H // k.shape[1])].float().T) * scale
+        s.masked_fill_(future, float("-inf"))
+        p = torch.nn.functional.pad(s.softmax(-1), (0, nb * block - L, 0, nb * block - L))
+        mass[h] = p.view(nb, block, nb, block).sum(-1).sum(1).double()
+    return mass
+
+
+def oracle_from_mass(mass, L: int, block: int, tau: float) -> dict:
+    """:func:`oracle_pairs` of a document of ``L`` tokens from its :func:`block_mass`."""
+    import torch
+
+    H, nb = mass.shape[0], mass.shape[1]
     i = torch.arange(nb).view(nb, 1)
     j = torch.arange(nb).view(1, nb)
     is_cand = (j >= 1) & (j < i)  # neither sink nor diagonal
@@ -409,6 +449,8 @@ def drift(args, dataset, ids, sources, tokens: int, iterations: list, latest: in
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    if args.real:
+        return report_real(args)
     from megatron.training.checkpointing import list_iterations
     from megatron.training.indexed_io import open_dataset
 
@@ -481,6 +523,26 @@ def main(argv=None) -> int:
         print("by source: " + "  ".join(f"{s} {d:.3f}" for s, d in report["by_source"].items()))
         print(f"micro-batch cost CV: measured {mc['cv_measured']}, length-only {mc['cv_length_only']}, "
               f"fixed {mc['cv_fixed_density']}")
+    return 0
+
+
+def report_real(args) -> int:
+    """``--real``: the study on a converted pretrained model (:mod:`sparsity_real`)."""
+    report = sparsity_real.run(args, fail)
+    text = json.dumps(report)
+    if args.output:
+        atomic_write_text(args.output, text + "\n")
+    if args.json:
+        print(text)
+    else:
+        s = report["sensitivity"]
+        print(f"documents {report['measured']['documents']}  density {report['density_mean']:.3f}  cv_equal_length "
+              f"{report['cv_equal_length']:.3f}  per_head_over_per_block {report['per_head_over_per_block']:.3f}  "
+              f"estimator_mape {report['estimator_mape']:.3f} (length only {report['estimator_mape_length_only']:.3f})")
+        print("by source: " + "  ".join(f"{k} {v:.3f}" for k, v in report["by_source"].items()))
+        if s["documents"]:
+            print(f"sensitivity (top-{args.sens_topk}): mean +{s['mean']:.3f} nats, cv_equal_length "
+                  f"{s['cv_equal_length']:.2f}; " + "  ".join(f"{k} {v:+.3f}" for k, v in s["by_source"].items()))
     return 0
 
 

@@ -380,6 +380,17 @@ CASES = [
          _p("--load", "{d}/empty_ckpt", "--data-path", "{d}/good", "--topk", "2", "--topk-min", "3"), r"topk-min"),
     Case("study-output-no-dir", "tools/sparsity_study.py",
          _p("--load", "{d}/empty_ckpt", "--data-path", "{d}/good", "--output", "{d}/no_dir/s.json"), r"no_dir"),
+    Case("study-real-no-model-flags", "tools/sparsity_study.py",
+         _p("--real", "--load", "{d}/empty_ckpt", "--data-path", "{d}/good"), r"model_flags\.txt"),
+    Case("study-real-sens-length", "tools/sparsity_study.py",
+         _p("--real", "--load", "{d}/empty_ckpt", "--data-path", "{d}/good", "--lengths", "1024",
+            "--docs-per-source", "1", "--sens-lengths", "2048"), r"sens-lengths"),
+    # make_real_corpus.py (rejected before anything is written)
+    Case("real-corpus-no-tokenizer", "tools/make_real_corpus.py",
+         _p("--tokenizer-model", "{d}/no_hf", "--output-prefix", "{d}/rc1"), r"no_hf", _p("{d}/rc1.jsonl")),
+    Case("real-corpus-unknown-source", "tools/make_real_corpus.py",
+         _p("--tokenizer-model", "{d}/good.bin", "--output-prefix", "{d}/rc2", "--sources", "code,poetry"),
+         r"sources.*poetry", _p("{d}/rc2.jsonl")),
     # make_longctx_data.py
     Case("longctx-negative-docs", "tools/make_longctx_data.py",
          _p("--output-dir", "{d}/lc1", "--num-train-docs", "-1"), r"num-train-docs", _p("{d}/lc1/train.jsonl")),

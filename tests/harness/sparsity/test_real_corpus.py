@@ -72,14 +72,17 @@ def test_corpus_is_exact_deterministic_and_tagged(tmp_path, tokenizer_dir, capsy
     assert len(set(side["doc_source"])) >= 4 and set(side["doc_source"]) <= set(sources.split(","))
     rows = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert [r["source"] for r in rows] == side["doc_source"]
-    assert all(0 < c < 1.2 for c in side["compression_ratio"])
+    ratios = np.load(tmp_path / "a_compression.npy")  # preprocess_data.py's feature sidecar
+    assert ratios.shape == (10,) and all(0 < c < 1.2 for c in ratios)
     for r in rows:  # a RULER-style document keeps its question and the asked needle's value
         if r["source"] in mrc.RULER_TASKS:
             key = r["text"].rsplit("special magic number for ", 1)[1].split(" ")[0]
             value = r["text"].rstrip("\n").rsplit(" ", 1)[1]
             assert value.isdigit() and key in r["text"][:r["text"].index("What")] and value in r["text"][:-20]
+    from megatron.training.doc_features import compression_ratio
+
     rep = mrc.Repeat(mrc._stdlib_files()).text(np.random.default_rng(4), 20000)
-    assert mrc.compression_ratio(rep) < 0.5 * mrc.compression_ratio(mrc.Csv().text(np.random.default_rng(4), 20000))
+    assert compression_ratio(rep) < 0.5 * compression_ratio(mrc.Csv().text(np.random.default_rng(4), 20000))
     assert _make(str(tmp_path / "b"), tokenizer_dir, "--sources", sources) == 0
     assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
 
