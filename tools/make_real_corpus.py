@@ -38,7 +38,7 @@ Tiny CPU run (the converted SmolLM2's tokenizer: ``make real-model``)::
     .venv/bin/python tools/make_real_corpus.py --tokenizer-model runs/models/smollm2-135m/hf \\
         --output-prefix runs/real/tiny --num-docs 40 --max-length 2048
 
-The study's corpus (``make real-study``; ~1-2 minutes)::
+The study's corpus (``make real-study``; ~2 minutes on 2 quiet cores)::
 
     .venv/bin/python tools/make_real_corpus.py --tokenizer-model runs/models/smollm2-135m/hf \\
         --output-prefix runs/real/corpus --num-docs 1000
