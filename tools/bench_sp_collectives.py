@@ -17,10 +17,15 @@ GPU node (NCCL), 8 ranks:
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.training.arguments import OneLineParser  # noqa: E402
 
 
 def _ms(fn, reps: int, sync) -> float:
@@ -39,11 +44,19 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="tools/bench_sp_collectives.py", description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--sizes", default="16384,262144,1048576", help="fp32 elements per rank, comma-separated")
     p.add_argument("--reps", type=int, default=10)
     a = p.parse_args()
+    try:
+        sizes = [int(s) for s in a.sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        p.error(f"--sizes: positive integers separated by commas, got {a.sizes!r}")
+    if a.reps < 1:
+        p.error("--reps must be >= 1")
     dist.init_process_group(a.backend)
     n, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if a.backend == "nccl" else torch.device("cpu")
@@ -52,7 +65,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     rows = []
-    for size in (int(s) for s in a.sizes.split(",")):
+    for size in sizes:
         size -= size % n
         x = torch.randn(size, device=device)
         shard, full = torch.empty(size // n, device=device), torch.empty(size * n, device=device)

@@ -3,7 +3,7 @@
 
 Given a sensitivity study (``documents`` with ``source``, ``length``, ``loss_delta`` and
 optionally ``compression_ratio``; ``config.sens_topk`` and ``config.block_size``, as
-``tools/sparsity_real.py`` writes it), each simulated step draws held-out documents, packs them
+``tools/harness/sparsity_real.py`` writes it), each simulated step draws held-out documents, packs them
 in order into ``dp x M`` micro-batches and plans, on SmolLM2-135M's layer (32 of them, so
 that PP 4 and 8 divide the model) under the analytic H100 cost model, the arms
 
@@ -42,7 +42,6 @@ On the real study (any machine; planning is CPU work)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -51,6 +50,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
 from sparsebalance.balancer import SensitivityWeights  # noqa: E402
 from sparsebalance.batching.sparsity_estimator import pack_in_order  # noqa: E402
 from sparsebalance.io import atomic_write_text  # noqa: E402
@@ -158,8 +158,24 @@ def simulate(study: dict, pp: int, *, microbatches: int, dp: int = 1, steps: int
     return out
 
 
+def _read_study(path: str) -> dict:
+    """The study JSON, or one usage error line naming what is wrong with it."""
+    prog = "tools/sensitivity_sim.py"
+    try:
+        with open(path) as fh:
+            study = json.load(fh)
+    except OSError as e:
+        usage_error(f"--study: cannot read {path} ({e.strerror})", prog=prog)
+    except ValueError as e:
+        usage_error(f"--study: {path} is not JSON ({e})", prog=prog)
+    docs = study.get("documents") if isinstance(study, dict) else None
+    if not docs or not all(isinstance(d, dict) and {"source", "length", "loss_delta"} <= d.keys() for d in docs):
+        usage_error(f"--study: {path} has no documents with source, length and loss_delta", prog=prog)
+    return study
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tools/sensitivity_sim.py", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="tools/sensitivity_sim.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fixture", help="write the labelled fixture study")
     f.add_argument("--out", required=True)
@@ -177,8 +193,9 @@ def main(argv=None) -> int:
     if a.cmd == "fixture":
         atomic_write_text(a.out, json.dumps(fixture_study(a.seed), indent=1) + "\n")
         return 0
-    with open(a.study) as fh:
-        study = json.load(fh)
+    study = _read_study(a.study)
+    if min(a.pp) < 1 or a.steps < 1 or a.dp < 1 or a.seq_length < 1 or (a.microbatches or 1) < 1:
+        usage_error("--pp, --steps, --dp, --seq-length and --microbatches must be >= 1", prog=p.prog)
     res = {"study": a.study, "fixture": study.get("fixture"),
            "model": "SmolLM2-135M's layer x 32 layers, h100-analytic",
            "proxy": "loss linear in dropped pairs, calibrated at the study's budget to each document's "

@@ -80,8 +80,6 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 
-import sparsity_real  # noqa: E402
-
 from megatron.training import quiet_optional_extras  # noqa: E402
 from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
 from sparsebalance.batching.sparsity_estimator import (  # noqa: E402
@@ -94,6 +92,7 @@ from sparsebalance.batching.sparsity_estimator import (  # noqa: E402
     mape,
 )
 from sparsebalance.io import atomic_write_text  # noqa: E402
+from tools.harness import sparsity_real  # noqa: E402
 
 quiet_optional_extras()
 

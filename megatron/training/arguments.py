@@ -338,7 +338,7 @@ def _sparsebalance_flags(p: argparse.ArgumentParser) -> None:
                         "from --sb-sensitivity-study); default off until measured on a real model")
     g.add_argument("--sb-sensitivity-study", default=None, metavar="PATH",
                    help="sensitivity study JSON (documents with source, length, loss_delta; "
-                        "tools/sparsity_real.py) the sensitivity estimator starts from")
+                        "tools/harness/sparsity_real.py) the sensitivity estimator starts from")
     g.add_argument("--no-sb-plan-ahead", dest="sb_plan_ahead", action="store_false",
                    help="DST: plan each step in line before it runs instead of in the "
                         "background during the previous step (with the correction one step "

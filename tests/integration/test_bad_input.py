@@ -387,10 +387,19 @@ CASES = [
             "--docs-per-source", "1", "--sens-lengths", "2048"), r"sens-lengths"),
     # make_real_corpus.py (rejected before anything is written)
     Case("real-corpus-no-tokenizer", "tools/make_real_corpus.py",
-         _p("--tokenizer-model", "{d}/no_hf", "--output-prefix", "{d}/rc1"), r"no_hf", _p("{d}/rc1.jsonl")),
+         _p("--tokenizer-model", "{d}/no_hf", "--output-prefix", "{d}/rc1"), r"no_hf", _p("{d}/rc1.jsonl"),
+         cold=True),
     Case("real-corpus-unknown-source", "tools/make_real_corpus.py",
          _p("--tokenizer-model", "{d}/good.bin", "--output-prefix", "{d}/rc2", "--sources", "code,poetry"),
          r"sources.*poetry", _p("{d}/rc2.jsonl")),
+    # real_accuracy.py, sensitivity_sim.py, bench_sp_collectives.py (rejected before any work)
+    Case("real-accuracy-no-model", "tools/real_accuracy.py", _p("--load", "{d}/empty_ckpt"), r"model_flags\.txt",
+         _p("{d}/ra.json"), cold=True),
+    Case("sensitivity-sim-missing-study", "tools/sensitivity_sim.py", _p("run", "--study", "{d}/no_study.json"),
+         r"no_study\.json", cold=True),
+    Case("sensitivity-sim-study-no-documents", "tools/sensitivity_sim.py",
+         _p("run", "--study", "{d}/blank.jsonl", "--out", "{d}/sens.json"), r"blank\.jsonl", _p("{d}/sens.json")),
+    Case("bench-sp-bad-sizes", "tools/bench_sp_collectives.py", _p("--sizes", "12,abc"), r"sizes", cold=True),
     # make_longctx_data.py
     Case("longctx-negative-docs", "tools/make_longctx_data.py",
          _p("--output-dir", "{d}/lc1", "--num-train-docs", "-1"), r"num-train-docs", _p("{d}/lc1/train.jsonl")),

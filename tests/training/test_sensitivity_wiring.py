@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import balancer_config
+from conftest import PRETRAIN, TINY, balancer_config, summary_of
 
 from sparsebalance.balancer import Balancer, SensitivityWeights
 from sparsebalance.predictor import get_predictor
@@ -89,8 +89,6 @@ def test_flags(tmp_path):
 def test_driver_trains_with_sensitivity_estimate(long_corpus, world, tmp_path):
     """--sb-dst-sensitivity estimate end to end (no source sidecar: the estimator
     falls back to its length buckets, so weights still vary between micro-batches)."""
-    from conftest import PRETRAIN, TINY, summary_of
-
     study = tmp_path / "study.json"
     study.write_text(json.dumps(fixture_study(seed=2, docs_per_source=4, block_size=32, topk=4)))
     proc = world.launch(PRETRAIN, [*TINY, "--seq-length", "1024",

@@ -1,4 +1,4 @@
-"""tools/sparsity_study.py --real (tools/sparsity_real.py): document selection and order, the
+"""tools/sparsity_study.py --real (tools/harness/sparsity_real.py): document selection and order, the
 per-layer probe's counts and recall, the aggregates, and the study end to end on a tiny GGUF
 converted by convert.py gguf-to-megatron with a corpus from make_real_corpus.py."""
 
@@ -16,8 +16,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools"), os.path.join(REPO, "tests", "checkpoint")]
 
-import sparsity_real as sr  # noqa: E402
 from sparsity_study import oracle_pairs  # noqa: E402
+
+from tools.harness import sparsity_real as sr  # noqa: E402
 
 
 def test_selection_takes_the_shortest_long_enough_once_and_interleaves():
