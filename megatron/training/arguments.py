@@ -416,6 +416,16 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
                         "naming the iteration, before anything non-finite is saved)")
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_true", default=True, help="the default (see --no-check-...)")
+    g.add_argument("--rerun-mode", choices=["disabled", "validate_results"], default="disabled",
+                   help="validate_results: re-run a step whose loss is non-finite (or an injected error) "
+                        "from the same state on the same data before its optimizer step; a reproduced "
+                        "result stops the run with one line, a transient one goes on with the re-run's "
+                        "result (megatron/training/rerun.py)")
+    g.add_argument("--error-injection-rate", type=nonneg(int), default=0, metavar="N",
+                   help="with --rerun-mode validate_results, inject an error into about one step in N "
+                        "per rank (0: never), to exercise the re-run")
+    g.add_argument("--error-injection-type", choices=["correct_result", "transient_error", "persistent_error"],
+                   default="transient_error", help="how an injected error's re-run compares (see --rerun-mode)")
     g.add_argument("--exit-duration-in-mins", type=pos(float), default=None,
                    help="stop (saving with --save) once training has run this long")
     g.add_argument("--exit-interval", type=pos(int), default=None,
