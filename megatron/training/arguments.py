@@ -444,6 +444,17 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true",
                    help="train on random tokens (one --seq-length document per sample) instead of --data-path")
     g.add_argument("--split", default="98,2,0", help="train,valid,test weights over documents")
+    g.add_argument("--fim-data", action="store_true",
+                   help="fill-in-the-middle: rearrange documents' segments as prefix/suffix/middle with "
+                        "sentinel tokens, lengths kept (megatron/training/fim.py); needs --fim-rate and "
+                        "--fim-spm-rate")
+    g.add_argument("--fim-rate", type=float, default=None, help="probability that a segment is rearranged")
+    g.add_argument("--fim-spm-rate", type=float, default=None,
+                   help="probability that a rearranged segment is suffix-prefix-middle (else prefix-suffix-middle)")
+    for name, token in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"), ("suffix", "<fim_suffix>"),
+                        ("pad", "<fim_pad>"), ("eod", "<|endoftext|>")):
+        g.add_argument(f"--fim-{name}-token", default=token,
+                       help=f"the FIM {name} sentinel, one token of the tokenizer (default {token})")
     g.add_argument("--mask-prompt-loss", action="store_true",
                    help="train only on each document's tokens from its loss start on (read from "
                         "DATA_PATH_loss_start.npy, written by tools/preprocess_data.py "
@@ -684,6 +695,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
             raise UsageError(f"--mask-prompt-loss needs {loss_start_path(args.data_path)} "
                              "(write it with tools/preprocess_data.py --loss-start-key)")
     arg_checks.validate_tokenizer(args)
+    if args.fim_data:
+        _validate_fim(args)
     # Megatron-LM trains and saves nothing when these come without --save (benchmark
     # scripts pass them): the same here, with one warning line each
     for flag, given in (("--save-interval", args.save_interval), ("--no-save-optim", args.no_save_optim),
@@ -709,6 +722,22 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     if args.no_load_optim and args.load is None:
         raise UsageError("--no-load-optim needs --load")
     return args
+
+
+def _validate_fim(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for ``--fim-data`` (rates given, no mock data) and sentinels the tokenizer has."""
+    from megatron.training.fim import fim_config
+    from megatron.training.tokenizer import args_tokenizer
+
+    if args.mock_data:
+        raise UsageError("--fim-data with --mock-data: fill-in-the-middle needs text (as in Megatron-LM)")
+    for flag, value in (("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate)):
+        if not value:
+            raise UsageError(f"--fim-data needs {flag} (as in Megatron-LM)")
+    try:
+        fim_config(args, args_tokenizer(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:

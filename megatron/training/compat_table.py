@@ -279,7 +279,8 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--biencoder-", "biencoder / retrieval models are not supported"),
     ("--retriever-", "biencoder / retrieval models are not supported"),
     ("--bert-", "BERT models are not supported"),
-    ("--fim-", "fill-in-the-middle data is not supported"),
+    ("--fim-", "fill-in-the-middle is --fim-data with --fim-rate, --fim-spm-rate and the sentinel tokens: "
+               "sample splitting and fragment rates are not supported"),
     ("--sft", "supervised fine-tuning datasets are not supported (use --mask-prompt-loss)"),
     ("--inprocess-", "in-process restart is not supported (use --save/--load with --exit-signal-handler)"),
     ("--enable-ft-package", "the fault-tolerance package is not supported (see --step-timeout-minutes)"),

@@ -173,6 +173,12 @@ def vocab_size_for(tokenizer_type: str, tokenizer_model: Optional[str], vocab_si
     return tok.vocab_size
 
 
+def args_tokenizer(args):
+    """:func:`build_tokenizer` of parsed ``pretrain_gpt.py`` args."""
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, getattr(args, "vocab_file", None),
+                           getattr(args, "merge_file", None))
+
+
 def args_vocab_size(args) -> int:
     """:func:`vocab_size_for` of parsed ``pretrain_gpt.py`` args."""
     return vocab_size_for(args.tokenizer_type, args.tokenizer_model, args.vocab_size,

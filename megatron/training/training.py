@@ -134,6 +134,12 @@ def setup(args) -> TrainState:
     cpu = use_cpu(args)
     vocab = args.padded_vocab_size = model_vocab_size(args)  # saved in checkpoints' args
     dataset = open_data(args)
+    if args.fim_data:
+        from megatron.training.fim import FIMDocuments, fim_config
+        from megatron.training.tokenizer import args_tokenizer
+
+        tokenizer = args_tokenizer(args)
+        dataset = FIMDocuments(dataset, tokenizer, fim_config(args, tokenizer))
     loss_starts = open_loss_starts(args.data_path, dataset.sequence_lengths) if args.mask_prompt_loss else None
     train_ids, valid_ids, _ = split_documents(len(dataset), args.split_fractions)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
