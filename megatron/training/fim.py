@@ -100,8 +100,10 @@ class FIMDocuments:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getattr__(self, name):
-        return getattr(self.__dict__["dataset"], name)
+    def __getattr__(self, name):  # only for names this class lacks (``sequence_lengths``, blend parts)
+        if name == "dataset":  # not set yet (copy / unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
     def document(self, idx: int) -> np.ndarray:
         """Document ``idx`` transformed (the same array on every call)."""
