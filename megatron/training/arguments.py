@@ -446,10 +446,9 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="98,2,0", help="train,valid,test weights over documents")
     g.add_argument("--fim-data", action="store_true",
                    help="fill-in-the-middle: rearrange documents' segments as prefix/suffix/middle with "
-                        "sentinel tokens, lengths kept (megatron/training/fim.py); needs --fim-rate and "
-                        "--fim-spm-rate")
-    g.add_argument("--fim-rate", type=float, default=None, help="probability that a segment is rearranged")
-    g.add_argument("--fim-spm-rate", type=float, default=None,
+                        "sentinel tokens, lengths kept (megatron/training/fim.py)")
+    g.add_argument("--fim-rate", type=float, default=0.5, help="probability that a segment is rearranged")
+    g.add_argument("--fim-spm-rate", type=float, default=0.5,
                    help="probability that a rearranged segment is suffix-prefix-middle (else prefix-suffix-middle)")
     for name, token in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"), ("suffix", "<fim_suffix>"),
                         ("pad", "<fim_pad>"), ("eod", "<|endoftext|>")):
@@ -733,11 +732,11 @@ def _validate_fim(args: argparse.Namespace) -> None:
         raise UsageError("--fim-data with --mock-data: fill-in-the-middle needs text (as in Megatron-LM)")
     for flag, value in (("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate)):
         if not value:
-            raise UsageError(f"--fim-data needs {flag} (as in Megatron-LM)")
+            raise UsageError(f"--fim-data needs {flag} > 0 (as Megatron-LM asserts)")
     try:
-        fim_config(args, args_tokenizer(args))
+        fim_config(args, args_tokenizer(args), args.compat_warnings.append)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"--fim-data: {e}") from None
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -121,10 +121,26 @@ class FIMDocuments:
         return doc[offset:] if length is None else doc[offset:offset + length]
 
 
-def sentinel_id(tokenizer, flag: str, token: str) -> int:
-    """The id of a sentinel token; ``ValueError`` (one line) if the tokenizer has it as no single id."""
+def sentinel_id(tokenizer, flag: str, token: str, warn: Callable[[str], None] = lambda m: None) -> int:
+    """The id of a sentinel token; ``ValueError`` (one line) if the tokenizer has it as no single id.
+
+    A vocabulary lookup where the tokenizer has one (Hugging Face, GPT-2 BPE); GPT-2 maps a
+    token it lacks to ``<|endoftext|>`` as Megatron-LM's (Hugging Face's) GPT-2 tokenizer does,
+    with one ``warn`` line: the FIM configs of Megatron-LM's tests use GPT-2's vocabulary,
+    which has no ``<fim_*>`` tokens. Otherwise the token must encode to one id."""
     if tokenizer is None:
         raise ValueError(f"--fim-data needs a tokenizer with text (not NullTokenizer) to find {flag} {token}")
+    lookup = getattr(tokenizer, "token_id", None)
+    if lookup is not None:
+        found = lookup(token)
+        unknown = getattr(tokenizer, "UNKNOWN_TOKEN", None)
+        if found is None and unknown is not None and lookup(unknown) is not None:
+            warn(f"{flag} {token} is not in the vocabulary: it is {unknown} (id {lookup(unknown)}), "
+                 "as Megatron-LM's GPT-2 tokenizer maps an unknown token")
+            return int(lookup(unknown))
+        if found is None:
+            raise ValueError(f"{flag} {token}: not in the tokenizer's vocabulary; give a token of it")
+        return int(found)
     ids = tokenizer.encode(token)
     if len(ids) != 1:
         raise ValueError(f"{flag} {token}: not one token of the tokenizer (it encodes to {len(ids)} ids); "
@@ -132,9 +148,9 @@ def sentinel_id(tokenizer, flag: str, token: str) -> int:
     return int(ids[0])
 
 
-def fim_config(args, tokenizer) -> FIMConfig:
-    """:class:`FIMConfig` from the driver's ``--fim-*`` flags."""
-    ids = {name: sentinel_id(tokenizer, f"--fim-{name}-token", getattr(args, f"fim_{name}_token"))
+def fim_config(args, tokenizer, warn: Callable[[str], None] = lambda m: None) -> FIMConfig:
+    """:class:`FIMConfig` from the driver's ``--fim-*`` flags (``warn``: see :func:`sentinel_id`)."""
+    ids = {name: sentinel_id(tokenizer, f"--fim-{name}-token", getattr(args, f"fim_{name}_token"), warn)
            for name in ("prefix", "middle", "suffix", "pad", "eod")}
     return FIMConfig(args.fim_rate, args.fim_spm_rate, ids["prefix"], ids["middle"], ids["suffix"], ids["pad"],
                      ids["eod"], args.seed)

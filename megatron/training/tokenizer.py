@@ -76,6 +76,10 @@ class HFJsonTokenizer:
         """(start, end) character span in ``text`` of each token :meth:`encode` gives."""
         return self._tok.encode(text).offsets
 
+    def token_id(self, token: str) -> Optional[int]:
+        """The id of ``token`` in the vocabulary (added tokens included), or None."""
+        return self._tok.token_to_id(token)
+
 
 def _byte_level_bpe(vocab: str, merges: str, flag: str):
     """GPT-2's byte-level BPE (``tokenizers`` ``Tokenizer``) from vocab.json + merges.txt."""
@@ -96,6 +100,9 @@ def _byte_level_bpe(vocab: str, merges: str, flag: str):
 
 class GPT2BPETokenizer(HFJsonTokenizer):
     """GPT-2's byte-level BPE from ``--vocab-file`` and ``--merge-file``."""
+
+    UNKNOWN_TOKEN = "<|endoftext|>"
+    """What Hugging Face's GPT-2 tokenizer (Megatron-LM's) maps a token outside the vocabulary to."""
 
     def __init__(self, vocab_file: Optional[str], merge_file: Optional[str]) -> None:
         if not vocab_file or not merge_file:

@@ -86,3 +86,17 @@ def test_a_sentinel_must_be_one_token():
     with pytest.raises(ValueError, match="^--fim-prefix-token <fim_prefix>: not one token of the tokenizer"):
         sentinel_id(ByteTokenizer(), "--fim-prefix-token", "<fim_prefix>")
     assert sentinel_id(ByteTokenizer(), "--fim-pad-token", "\x04") == 4
+
+
+def test_gpt2_maps_a_missing_sentinel_to_endoftext_as_megatron_lm(tmp_path):
+    import json
+
+    from megatron.training.tokenizer import GPT2BPETokenizer
+
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "<|endoftext|>": 2, "<fim_pad>": 3}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    tok, warned = GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")), []
+    assert sentinel_id(tok, "--fim-pad-token", "<fim_pad>", warned.append) == 3 and not warned
+    assert sentinel_id(tok, "--fim-prefix-token", "<fim_prefix>", warned.append) == 2
+    assert warned == ["--fim-prefix-token <fim_prefix> is not in the vocabulary: it is <|endoftext|> (id 2), "
+                      "as Megatron-LM's GPT-2 tokenizer maps an unknown token"]
