@@ -416,6 +416,16 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
                         "naming the iteration, before anything non-finite is saved)")
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_true", default=True, help="the default (see --no-check-...)")
+    g.add_argument("--rerun-mode", choices=["disabled", "validate_results"], default="disabled",
+                   help="validate_results: re-run a step whose loss is non-finite (or an injected error) "
+                        "from the same state on the same data before its optimizer step; a reproduced "
+                        "result stops the run with one line, a transient one goes on with the re-run's "
+                        "result (megatron/training/rerun.py)")
+    g.add_argument("--error-injection-rate", type=nonneg(int), default=0, metavar="N",
+                   help="with --rerun-mode validate_results, inject an error into about one step in N "
+                        "per rank (0: never), to exercise the re-run")
+    g.add_argument("--error-injection-type", choices=["correct_result", "transient_error", "persistent_error"],
+                   default="transient_error", help="how an injected error's re-run compares (see --rerun-mode)")
     g.add_argument("--exit-duration-in-mins", type=pos(float), default=None,
                    help="stop (saving with --save) once training has run this long")
     g.add_argument("--exit-interval", type=pos(int), default=None,
@@ -434,6 +444,16 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true",
                    help="train on random tokens (one --seq-length document per sample) instead of --data-path")
     g.add_argument("--split", default="98,2,0", help="train,valid,test weights over documents")
+    g.add_argument("--fim-data", action="store_true",
+                   help="fill-in-the-middle: rearrange documents' segments as prefix/suffix/middle with "
+                        "sentinel tokens, lengths kept (megatron/training/fim.py)")
+    g.add_argument("--fim-rate", type=float, default=0.5, help="probability that a segment is rearranged")
+    g.add_argument("--fim-spm-rate", type=float, default=0.5,
+                   help="probability that a rearranged segment is suffix-prefix-middle (else prefix-suffix-middle)")
+    for name, token in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"), ("suffix", "<fim_suffix>"),
+                        ("pad", "<fim_pad>"), ("eod", "<|endoftext|>")):
+        g.add_argument(f"--fim-{name}-token", default=token,
+                       help=f"the FIM {name} sentinel, one token of the tokenizer (default {token})")
     g.add_argument("--mask-prompt-loss", action="store_true",
                    help="train only on each document's tokens from its loss start on (read from "
                         "DATA_PATH_loss_start.npy, written by tools/preprocess_data.py "
@@ -674,6 +694,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
             raise UsageError(f"--mask-prompt-loss needs {loss_start_path(args.data_path)} "
                              "(write it with tools/preprocess_data.py --loss-start-key)")
     arg_checks.validate_tokenizer(args)
+    if args.fim_data:
+        _validate_fim(args)
     # Megatron-LM trains and saves nothing when these come without --save (benchmark
     # scripts pass them): the same here, with one warning line each
     for flag, given in (("--save-interval", args.save_interval), ("--no-save-optim", args.no_save_optim),
@@ -699,6 +721,22 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     if args.no_load_optim and args.load is None:
         raise UsageError("--no-load-optim needs --load")
     return args
+
+
+def _validate_fim(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for ``--fim-data`` (rates given, no mock data) and sentinels the tokenizer has."""
+    from megatron.training.fim import fim_config
+    from megatron.training.tokenizer import args_tokenizer
+
+    if args.mock_data:
+        raise UsageError("--fim-data with --mock-data: fill-in-the-middle needs text (as in Megatron-LM)")
+    for flag, value in (("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate)):
+        if not value:
+            raise UsageError(f"--fim-data needs {flag} > 0 (as Megatron-LM asserts)")
+    try:
+        fim_config(args, args_tokenizer(args), args.compat_warnings.append)
+    except ValueError as e:
+        raise UsageError(f"--fim-data: {e}") from None
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:

@@ -197,9 +197,10 @@ REFUSED = {
     "parallel sizes are never read from a checkpoint here: pass --tensor-model-parallel-size and "
     "--pipeline-model-parallel-size (--use-checkpoint-args reads the model flags)":
         "--use-mp-args-from-checkpoint-args",
-    "Megatron-LM's re-run state machine and result checks are not supported "
-    "(--check-for-nan-in-loss-and-grad and --check-weight-hash-across-dp-replicas-interval are)":
-        "--check-for-large-grads --check-for-spiky-loss --rerun-mode --error-injection-rate --error-injection-type "
+    "Megatron-LM's large-grad / spiky-loss result checks are not supported (--rerun-mode validate_results "
+    "re-runs a non-finite loss; --check-for-nan-in-loss-and-grad and "
+    "--check-weight-hash-across-dp-replicas-interval are supported)":
+        "--check-for-large-grads --check-for-spiky-loss "
         "--result-rejected-tracker-filename",
     "debugging / initialisation switches not implemented here": "--fake-process-group "
                                                                 "--dump-param-to-param-group-map "
@@ -278,7 +279,8 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--biencoder-", "biencoder / retrieval models are not supported"),
     ("--retriever-", "biencoder / retrieval models are not supported"),
     ("--bert-", "BERT models are not supported"),
-    ("--fim-", "fill-in-the-middle data is not supported"),
+    ("--fim-", "fill-in-the-middle is --fim-data with --fim-rate, --fim-spm-rate and the sentinel tokens: "
+               "sample splitting and fragment rates are not supported"),
     ("--sft", "supervised fine-tuning datasets are not supported (use --mask-prompt-loss)"),
     ("--inprocess-", "in-process restart is not supported (use --save/--load with --exit-signal-handler)"),
     ("--enable-ft-package", "the fault-tolerance package is not supported (see --step-timeout-minutes)"),
@@ -353,7 +355,6 @@ NEUTRAL: Dict[str, str] = {
     "--timing-log-level": "0",
     "--eval-micro-batch-size": "1",
     "--exit-signal": "SIGTERM",
-    "--rerun-mode": "disabled",
 }
 """Flags whose given value means "the feature is off"; honoured (Megatron-LM does the same)."""
 

@@ -224,14 +224,32 @@ def params_l2_norm(model) -> float:
     return float(total.item()) ** 0.5
 
 
-def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers) -> StepResult:
-    """Zero grads, run the schedule, finalize grads, Adam step, LR step."""
+def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers,
+               validator=None, iteration: int = 0) -> StepResult:
+    """Zero grads, run the schedule, finalize grads, Adam step, LR step.
+
+    ``validator`` (:class:`megatron.training.rerun.ResultValidator`, ``--rerun-mode``) checks
+    the loss of ``iteration`` before the optimizer step and may run the schedule again."""
     from megatron.training.initialize import use_cpu
 
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     result = run_schedule(args, model, batches, forward_only=False)
+    if validator is not None:
+        reruns: List[StepResult] = []
+
+        def rerun() -> float:  # the same step again: grads, records and timings of the first run dropped
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            batches.records.clear()
+            timers.pop()
+            reruns.append(run_schedule(args, model, batches, forward_only=False))
+            return reruns[-1].loss_sum
+
+        validator.check(iteration, result.loss_sum, rerun, _device_of(model[0]))
+        result = reruns[-1] if reruns else result
     update_ok, grad_norm, num_zeros = optimizer.step()
     scheduler.step(increment=1)
     result.grad_norm = grad_norm

@@ -76,6 +76,10 @@ class HFJsonTokenizer:
         """(start, end) character span in ``text`` of each token :meth:`encode` gives."""
         return self._tok.encode(text).offsets
 
+    def token_id(self, token: str) -> Optional[int]:
+        """The id of ``token`` in the vocabulary (added tokens included), or None."""
+        return self._tok.token_to_id(token)
+
 
 def _byte_level_bpe(vocab: str, merges: str, flag: str):
     """GPT-2's byte-level BPE (``tokenizers`` ``Tokenizer``) from vocab.json + merges.txt."""
@@ -96,6 +100,9 @@ def _byte_level_bpe(vocab: str, merges: str, flag: str):
 
 class GPT2BPETokenizer(HFJsonTokenizer):
     """GPT-2's byte-level BPE from ``--vocab-file`` and ``--merge-file``."""
+
+    UNKNOWN_TOKEN = "<|endoftext|>"
+    """What Hugging Face's GPT-2 tokenizer (Megatron-LM's) maps a token outside the vocabulary to."""
 
     def __init__(self, vocab_file: Optional[str], merge_file: Optional[str]) -> None:
         if not vocab_file or not merge_file:
@@ -171,6 +178,12 @@ def vocab_size_for(tokenizer_type: str, tokenizer_model: Optional[str], vocab_si
     if tok is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs --vocab-size")
     return tok.vocab_size
+
+
+def args_tokenizer(args):
+    """:func:`build_tokenizer` of parsed ``pretrain_gpt.py`` args."""
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, getattr(args, "vocab_file", None),
+                           getattr(args, "merge_file", None))
 
 
 def args_vocab_size(args) -> int:

@@ -134,6 +134,12 @@ def setup(args) -> TrainState:
     cpu = use_cpu(args)
     vocab = args.padded_vocab_size = model_vocab_size(args)  # saved in checkpoints' args
     dataset = open_data(args)
+    if args.fim_data:
+        from megatron.training.fim import FIMDocuments, fim_config
+        from megatron.training.tokenizer import args_tokenizer
+
+        tokenizer = args_tokenizer(args)
+        dataset = FIMDocuments(dataset, tokenizer, fim_config(args, tokenizer))
     loss_starts = open_loss_starts(args.data_path, dataset.sequence_lengths) if args.mask_prompt_loss else None
     train_ids, valid_ids, _ = split_documents(len(dataset), args.split_fractions)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -233,6 +239,7 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
 
     from megatron.training.failsafe import check_step_finite, should_exit
     from megatron.training.profiling import StepProfiler
+    from megatron.training.rerun import RerunConfig, ResultValidator
     from megatron.training.step import evaluate, train_step
 
     pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
@@ -240,6 +247,8 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
     start, preempted, started = state.iteration, False, time.time()
     profiler = StepProfiler(args, torch.distributed.get_rank())
     hash_every = args.check_weight_hash_across_dp_replicas_interval
+    validator = ResultValidator(RerunConfig(args.rerun_mode, args.error_injection_rate, args.error_injection_type,
+                                            args.seed), torch.distributed.get_rank(), _rank0_warn())
     if hash_every:
         from megatron.training.replica_check import check_weight_hashes
 
@@ -254,7 +263,8 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         # not the --decoupled-lr one of the embedding and output layer)
         groups = state.optimizer.param_groups
         lr = float(next((g for g in groups if g.get("default_config", True)), groups[0])["lr"])
-        result = train_step(args, state.model, state.optimizer, state.scheduler, batches, state.timers)
+        result = train_step(args, state.model, state.optimizer, state.scheduler, batches, state.timers,
+                            validator if validator.enabled else None, state.iteration + 1)
         result.budget = batches.budget
         step_s = time.perf_counter() - t0
         state.iteration += 1
