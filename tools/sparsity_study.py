@@ -90,6 +90,7 @@ from sparsebalance.batching.sparsity_estimator import (  # noqa: E402
     cv_within_buckets,
     length_bucket,
     mape,
+    pack_in_order,
 )
 from sparsebalance.io import atomic_write_text  # noqa: E402
 from tools.harness import sparsity_real  # noqa: E402
@@ -330,21 +331,6 @@ def measure(model, dataset, ids, args, tokens: int, oracle: bool = False):
     return (dens, {name: v / np.maximum(causal, 1) for name, v in okept.items()}) if oracle else dens
 
 
-def pack_in_order(lengths, tokens: int) -> list:
-    """Consecutive document indices grouped into micro-batches of at most ``tokens`` tokens
-    (a longer document gets one alone)."""
-    groups, cur, used = [], [], 0
-    for i, L in enumerate(lengths):
-        if cur and used + L > tokens:
-            groups.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += L
-    if cur:
-        groups.append(cur)
-    return groups
-
-
 def microbatch_spread(lengths, dens, tokens: int) -> dict:
     """CV of the per-micro-batch attention cost proxy: measured, length-bucket mean, fixed."""
     by_bucket: dict = {}
@@ -510,12 +496,7 @@ def main(argv=None) -> int:
                    "density": "kept / causal (query, key) pairs, summed over heads and layers"},
     }
     report["estimator_mape"] = report["estimator"]["source_and_length"]
-    text = json.dumps(report)
-    if args.output:
-        atomic_write_text(args.output, text + "\n")
-    if args.json:
-        print(text)
-    else:
+    if not emit(report, args):
         mc = report["microbatch_cost"]
         print(f"documents {len(ids)}  mean density {report['density']['mean']:.3f}  cv_equal_length "
               f"{report['cv_equal_length']}  estimator_mape {report['estimator_mape']:.3f}")
@@ -525,15 +506,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def report_real(args) -> int:
-    """``--real``: the study on a converted pretrained model (:mod:`sparsity_real`)."""
-    report = sparsity_real.run(args, fail)
+def emit(report: dict, args) -> bool:
+    """Write ``report`` to ``--output`` (atomically) and print it with ``--json``; False when
+    the caller prints its text summary instead."""
     text = json.dumps(report)
     if args.output:
         atomic_write_text(args.output, text + "\n")
     if args.json:
         print(text)
-    else:
+    return bool(args.json)
+
+
+def report_real(args) -> int:
+    """``--real``: the study on a converted pretrained model (:mod:`sparsity_real`)."""
+    report = sparsity_real.run(args, fail)
+    if not emit(report, args):
         s = report["sensitivity"]
         print(f"documents {report['measured']['documents']}  density {report['density_mean']:.3f}  cv_equal_length "
               f"{report['cv_equal_length']:.3f}  per_head_over_per_block {report['per_head_over_per_block']:.3f}  "

@@ -66,6 +66,7 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
     D, M, docs, flat, starts = _step_docs(lengths)
     dens = _flat_densities(densities, flat)
     layers = np.array([predictor.shape.layers_of(j, stages) for j in range(stages)], dtype=float)
+    sp = predictor.sequence_parallel > 1  # padding costs nothing without it
     out = []
     for phase in ("fwd", "bwd"):
         # Extras live on the first and last (virtual) stage only (predictor interface).
@@ -76,7 +77,8 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
         const = predictor.layer_const_ms(phase)
         tab = np.empty((len(levels), D, M, stages))
         for li, k in enumerate(levels):
-            pad = np.array([predictor.layer_pad_ms(x, k, phase) for x in docs])  # sequence parallelism's
+            pad = (np.array([predictor.layer_pad_ms(x, k, phase) for x in docs])  # sequence parallelism's
+                   if sp else 0.0)
             doc = predictor.layer_doc_ms(flat, k, phase)
             if dens is not None and k is not None:
                 doc = doc + predictor.pair_ms(k, phase) * (
