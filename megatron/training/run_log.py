@@ -110,6 +110,11 @@ def kernel_compiles() -> int:
     return sum(_compiles(f"sparsebalance.ops.{m}") for m in ("fa4", "flex", "route_kernels"))
 
 
+def kernel_compiles_by_kind() -> dict:
+    """:func:`kernel_compiles` by where they are held, so a late compilation can be named."""
+    return {m: _compiles(f"sparsebalance.ops.{m}") for m in ("fa4", "flex", "route_kernels")}
+
+
 def flex_compile_count() -> int:
     """Graphs the flex backend compiled in this process (0 when it never ran)."""
     return _compiles("sparsebalance.ops.flex")
@@ -315,6 +320,7 @@ class RunLogger:
             "flex_compiles": flex_compile_count(),
             "kernel_compiles_all": [s.compiles for s in steps],
             "kernel_compiles_after_step_2": steps[-1].compiles - steps[1].compiles if len(steps) > 2 else None,
+            "kernel_compiles_by_kind": kernel_compiles_by_kind(),
             "routing": routing_used(),
             "peak_memory_mb": peaks.tolist(),
             "peak_memory_mb_max": float(peaks.max()) if len(peaks) else None,

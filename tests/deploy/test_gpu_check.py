@@ -30,6 +30,7 @@ gc = _tool()
 from tools.harness.gpu import bench as gb  # noqa: E402  (gpu_check put the repository on sys.path)
 from tools.harness.gpu import checks as gk  # noqa: E402
 from tools.harness.gpu import proc as gp  # noqa: E402
+from tools.harness.gpu import report as gr  # noqa: E402
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA path")
@@ -155,12 +156,14 @@ def test_train_verdict():
     d = {**summ(down, 1e4), "step_ms_all": [9e3] * 8, "step_tokens_all": [131072] * 8, "warmup_steps_skipped": 2}
     sp = {**summ(down, 1.6e4, 0.17), "step_ms_all": [40e3, 30e3, 2.6e3, 25e3, 2.6e3, 20e3, 2.6e3, 2.6e3],
           "step_tokens_all": [131072] * 8, "warmup_steps_skipped": 2, "flex_compiles": 6,
-          "routing": "fused", "kernel_compiles_after_step_2": 0}
+          "routing": "fused", "kernel_compiles_after_step_2": 0, "kernel_compiles_all": [5, 7, 7, 7, 7, 7, 7, 7],
+          "kernel_compiles_by_kind": {"fa4": 5, "flex": 0, "route_kernels": 2}}
     runs = [st.train_run_record("dense 65536", d), st.train_run_record("sparse 65536", sp)]
     assert runs[1]["ms_per_1k_tokens_median"] == pytest.approx(2.6e3 / 131.072)
     assert runs[1]["flex_compiles"] == 6 and runs[0]["flex_compiles"] is None
     assert runs[1]["routing"] == "fused" and runs[0]["routing"] is None
-    assert runs[1]["compiles_after_step_2"] == 0
+    assert runs[1]["compiles_after_step_2"] == 0 and runs[1]["compiles_all"][:2] == [5, 7]
+    assert runs[1]["compiles_by_kind"] == {"fa4": 5, "flex": 0, "route_kernels": 2}
     ok, detail, data = st.train_verdict(runs, [65536])
     assert data["median_step_speedup_64k"] == pytest.approx(9e3 / 2.6e3) and data["speedup_64k"] == 1.6
     assert "median_step_speedup_64k 3.46x" in detail and "; sparse compilations after step 2: 64k 0" in detail
@@ -323,6 +326,7 @@ def test_bench_no_time_left_and_all_points_passing(monkeypatch):
     part = gb.part_bench(a, 100.0)
     assert part.passed and len(part.data["rows"]) == 12 and part.data["failed"] == []
     assert part.data["best_efficiency_64k_b128"] == {"cuda": pytest.approx(2.0), "triton": pytest.approx(2.0)}
+    assert "64K block 128 density 0.12 (fwd+bwd): cuda 2.00, triton 2.00" in part.detail
     # 64K / block 128 of both backends first, then the rest (block 64) of both
     assert [(r["backend"], r["block"]) for r in part.data["rows"]][::3] == [
         ("cuda", 128), ("triton", 128), ("cuda", 64), ("triton", 64)]
@@ -525,15 +529,26 @@ def test_junit_summary(tmp_path):
     xml = tmp_path / "j.xml"
     xml.write_text('<testsuites><testsuite>'
                    '<testcase classname="tests.ops.test_flex_gpu" name="test_a"/>'
-                   '<testcase classname="tests.ops.test_flex_gpu" name="test_b"><failure message="x"/></testcase>'
+                   '<testcase classname="tests.ops.test_flex_gpu" name="test_b">'
+                   '<failure message="\nAssertionError: out: 0.5 vs 0.1&#10;more"/></testcase>'
                    '<testcase classname="tests.ops.test_gpu_backends" name="test_c"><skipped/></testcase>'
+                   '<testcase classname="tests.ops.test_gpu_backends" name="test_d"><error>RuntimeError: '
+                   + "y" * 400 + '</error></testcase>'
                    '<testcase classname="" name="tests/ops/test_x.py"><skipped/></testcase>'
                    '</testsuite></testsuites>')
     got = gk.junit_summary(str(xml), "tests/ops/test_x.py")
     assert got["by_module"] == {"tests.ops.test_flex_gpu": {"passed": 1, "failed": 1, "skipped": 0},
-                                "tests.ops.test_gpu_backends": {"passed": 0, "failed": 0, "skipped": 1},
+                                "tests.ops.test_gpu_backends": {"passed": 0, "failed": 1, "skipped": 1},
                                 "tests/ops/test_x.py": {"passed": 0, "failed": 0, "skipped": 1}}
-    assert got["failed_tests"] == ["tests.ops.test_flex_gpu::test_b"]
+    assert got["failed_tests"] == ["tests.ops.test_flex_gpu::test_b", "tests.ops.test_gpu_backends::test_d"]
+    # why each failed: the message's first line, capped (the report is read after the lease)
+    why = got["failures"]
+    assert why["tests.ops.test_flex_gpu::test_b"] == "AssertionError: out: 0.5 vs 0.1"
+    assert why["tests.ops.test_gpu_backends::test_d"].startswith("RuntimeError: yyy")
+    assert len(why["tests.ops.test_gpu_backends::test_d"]) == 300
+    md = gr.render_markdown({"device": "X", "targets": [], "parts": [
+        {"name": "tests", "status": "fail", "seconds": 1.0, "detail": "d", "data": got}]})
+    assert "- `tests.ops.test_flex_gpu::test_b`: AssertionError: out: 0.5 vs 0.1" in md
     assert gk.junit_summary(str(tmp_path / "none.xml")) == {}
 
 
@@ -761,3 +776,24 @@ def test_train_mix_estimate_reproduces_the_profiled_run_and_grows_with_document_
     causal, kept = train_mix.pairs_per_token(np.array([4096, 10]), 8, 64)
     assert causal == pytest.approx((4096 * 4097 / 2 + 55) / 4106) and kept < causal
     assert train_mix.pairs_per_token(np.array([64, 10]), 8, 64) == pytest.approx(((64 * 65 / 2 + 55) / 74,) * 2)
+
+
+def test_bench_detail_names_the_target_points_efficiency(monkeypatch):
+    """Run 6 printed the 25%-density row's efficiency (0.83) as the 64K / block 128 figure;
+    the detail and best_efficiency_64k_b128 hold the ~12% target point's (here 8 x 0.12)."""
+    a = SimpleNamespace(seq_lens=[65536], backends=["fa4"], bench_reps=3)
+
+    def fake_run(cmd, timeout, env=None):
+        i = cmd.index("--bench-worker")
+        with open(cmd[i + 1]) as fh:
+            pts = json.load(fh)
+        with open(cmd[i + 2], "w") as fh:
+            for pt in pts:  # the same sparse time at every density: efficiency grows with it
+                fh.write(json.dumps({"point": pt, "result": _res(pt, sparse_ms=5.0)}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gp, "run", fake_run)
+    part = gb.part_bench(a, 100.0)
+    assert max(r["efficiency"] for r in part.data["rows"]) == pytest.approx(2.0)
+    assert part.data["best_efficiency_64k_b128"] == {"fa4": pytest.approx(0.96)}
+    assert part.detail.endswith("density 0.12 (fwd+bwd): fa4 0.96")

@@ -92,6 +92,22 @@ def descriptor_mask(d, direction: str = "forward") -> torch.Tensor:
     return full | (part & causal)
 
 
+def plan_rows_checked(plan):
+    """Every (head, query block) row of ``plan``: its count of live entries (``kv_cnt`` is
+    ``[H, NB]``, one count per head), live entries first and -1 after, ascending (the sink
+    first when kept), the diagonal block last."""
+    kv, cnt = plan.kv_idx.long(), plan.kv_cnt.long()
+    H, NB, W = kv.shape
+    assert tuple(cnt.shape) == (H, NB), (tuple(cnt.shape), (H, NB))
+    live = torch.arange(W, device=kv.device) < cnt.unsqueeze(-1)
+    assert bool(((kv >= 0) == live).all()), "a row's -1 padding disagrees with its count"
+    assert bool((kv[..., 1:] > kv[..., :-1])[live[..., 1:]].all()), "a row is not ascending"
+    rows = cnt > 0
+    diag = kv.gather(2, (cnt - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    blocks = torch.arange(NB, device=kv.device).expand(H, NB)
+    assert torch.equal(diag[rows], blocks[rows]), "a row does not end at its diagonal block"
+
+
 def fused_descriptors_checked(plan):
     """fa4's descriptors of ``plan`` by the fused kernels, after checking every table
     equals the torch-built one."""

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("CUDA not available", allow_module_level=True)
 
-from _cases import fused_descriptors_checked, make_inputs
+from _cases import fused_descriptors_checked, make_inputs, plan_rows_checked
 
 from sparsebalance.ops import plan as P
 
@@ -40,12 +40,5 @@ def test_fused_route_matches_torch_route_on_cuda(lens, H, Hkv, D, topk, dtype):
     rows_differ = (got.kv_idx != ref.kv_idx).any(-1)
     # a row may differ only by a near tie of its k-th gate: at most 1 row in 1,000
     assert rows_differ.float().mean().item() <= 1e-3, rows_differ.sum().item()
-    # each row: sink first, ascending, diagonal last, -1 after
-    kv, cnt = got.kv_idx.long(), got.kv_cnt.long()
-    e = torch.arange(kv.shape[2], device=kv.device)
-    live = e < cnt.view(1, -1, 1)
-    assert bool(((kv >= 0) == live).all())
-    assert bool((kv[..., 1:] > kv[..., :-1])[live[..., 1:]].all())
-    diag = kv.gather(2, (cnt - 1).view(1, -1, 1).expand(kv.shape[0], -1, 1)).squeeze(-1)
-    assert torch.equal(diag, torch.arange(kv.shape[1], device=kv.device).expand_as(diag))
+    plan_rows_checked(got)
     fused_descriptors_checked(got)

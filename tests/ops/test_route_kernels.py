@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from _cases import fused_descriptors_checked, make_inputs
+from _cases import fused_descriptors_checked, make_inputs, plan_rows_checked
 
 # name -> (doc lengths, H, Hkv, D, block_size, topk)
 CASES = {
@@ -202,6 +202,7 @@ else:
         assert torch.equal(got.kv_idx, ref.kv_idx)
         assert torch.equal(got.kv_cnt, ref.kv_cnt) and got.kept_pairs == ref.kept_pairs
         assert torch.equal(got.doc_end, ref.doc_end)
+        plan_rows_checked(got)
         fused = fused_descriptors_checked(got)
         assert int(fused.bwd_full_cnt.sum()) == int(fused.fwd_full_cnt.sum()) > 0
 

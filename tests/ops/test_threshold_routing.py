@@ -7,7 +7,7 @@ content differs."""
 
 import pytest
 import torch
-from _cases import descriptor_mask, make_inputs, structured_inputs
+from _cases import descriptor_mask, make_inputs, plan_rows_checked, structured_inputs
 
 from sparsebalance.ops import fa4, sparse_attention
 from sparsebalance.ops.flex import flex_layout
@@ -73,6 +73,7 @@ def test_per_head_counts_keep_fewer_pairs_and_differ_by_head(name):
         assert int(p.head_kept.sum()) == p.kept_pairs == int(p.doc_kept.sum())
         assert p.kv_nnz == int(p.kv_cnt.sum(1).max())
         assert torch.equal((p.kv_idx >= 0).sum(-1), p.kv_cnt)  # -1 past each head's count
+        plan_rows_checked(p)  # the row layout the GPU route test checks (test_route_gpu.py)
     if name != "block64-min-over-cap":  # there the minimum binds every head
         assert bool((ph.kv_cnt != ph.kv_cnt[:1]).any()) and ph.kept_pairs < pb.kept_pairs
 

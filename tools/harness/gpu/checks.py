@@ -95,18 +95,28 @@ def junit_summary(path: str, module: str = "?") -> dict:
         root = ET.parse(path).getroot()
     except ET.ParseError:
         return {}
-    mods, failed = {}, []
+    mods, failed, why = {}, [], {}
     for case in root.iter("testcase"):
         mod = case.get("classname") or module  # module (or module.Class)
         m = mods.setdefault(mod, {"passed": 0, "failed": 0, "skipped": 0})
-        if case.find("failure") is not None or case.find("error") is not None:
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
             m["failed"] += 1
             failed.append(f"{case.get('classname')}::{case.get('name')}")
+            # the assertion's own line, so a report read after the lease says why (Run 6's
+            # report named its failed tests only, and the machine was gone)
+            why[failed[-1]] = failure_line(bad.get("message") or bad.text or "")
         elif case.find("skipped") is not None:
             m["skipped"] += 1
         else:
             m["passed"] += 1
-    return {"by_module": mods, "failed_tests": failed}
+    return {"by_module": mods, "failed_tests": failed, "failures": why}
+
+
+def failure_line(message: str, limit: int = 300) -> str:
+    """A junit failure message cut to its first non-blank line, at most ``limit`` characters."""
+    line = next((x.strip() for x in message.splitlines() if x.strip()), "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 _VERBOSE_RESULT = re.compile(r"^(\S+?\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
@@ -147,7 +157,7 @@ def part_tests(a, left: float) -> Part:
         return Part("tests", False, detail="no CUDA test module found under tests/"
                     + (f" named {','.join(only)}" if only else ""))
     os.makedirs(a.work, exist_ok=True)
-    t0, by_module, failed_tests, lines, ok = time.time(), {}, [], [], True
+    t0, by_module, failed_tests, failures, lines, ok = time.time(), {}, [], {}, [], True
     for i, mod in enumerate(mods):
         # all that is left but a 45 s reserve for each module still to come
         cap = max(left - (time.time() - t0) - 45.0 * (len(mods) - 1 - i), 10.0)
@@ -161,6 +171,7 @@ def part_tests(a, left: float) -> Part:
         got = junit_summary(junit, mod) or stdout_summary(proc.stdout, mod)
         by_module.update(got.get("by_module", {}))
         failed_tests += got.get("failed_tests", [])
+        failures.update(got.get("failures", {}))
         tail = (proc.stdout or "").strip().splitlines()
         said = tail[-1].strip("= ") if tail and proc.returncode != 124 else gpu_proc.last_line(proc)
         if proc.returncode == 124:
@@ -175,4 +186,5 @@ def part_tests(a, left: float) -> Part:
     if getattr(a, "dry_run", False):
         summary = f"dry run (CUDA modules skip on the CPU): {summary}"
     return Part("tests", ok, detail=summary, data={"modules": mods, "by_module": by_module,
-                                                   "failed_tests": failed_tests, "per_module": lines})
+                                                   "failed_tests": failed_tests, "failures": failures,
+                                                   "per_module": lines})

@@ -113,6 +113,8 @@ def _merge_part(old: dict, new: dict) -> dict:
         failed = [t for t in od.get("failed_tests", []) if t.split("::")[0] in kept]
         data = dict(nd, by_module={**kept, **nd.get("by_module", {})},
                     failed_tests=failed + list(nd.get("failed_tests", [])),
+                    failures={**{t: w for t, w in od.get("failures", {}).items() if t in failed},
+                              **nd.get("failures", {})},
                     modules=sorted(set(od.get("modules", [])) | set(nd.get("modules", []))))
         counts = {k: sum(v.get(k, 0) for v in data["by_module"].values()) for k in ("passed", "failed", "skipped")}
         data.update(counts)
@@ -199,6 +201,11 @@ def render_markdown(doc: dict) -> str:
                       f"{_fmt(r.get('loss_last'), '.3f')} | {_fmt(r.get('density_mean'), '.3f')} | "
                       f"{backend} | {_attention_share(r)} | "
                       f"{_fmt(r.get('flex_compiles'), 'd')} |")
+    tests = next((p for p in doc["parts"] if p["name"] == "tests" and p["data"].get("failed_tests")), None)
+    if tests:
+        why = tests["data"].get("failures", {})
+        md += ["", "## Failed tests", ""] + [f"- `{t}`" + (f": {why[t]}" if why.get(t) else "")
+                                             for t in tests["data"]["failed_tests"]]
     return "\n".join(md) + "\n"
 
 

@@ -107,6 +107,7 @@ def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
             "ms_per_1k_tokens_median": statistics.median(per_1k) if per_1k else None,
             "flex_compiles": s.get("flex_compiles"), "routing": s.get("routing"),
             "compiles_after_step_2": s.get("kernel_compiles_after_step_2"),
+            "compiles_all": s.get("kernel_compiles_all"), "compiles_by_kind": s.get("kernel_compiles_by_kind"),
             "peak_memory_mb_max": s.get("peak_memory_mb_max"), "step_ms_median": s.get("step_ms_median"),
             "density_mean": s.get("density_mean"), "plan_ms_median": s.get("plan_ms_median"),
             "attention_backend": s.get("attention_backend"), "dense_kernel": s.get("dense_kernel"),
