@@ -61,6 +61,9 @@ recall of the dense mass, and the loss a document gives up under top-k and thres
     # the study (make real-study; <= 45 minutes on a quiet 2-core machine)
     OMP_NUM_THREADS=2 .venv/bin/python tools/sparsity_study.py --real --load runs/models/smollm2-135m \
         --data-path runs/real/corpus --threads 2 --json --output results/real_study.json
+    # one layer's q/k/v of real documents packed to 16K tokens, for bench_attention.py --qk
+    OMP_NUM_THREADS=2 .venv/bin/python tools/sparsity_study.py --real --load runs/models/smollm2-135m \
+        --data-path runs/real/corpus --dump-qk runs/qk/smollm2_layer15.pt --dump-tokens 16384
 
 GPU cluster run (one GPU, PP=1 model): the same flags on the cluster's checkpoint and corpus
 (``--real --lengths 8192,16384,32768`` for a model with that context).
@@ -141,6 +144,8 @@ def check_args(args) -> None:
         fail(f"--tau must be in (0, 1], got {args.tau:g}")
     if args.real:
         sparsity_real.check_args(args, fail)
+    elif args.dump_qk is not None:
+        fail("--dump-qk needs --real (a converted pretrained model)")
     else:
         args.topk = 16 if args.topk is None else args.topk
         args.block_size = 32 if args.block_size is None else args.block_size
@@ -434,6 +439,9 @@ def drift(args, dataset, ids, sources, tokens: int, iterations: list, latest: in
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    if args.real and args.dump_qk is not None:
+        print(json.dumps(sparsity_real.dump_qk(args, fail)))
+        return 0
     if args.real:
         return report_real(args)
     from megatron.training.checkpointing import list_iterations

@@ -385,6 +385,9 @@ CASES = [
     Case("study-real-sens-length", "tools/sparsity_study.py",
          _p("--real", "--load", "{d}/empty_ckpt", "--data-path", "{d}/good", "--lengths", "1024",
             "--docs-per-source", "1", "--sens-lengths", "2048"), r"sens-lengths"),
+    Case("study-dump-qk-not-real", "tools/sparsity_study.py",
+         _p("--load", "{d}/empty_ckpt", "--data-path", "{d}/good", "--dump-qk", "{d}/qk.pt"), r"dump-qk.*--real",
+         _p("{d}/qk.pt")),
     # make_real_corpus.py (rejected before anything is written)
     Case("real-corpus-no-tokenizer", "tools/make_real_corpus.py",
          _p("--tokenizer-model", "{d}/no_hf", "--output-prefix", "{d}/rc1"), r"no_hf", _p("{d}/rc1.jsonl"),

@@ -69,6 +69,11 @@ def add_args(p) -> None:
     g.add_argument("--backend", default="cpu", help="sparse kernel of the sensitivity forwards")
     g.add_argument("--tokenizer-model", default=None, help="default: LOAD/hf (text of a window, for its "
                                                             "compression ratio)")
+    g.add_argument("--dump-qk", default=None, metavar="FILE",
+                   help="instead of the study: one layer's q, k, v (after RoPE) of whole corpus documents packed "
+                        "to --dump-tokens, with their cu_seqlens, saved as a torch .pt for bench_attention.py --qk")
+    g.add_argument("--dump-layer", type=int, default=None, help="--dump-qk's layer (0-based; default the middle one)")
+    g.add_argument("--dump-tokens", type=int, default=16384, help="--dump-qk's packed tokens")
     g.add_argument("--max-seconds", type=float, default=None,
                    help=f"start no document after this many seconds (default {DEFAULTS['max_seconds']:g}); "
                         "the report says how many were measured")
@@ -86,6 +91,9 @@ def _ints(text: str, flag: str, fail) -> list:
 
 def check_args(args, fail) -> None:
     """``--real`` input checks that need no model (exit 2); fills the defaults."""
+    if args.dump_qk is not None:  # the study's selection is not used: any --lengths passes
+        args.docs_per_source = args.docs_per_source or "1"
+        args.sens_lengths = args.sens_lengths or "none"
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -109,6 +117,8 @@ def check_args(args, fail) -> None:
     if args.train_args is None and not os.path.isfile(os.path.join(args.load, "model_flags.txt")):
         fail(f"--load: {args.load} has no model_flags.txt (convert with tools/checkpoint/convert.py, or pass "
              "--train-args)")
+    if args.dump_qk is not None and (args.dump_tokens < 1 or (args.dump_layer is not None and args.dump_layer < 0)):
+        fail("--dump-tokens must be >= 1 and --dump-layer >= 0")
     if args.tokenizer_model is None:
         args.tokenizer_model = os.path.join(args.load, "hf")
     if not os.path.exists(args.tokenizer_model):
@@ -448,3 +458,67 @@ def run(args, fail) -> dict:
         "density": "kept / causal (query, key) pairs over heads and layers, q and k of the dense forward",
         "loss": "mean next-token loss (nats) on the window's second half; loss_delta: static top-k minus dense"}
     return report
+
+
+def dump_qk(args, fail) -> dict:
+    """``--dump-qk``: whole documents of the corpus, sources interleaved (one of each source in
+    turn, each cut to its last ``max(--lengths)`` tokens, the model's reach), through dense
+    forwards; a pre-hook on layer ``--dump-layer``'s core attention keeps q, k, v; documents are
+    packed until ``--dump-tokens`` (the last one cut to fit). Saved atomically as
+    ``{q [T, H, D], k, v [T, Hkv, D], cu_seqlens, layer, docs}`` (docs: index, source, tokens; bf16 q/k/v would
+    change the gates: kept in fp32)."""
+    import io
+
+    import torch
+    from sparsity_study import read_sidecar
+
+    from megatron.training.indexed_io import open_dataset
+    from sparsebalance.io import atomic_write_bytes
+
+    try:
+        dataset = open_dataset(args.data_path)
+    except ValueError as e:
+        fail(str(e))
+    lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
+    sources = read_sidecar(args.sources_file or args.data_path + "_sources.json", lengths)
+    by_source: dict = {}
+    for i, s in enumerate(sources):
+        by_source.setdefault(s, []).append(i)
+    order, queues = [], [list(v) for _, v in sorted(by_source.items())]
+    while any(queues):
+        order += [q.pop(0) for q in queues if q]
+    model = Model(args, fail)
+    layer = len(model.cores) // 2 if args.dump_layer is None else args.dump_layer
+    if layer >= len(model.cores):
+        model.close()
+        fail(f"--dump-layer {layer}: the model has {len(model.cores)} layers")
+    got: list = []
+    hook = model.cores[layer].register_forward_pre_hook(
+        lambda m, a, kw: got.append(tuple(t.detach().float().clone() for t in a[:3])), with_kwargs=True)
+    parts, cu, docs, left = [], [0], [], args.dump_tokens
+    try:
+        for i in order:
+            if left <= 0:
+                break
+            ids = np.asarray(dataset[int(i)], dtype=np.int64)[-max(args.lengths):]
+            if len(ids) < 2:
+                continue
+            got.clear()
+            model.loss(ids, len(ids) // 2)
+            q, k, v = (t[:left] for t in got[0])
+            parts.append((q, k, v))
+            cu.append(cu[-1] + q.shape[0])
+            docs.append({"doc": int(i), "source": sources[i], "tokens": int(q.shape[0])})
+            left -= q.shape[0]
+    finally:
+        hook.remove()
+        model.close()
+    if left > 0:
+        fail(f"--dump-tokens {args.dump_tokens}: the corpus has only {cu[-1]} tokens", 1)
+    out = {name: torch.cat([p[j] for p in parts]).contiguous() for j, name in enumerate("qkv")}
+    out.update(cu_seqlens=torch.tensor(cu, dtype=torch.int32), layer=layer, docs=docs)
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    atomic_write_bytes(args.dump_qk, buf.getvalue())
+    return {"dump_qk": args.dump_qk, "layer": layer, "tokens": cu[-1], "documents": len(docs),
+            "q": list(out["q"].shape), "k": list(out["k"].shape), "sources": sorted({d["source"] for d in docs})}

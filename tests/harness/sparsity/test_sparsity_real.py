@@ -139,3 +139,32 @@ def test_study_end_to_end(tiny_model, tmp_path, world):
     assert isinstance(s["cv_equal_length"], float) and "per_head_minus_per_block" in s
     assert rep["oracle"]["0.9"]["documents"] == 8 and 0 < rep["oracle"]["0.9"]["gate_recall_per_head"] <= 1
     assert len(rep["by_layer"]["per_head"]) == 2  # one per layer
+
+
+def test_dump_qk_packs_whole_documents_for_the_bench(tiny_model, tmp_path, world):
+    """--dump-qk: one layer's q/k/v of corpus documents packed to --dump-tokens (sources
+    interleaved, the last document cut), readable by bench_attention.py --qk; a shorter dump is
+    the longer one's prefix, and another layer gives other q."""
+    import bench_attention
+
+    def dump(name, tokens, layer):
+        p = world.launch(os.path.join(REPO, "tools", "sparsity_study.py"),
+                         ["--real", "--load", str(tiny_model / "ckpt"), "--data-path", str(tiny_model / "corpus"),
+                          "--lengths", "512", "--dump-qk", str(tmp_path / name), "--dump-tokens", str(tokens),
+                          "--dump-layer", str(layer)], timeout=180)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1]), torch.load(tmp_path / name)
+
+    info, big = dump("a.pt", 1500, 1)
+    assert info["tokens"] == 1500 and info["layer"] == 1 and len(info["sources"]) >= 3
+    cu = big["cu_seqlens"].tolist()
+    assert cu[0] == 0 and cu[-1] == 1500 and all(b > a for a, b in zip(cu, cu[1:]))
+    assert [d["tokens"] for d in big["docs"]] == [b - a for a, b in zip(cu, cu[1:])]
+    assert big["q"].shape[0] == big["k"].shape[0] == big["v"].shape[0] == 1500
+    _, small = dump("b.pt", 700, 1)
+    assert torch.equal(small["q"], big["q"][:700]) and torch.equal(small["k"], big["k"][:700])
+    _, other = dump("c.pt", 700, 0)
+    assert not torch.equal(other["q"], small["q"])
+    got = bench_attention._read_qk(str(tmp_path / "a.pt"), argparse.ArgumentParser())
+    assert got["q"].shape == big["q"].shape and bench_attention.qk_lengths(got["cu_seqlens"], 1500) == [
+        b - a for a, b in zip(cu, cu[1:])]
