@@ -9,6 +9,8 @@
 #   tests      the build (nvcc, ~75 s) and the other CUDA test modules (flex, triton, cuda kernels)
 #   profile    the GPU latency profile (held-out MAPE) and the simulated comparison
 #   flexbench  flex and triton at 64K / block 128 (not in the default plan: Run 5 measured them)
+#   train128k  the train step at 128K (not in the default plan): both arms with the loss in
+#              chunks (--cross-entropy-fusion-impl linear; the 0.5B preset's logits need it at 128K)
 #
 # flash-attn-4 comes from `make gpu-prep`'s two bundles (tools/gpu_fa4_install.sh):
 #   command 1 (carry .gpu1):                bash tools/gpu_fa4_install.sh stash
@@ -34,7 +36,8 @@ plan() {  # step name, then gpu_check.sh's arguments
     tests)     echo "--parts build,tests --test-modules test_flex_gpu.py,test_gpu_backends.py --budget-s ${TESTS_S:-170}" ;;
     profile)   echo "--parts profile --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${PROFILE_S:-150}" ;;
     flexbench) echo "--parts bench --backends flex,triton --seq-lens 65536 --budget-s ${FLEXBENCH_S:-110}" ;;
-    *)         echo "gpu_lease.sh: error: unknown step '$1' (fa4tests fa4bench train flexbench tests profile)" >&2
+    train128k) echo "--parts train --train-seq-lens 131072 --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${TRAIN128K_S:-300}" ;;
+    *)         echo "gpu_lease.sh: error: unknown step '$1' (fa4tests fa4bench train train128k flexbench tests profile)" >&2
                return 1 ;;
     esac
 }

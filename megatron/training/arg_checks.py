@@ -12,6 +12,11 @@ import os
 
 from sparsebalance.batching.strategies import STRATEGIES
 
+DEFAULT_LOSS_CHUNK_TOKENS = 4096
+"""Tokens per chunk of ``--cross-entropy-fusion-impl linear`` without ``--sb-loss-chunk-tokens``:
+one chunk's fp32 logits over a 152K vocabulary are 2.5 GB, and its output-layer GEMM
+(4096 x hidden x vocab) stays large enough to run at full speed."""
+
 
 class UsageError(Exception):
     """Bad command line or input; reported as one line, exit code 2."""
@@ -274,3 +279,17 @@ def validate_recompute(args: argparse.Namespace) -> None:
     if method == "uniform" and any(c % n for c in chunks):
         raise UsageError(f"--recompute-method uniform needs --recompute-num-layers {n} to divide the "
                          f"{next(c for c in chunks if c % n)} layers of a model chunk")
+
+
+def validate_loss_chunks(args: argparse.Namespace) -> None:
+    """Megatron-LM's rule (its dev branch): the linear fusion needs --cross-entropy-loss-fusion.
+    Sets ``args.loss_chunk_tokens``: tokens per chunk of the output layer + loss, 0 = unchunked."""
+    linear = args.cross_entropy_fusion_impl == "linear"
+    if linear and not args.cross_entropy_loss_fusion:
+        args.compat_warnings.append("--cross-entropy-fusion-impl linear without --cross-entropy-loss-fusion: "
+                                    "the loss is not fused (as in Megatron-LM)")
+    if args.sb_loss_chunk_tokens is not None and not (linear and args.cross_entropy_loss_fusion):
+        raise UsageError("--sb-loss-chunk-tokens sets the chunks of --cross-entropy-loss-fusion "
+                         "--cross-entropy-fusion-impl linear; add those two flags")
+    chunk = args.sb_loss_chunk_tokens or DEFAULT_LOSS_CHUNK_TOKENS
+    args.loss_chunk_tokens = chunk if linear and args.cross_entropy_loss_fusion else 0

@@ -70,6 +70,8 @@ def _non_negative(kind):
     return parse
 
 
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "linear")
+"""``--cross-entropy-fusion-impl`` names (Megatron-LM dev's ``ModelParallelConfig.cross_entropy_fusion_impl``)."""
 BATCHING = tuple(STRATEGIES)
 """``--sb-batching`` names (sparsebalance.batching strategies)."""
 DST_POLICIES = ("off", *DST_POLICY_REGISTRY)
@@ -289,6 +291,21 @@ def _recompute_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=pos(int), default=None,
                    help="with full: layers per recompute group (uniform) or layers recomputed "
                         "per model chunk (block)")
+
+
+def _loss_flags(p: argparse.ArgumentParser) -> None:
+    """The "output layer and loss" flags (see megatron/training/loss_chunks.py)."""
+    g = p.add_argument_group("output layer and loss (Megatron-LM's fusion flags)")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="fuse the loss as --cross-entropy-fusion-impl says (Megatron-LM's flag)")
+    g.add_argument("--cross-entropy-fusion-impl", choices=CROSS_ENTROPY_FUSION_IMPLS, default="native",
+                   help="with --cross-entropy-loss-fusion: linear = the output layer and the loss in chunks "
+                        "of --sb-loss-chunk-tokens tokens, each chunk's logits recomputed in backward (the "
+                        "logits are never whole; Megatron-LM's dev-branch name); native / te: the same results "
+                        "as without fusion (no fused kernel here)")
+    g.add_argument("--sb-loss-chunk-tokens", type=_positive(int), default=None, metavar="N",
+                   help=f"tokens per chunk of --cross-entropy-fusion-impl linear (default "
+                        f"{arg_checks.DEFAULT_LOSS_CHUNK_TOKENS}; under sequence parallelism, per TP rank)")
 
 
 def _batching_flags(p: argparse.ArgumentParser) -> None:
@@ -560,6 +577,7 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     _sparse_attention_flags(p)
     _parallel_flags(p)
     _recompute_flags(p)
+    _loss_flags(p)
     _batching_flags(p)
     _sparsebalance_flags(p)
     _optimization_flags(p)
@@ -683,6 +701,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     args.split_fractions = _split(args.split)
     arg_checks.validate_balance(args)
     arg_checks.validate_recompute(args)
+    arg_checks.validate_loss_chunks(args)
     arg_checks.validate_distributed_optimizer(args)
     from megatron.training.data_sources import resolve_data
 

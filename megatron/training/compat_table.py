@@ -34,10 +34,10 @@ NOOP = {
     "attention softmax is always computed in fp32": "--attention-softmax-in-fp32",
     "fusion switches: results are the same fused or not (the CPU path never fuses)":
         "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion "
-        "--no-rope-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion --cross-entropy-loss-fusion "
-        "--cross-entropy-fusion-impl --disable-jit-fuser --no-async-tensor-model-parallel-allreduce "
-        "--disable-async-tensor-model-parallel-allreduce --use-fused-weighted-squared-relu "
-        "--no-gradient-reduce-div-fusion --moe-permute-fusion --fused-residual-rmsnorm",
+        "--no-rope-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion --disable-jit-fuser "
+        "--no-async-tensor-model-parallel-allreduce --disable-async-tensor-model-parallel-allreduce "
+        "--use-fused-weighted-squared-relu --no-gradient-reduce-div-fusion --moe-permute-fusion "
+        "--fused-residual-rmsnorm",
     "communication / memory tuning that does not change results":
         "--ddp-bucket-size --ddp-num-buckets --ddp-pad-buckets-for-high-nccl-busbw --ddp-average-in-collective "
         "--no-align-grad-reduce --no-align-param-gather --overlap-p2p-communication-warmup-flush "

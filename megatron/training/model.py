@@ -15,6 +15,9 @@
   ``--overlap-grad-reduce`` / ``--overlap-param-gather`` as Megatron-LM's flags; on
   CPU it runs through ``cpu_bridge.py``.
 
+With ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl linear`` the chunks are
+``loss_chunks.ChunkedLossGPTModel``: the output layer and the loss run in chunks of tokens.
+
 Activation recomputation (``--recompute-granularity``) is megatron-core's own
 (``TransformerBlock._checkpointed_forward`` for full, ``Attention``'s
 checkpointed core attention for selective). Its ``CheckpointFunction`` saves the
@@ -201,11 +204,16 @@ def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torc
     from sparsebalance.attention.spec import get_gpt_decoder_spec
 
     spec = layer_spec(args, attention)
+    model_class, extra = GPTModel, {}
+    if getattr(args, "loss_chunk_tokens", 0):  # --cross-entropy-fusion-impl linear: the loss in chunks
+        from megatron.training.loss_chunks import ChunkedLossGPTModel
+
+        model_class, extra = ChunkedLossGPTModel, {"loss_chunk_tokens": args.loss_chunk_tokens}
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunk = GPTModel(
+        chunk = model_class(
             config=config,
             transformer_layer_spec=get_gpt_decoder_spec(spec, config, stage),
             vocab_size=vocab_size,
@@ -220,6 +228,7 @@ def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torc
             rope_scaling=args.use_rope_scaling,
             rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=stage,
+            **extra,
         )
         if use_cpu(args):
             chunk = chunk.cpu()

@@ -619,6 +619,29 @@ def test_train_and_profile_use_the_bench_best_backend(monkeypatch, tmp_path):
     assert sim[sim.index("--cost-model") + 1] == prof_cmd[prof_cmd.index("--output") + 1]
 
 
+def test_train_chunks_the_loss_in_both_arms_above_64k(monkeypatch, tmp_path):
+    """Above 64K tokens both arms get Megatron-LM's linear fusion (the loss in chunks), at
+    64K neither; each run's record says which."""
+    calls = []
+    monkeypatch.setattr(gp, "run", _fake_driver(calls, lambda sparse, n: (2e4 if sparse else 1e4) * 65536 / n))
+    a = SimpleNamespace(out=str(tmp_path), work=str(tmp_path / "work"), repo=REPO, dry_run=False, lengths="prolong",
+                        train_seq_lens=[65536, 131072], done=[])
+    train = gc.RUNNERS["train"](a, 600.0)
+    assert train.passed and train.data["speedup_128k"] == pytest.approx(2.0)
+    runs = [c for c in calls if c[1] == "pretrain_gpt.py"]
+    chunked = {("--sparse-balance" in c, c[c.index("--seq-length") + 1]):
+               c[c.index("--sb-loss-chunk-tokens") + 1] if "--sb-loss-chunk-tokens" in c else None for c in runs}
+    assert chunked == {(True, "65536"): None, (False, "65536"): None, (True, "131072"): "4096",
+                       (False, "131072"): "4096"}
+    for c in runs:
+        linear = "--cross-entropy-fusion-impl" in c
+        assert linear == (c[c.index("--seq-length") + 1] == "131072")
+        assert not linear or ("--cross-entropy-loss-fusion" in c and c[c.index("--cross-entropy-fusion-impl") + 1]
+                              == "linear")
+    assert {r["name"]: r["loss_chunk_tokens"] for r in train.data["runs"]} == {
+        "sparse 65536": 0, "dense 65536": 0, "sparse 131072": 4096, "dense 131072": 4096}
+
+
 def test_train_fails_when_a_run_breaks_and_accuracy_needs_time(monkeypatch, tmp_path):
     calls = []
     good = _fake_driver(calls, lambda sparse, n: 1e4)

@@ -35,7 +35,21 @@ def test_unknown_step_is_one_line():
     proc = _sh("tools/gpu_lease.sh", "--dry-run", env={"STEPS": "fa4tests nope"})
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == ["gpu_lease.sh: error: unknown step 'nope' (fa4tests fa4bench "
-                                                "train flexbench tests profile)"]
+                                                "train train128k flexbench tests profile)"]
+
+
+def test_train128k_is_its_own_step_with_its_own_budget():
+    """128K training is not in the default plan (its arms need the loss in chunks, added by
+    stages.py above 64K tokens); STEPS=train128k prints it, TRAIN128K_S sets its budget."""
+    proc = _sh("tools/gpu_lease.sh", "--dry-run", env={"STEPS": "train128k"})
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stdout.strip().splitlines()
+    assert line.startswith("train128k: bash tools/gpu_check.sh ") and "--parts train " in line
+    assert "--train-seq-lens 131072 " in line and "--budget-s 300" in line
+    proc = _sh("tools/gpu_lease.sh", "--dry-run", env={"STEPS": "train128k", "TRAIN128K_S": "420"})
+    assert proc.stdout.strip().endswith("--budget-s 420")
+    default = _sh("tools/gpu_lease.sh", "--dry-run").stdout
+    assert "train128k" not in default and "131072 --train-backend" not in default
 
 
 @pytest.mark.parametrize("args, said", [

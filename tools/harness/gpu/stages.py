@@ -26,6 +26,25 @@ TRAIN_QUANTILE = 0.99
 micro-batch length (see gpu_check.py's --train-quantile)."""
 """Top-k at block 128 in training: (8 + 2) x 128 keys per query, ~4% of a 64K document
 (more for short documents, which stay dense; the summary reports the mean)."""
+LOSS_CHUNKS_ABOVE = 65536
+"""Micro-batches longer than this (tokens) run the output layer + loss in chunks, in both
+arms: at 128K the 0.5B preset's fp32 logits over 152K words alone would fill the H200."""
+LOSS_CHUNK_TOKENS = 4096
+"""--sb-loss-chunk-tokens of those runs (the driver's default; one chunk's fp32 logits 2.5 GB)."""
+
+
+def loss_chunk_tokens(n: int) -> int:
+    """Tokens per chunk of the output layer + loss for micro-batches of ``n`` tokens (0: unchunked)."""
+    return LOSS_CHUNK_TOKENS if n > LOSS_CHUNKS_ABOVE else 0
+
+
+def loss_chunk_flags(n: int) -> List[str]:
+    """pretrain_gpt.py's flags for :func:`loss_chunk_tokens` (Megatron-LM's linear fusion)."""
+    chunk = loss_chunk_tokens(n)
+    if not chunk:
+        return []
+    return ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "linear",
+            "--sb-loss-chunk-tokens", str(chunk)]
 
 
 def last_json(text: str) -> Optional[dict]:
@@ -186,6 +205,7 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
             # recompute in both arms (the fp32 logits over 152K words stay the big block)
             cmd += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                     "--recompute-num-layers", "1"]
+        cmd += loss_chunk_flags(n)  # the same in both arms: the comparison stays fair
         if mode == "sparse":
             cmd += ["--sparse-balance", "--sb-block-size", "64" if a.dry_run else "128",
                     "--sb-topk", str(TRAIN_TOPK), "--sb-attention-backend", best_backend,
@@ -196,7 +216,8 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
             continue
         with open(summary) as fh:
             runs.append({**train_run_record(name, json.load(fh), getattr(a, "device_name", None)),
-                         "corpus": {"lengths": os.path.basename(a.lengths), "quantile": q}})
+                         "corpus": {"lengths": os.path.basename(a.lengths), "quantile": q},
+                         "loss_chunk_tokens": loss_chunk_tokens(n)})
     return train_verdict(runs, seq_lens)
 
 
