@@ -208,11 +208,7 @@ class Balancer:
         dst, pred = self.config.dst, self.predictor
         budget = None
         if dst.enabled:
-            from sparsebalance.tuning.from_predictor import build_instance
-
-            inst = build_instance(pred, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
-                                  k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max,
-                                  weight=weight if dst.sensitivity != "off" else None)
+            inst = self.instance(lengths, weight if dst.sensitivity != "off" else None)
             plan = self._policy(inst, dst)
             if inst.weight is not None:  # same step time and kept pairs, budget where it counts
                 from sparsebalance.tuning.sensitivity import sensitivity_plan
@@ -231,6 +227,16 @@ class Balancer:
                             step_ms=float(step_ms), baseline_step_ms=float(base_ms), plan_ms=ms,
                             model=(np.asarray(fwd) / corr[0], np.asarray(bwd) / corr[1]),
                             wait_ms=ms)
+
+    def instance(self, lengths: Lengths, weight: Optional[np.ndarray] = None):
+        """The planning :class:`~sparsebalance.tuning.instance.Instance` of a step of document
+        ``lengths`` that :meth:`plan` hands DST's policy (``weight``: [dp, M] sensitivity
+        weights, None: none): for a harness that refines or compares plans on it."""
+        from sparsebalance.tuning.from_predictor import build_instance
+
+        dst = self.config.dst
+        return build_instance(self.predictor, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
+                              k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max, weight=weight)
 
     def forecast(self, step: Hashable, lengths: Lengths, then: Optional[tuple] = None,
                  weight: Optional[np.ndarray] = None) -> StepForecast:

@@ -17,6 +17,17 @@ only the attention differs (post-hoc sparsity, no fine-tuning). Arms:
   critical-path policy, budgets within [K/2, 2K], the predictor of ``--sb-cost-model`` or
   ``--sb-profile``); a layer takes its stage's budget. The packing is held fixed (the
   driver's ``megatron`` packing of the corpus in order): this measures budgets, not SAB.
+* ``sparsebalance-ppP-sens`` (``--sensitivity estimate``): the same DST plan refined towards
+  the micro-batches whose pairs are worth most (``sparsebalance.tuning.sensitivity``'s swaps:
+  one op a level down, another of a more sensitive micro-batch a level up), at the slack-only
+  plan's planned step time (never above it) and planned kept pairs (within
+  ``SENS_PAIRS_TOL``; the driver's refinement would first raise into the leftover float,
+  which adds pairs: left out here). Each micro-batch's weight comes from its documents'
+  predicted sensitivities: a ``SensitivityEstimator`` fitted on ``--sensitivity-study``'s
+  documents (another set than the scored corpus), read by the corpus sidecars' source and
+  compression ratio, never from the losses scored here. ``sens_minus_slack`` is the
+  sensitivity arm minus ``sparsebalance-ppP`` per micro-batch (paired bootstrap, as below);
+  a micro-batch whose budgets the refinement left alone reuses the slack-only forward.
 
 Loss (``--loss-tokens``): mean next-token cross entropy over the second half of each
 document (default; its first half is mostly within the dense reach of the sink, diagonal and
@@ -42,6 +53,13 @@ Tiny CPU run (a few minutes; ``make real-model`` first)::
         --data-path runs/real/accuracy --seq-length 1024 --num-microbatches 4 --pp 4 \\
         --tasks niah_single --lengths 1024 --num-samples 1 --json
 
+Sensitivity-aware DST against slack-only DST (the reduced run of
+``results/real_accuracy_sensitivity.json``, ~20 minutes on one busy core)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/real_accuracy.py --load runs/models/smollm2-135m \\
+        --data-path runs/real-accuracy/corpus --seq-length 2048 --num-microbatches 12 --pp 4,8 \\
+        --num-samples 0 --threads 1 --sensitivity estimate --out results/real_accuracy_sensitivity.json
+
 ``make real-accuracy`` runs the sized default (<= 45 minutes on 2 threads). GPU (one GPU, the
 model built with PP=1)::
 
@@ -66,6 +84,9 @@ from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
 
 PROG = "real_accuracy.py"
 RETRIEVAL_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
+DEFAULT_STUDY = os.path.join(REPO, "results", "real_study.json")
+SENS_PAIRS_TOL = 0.005
+"""Most the sensitivity arm's planned kept pairs may differ from slack-only DST's (fraction)."""
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -101,6 +122,11 @@ def build_parser():
     p.add_argument("--lengths", default="2048,4096,8192", help="retrieval context lengths (tokens)")
     p.add_argument("--num-samples", type=int, default=2, help="retrieval samples per (task, length); 0: none")
     p.add_argument("--retrieval-pp", type=int, default=4, help="pipeline size of the retrieval DST arm")
+    p.add_argument("--sensitivity", choices=("off", "estimate"), default="off",
+                   help="estimate: add the sparsebalance-ppP-sens arms (sensitivity-aware DST)")
+    p.add_argument("--sensitivity-study", default=DEFAULT_STUDY, metavar="JSON",
+                   help="sensitivity study whose documents the estimator is fitted on (tools/sparsity_study.py "
+                        "--real); default results/real_study.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--finetune-check", default=None, metavar="JSON",
                    help="check_real_model.py's output: adds pretrained_loss and finetune_first_loss_dense")
@@ -111,6 +137,9 @@ def build_parser():
 
 
 def check_args(a) -> None:
+    a.study = read_study(a.sensitivity_study) if a.sensitivity != "off" else None
+    if a.sensitivity != "off" and a.num_microbatches == 0:
+        fail("--sensitivity estimate compares losses: it needs --num-microbatches >= 1")
     if not os.path.isfile(os.path.join(a.load, "model_flags.txt")):
         fail(f"--load: {a.load} has no model_flags.txt (make real-model writes runs/models/smollm2-135m)")
     if a.num_microbatches > 0 and (a.data_path is None or not os.path.isfile(a.data_path + ".idx")):
@@ -130,6 +159,22 @@ def check_args(a) -> None:
     a.threshold_cap = a.threshold_cap or 2 * a.topk
     a.predictor = ["--sb-profile", a.sb_profile] if a.sb_profile else ["--sb-cost-model",
                                                                        a.sb_cost_model or "h100-analytic"]
+
+
+def read_study(path: str) -> dict:
+    """The sensitivity study, or one usage error line naming what is wrong with it."""
+    try:
+        with open(path) as f:
+            study = json.load(f)
+    except OSError as e:
+        fail(f"--sensitivity-study: cannot read {path} ({e.strerror})")
+    except ValueError as e:
+        fail(f"--sensitivity-study: {path} is not JSON ({e})")
+    docs = study.get("documents") if isinstance(study, dict) else None
+    if not isinstance(docs, list) or not any(isinstance(d, dict) and d.get("loss_delta") is not None
+                                             and "length" in d for d in docs):
+        fail(f"--sensitivity-study: {path} has no documents with length and loss_delta")
+    return study
 
 
 # --- the model and its attention modules ---------------------------------------------------
@@ -187,11 +232,11 @@ def forward(model, tokens, cu, records=None):
 # --- DST's budgets, as the driver plans them ------------------------------------------------
 
 
-def dst_plan(a, vocab: int, mb_lengths: list, pp: int) -> dict:
-    """DST's ``[micro-batch, stage]`` budgets for one step of ``mb_lengths`` on a PP=``pp``
-    pipeline (dp 1): the driver's flags -> config -> ``Balancer.plan``. A model whose layers
-    do not split over ``pp`` stages is planned with the next multiple of ``pp`` layers (the
-    driver needs an even split; per-stage times then scale alike)."""
+def dst_balancer(a, vocab: int, mb_lengths: list, pp: int) -> tuple:
+    """(``Balancer``, policy name, planned layers) of a PP=``pp`` pipeline (dp 1) of
+    micro-batches ``mb_lengths``: the driver's flags -> config. A model whose layers do not
+    split over ``pp`` stages is planned with the next multiple of ``pp`` layers (the driver
+    needs an even split; per-stage times then scale alike)."""
     import shlex
 
     from eval_longctx import parse_train_args
@@ -209,15 +254,53 @@ def dst_plan(a, vocab: int, mb_lengths: list, pp: int) -> dict:
     args = parse_train_args(" ".join(shlex.quote(x) for x in flags))
     validate_balance(args)
     config = sparsebalance_config(args, vocab)
-    forecast = Balancer(config, build_predictor(config)).plan([mb_lengths])
+    return Balancer(config, build_predictor(config)), args.sb_dst, planned_layers
+
+
+def dst_plan(a, vocab: int, mb_lengths: list, pp: int) -> dict:
+    """DST's ``[micro-batch, stage]`` budgets for one step of ``mb_lengths`` on a PP=``pp``
+    pipeline (dp 1), as ``Balancer.plan`` makes them (:func:`dst_balancer`)."""
+    balancer, policy, planned_layers = dst_balancer(a, vocab, mb_lengths, pp)
+    forecast = balancer.plan([mb_lengths])
     return {"budget": forecast.budget[0], "step_ms": forecast.step_ms, "baseline_step_ms": forecast.baseline_step_ms,
-            "planned_layers": planned_layers, "policy": args.sb_dst}
+            "planned_layers": planned_layers, "policy": policy}
+
+
+def sensitivity_dst_plan(a, vocab: int, mb_lengths: list, pp: int, weight) -> dict:
+    """DST's plan of :func:`dst_plan` and the same plan refined by the micro-batch weights
+    ``weight`` [M] (nats per dropped pair) at its planned step time and kept pairs (module
+    docstring): ``budget`` (the refined ``[M, stages]``), ``slack_budget``, both arms'
+    ``step_ms`` and planned kept pairs (``attn``: pairs x layers, one head), the weights, the
+    ops that moved. RuntimeError if the refinement broke either equality."""
+    import numpy as np
+
+    from sparsebalance.tuning.plan import make_plan
+    from sparsebalance.tuning.sensitivity import sensitivity_indices
+
+    balancer, policy, planned_layers = dst_balancer(a, vocab, mb_lengths, pp)
+    forecast = balancer.plan([mb_lengths])
+    w = np.asarray(weight, dtype=float).reshape(1, -1)
+    inst = balancer.instance([mb_lengths], w)
+    base = inst.indices(forecast.budget)
+    slack = make_plan(inst, base, policy)
+    sens = make_plan(inst, sensitivity_indices(inst, base, w, raise_first=False, pairs_tol=SENS_PAIRS_TOL),
+                     policy + "+sensitivity")
+    if sens.step_ms > slack.step_ms * (1 + 1e-6) or abs(sens.attn / slack.attn - 1) > SENS_PAIRS_TOL + 1e-6:
+        raise RuntimeError(f"sensitivity plan at PP={pp}: step {sens.step_ms:.4f} ms, pairs {sens.attn:.6g} against "
+                           f"slack-only's {slack.step_ms:.4f} ms, {slack.attn:.6g}")
+    return {"budget": sens.budget[0], "slack_budget": slack.budget[0], "step_ms": sens.step_ms,
+            "slack_step_ms": slack.step_ms, "planned_attn": sens.attn, "slack_planned_attn": slack.attn,
+            "pairs_tol": SENS_PAIRS_TOL, "weight": w[0].tolist(),
+            "changed_ops": int((sens.budget != slack.budget).sum()),
+            "changed_microbatches": int((sens.budget[0] != slack.budget[0]).any(axis=1).sum()),
+            "planned_layers": planned_layers, "policy": sens.policy}
 
 
 # --- loss per micro-batch -------------------------------------------------------------------
 
 
-def microbatches(a, vocab: int) -> list:
+def microbatches(a, vocab: int) -> tuple:
+    """(micro-batches of one step of the corpus in order, its packing, the dataset)."""
     import numpy as np
 
     from megatron.training import data as D
@@ -227,7 +310,34 @@ def microbatches(a, vocab: int) -> list:
     loader = D.PackedDataLoader(ds, np.arange(len(ds)), dp=1, dp_rank=0, micro_batches=a.num_microbatches,
                                 seq_length=a.seq_length, strategy="megatron", seed=a.seed, shuffle=False,
                                 vocab_size=vocab)
-    return loader.next_step(more=False).microbatches
+    step = loader.next_step(more=False)
+    return step.microbatches, step.planned.packing, ds
+
+
+def sensitivity_weights(a, packing, ds, mb_lengths: list) -> tuple:
+    """([M] weights, where they came from) of the step's micro-batches: the estimator fitted
+    on ``a.study``'s documents predicts each scored document's sensitivity from its source
+    and compression ratio (the corpus sidecars) and length; nothing of the scored losses."""
+    import numpy as np
+
+    from megatron.training.doc_features import document_features
+    from sparsebalance.balancer import SensitivityWeights
+
+    src, comp = document_features([(1.0, a.data_path)], ds)
+    sw = SensitivityWeights.from_study(a.study, sources=src, compression=comp)
+    w = sw(packing, [mb_lengths])[0]
+    fitted = [d for d in a.study["documents"] if d.get("loss_delta") is not None]
+    known = {d.get("source") for d in fitted}
+    segs = [s for mb in packing.ranks[0] for s in mb]
+    ids = [s[0] for s in segs]
+    return w, {"study": a.sensitivity_study, "study_documents": len(fitted),
+               "study_corpus": a.study.get("config", {}).get("data_path"),
+               "ref_topk": sw.ref_topk, "block_size": sw.block_size,
+               "features": "source (corpus sidecar), compression ratio, length",
+               "scored_segments": len(segs),
+               "scored_segments_of_known_source": int(sum(src[i] in known for i in ids)),
+               "predicted_nats_per_token": [float(x) for x in sw.documents(ids, [s[2] for s in segs])],
+               "microbatch_weight": np.asarray(w).tolist()}
 
 
 def scored_loss(logits, tokens, cu, which: str) -> tuple:
@@ -254,13 +364,22 @@ def loss_part(a, model, vocab: int) -> dict:
 
     cores = attention_modules(model)
     L, heads = len(cores), int(model.args.num_attention_heads)
-    mbs = microbatches(a, vocab)
+    mbs, packing, ds = microbatches(a, vocab)
     mb_lengths = [(mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist() for mb in mbs]
-    sb_arms, plans = [], {}
+    sb_arms, plans, sens_arms, sens_plans, estimate = [], {}, [], {}, None
+    if a.sensitivity != "off":
+        weight, estimate = sensitivity_weights(a, packing, ds, mb_lengths)
     for pp in a.pp:
         plan = dst_plan(a, int(model.gpt.vocab_size), mb_lengths, pp)
         plans[f"sparsebalance-pp{pp}"] = plan
         sb_arms.append(Arm(f"sparsebalance-pp{pp}", stage_budgets=plan["budget"]))
+        if a.sensitivity != "off":
+            sp = sensitivity_dst_plan(a, int(model.gpt.vocab_size), mb_lengths, pp, weight)
+            if not np.array_equal(sp["slack_budget"], plan["budget"]):
+                raise RuntimeError(f"PP={pp}: the sensitivity arm's slack-only plan is not the driver's")
+            sens_plans[f"sparsebalance-pp{pp}-sens"] = sp
+            sens_arms.append(Arm(f"sparsebalance-pp{pp}-sens", stage_budgets=sp["budget"]))
+    slack_of = {arm.name: arm.name[:-len("-sens")] for arm in sens_arms}
 
     def static_pairs(k):
         return arm_pairs(Arm("s", topk=k), mb_lengths, a.block_size, L, heads)
@@ -269,21 +388,31 @@ def loss_part(a, model, vocab: int) -> dict:
                 for arm in sb_arms}
     ks = sorted({k for lo, hi, _ in brackets.values() for k in (lo, hi)})  # static-k0 itself: not needed
     arms = [Arm("dense"), *[Arm(f"static-k{k}", topk=k) for k in ks],
-            Arm("threshold", topk=a.threshold_cap, threshold=a.threshold, topk_min=a.topk // 2), *sb_arms]
+            Arm("threshold", topk=a.threshold_cap, threshold=a.threshold, topk_min=a.topk // 2), *sb_arms,
+            *sens_arms]
     per = {arm.name: {"loss": [], "tokens": [], "kept_pairs": 0, "causal_pairs": 0} for arm in arms}
+    by_name = {arm.name: arm for arm in arms}
     t0 = time.time()
     with torch.no_grad():
         for i, mb in enumerate(mbs):
             tokens, cu = mb["tokens"].view(-1), mb["cu_seqlens"].to(torch.int32)
+            last = {}
             for arm in arms:
-                set_arm(cores, arm, i)
-                recs = []
-                total, count = scored_loss(forward(model, tokens, cu, recs), tokens, cu, a.loss_tokens)
+                ref = slack_of.get(arm.name)
+                if ref is not None and np.array_equal(arm.stage_budgets[i], by_name[ref].stage_budgets[i]):
+                    last[arm.name] = last[ref]  # the same budgets: the same forward
+                else:
+                    set_arm(cores, arm, i)
+                    recs = []
+                    total, count = scored_loss(forward(model, tokens, cu, recs), tokens, cu, a.loss_tokens)
+                    last[arm.name] = (total / count, count, sum(x.kept_pairs for x in recs),
+                                      sum(x.causal_pairs for x in recs))
                 r = per[arm.name]
-                r["loss"].append(total / count)
+                loss, count, kept, causal = last[arm.name]
+                r["loss"].append(loss)
                 r["tokens"].append(count)
-                r["kept_pairs"] += sum(x.kept_pairs for x in recs)
-                r["causal_pairs"] += sum(x.causal_pairs for x in recs)
+                r["kept_pairs"] += kept
+                r["causal_pairs"] += causal
             log(f"micro-batch {i + 1}/{len(mbs)} ({len(mb_lengths[i])} documents, {int(tokens.numel())} tokens) "
                 f"{time.time() - t0:.0f} s: " + " ".join(f"{n} {r['loss'][-1]:.4f}" for n, r in per.items()))
     for r in per.values():
@@ -304,9 +433,34 @@ def loss_part(a, model, vocab: int) -> dict:
         if name != "dense":
             d = np.array(per[name]["loss"]) - np.array(per["dense"]["loss"])
             per[name]["minus_dense"] = paired_interval(d, weights, seed=a.seed)
-    return {"arms": per, "sb_minus_static": diffs,
-            "plans": {n: {**p, "budget": p["budget"].tolist()} for n, p in plans.items()},
-            "microbatch_lengths": mb_lengths, "loss_tokens": a.loss_tokens, "seconds": time.time() - t0}
+    out = {"arms": per, "sb_minus_static": diffs,
+           "plans": {n: {**p, "budget": p["budget"].tolist()} for n, p in plans.items()},
+           "microbatch_lengths": mb_lengths, "loss_tokens": a.loss_tokens, "seconds": time.time() - t0}
+    if sens_arms:
+        out["sens_minus_slack"] = sensitivity_report(per, sens_plans, seed=a.seed)
+        out["sensitivity_estimate"] = estimate
+    return out
+
+
+def sensitivity_report(per: dict, sens_plans: dict, seed: int = 0) -> dict:
+    """Per sensitivity arm ``NAME-sens``: its loss minus ``NAME``'s per micro-batch
+    (``paired_interval``: token-weighted mean, ``interval`` [2.5%, 50%, 97.5%] of a paired
+    bootstrap), with both arms' planned step ms and kept pairs (planned and measured)."""
+    import numpy as np
+
+    from tools.harness.compare.real_arms import paired_interval
+
+    out = {}
+    for name, sp in sens_plans.items():
+        slack = name[:-len("-sens")]
+        d = np.array(per[name]["loss"]) - np.array(per[slack]["loss"])
+        out[name] = {**paired_interval(d, per[slack]["tokens"], seed=seed), "per_microbatch": d.tolist(),
+                     "planned_step_ms": {"slack": sp["slack_step_ms"], "sens": sp["step_ms"]},
+                     "planned_kept_pairs": {"slack": sp["slack_planned_attn"], "sens": sp["planned_attn"]},
+                     "kept_pairs": {"slack": per[slack]["kept_pairs"], "sens": per[name]["kept_pairs"]},
+                     "changed_ops": sp["changed_ops"], "changed_microbatches": sp["changed_microbatches"],
+                     "budget": np.asarray(sp["budget"]).tolist(), "weight": sp["weight"]}
+    return out
 
 
 # --- retrieval ------------------------------------------------------------------------------
@@ -433,12 +587,17 @@ def main(argv=None) -> int:
     model = open_model(a)
     try:
         vocab = int(model.gpt.vocab_size)
-        out = {"config": {k: v for k, v in vars(a).items() if k not in ("json", "out")}, "iteration": model.iteration}
+        hide = ("json", "out", "study") + (("sensitivity", "sensitivity_study") if a.sensitivity == "off" else ())
+        out = {"config": {k: v for k, v in vars(a).items() if k not in hide}, "iteration": model.iteration}
         if a.num_microbatches:
             out["loss"] = loss_part(a, model, vocab)
             sb = out["loss"]["sb_minus_static"]
             out["sb_minus_static_loss"] = sb[f"sparsebalance-pp{a.pp[0]}"]["interval"] if sb else None
             out["sb_minus_static_loss_by_pp"] = {n: d["interval"] for n, d in sb.items()}
+            if a.sensitivity != "off":
+                sens = out["loss"]["sens_minus_slack"]
+                out["sens_minus_slack_loss"] = sens[f"sparsebalance-pp{a.pp[0]}-sens"]["interval"]
+                out["sens_minus_slack_loss_by_pp"] = {n: d["interval"] for n, d in sens.items()}
         if a.num_samples:
             out["retrieval_detail"] = retrieval_part(a, model)
             out["retrieval"] = out["retrieval_detail"]["accuracy"]
@@ -456,9 +615,11 @@ def main(argv=None) -> int:
         from sparsebalance.io import atomic_write_text
 
         atomic_write_text(a.out, json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out) if a.json else json.dumps({k: out.get(k) for k in (
-        "sb_minus_static_loss", "sb_minus_static_loss_by_pp", "retrieval", "pretrained_loss",
-        "finetune_first_loss_dense")}))
+    keys = ("sb_minus_static_loss", "sb_minus_static_loss_by_pp", "retrieval", "pretrained_loss",
+            "finetune_first_loss_dense")
+    if a.sensitivity != "off":
+        keys += ("sens_minus_slack_loss", "sens_minus_slack_loss_by_pp")
+    print(json.dumps(out) if a.json else json.dumps({k: out.get(k) for k in keys}))
     return 0
 
 

@@ -36,6 +36,10 @@ plan's and the total kept pairs at least the plan's, and the weighted pairs only
    time is not traded (each swap must fit the same step time), so no per-millisecond
    ratio is needed. Within a fixed compute budget.
 
+A comparison *at equal kept pairs* (``tools/real_accuracy.py --sensitivity estimate``) skips
+step 1 (``raise_first=False``) and holds the swaps' total within ``pairs_tol`` of the plan's
+(``pairs_tol``): then the refinement only moves pairs between micro-batches and stages.
+
 With no weights, or equal weights, the plan is returned as it is (the invariant the tests
 hold). The anchor rule has a single answer per op and no deadline of its own; it gets the
 same refinement at its own step time.
@@ -100,7 +104,8 @@ def _uniform(weight: Optional[np.ndarray]) -> bool:
 
 def sensitivity_indices(inst: Instance, idx: np.ndarray, weight: Optional[np.ndarray] = None,
                         shift_rounds: int = 8, max_moves: int = 64, budget: float = 5e6,
-                        chunk: int = 1024) -> np.ndarray:
+                        chunk: int = 1024, raise_first: bool = True,
+                        pairs_tol: Optional[float] = None) -> np.ndarray:
     """Level indices [D, M, S]: ``idx`` refined towards sensitive micro-batches (module
     docstring) at its own step time and kept pairs.
 
@@ -111,6 +116,11 @@ def sensitivity_indices(inst: Instance, idx: np.ndarray, weight: Optional[np.nda
         budget: the swap search stops after timing this many (op x candidate) cells
             (a share of ``budget / dp`` per replica; 5e6 is about 0.2 s of CPU).
         chunk: swaps timed per sweep, best estimated gain first.
+        raise_first: step 1 (the unweighted raise into the float); False: the swaps start
+            from ``idx`` itself.
+        pairs_tol: None: the swaps keep the total kept pairs at or above step 1's; a
+            fraction: within ``a0 x (1 -/+ pairs_tol)`` of step 1's ``a0`` (both ways, so
+            that a comparison against ``idx`` is at equal kept pairs).
     """
     weight = inst.weight if weight is None else np.asarray(weight, dtype=float)
     idx = np.asarray(idx, dtype=np.int64)
@@ -122,25 +132,30 @@ def sensitivity_indices(inst: Instance, idx: np.ndarray, weight: Optional[np.nda
     t0, a0, w0 = (float(f(X)[0]) for f in (one.makespan, one.attention, one.weighted))
     # 1. Unweighted raise into the leftover float: the swaps' floor is its pairs, so all
     #    they change is where pairs sit, not how many.
-    Y = raise_indices(inst, idx, deadline=t0, shift_rounds=shift_rounds).reshape(D, M * S).T.copy()
-    a0 = max(a0, float(one.attention(Y)[0]))
-    spare = 0.0  # pairs the swaps may give up overall
+    Y = X.copy()
+    if raise_first:
+        Y = raise_indices(inst, idx, deadline=t0, shift_rounds=shift_rounds).reshape(D, M * S).T.copy()
+        a0 = max(a0, float(one.attention(Y)[0]))
+    # pairs the swaps may give up overall; with pairs_tol also the most they may add
+    spare, cap = (0.0, None) if pairs_tol is None else (pairs_tol * a0, 2 * pairs_tol * a0)
     for r in range(D):  # each replica gets an equal share of the compute budget
         sub = dataclasses.replace(inst, dp=1, fwd=inst.fwd[:, r:r + 1], bwd=inst.bwd[:, r:r + 1],
                                   attn=inst.attn[:, r:r + 1], weight=weight[r:r + 1])
-        Y[:, r:r + 1], spare, _ = _swaps(sub, Y[:, r:r + 1], t0, spare, max_moves, budget / D, chunk)
+        Y[:, r:r + 1], spare, _ = _swaps(sub, Y[:, r:r + 1], t0, spare, max_moves, budget / D, chunk, cap)
     # Guard: the refinement is kept only if it does what it promises.
     t, a, w = (float(f(Y)[0]) for f in (one.makespan, one.attention, one.weighted))
     tol = _TOL * max(t0, 1.0)
-    if t <= t0 + tol and a >= a0 * (1 - _TOL) and w >= w0:
+    lo, hi = (a0 * (1 - _TOL), np.inf) if pairs_tol is None else (a0 * (1 - pairs_tol - _TOL),
+                                                                  a0 * (1 + pairs_tol + _TOL))
+    if t <= t0 + tol and lo <= a <= hi and w >= w0:
         return Y.T.reshape(D, M, S)
     return idx
 
 
 def _swaps(sub: Instance, X: np.ndarray, deadline: float, spare: float, max_moves: int,
-           budget: float, chunk: int):
+           budget: float, chunk: int, cap: Optional[float] = None):
     """Swap search on one replica (``sub``: dp 1) from X [MS, 1] that may give up ``spare``
-    pairs: (X, pairs still spare, cells spent)."""
+    pairs (and, with ``cap``, hold at most ``cap`` spare): (X, pairs still spare, cells spent)."""
     one = _Batch(sub, 1, sub.weight)
     A, W = one.Ar[:, :, 0], one.Wr[:, :, 0]  # [L, MS]
     L, MS = A.shape
@@ -158,6 +173,8 @@ def _swaps(sub: Instance, X: np.ndarray, deadline: float, spare: float, max_move
         i, j = np.nonzero(down[:, None] & up[None, :] & (wt[:, None] < wt[None, :]))
         dA, dW = ga[j] - la[i], gw[j] - lw[i]
         ok = (dA >= -spare - _TOL * max(abs(spare), 1.0)) & (dW > 0)
+        if cap is not None:
+            ok &= spare + dA <= cap + _TOL * max(cap, 1.0)
         i, j, dA, dW = i[ok], j[ok], dA[ok], dW[ok]
         order = np.argsort(-dW, kind="stable")
         moved = False

@@ -406,6 +406,12 @@ CASES = [
     # real_accuracy.py, sensitivity_sim.py, bench_sp_collectives.py (rejected before any work)
     Case("real-accuracy-no-model", "tools/real_accuracy.py", _p("--load", "{d}/empty_ckpt"), r"model_flags\.txt",
          _p("{d}/ra.json"), cold=True),
+    Case("real-accuracy-missing-study", "tools/real_accuracy.py",
+         _p("--load", "{d}/empty_ckpt", "--sensitivity", "estimate", "--sensitivity-study", "{d}/no_study.json",
+            "--out", "{d}/ra2.json"), r"sensitivity-study.*no_study\.json", _p("{d}/ra2.json")),
+    Case("real-accuracy-study-no-documents", "tools/real_accuracy.py",
+         _p("--load", "{d}/empty_ckpt", "--sensitivity", "estimate", "--sensitivity-study", "{d}/blank.jsonl"),
+         r"sensitivity-study.*blank\.jsonl"),
     Case("sensitivity-sim-missing-study", "tools/sensitivity_sim.py", _p("run", "--study", "{d}/no_study.json"),
          r"no_study\.json", cold=True),
     Case("sensitivity-sim-study-no-documents", "tools/sensitivity_sim.py",

@@ -163,3 +163,22 @@ def test_cli_sensitivity(tmp_path, capsys):
     path.write_text(json.dumps(instance_to_json(inst)))
     assert main(["plan", "--instance", str(path), "--sensitivity"]) == 2
     assert "weight" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tol", [0.0, 0.005, 0.02])
+def test_at_equal_pairs_only_moves_pairs(tol):
+    """``raise_first=False, pairs_tol``: never slower, kept pairs within ``tol`` of the
+    plan's both ways, weighted pairs never fewer; and not vacuous at a usable tolerance."""
+    moved = 0
+    for seed in SEEDS:
+        inst = random_instance(seed, pp=4, dp=2, microbatches=8, k0=20, levels=list(range(10, 41, 2)),
+                               seq_length=32768, mean_len=5000)
+        w = _weights(inst, seed)
+        base = critical_path_indices(inst)
+        out = sensitivity_indices(inst, base, w, raise_first=False, pairs_tol=tol)
+        (t0, a0), (t, a) = objective(inst, base), objective(inst, out)
+        assert t <= t0 * (1 + 1e-9)
+        assert a0 * (1 - tol - 1e-9) <= a <= a0 * (1 + tol + 1e-9)
+        assert weighted_attention(inst, out, w) >= weighted_attention(inst, base, w)
+        moved += not np.array_equal(out, base)
+    assert tol == 0.0 or moved >= 1
