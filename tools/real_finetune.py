@@ -214,7 +214,11 @@ def train(a, cmd: list, workdir: str, summary: str) -> dict:
             tail = [ln.strip() for ln in f if ln.strip()][-1:] or ["(no output)"]
         fail(f"pretrain_gpt.py exited {p.returncode} (log {logfile}): {tail[0][:300]}", code=1)
     with open(summary) as f:
-        return json.load(f)
+        s = json.load(f)
+    empty = [i + 1 for i, n in enumerate(s.get("step_tokens_all") or []) if n == 0]
+    if empty:  # a step without tokens trains nothing: the comparison would be void
+        fail(f"pretrain_gpt.py ran steps without tokens ({empty[:5]}...; log {logfile})", code=1)
+    return s
 
 
 def difference(after: list, before: list, weights: list, seed: int) -> dict:
