@@ -141,6 +141,26 @@ def test_sab_with_one_micro_batch_per_step(lengths, predictor):
         assert all(len(rank) == 1 and rank[0] for rank in plan.ranks)
 
 
+@pytest.mark.parametrize("strategy", ["sab", "wlb", "tokens", "megatron"])
+def test_one_micro_batch_steps_never_stall(predictor, strategy):
+    """DP=1, one micro-batch a step (``--global-batch-size 1``), items of 0.9-1x the
+    micro-batch: every step holds tokens and the steps take the stream in order until it
+    ends (SAB's window budget, 0.9 of the step's tokens, once admitted no such item and
+    every later step was empty)."""
+    L = np.random.default_rng(3).integers(int(0.9 * SEQ) + 1, SEQ + 1, size=12)
+    L[::4] = 300  # some short ones too
+    s = PackingSampler(L, dp=1, micro_batches=1, seq_length=SEQ, strategy=strategy, seed=5,
+                       predictor=predictor, pp=2)
+    seen = []
+    for _ in range(L.size):
+        plan = s.next_step()
+        assert plan.epoch == 0 and plan.ranks[0][0], plan  # not empty
+        seen += [seg[0] for seg in plan.ranks[0][0]]
+        if len(seen) == L.size:
+            break
+    assert sorted(seen) == list(range(L.size))  # every document once, none stuck
+
+
 @pytest.mark.parametrize("M_, pp", [(4, 2), (8, 4), (6, 3)])
 def test_pipeline_profile_beats_equal_micro_batches(M_, pp):
     from sparsebalance.batching.strategies.sab import pipeline_profile

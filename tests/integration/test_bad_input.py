@@ -112,6 +112,8 @@ def make_bad_files(d: str) -> None:
     json.dump([int(x) for x in rng.integers(100, 3000, size=80)], open(f"{d}/lengths.json", "w"))
     os.makedirs(f"{d}/a_dir", exist_ok=True)
     os.makedirs(f"{d}/empty_ckpt", exist_ok=True)
+    os.makedirs(f"{d}/flags_only", exist_ok=True)  # passes a --load check that looks for model_flags.txt
+    open(f"{d}/flags_only/model_flags.txt", "w").write("--num-layers 2\n")
     os.makedirs(f"{d}/a_dir_with_file", exist_ok=True)
     open(f"{d}/a_dir_with_file/x", "w").close()
     _make_hf_dirs(d)
@@ -412,6 +414,27 @@ CASES = [
     Case("real-accuracy-study-no-documents", "tools/real_accuracy.py",
          _p("--load", "{d}/empty_ckpt", "--sensitivity", "estimate", "--sensitivity-study", "{d}/blank.jsonl"),
          r"sensitivity-study.*blank\.jsonl"),
+    # real_finetune.py (rejected before anything is written)
+    Case("real-finetune-no-model", "tools/real_finetune.py", _p("--load", "{d}/empty_ckpt", "--data-path", "{d}/good",
+                                                                "--workdir", "{d}/rfw1", "--out", "{d}/rf1.json"),
+         r"model_flags\.txt", _p("{d}/rfw1", "{d}/rf1.json"), cold=True),
+    Case("real-finetune-no-data", "tools/real_finetune.py", _p("--load", "{d}/flags_only", "--data-path", "{d}/nodata",
+                                                               "--workdir", "{d}/rfw2", "--out", "{d}/rf2.json"),
+         r"nodata\.bin does not exist", _p("{d}/rfw2", "{d}/rf2.json")),
+    Case("real-finetune-too-many-heldout", "tools/real_finetune.py",
+         _p("--load", "{d}/flags_only", "--data-path", "{d}/good", "--heldout-docs", "6", "--workdir", "{d}/rfw3"),
+         r"--heldout-docs must be in \[2, 5\]", _p("{d}/rfw3")),
+    Case("real-finetune-zero-iters", "tools/real_finetune.py",
+         _p("--load", "{d}/flags_only", "--data-path", "{d}/good", "--train-iters", "0", "--workdir", "{d}/rfw4"),
+         r"--train-iters must be >= 1", _p("{d}/rfw4")),
+    Case("real-finetune-short-sequence", "tools/real_finetune.py",
+         _p("--load", "{d}/flags_only", "--data-path", "{d}/good", "--seq-length", "100", "--workdir", "{d}/rfw5"),
+         r"--seq-length 100 is under two blocks", _p("{d}/rfw5")),
+    Case("real-finetune-bad-number", "tools/real_finetune.py",
+         _p("--load", "{d}/flags_only", "--data-path", "{d}/good", "--heldout-docs", "few"), r"--heldout-docs"),
+    Case("real-finetune-out-dir-missing", "tools/real_finetune.py",
+         _p("--load", "{d}/flags_only", "--data-path", "{d}/good", "--out", "{d}/no_dir/rf.json", "--workdir",
+            "{d}/rfw6"), r"--out", _p("{d}/rfw6")),
     Case("sensitivity-sim-missing-study", "tools/sensitivity_sim.py", _p("run", "--study", "{d}/no_study.json"),
          r"no_study\.json", cold=True),
     Case("sensitivity-sim-study-no-documents", "tools/sensitivity_sim.py",
