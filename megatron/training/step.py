@@ -259,6 +259,9 @@ def train_step(args, model, optimizer, scheduler, batches, timers: StageTimers,
     result.skipped = not update_ok
     result.stage_times = timers.pop()
     result.op_ms = timers.op_ms(result.stage_times)
+    from sparsebalance.attention.packed import read_records
+
+    read_records(batches.records)  # threshold routing's kept pairs: one device-to-host copy per step
     result.attention_records = batches.records
     result.peak_memory_mb = peak_memory_mb(use_cpu(args))
     return result

@@ -17,9 +17,13 @@ routes as the original did).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 from megatron.core.packed_seq_params import PackedSeqParams
+
+from sparsebalance.ops.kept import KeptPairs, read_kept
+
+_FROM_KEPT = frozenset({"kept_pairs", "doc_kept_pairs", "head_kept_pairs"})
 
 
 @dataclass
@@ -45,6 +49,19 @@ class AttentionRecord:
     """Kept pairs of each query head (over documents; they sum to ``kept_pairs``), when the
     backend routed by the shared plan or the layer was dense (empty otherwise): under
     per-head threshold routing the heads of a layer keep different numbers of pairs."""
+    kept: Optional[KeptPairs] = field(default=None, compare=False, repr=False)
+    """The call's kept pairs while they are still on the device (threshold routing): the
+    three fields above are filled from them when one is first read, or for all of a step's
+    records at once by :func:`read_records` (one copy); then None."""
+
+    def __post_init__(self) -> None:
+        if self.kept is not None and not self.kept.pending:  # known on the host: no reason to wait
+            read_records([self])
+
+    def __getattribute__(self, name):
+        if name in _FROM_KEPT and object.__getattribute__(self, "kept") is not None:
+            read_records([self])
+        return object.__getattribute__(self, name)
 
     @property
     def density(self) -> float:
@@ -79,6 +96,19 @@ def record(packed_seq_params, rec: AttentionRecord) -> None:
     records = getattr(packed_seq_params, "records", None)
     if records is not None:
         records.append(rec)
+
+
+def read_records(records: Iterable[AttentionRecord]) -> int:
+    """Fill the kept pairs of every record still holding them on the device, with one
+    device-to-host copy for all (the driver calls it once per step). Returns the copies (0 or 1)."""
+    pend = [r for r in records if object.__getattribute__(r, "kept") is not None]
+    copies = read_kept([r.kept for r in pend])
+    for r in pend:
+        kept, r.kept = r.kept, None
+        r.kept_pairs = kept.total
+        r.doc_kept_pairs = () if kept.doc is None else tuple(int(x) for x in kept.doc)
+        r.head_kept_pairs = () if kept.head is None else tuple(int(x) for x in kept.head)
+    return copies
 
 
 def budget_of(packed_seq_params, default: Optional[int]) -> Tuple[Optional[int], Optional[int]]:

@@ -36,6 +36,7 @@ from sparsebalance.attention.dense import CausalVarlenAttention, causal_local_at
 from sparsebalance.attention.packed import AttentionRecord, budget_of, record
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention
+from sparsebalance.ops.kept import KeptPairs
 from sparsebalance.ops.plan import RoutingRule, default_scale, host_cu, plan_slot, routing_rule
 
 
@@ -103,29 +104,27 @@ class SparseAttention(CausalVarlenAttention):
         lens = torch.from_numpy(np.diff(host_cu(host)))
         H = q.shape[1]
         causal = int((lens * (lens + 1) // 2).sum()) * H
-        doc_kept = None
         if topk is None:
-            out, kept = causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale), causal
-            head_kept = [causal // H] * H
+            out = causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale)
+            kept = KeptPairs(head=np.full(H, causal // H, dtype=np.int64), total=causal)
         else:
             # under activation recompute the forward keeps its plan and the recomputation
             # in backward takes it back: one routing per layer and micro-batch
             mode = ("reuse" if torch.is_grad_enabled() else "store") if is_checkpointing() else None
             with plan_slot(packed_seq_params, self.layer_number, mode if packed_seq_params is not None else None):
-                out, dens, doc_kept, head_kept = sparse_attention(
+                # the kept pairs as the plan holds them: threshold routing's stay on the device
+                # until the step's records are read (read_records), no host sync per layer
+                out, kept = sparse_attention(
                     q, k, v, host, topk=topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
-                    backend=self.backend, return_density=True, return_doc_kept=True, return_head_kept=True,
+                    backend=self.backend, return_kept=True,
                     threshold=None if self.rule is None else self.rule.threshold,
                     topk_min=0 if self.rule is None else self.rule.topk_min,
                     per_head=True if self.rule is None else self.rule.per_head)
-            kept = round(dens * causal)
         if _recomputing():  # the original forward of this call was recorded already
             return out
         record(packed_seq_params, AttentionRecord(
-            layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=kept,
-            causal_pairs=causal, doc_lengths=tuple(lens.tolist()),
-            doc_kept_pairs=() if doc_kept is None else tuple(int(x) for x in doc_kept),
-            head_kept_pairs=() if head_kept is None else tuple(int(x) for x in head_kept)))
+            layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=0,
+            causal_pairs=causal, doc_lengths=tuple(lens.tolist()), kept=kept))
         return out
 
     def _attend_cp(self, q, query, k_full, v_full, layout, group, packed_seq_params=None

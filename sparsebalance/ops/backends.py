@@ -1,8 +1,10 @@
 """Backend registry: one name -> implementation map, resolved once per call.
 
 Every implementation has the signature
-``impl(q, k, v, cu_seqlens, topk, block_size, scale) -> (out, kept_pairs)`` on
-validated inputs; :func:`run_backend` runs one by name. ``"auto"`` here is the rule
+``impl(q, k, v, cu_seqlens, topk, block_size, scale) -> (out, kept)`` on
+validated inputs (``kept``: the kept pairs, an int or the plan's
+:class:`~sparsebalance.ops.kept.KeptPairs`, which threshold routing keeps on the device
+until read); :func:`run_backend` runs one by name. ``"auto"`` here is the rule
 (:func:`rule_backend`): ``triton`` > ``cuda`` for CUDA tensors (on an H100 the Triton
 kernels ran far faster than the SIMT CUDA extension, see docs/gpu.md) and ``cpu`` >
 ``reference`` for CPU tensors; :mod:`sparsebalance.ops.autoselect`, one layer up,
@@ -18,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
 
 from sparsebalance.ops import _ext
+from sparsebalance.ops.kept import KeptPairs
 from sparsebalance.ops.plan import build_plan, default_scale, host_cu
 from sparsebalance.ops.reference import reference_sparse_attention
 
@@ -66,7 +69,7 @@ def _planned(name: str) -> Callable:
 
     def impl(q, k, v, cu_seqlens, topk, block_size, scale):
         plan = build_plan(q, k, cu_seqlens, topk, block_size, scale)
-        return plan_kernel(name)(q, k, v, plan, scale), plan.kept_pairs
+        return plan_kernel(name)(q, k, v, plan, scale), plan.kept
 
     return impl
 
@@ -159,8 +162,10 @@ def run_backend(name: str, q, k, v, cu_seqlens, topk, block_size: int,
     return BACKENDS[name](q, k, v, cu_seqlens, topk, block_size, scale)
 
 
-def kept_density(kept: int, cu_seqlens: torch.Tensor, heads: int) -> float:
+def kept_density(kept: Union[int, KeptPairs], cu_seqlens: torch.Tensor, heads: int) -> float:
     """Kept (query, key) pairs over all heads / causal pairs of the documents (1.0 if none)."""
+    if isinstance(kept, KeptPairs):
+        kept = kept.total
     lens = np.diff(host_cu(cu_seqlens))
     causal = int((lens * (lens + 1) // 2).sum()) * heads
     return kept / causal if causal else 1.0

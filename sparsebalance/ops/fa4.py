@@ -282,9 +282,9 @@ def check_inputs(q: torch.Tensor, block_size: int) -> None:
 
 
 def fa4_sparse_attention(q, k, v, cu_seqlens, topk, block_size, scale):
-    """Backend ``fa4`` (the registry's signature): ``(out [T, H, D], kept_pairs)``."""
+    """Backend ``fa4`` (the registry's signature): ``(out [T, H, D], the plan's KeptPairs)``."""
     if q.shape[0] == 0:
         return q.clone(), 0
     check_inputs(q, block_size)
     plan, layout, desc = fa4_prepare(q, k, cu_seqlens, topk, block_size, scale)
-    return fa4_run(q, k, v, layout, desc, scale), plan.kept_pairs
+    return fa4_run(q, k, v, layout, desc, scale), plan.kept

@@ -330,7 +330,7 @@ def use_compiled(device: torch.device) -> bool:
 
 
 def flex_sparse_attention(q, k, v, cu_seqlens, topk, block_size, scale):
-    """Backend ``flex`` (the registry's signature): ``(out [T, H, D], kept_pairs)``."""
+    """Backend ``flex`` (the registry's signature): ``(out [T, H, D], the plan's KeptPairs)``."""
     if q.shape[0] == 0:
         return q.clone(), 0
     if q.device.type != "cuda" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
@@ -340,4 +340,4 @@ def flex_sparse_attention(q, k, v, cu_seqlens, topk, block_size, scale):
     compiled = use_compiled(q.device)
     _kernel_options(block_size, compiled)  # an unsupported block size fails before routing
     plan, layout, mask = flex_prepare(q, k, cu_seqlens, topk, block_size, scale, compiled)
-    return flex_run(q, k, v, layout, mask, scale, compiled), plan.kept_pairs
+    return flex_run(q, k, v, layout, mask, scale, compiled), plan.kept

@@ -10,6 +10,7 @@ import torch
 
 from sparsebalance.ops.autoselect import resolve_backend
 from sparsebalance.ops.backends import kept_density, run_backend
+from sparsebalance.ops.kept import KeptPairs
 from sparsebalance.ops.plan import RoutingRule, collect_plans, host_cu, routing_rule
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,6 +79,7 @@ def sparse_attention(
     return_doc_kept: bool = False,
     per_head: bool = True,
     return_head_kept: bool = False,
+    return_kept: bool = False,
 ):
     """Block top-k sparse causal attention over packed documents.
 
@@ -115,10 +117,14 @@ def sparse_attention(
             numpy ``[H]``; None for a backend that does not route by the shared plan).
         return_doc_kept: also return each document's kept pairs over heads (int64 numpy
             ``[n_docs]``; None for a backend that does not route by the shared plan).
+        return_kept: also return all of the kept pairs as a
+            :class:`~sparsebalance.ops.kept.KeptPairs` (per document and head when the
+            backend routed by the shared plan), read from the device only when first used:
+            threshold routing's counts stay there, so nothing here waits for the device.
 
     Returns:
         ``out [T, H, D]`` in q's dtype, followed by what was asked for, in this order:
-        ``density``, ``doc_kept``, ``head_kept`` (``out`` alone when nothing was).
+        ``density``, ``doc_kept``, ``head_kept``, ``kept`` (``out`` alone when nothing was).
 
     Raises:
         ValueError: naming the bad argument.
@@ -133,5 +139,6 @@ def sparse_attention(
     plan = plans[0] if len(plans) == 1 else None
     extra = ([kept_density(kept, cu_seqlens, q.shape[1])] if return_density else []) \
         + ([None if plan is None else plan.doc_kept] if return_doc_kept else []) \
-        + ([None if plan is None else plan.head_kept] if return_head_kept else [])
+        + ([None if plan is None else plan.head_kept] if return_head_kept else []) \
+        + ([kept if isinstance(kept, KeptPairs) else KeptPairs(total=int(kept))] if return_kept else [])
     return (out, *extra) if extra else out

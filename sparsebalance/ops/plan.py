@@ -4,9 +4,10 @@ The plan is computed once per call (fp32 gate; ties at the k-th value keep the l
 block id) and handed to every kernel backend as small int32 tables, so all backends
 select the same key blocks. The O(blocks) metadata is numpy on the host, once per
 micro-batch; the gates and the choice run on q's device with no host sync: on CUDA as
-three Triton kernels (:mod:`~sparsebalance.ops.route_kernels`, :func:`fused_route`), on
-the CPU (and with ``SPARSEBALANCE_ROUTE=torch``) as batched tensor ops over all
-documents in padded batches.
+three Triton kernels (:mod:`~sparsebalance.ops.route_kernels`, :func:`fused_route`; top-k
+and threshold routing), on the CPU (and with ``SPARSEBALANCE_ROUTE=torch``) as batched
+tensor ops over all documents in padded batches. Threshold routing's kept pairs stay on
+the device until read (:class:`~sparsebalance.ops.kept.KeptPairs`).
 
 Blocks are numbered globally over the packed batch: document ``d`` of length
 ``L`` contributes ``ceil(L / B)`` consecutive blocks (the last may be partial).
@@ -29,6 +30,8 @@ from typing import Callable, Iterator, Optional, Union
 import numpy as np
 import torch
 
+from sparsebalance.ops.kept import KeptPairs
+
 TopK = Union[int, torch.Tensor]
 
 
@@ -50,22 +53,39 @@ class RoutingPlan:
     head, so every kernel reads one shape: under top-k routing (and per-block threshold
     counts) the rows of all heads are equal. A plan built with an ``[NB]`` tensor (one count
     for every head) gets it expanded to ``[H, NB]`` (``__post_init__``)."""
-    kept_pairs: int
-    """Kept (query, key) pairs summed over heads and documents."""
     causal_pairs: int
     """Causal (query, key) pairs summed over heads and documents."""
-    kv_nnz: Optional[int] = None
-    """Valid entries of ``kv_idx`` of the head with the most (``kv_cnt.sum(1).max()``; every
-    head has as many under top-k routing), known on the host when the plan is built; lets
-    :func:`reverse_index` size its output without a device sync."""
-    doc_kept: Optional[np.ndarray] = None
-    """int64 ``[n_docs]``: kept pairs of each document, summed over heads (host)."""
+    kept: KeptPairs
+    """Kept pairs per document and per head and the widest head's valid ``kv_idx`` entries:
+    on the host under top-k routing; threshold routing's stay on the device until first
+    read (:attr:`kept_pairs` and the others below read them), so building a plan never
+    waits for the device."""
     doc_end: Optional[torch.Tensor] = None
     """int32 ``[NB]``: one past the last block of each block's document (set by
     :func:`build_plan`; fa4's device descriptors read it)."""
-    head_kept: Optional[np.ndarray] = None
-    """int64 ``[H]``: kept pairs of each head, summed over documents (host; sums to
-    ``kept_pairs``)."""
+
+    @property
+    def kept_pairs(self) -> int:
+        """Kept (query, key) pairs summed over heads and documents."""
+        return self.kept.total
+
+    @property
+    def kv_nnz(self) -> Optional[int]:
+        """Valid entries of ``kv_idx`` of the head with the most (``kv_cnt.sum(1).max()``;
+        every head has as many under top-k routing); lets :func:`reverse_index` size its
+        output without reading the table."""
+        return self.kept.nnz
+
+    @property
+    def doc_kept(self) -> Optional[np.ndarray]:
+        """int64 ``[n_docs]``: kept pairs of each document, summed over heads (host)."""
+        return self.kept.doc
+
+    @property
+    def head_kept(self) -> Optional[np.ndarray]:
+        """int64 ``[H]``: kept pairs of each head, summed over documents (host; sums to
+        ``kept_pairs``)."""
+        return self.kept.head
 
     def __post_init__(self) -> None:
         H, NB = self.kv_idx.shape[0], self.kv_idx.shape[1]
@@ -83,8 +103,8 @@ class RoutingPlan:
         """The same plan with its tables on ``device``."""
         mv = lambda t: t.to(device, non_blocking=True)
         return RoutingPlan(self.block_size, mv(self.qb_start), mv(self.qb_len), mv(self.kv_idx),
-                           mv(self.kv_cnt), self.kept_pairs, self.causal_pairs, self.kv_nnz,
-                           head_kept=self.head_kept)
+                           mv(self.kv_cnt), self.causal_pairs,
+                           KeptPairs(head=self.head_kept, nnz=self.kv_nnz, total=self.kept_pairs))
 
 
 @torch.no_grad()
@@ -118,8 +138,8 @@ def restrict_plan(plan: RoutingPlan, tokens: torch.Tensor, causal_pairs: int) ->
         kv_idx[:, i] = -1
         kv_idx[:, i, 0] = i.to(kv_idx.dtype)
         kv_cnt[:, i] = 1
-    return RoutingPlan(plan.block_size, plan.qb_start, plan.qb_len, kv_idx, kv_cnt, kept,
-                       int(causal_pairs), int(kv_cnt.sum(1).max()), head_kept=per_head.numpy())
+    return RoutingPlan(plan.block_size, plan.qb_start, plan.qb_len, kv_idx, kv_cnt, int(causal_pairs),
+                       KeptPairs(head=per_head.numpy(), nnz=int(kv_cnt.sum(1).max()), total=kept))
 
 
 @dataclass(frozen=True)
@@ -459,6 +479,12 @@ class _Skeleton:
     """Blocks of the longest document."""
     routed: bool
     """Some document has a choice to make (``route`` is None when the fused kernels make it)."""
+    pair_w: torch.Tensor
+    """int64 ``[NB]`` on the device: ``B * len_b``, kept pairs per kept block besides the diagonal."""
+    pair_c: torch.Tensor
+    """int64 ``[NB]`` on the device: ``len_b (len_b + 1) / 2 - B * len_b`` (the diagonal's pairs, less one block's)."""
+    doc_of: torch.Tensor
+    """int64 ``[NB]`` on the device: each block's document."""
 
 
 def _topk_key(topk: TopK):
@@ -549,7 +575,7 @@ Triton program's registers); a micro-batch with a longer one takes the torch rou
 
 
 def fused_route(device: torch.device) -> bool:
-    """Whether top-k routing on ``device`` runs as the three Triton kernels of
+    """Whether routing (top-k or threshold) on ``device`` runs as the Triton kernels of
     :mod:`~sparsebalance.ops.route_kernels` instead of torch ops: ``$SPARSEBALANCE_ROUTE``
     ``auto`` (default: on CUDA with triton), ``fused`` (also on CPU tensors, through
     Triton's interpreter: tests) or ``torch``."""
@@ -572,7 +598,7 @@ fused route off (its first launch failed), or None."""
 
 
 def route_used() -> str:
-    """How top-k plans were routed in this process: ``fused`` (a fused launch ran),
+    """How plans were routed in this process: ``fused`` (a fused launch ran),
     ``torch``, or ``torch (fused off: why)`` after :func:`run_fused` turned it off."""
     if _fused_state["off"] is not None:
         return f"torch (fused off: {_fused_state['off']})"
@@ -602,9 +628,9 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
     rule = current_rule()
     thr = rule.threshold
     kmin = None if thr is None else rule.topk_min
-    fused = thr is None and reduce_q_sums is None and fused_route(q.device)
+    fused = reduce_q_sums is None and fused_route(q.device)
     sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device, kmin, host_route=not fused)
-    kv_cnt = sk.kv_cnt if thr is None else sk.kv_cnt.clone()
+    kv_cnt = sk.kv_cnt  # the budget's counts; threshold routing writes its own
     kv_idx = None
     if sk.routed and sk.route is None:  # the fused kernels make the choice, every row written
         from sparsebalance.ops import route_kernels
@@ -613,39 +639,39 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
         # micro-batches of one packed length share one compiled kernel
         width = -(-q.shape[0] // int(block_size))
         m = sk.meta_d
-        kv_idx = run_fused(route_kernels.route_rows, q, k, m[0], m[1], m[2], m[3], m[4], sk.kv_template.shape[2],
-                           width if width <= FUSED_MAX_BLOCKS else sk.max_blocks, int(block_size),
-                           float(softmax_scale))
+        args = (q, k, m[0], m[1], m[2], m[3], m[4], sk.kv_template.shape[2],
+                width if width <= FUSED_MAX_BLOCKS else sk.max_blocks, int(block_size), float(softmax_scale))
+        if thr is None:
+            kv_idx = run_fused(route_kernels.route_rows, *args)
+        else:
+            got = run_fused(route_kernels.threshold_rows, *args, float(thr), rule.topk_min, rule.per_head)
+            if got is not None:
+                kv_idx, kv_cnt = got
         if kv_idx is None:  # the fused route turned itself off: the torch route's skeleton
             sk = _skeleton(cu_seqlens, topk, int(block_size), q.shape[1], q.device, kmin)
     if kv_idx is None:
         kv_idx = sk.kv_template.clone()
         if sk.route:
+            kv_cnt = kv_cnt if thr is None else kv_cnt.clone()
             sk.route.run(q, k, kv_idx, sk.sent[1:], float(softmax_scale), reduce_q_sums,
                          kv_cnt=kv_cnt, rule=rule)
-    nnz, doc_kept, head_kept = sk.kv_nnz, sk.doc_kept, sk.head_kept
-    if thr is not None and sk.route:  # the counts were chosen on the device: one read back
-        ql = sk.meta_d[1].long()
-        per_block = (kv_cnt.long() - 1) * int(block_size) * ql + ql * (ql + 1) // 2  # [H, NB]
-        n_docs, H = len(sk.doc_kept), q.shape[1]
-        per_doc = torch.zeros(n_docs, dtype=torch.int64, device=q.device)
-        per_doc.scatter_add_(0, sk.meta_d[5].long(), per_block.sum(0))
-        back = torch.cat([per_doc, per_block.sum(1), kv_cnt.long().sum(1)]).cpu().numpy()
-        doc_kept, head_kept = back[:n_docs], back[n_docs:n_docs + H]
-        nnz = int(back[n_docs + H:].max())
-    return RoutingPlan(
-        block_size=int(block_size),
-        qb_start=sk.meta_d[0],
-        qb_len=sk.meta_d[1],
-        kv_idx=kv_idx,
-        kv_cnt=kv_cnt,
-        kept_pairs=int(doc_kept.sum()),
-        causal_pairs=sk.causal_pairs,
-        kv_nnz=nnz,
-        doc_kept=doc_kept,
-        doc_end=sk.meta_d[6],
-        head_kept=head_kept,
-    )
+    if thr is not None and sk.routed:  # the counts were chosen on the device: they stay there
+        kept = KeptPairs(device=_device_kept(kv_cnt, sk), n_docs=len(sk.doc_kept))
+    else:
+        kept = KeptPairs(doc=sk.doc_kept, head=sk.head_kept, nnz=sk.kv_nnz)
+    return RoutingPlan(block_size=int(block_size), qb_start=sk.meta_d[0], qb_len=sk.meta_d[1], kv_idx=kv_idx,
+                       kv_cnt=kv_cnt, causal_pairs=sk.causal_pairs, kept=kept, doc_end=sk.meta_d[6])
+
+
+def _device_kept(kv_cnt: torch.Tensor, sk: "_Skeleton") -> torch.Tensor:
+    """int64 ``[n_docs + 2H]`` on the device (:class:`~sparsebalance.ops.kept.KeptPairs`):
+    kept pairs per document and per head, each head's valid entries, from ``kv_cnt [H, NB]``
+    (block ``b`` keeping ``c`` blocks holds ``(c - 1) * B * len_b + len_b (len_b + 1) / 2``
+    pairs: the skeleton's ``pair_w`` and ``pair_c``)."""
+    per_block = kv_cnt.long() * sk.pair_w + sk.pair_c  # [H, NB]
+    per_doc = torch.zeros(len(sk.doc_kept), dtype=torch.int64, device=kv_cnt.device)
+    per_doc.index_add_(0, sk.doc_of, per_block.sum(0))
+    return torch.cat([per_doc, per_block.sum(1), kv_cnt.sum(1, dtype=torch.int64)])
 
 
 def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
@@ -688,7 +714,9 @@ def _build_skeleton(cu: np.ndarray, topk, B: int, H: int, dev: torch.device,
     fb_d, i_d = meta_d[3].view(-1, 1), meta_d[4].view(-1, 1)
     kv_template = torch.where(e <= i_d, fb_d + e, -1).unsqueeze(0).expand(H, NB, W).contiguous()
     doc_kept = np.bincount(doc_of, weights=full, minlength=n_docs).astype(np.int64) * H
+    ql = sent[0][1]
     return _Skeleton(doc_kept=doc_kept, meta_d=meta_d, kv_template=kv_template, route=route, sent=sent,
+                     pair_w=ql * B, pair_c=ql * (ql + 1) // 2 - ql * B, doc_of=sent[0][5],
                      causal_pairs=int((lens * (lens + 1) // 2).sum()) * H, kv_nnz=int(kv_cnt.sum()),
                      max_blocks=max_blocks, routed=len(sel) > 0,
                      kv_cnt=meta_d[2].view(1, NB).expand(H, NB).contiguous(),
@@ -744,7 +772,8 @@ class _RouteHost:
             src = np.flatnonzero(a < rows[ids, None])  # padded (item, row) -> written rows
             dst = (fb[ids, None] + i0[ids, None] + a).ravel()[src]
             info = np.stack([i0[ids], rows[ids], kk[ids], fb[ids], kl[ids]])
-            kmax = min(int(kk[ids].max()), C - 1)  # a cap past the candidates (threshold rows)
+            # a cap past the item's own candidates (threshold rows) keeps them all
+            kmax = int(np.minimum(kk[ids], cols[ids] - 1).max())
             self.batches.append((len(ids), R, C, kmax, int(kk[ids].min()) == kmax,
                                  [qrow, kcol, src, dst, info]))
 

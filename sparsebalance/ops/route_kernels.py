@@ -13,11 +13,20 @@ docs/gpu.md). Here the same plan is three kernels:
   largest by bisection on the gates' order-preserving integer keys (32 passes over the
   row, whatever k), keeps everything above it and the ties at it from the left (the torch
   route's rule), and writes sink, chosen blocks ascending, diagonal and -1 padding;
+- :func:`_threshold_kernel` (threshold routing, in place of the route kernel): the same
+  program per (query block, head) takes the softmax of its gates over its candidates and
+  finds its count, the fewest candidates (gates descending, ties from the left) holding
+  TAU, by bisection on the same keys (the largest key whose gates at or above it hold
+  TAU, 33 passes; then the ties at it from the left), clamped to the minimum and the
+  budget; per-head counts write the row at once, per-block ones only the count: their
+  largest over heads (one torch op) then feeds the route kernel;
 - :func:`_bwd_desc_kernel` (the ``fa4`` backend): FlashAttention-4's query-direction
   lists, one program per (key block, head) scanning the rows after it in its document.
 
 The choice equals the torch route's wherever the gates do; the gates' fp32 sums run in
-another order, so a near tie at the k-th gate (relative gap ~1e-6) may go the other way.
+another order, so a near tie at the k-th gate (relative gap ~1e-6) may go the other way;
+so may a threshold count whose softmax mass lies within ~1e-6 of TAU (the torch route
+takes a cumulative sum of the sorted softmax, the kernel masked sums of it).
 Compile keys: the block size, the head dim, and powers of two at least the micro-batch's
 blocks and the plan's row width; the row width itself is not specialised on, so
 micro-batches of one packed length and new budgets reuse the compiled kernels.
@@ -49,6 +58,52 @@ def _block_means_kernel(X, OUT, QB_START, QB_LEN, s_xt, s_xh, scale,
     tl.store(OUT + (b * NH + h) * D + d, mean, mask=d < D)
 
 
+@triton.jit
+def _gates(QM, KM, m, h, fb, i, H, REP, D, C_P2: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Gates of query block ``m`` (head ``h``, block ``i`` of a document whose block 0 is
+    ``fb``) against its candidates, blocks ``1 .. i - 1``: ``(g, key, valid, c)`` over
+    columns ``c = 0 .. C_P2 - 1``; ``key`` the gates' order-preserving integer keys,
+    every non-candidate below every candidate."""
+    c = tl.arange(0, C_P2)
+    valid = (c >= 1) & (c < i)
+    hk = h // REP
+    g = tl.zeros((C_P2,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_DC):
+        dd = d0 + tl.arange(0, BLOCK_DC)
+        qv = tl.load(QM + (m * H + h) * D + dd, mask=dd < D, other=0.0)
+        kp = KM + ((fb + c[:, None]).to(tl.int64) * (H // REP) + hk) * D + dd[None, :]
+        kv = tl.load(kp, mask=valid[:, None] & (dd[None, :] < D), other=0.0)
+        g += tl.sum(kv * qv[None, :], axis=1)
+    g = tl.where(g == 0.0, 0.0, g)  # -0.0 ties with +0.0 as in torch, not below it
+    bits = g.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    key = tl.where(valid, key, -(1 << 40))
+    return g, key, valid, c
+
+
+@triton.jit
+def _chosen_row(row, e, W, fb, i, c, key, valid, k):
+    """Row ``i``'s entries of ``KV_IDX`` (``row`` points at entry 0) keeping the ``k`` best
+    candidates: the k-th largest key by bisection (33 passes over the row, whatever k),
+    everything above it and the ties at it from the left (the torch route's rule); then
+    sink, chosen ascending, diagonal at ``k + 1``, -1 padding up to ``W``."""
+    lo = tl.min(tl.where(valid, key, 1 << 40), axis=0)  # count(key >= lo) >= k always
+    hi = tl.max(key, axis=0)
+    for _ in range(33):  # the largest t with count(key >= t) >= k: the k-th largest key
+        mid = lo + (hi - lo + 1) // 2
+        ok = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    gt = key > lo
+    eq = key == lo
+    need = k - tl.sum(gt.to(tl.int32), axis=0)
+    keep = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+    pos = tl.cumsum(keep.to(tl.int32), axis=0)  # 1 .. k for the kept, ascending
+    tl.store(row + pos, fb + c, mask=keep)
+    tl.store(row + e, tl.where(e == 0, fb, tl.where(e == k + 1, fb + i, -1)),
+             mask=(e < W) & ((e == 0) | (e > k)))
+
+
 @triton.jit(do_not_specialize=["W"])  # W follows the budgets: no recompile when it moves
 def _route_kernel(QM, KM, KV_IDX, KV_CNT, FIRST, IDX, H, REP, W, D,
                   C_P2: tl.constexpr, W_P2: tl.constexpr, BLOCK_DC: tl.constexpr):
@@ -66,37 +121,54 @@ def _route_kernel(QM, KM, KV_IDX, KV_CNT, FIRST, IDX, H, REP, W, D,
     if cnt == i + 1:  # no choice: blocks 0 .. i of the document
         tl.store(row + e, tl.where(e <= i, fb + e, -1), mask=e < W)
     else:
-        k = cnt - 2
-        c = tl.arange(0, C_P2)
-        valid = (c >= 1) & (c < i)
-        hk = h // REP
-        g = tl.zeros((C_P2,), dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_DC):
-            dd = d0 + tl.arange(0, BLOCK_DC)
-            qv = tl.load(QM + (m * H + h) * D + dd, mask=dd < D, other=0.0)
-            kp = KM + ((fb + c[:, None]).to(tl.int64) * (H // REP) + hk) * D + dd[None, :]
-            kv = tl.load(kp, mask=valid[:, None] & (dd[None, :] < D), other=0.0)
-            g += tl.sum(kv * qv[None, :], axis=1)
-        g = tl.where(g == 0.0, 0.0, g)  # -0.0 ties with +0.0 as in torch, not below it
-        # order-preserving int keys of the fp32 gates; non-candidates below every candidate
-        bits = g.to(tl.int32, bitcast=True)
-        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-        key = tl.where(valid, key, -(1 << 40))
-        lo = tl.min(tl.where(valid, key, 1 << 40), axis=0)  # count(key >= lo) >= k always
+        g, key, valid, c = _gates(QM, KM, m, h, fb, i, H, REP, D, C_P2, BLOCK_DC)
+        _chosen_row(row, e, W, fb, i, c, key, valid, cnt - 2)
+
+
+@triton.jit(do_not_specialize=["W", "kmin"])
+def _threshold_kernel(QM, KM, KV_IDX, CAP, CNT, FIRST, IDX, H, REP, W, D, tau, kmin,
+                      C_P2: tl.constexpr, W_P2: tl.constexpr, BLOCK_DC: tl.constexpr,
+                      ROWS: tl.constexpr):
+    """Threshold routing of query block ``m``, head ``h``: ``CNT[h, m]`` = 2 + the fewest
+    candidates, gates descending (ties from the left), whose share of the head's softmax
+    over its candidates reaches ``tau``, clamped to ``[min(kmin, cap), cap]`` with ``cap =
+    CAP[m] - 2`` (the budget, at most the candidates); rows without candidates keep blocks
+    ``0 .. i``. ``ROWS``: also write the row of ``KV_IDX`` as :func:`_route_kernel` does.
+
+    The count: the largest key ``t`` whose gates at or above it hold ``tau`` (bisection, 33
+    passes), then the ties at ``t`` from the left until the mass reaches ``tau``."""
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    NB = tl.num_programs(0)
+    fb = tl.load(FIRST + m)
+    i = tl.load(IDX + m)
+    cnt = i + 1
+    g, key, valid, c = _gates(QM, KM, m, h, fb, i, H, REP, D, C_P2, BLOCK_DC)
+    if i >= 2:
+        top = tl.load(CAP + m) - 2
+        ex = tl.where(valid, tl.exp(g - tl.max(tl.where(valid, g, float("-inf")), axis=0)), 0.0)
+        p = ex / tl.sum(ex, axis=0)
+        lo = tl.min(tl.where(valid, key, 1 << 40), axis=0)  # all the mass; less than tau: all
         hi = tl.max(key, axis=0)
-        for _ in range(33):  # the largest t with count(key >= t) >= k: the k-th largest key
+        for _ in range(33):
             mid = lo + (hi - lo + 1) // 2
-            ok = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
+            ok = tl.sum(tl.where(key >= mid, p, 0.0), axis=0) >= tau
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid - 1)
         gt = key > lo
         eq = key == lo
-        need = k - tl.sum(gt.to(tl.int32), axis=0)
-        keep = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
-        pos = tl.cumsum(keep.to(tl.int32), axis=0)  # 1 .. k for the kept, ascending
-        tl.store(row + pos, fb + c, mask=keep)
-        tl.store(row + e, tl.where(e == 0, fb, tl.where(e == k + 1, fb + i, -1)),
-                 mask=(e < W) & ((e == 0) | (e > k)))
+        above = tl.sum(tl.where(gt, p, 0.0), axis=0)
+        ties = tl.sum((eq & (above + tl.cumsum(tl.where(eq, p, 0.0), axis=0) < tau)).to(tl.int32), axis=0)
+        n = tl.sum(gt.to(tl.int32), axis=0) + tl.minimum(ties + 1, tl.sum(eq.to(tl.int32), axis=0))
+        cnt = tl.minimum(tl.maximum(n, tl.minimum(kmin, top)), top) + 2
+    tl.store(CNT + h.to(tl.int64) * NB + m, cnt)
+    if ROWS:
+        e = tl.arange(0, W_P2)
+        row = KV_IDX + (h.to(tl.int64) * NB + m) * W
+        if cnt == i + 1:
+            tl.store(row + e, tl.where(e <= i, fb + e, -1), mask=e < W)
+        else:
+            _chosen_row(row, e, W, fb, i, c, key, valid, cnt - 2)
 
 
 @triton.jit(do_not_specialize=["W"])
@@ -146,6 +218,21 @@ def _launch_means(x: torch.Tensor, qb_start, qb_len, B: int, scale: float) -> to
     return out
 
 
+def _gate_means(q, k, qb_start, qb_len, block_size: int, scale: float, width: int, W: int):
+    """(q means x scale, k means, compile-time arguments of the row kernels)."""
+    D = q.shape[2]
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    qm = _launch_means(q, qb_start, qb_len, block_size, scale)
+    km = _launch_means(k, qb_start, qb_len, block_size, 1.0)
+    C = max(16, triton.next_power_of_2(width))
+    ce = dict(C_P2=C, W_P2=max(16, triton.next_power_of_2(W)),
+              BLOCK_DC=max(1, min(triton.next_power_of_2(D), 8192 // C)))
+    return qm, km, ce
+
+
 def route_rows(q: torch.Tensor, k: torch.Tensor, qb_start: torch.Tensor, qb_len: torch.Tensor,
                kv_cnt: torch.Tensor, first: torch.Tensor, idx: torch.Tensor, W: int,
                width: int, block_size: int, scale: float) -> torch.Tensor:
@@ -158,18 +245,35 @@ def route_rows(q: torch.Tensor, k: torch.Tensor, qb_start: torch.Tensor, qb_len:
     kv_idx = torch.empty((H, NB, W), dtype=torch.int32, device=q.device)
     if NB == 0:
         return kv_idx
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k.stride(2) != 1:
-        k = k.contiguous()
-    qm = _launch_means(q, qb_start, qb_len, block_size, scale)
-    km = _launch_means(k, qb_start, qb_len, block_size, 1.0)
-    C = max(16, triton.next_power_of_2(width))
-    ce = dict(C_P2=C, W_P2=max(16, triton.next_power_of_2(W)),
-              BLOCK_DC=max(1, min(triton.next_power_of_2(D), 8192 // C)))
+    qm, km, ce = _gate_means(q, k, qb_start, qb_len, block_size, scale, width, W)
     _keys.add(("route", tuple(ce.items())))
     _route_kernel[(NB, H)](qm, km, kv_idx, kv_cnt, first, idx, H, H // k.shape[1], W, D, **ce)
     return kv_idx
+
+
+def threshold_rows(q: torch.Tensor, k: torch.Tensor, qb_start: torch.Tensor, qb_len: torch.Tensor,
+                   cap: torch.Tensor, first: torch.Tensor, idx: torch.Tensor, W: int, width: int,
+                   block_size: int, scale: float, tau: float, kmin: int, per_head: bool) -> tuple:
+    """Threshold routing (:class:`~sparsebalance.ops.plan.RoutingRule`): ``(kv_idx [H, NB, W],
+    kv_cnt [H, NB])`` int32, arguments as :func:`route_rows` with ``cap`` the budget's
+    counts (int32 ``[NB]``: sink, diagonal and at most the budget's candidates). Per head:
+    one row kernel that counts and writes. ``per_head`` False: the counts kernel, their
+    largest over heads (torch ops on the device), then :func:`route_rows`' kernel with it."""
+    (H, D), NB = q.shape[1:], qb_start.shape[0]
+    kv_idx = torch.empty((H, NB, W), dtype=torch.int32, device=q.device)
+    kv_cnt = torch.empty((H, NB), dtype=torch.int32, device=q.device)
+    if NB == 0:
+        return kv_idx, kv_cnt
+    qm, km, ce = _gate_means(q, k, qb_start, qb_len, block_size, scale, width, W)
+    _keys.add(("threshold", tuple(ce.items()), per_head))
+    _threshold_kernel[(NB, H)](qm, km, kv_idx, cap, kv_cnt, first, idx, H, H // k.shape[1], W, D,
+                               float(tau), int(kmin), ROWS=per_head, **ce)
+    if not per_head:
+        kv_cnt = kv_cnt.amax(0, keepdim=True)
+        _keys.add(("route", tuple(ce.items())))
+        _route_kernel[(NB, H)](qm, km, kv_idx, kv_cnt, first, idx, H, H // k.shape[1], W, D, **ce)
+        kv_cnt = kv_cnt.expand(H, NB).contiguous()
+    return kv_idx, kv_cnt
 
 
 def bwd_descriptors(kv_idx: torch.Tensor, doc_end: torch.Tensor) -> tuple:

@@ -128,6 +128,34 @@ def test_threshold_records_count_pairs_per_head(mp, backend):
     assert 0 < got[True][0].density < 1.0
 
 
+def test_threshold_records_read_the_device_once_per_step(mp):
+    """Under threshold routing a layer's record holds its kept pairs as the plan left them,
+    on the device (no read per layer; a backend whose backward index needs the widest
+    head's count, cpu / triton / cuda, reads it there); the step reads all of its records with one copy
+    (``read_records``), and a record read alone (its first field read) gets the same values."""
+    from sparsebalance.attention.packed import read_records
+
+    cfg = _config()
+    lens = [300, 40, 200]
+    runs = []
+    for _ in range(2):
+        records = []
+        x, psp = _thd(cfg, lens, records=records)
+        for n in (1, 2):  # flex: its kernel reads nothing of the plan on the host (forward only here)
+            layer = _layer(cfg, n, block_size=16, topk=6, backend="flex", threshold=0.5, topk_min=1)
+            with torch.no_grad():
+                x = layer(x, attention_mask=None, packed_seq_params=psp)[0]
+        assert len(records) == 2 and all(object.__getattribute__(r, "kept").pending for r in records)
+        runs.append(records)
+    assert read_records(runs[0]) == 1 and read_records(runs[0]) == 0
+    for r, alone in zip(runs[0], runs[1]):
+        assert object.__getattribute__(r, "kept") is None
+        assert alone.kept_pairs == r.kept_pairs and object.__getattribute__(alone, "kept") is None
+        assert alone.head_kept_pairs == r.head_kept_pairs and alone.doc_kept_pairs == r.doc_kept_pairs
+        assert sum(r.head_kept_pairs) == r.kept_pairs == sum(r.doc_kept_pairs) and 0 < r.density < 1
+        assert len(r.head_kept_pairs) == cfg.num_attention_heads and len(r.doc_kept_pairs) == len(lens)
+
+
 def test_sbhd_equals_thd_of_equal_documents(mp):
     from megatron.core.transformer.enums import AttnMaskType
 

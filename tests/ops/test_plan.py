@@ -6,6 +6,7 @@ import torch
 from _cases import make_inputs
 
 import sparsebalance.ops.plan as plan_mod
+from sparsebalance.ops.kept import KeptPairs
 from sparsebalance.ops.plan import (
     RoutingRule,
     _select_rows,
@@ -147,7 +148,7 @@ def test_reverse_index_inverts_the_plan(rule):
     if rule is not None and rule.per_head:
         assert len(set(nnz.tolist())) > 1  # heads keep different numbers of blocks
     assert rq.shape == (3, plan.kv_nnz) and torch.equal(ptr[:, -1], nnz.int())
-    plan.kv_nnz = None  # the same tables without the host's count
+    plan.kept = KeptPairs(doc=plan.doc_kept, head=plan.head_kept)  # the same tables without the host's count
     assert all(torch.equal(a, b) for a, b in zip((ptr, rq), reverse_index(plan)))
     rows = _rows(plan)
     H, NB = len(rows), len(rows[0])
@@ -360,7 +361,7 @@ def test_select_rows_per_row_k_matches_stable_sort():
 def test_reverse_index_without_the_hosts_count():
     plan, *_ = _plan(2)
     assert plan.kv_nnz is not None and plan.to(torch.device("cpu")).kv_nnz == plan.kv_nnz
-    plan.kv_nnz = None
+    plan.kept = KeptPairs(doc=plan.doc_kept, head=plan.head_kept)  # no count of the valid entries
     slow = reverse_index(plan)
-    plan.kv_nnz = int(plan.kv_cnt.sum(1).max())
+    plan.kept = KeptPairs(doc=plan.doc_kept, head=plan.head_kept, nnz=int(plan.kv_cnt.sum(1).max()))
     assert all(torch.equal(a, b) for a, b in zip(slow, reverse_index(plan)))

@@ -182,3 +182,19 @@ def test_per_document_kept_pairs_add_up_and_match_each_document_alone(threshold)
     _, _, none = sparse_attention(q, k, v, cu, topk=6, block_size=B, backend="reference", return_density=True,
                                   return_doc_kept=True)
     assert none is None  # the reference routes on its own: no plan to read
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "per-block"])
+def test_a_cap_past_a_short_documents_blocks_keeps_them_all_at_most(per_head):
+    """A short document whose cap exceeds its candidates, batched with a longer routed
+    document of a small cap (the torch route once sized the short one's rows by its cap
+    and failed): every row is laid out right and keeps at most its candidates."""
+    lens, H, D, B = [400, 130], 2, 8, 16
+    q, k, _, cu, _ = structured_inputs(lens, H, 1, D, B)
+    with routing_rule(RoutingRule(0.5, 2, per_head=per_head)):
+        plan = build_plan(q, k, cu, torch.tensor([0, 20]), B, D ** -0.5)
+    plan_rows_checked(plan)
+    i = torch.cat([torch.arange(-(-L // B)) for L in lens])
+    caps = torch.tensor([0] * 25 + [20] * 9)
+    assert bool((plan.kv_cnt <= torch.minimum(i + 1, caps + 2)).all())
+    assert plan.kept_pairs == int(plan.head_kept.sum()) == int(plan.doc_kept.sum())
