@@ -225,6 +225,7 @@ def test_sab_filled_steps_keep_sampler_invariants(predictor, max_carry):
         while not ps or ps[-1].epoch == 0:
             ps.append(s.next_step())
             assert len(s.carried) == 0 or max_carry > 0
+            assert len(ps) <= NEAR_SEQ.size, "the epoch does not end (empty steps)"
         return ps[:-1]
 
     a = make()
