@@ -86,7 +86,7 @@ def _run(lengths, strategy: str, predictor, *, steps: int, **sampler):
     """``steps`` packing steps of ``strategy``; ``sampler``: PackingSampler keywords."""
     s = PackingSampler(lengths, strategy=strategy, predictor=predictor, **sampler)
     packings = [s.next_step() for _ in range(steps)]
-    return packings, summarize(packings, len(s.carried))
+    return packings, summarize(packings, len(s.carried), s.seq_length)
 
 
 def _table(results: dict) -> str:

@@ -13,9 +13,11 @@ def _ratio(x: np.ndarray) -> float:
     return float(np.max(x)) / m if m > 0 else 1.0
 
 
-def summarize(packings: list, carried_docs: int) -> dict:
+def summarize(packings: list, carried_docs: int, seq_length: int) -> dict:
     """Summary of a run of packings that carry predicted times.
 
+    ``capacity_use`` = real tokens / (steps x dp x M x ``seq_length``) (fraction);
+    ``empty_microbatches`` = micro-batches without a token, per step (mean);
     ``imbalance_rank`` / ``imbalance_microbatch`` are max/mean per step, averaged over
     steps; ``predicted_ms_per_ktok`` = total predicted step time / real tokens x 1000;
     ``lower_bound_ms_per_ktok`` replaces, in every step, each micro-batch's per-stage
@@ -38,6 +40,10 @@ def summarize(packings: list, carried_docs: int) -> dict:
         "imbalance_microbatch": float(np.mean([_ratio(p.microbatch_ms.ravel()) for p in packings])),
         "predicted_step_ms": float(planned_ms.mean()),
         "tokens": int(tokens),
+        "capacity_use": tokens / sum(p.stage_fwd_ms.shape[0] * p.stage_fwd_ms.shape[1] * seq_length
+                                     for p in packings),
+        "empty_microbatches": float(np.mean([sum(not mb for r in p.ranks for mb in r)
+                                             for p in packings])),
         "predicted_ms_per_ktok": per_ktok,
         "lower_bound_ms_per_ktok": float(np.sum(lb)) / tokens * 1e3 if tokens else 0.0,
         "carried_docs": int(carried_docs),

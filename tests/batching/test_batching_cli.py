@@ -5,11 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sparsebalance.batching.cli import main
 
 SUMMARY_KEYS = {"imbalance_rank", "imbalance_microbatch", "predicted_step_ms", "tokens",
+                "capacity_use", "empty_microbatches",
                 "predicted_ms_per_ktok", "lower_bound_ms_per_ktok", "carried_docs", "pack_ms"}
 
 TINY = ["--dp", "2", "--micro-batches", "2", "--seq-length", "4096", "--pp", "2",
@@ -36,6 +38,10 @@ def test_pack_json(lengths_file, capsys, strategy):
     assert len(step["predicted_ms"]["rank"]) == 2
     assert out["summary"]["tokens"] == sum(s[2] for st in out["steps"] for r in st["ranks"]
                                            for mb in r for s in mb)
+    assert out["summary"]["capacity_use"] == pytest.approx(
+        out["summary"]["tokens"] / (3 * 2 * 2 * 4096))
+    assert out["summary"]["empty_microbatches"] == pytest.approx(
+        np.mean([sum(not mb for r in st["ranks"] for mb in r) for st in out["steps"]]))
 
 
 def test_text_lengths_and_compare(tmp_path, capsys):

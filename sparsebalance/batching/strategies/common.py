@@ -105,6 +105,12 @@ def extend_window(win: Window, stream: StreamCursor, ctx: PackContext, tokens: i
         return win
     s_doc, s_off, s_len = stream.peek_tokens(int(tokens))
     stream.advance(s_doc.size)
+    return _append(win, s_doc, s_off, s_len, ctx)
+
+
+def _append(win: Window, s_doc: np.ndarray, s_off: np.ndarray, s_len: np.ndarray,
+            ctx: PackContext) -> Window:
+    """``win`` followed by these stream items (age 0)."""
     if s_doc.size == 0:
         return win
     z = np.zeros(s_doc.size, dtype=np.int64)
@@ -146,3 +152,28 @@ def settle(win: Window, stream: StreamCursor, ctx: PackContext, assign_fn):
         win = Window(win.doc[:cut], win.offset[:cut], win.length[:cut], win.age[:cut],
                      win.forced[:cut], win.n_carried)
 
+
+def occupy_empty_bins(win: Window, assign: np.ndarray, extra, stream: StreamCursor,
+                      ctx: PackContext, assign_fn):
+    """Admit further stream items, one at a time, while a bin is left empty.
+
+    A window below the step's tokens (SAB's ``0.9 x``) admits few items when they are
+    near ``seq_length`` long, and can leave whole micro-batches empty although the next
+    stream item fits any empty bin. Each round appends the next stream item and reruns
+    ``assign_fn`` on the longer window; the round is kept only if it defers no item the
+    previous assignment placed and places the new one (so the carried items, the carry
+    cap and ``max_carry_steps`` are as :func:`settle` left them), else the item goes back
+    to the stream and the rounds end. With every bin occupied nothing changes.
+    Returns ``(win, assign, extra)``.
+    """
+    for _ in range(2 * ctx.num_bins):  # each kept round places one more item
+        if np.unique(assign[assign >= 0]).size == ctx.num_bins or stream.exhausted():
+            break
+        longer = _append(win, *stream.peek(1), ctx)
+        stream.advance(1)
+        new_assign, new_extra = assign_fn(longer)
+        if new_assign[-1] < 0 or np.any((new_assign[:-1] < 0) & (assign >= 0)):
+            stream.retreat(1)
+            break
+        win, assign, extra = longer, new_assign, new_extra
+    return win, assign, extra

@@ -10,7 +10,10 @@ Steps of one plan:
 
 1. Window: carried items (oldest first, forced ones must go) plus the stream prefix
    that fills ``sab_fill`` (default 0.9, about what megatron packing reaches) of the
-   step's tokens.
+   step's tokens. If the assignment (step 3) leaves a micro-batch empty, as when items
+   are near ``seq_length`` long and few fit the budget, further stream items are
+   admitted one at a time and the assignment rerun, while each is placed without
+   deferring anything (:func:`~sparsebalance.batching.strategies.common.occupy_empty_bins`).
 2. Shape: in 1F1B the fill and drain bubbles scale with the first micro-batch's
    forward and the last one's backward, so equal micro-batches are not optimal:
    :func:`pipeline_profile` finds the per-position share of a rank's work that
@@ -24,6 +27,8 @@ Steps of one plan:
 5. Improve: up to ``sab_moves`` (default 8) single-item moves off the slowest rank
    (to another rank, or to another micro-batch of the same rank) chosen by the batched
    1F1B model while they lower (step time, sum of rank times); re-order touched ranks.
+   A move never takes a micro-batch's last item: emptying the first micro-batch
+   shortens the 1F1B fill, but wastes a slot of the step that a waiting item could use.
 
 Items that fit nowhere are carried (bounded by ``max_carry_steps`` and the carry
 cap); SAB does not hold documents back on purpose: with ranks balanced to ~0.1%
@@ -38,7 +43,7 @@ from functools import lru_cache
 import numpy as np
 
 from sparsebalance.batching.packing import Carried, PackContext, Packing
-from sparsebalance.batching.strategies.common import build_window, finish, rank_interleaved, settle
+from sparsebalance.batching.strategies.common import build_window, finish, occupy_empty_bins, rank_interleaved, settle
 from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.pipeline import step_ms
 
@@ -207,7 +212,8 @@ def pack_sab(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packin
         assign = np.where(local >= 0, perm[np.maximum(local, 0)], -1)
         return assign, (li, prof)
 
-    win, assign, (li, prof) = settle(win, stream, ctx, assign_fn)
+    win, assign, extra = settle(win, stream, ctx, assign_fn)
+    win, assign, (li, prof) = occupy_empty_bins(win, assign, extra, stream, ctx, assign_fn)
     orders = _rebalance(cost, li, win.length, assign, ctx, prof,
                         int(ctx.options.get("sab_moves", 8)))
     mb_order = [r * M + int(j) for r in range(dp) for j in orders[r]]
@@ -233,6 +239,7 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
     layer = np.stack([np.bincount(a, weights=li[p, placed], minlength=K) for p in range(2)],
                      axis=1)  # bincount: np.add.at is ~50x slower for thousands of items
     tok = np.bincount(a, weights=length[placed], minlength=K).astype(np.int64)
+    count = np.bincount(a, minlength=K)  # items per bin: a move never empties a bin
     fwd, bwd = cost.stage_times(layer, tok)
     orders, T = order_ranks(fwd.reshape(dp, M, -1), bwd.reshape(dp, M, -1), prof)
     touched: set = set()
@@ -257,7 +264,8 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
         # Destination bins (any other bin) with token room.
         cand_item, dst_bin = np.meshgrid(np.arange(items.size), np.arange(K), indexing="ij")
         cand_item, dst_bin = cand_item.ravel(), dst_bin.ravel()
-        ok = (dst_bin != a[cand_item]) & (tok[dst_bin] + length[items[cand_item]] <= S)
+        ok = ((dst_bin != a[cand_item]) & (tok[dst_bin] + length[items[cand_item]] <= S)
+              & (count[a[cand_item]] > 1))
         cand_item, dst_bin = cand_item[ok], dst_bin[ok]
         if cand_item.size == 0:
             break
@@ -293,6 +301,8 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
         layer[dest] += li[:, i]
         tok[src] -= length[i]
         tok[dest] += length[i]
+        count[src] -= 1
+        count[dest] += 1
         for j in (src, dest):
             f1, b1 = cost.stage_times(layer[j][None], tok[j:j + 1])
             fwd[j], bwd[j] = f1[0], b1[0]
