@@ -244,6 +244,26 @@ def test_sab_filled_steps_keep_sampler_invariants(predictor, max_carry):
     assert covered(head + epoch(c))
 
 
+@pytest.mark.parametrize("strategy", ["megatron", "sorted", "tokens", "quadratic", "wlb", "dp-balanced", "sab"])
+def test_no_strategy_stalls_when_nothing_may_wait(predictor, strategy):
+    """max_carry_steps 0 with items near seq_length: a greedy packer that left the window's
+    first item unplaced had the window cut to nothing, and so on every later step (sorted,
+    tokens, quadratic and wlb never ended their epoch); the cut now keeps that first item."""
+    s = PackingSampler(NEAR_SEQ, dp=1, micro_batches=2, seq_length=SEQ, strategy=strategy, seed=5,
+                       predictor=predictor, pp=2, max_carry_steps=0)
+    seen = {d: np.zeros(int(L), dtype=np.int64) for d, L in enumerate(NEAR_SEQ)}
+    for _ in range(NEAR_SEQ.size + 1):
+        p = s.next_step()
+        if p.epoch > 0:
+            break
+        assert p.tokens > 0, "an empty step while the epoch has items left"
+        for d, off, n in (seg for r in p.ranks for mb in r for seg in mb):
+            seen[d][off:off + n] += 1
+    else:
+        pytest.fail("the epoch did not end")
+    assert all(np.all(v == 1) for v in seen.values())
+
+
 @pytest.mark.parametrize("M_, pp", [(4, 2), (8, 4), (6, 3)])
 def test_pipeline_profile_beats_equal_micro_batches(M_, pp):
     from sparsebalance.batching.strategies.sab import pipeline_profile

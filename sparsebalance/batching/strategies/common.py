@@ -143,7 +143,11 @@ def settle(win: Window, stream: StreamCursor, ctx: PackContext, assign_fn):
         bad = np.flatnonzero(unplaced & (win.age[win.n_carried:] + 1 > ctx.max_carry_steps))
         deferred_tok = int(win.length[assign < 0].sum())
         if bad.size:
-            cut = win.n_carried + int(bad[0])
+            # at least the first item when nothing is carried: alone it fits an empty step
+            # (a cut to an empty window would repeat on every later step: the epoch stalls)
+            cut = max(win.n_carried + int(bad[0]), 1)
+            if cut == len(win):
+                return win, assign, extra  # a lone item unplaced: the sampler reports it
         elif deferred_tok > ctx.carry_cap_tokens and unplaced.any():
             cut = win.n_carried + int(np.flatnonzero(unplaced)[-1])
         else:
