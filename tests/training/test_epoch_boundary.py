@@ -74,7 +74,13 @@ def test_epoch_end_steps_keep_m_microbatches_and_every_token_once(small_corpus, 
                 assert cu == [0, pad_to or 1]
             for doc, off, n in segs:
                 seen[doc][off:off + n] += 1
-    assert empty > 0, "fixture no longer ends an epoch with an empty micro-batch"
+    if strategy == "sab":
+        # SAB fills a micro-batch left empty from the stream while an item fits
+        # (strategies/common.py: occupy_empty_bins), so here its epoch ends with none empty;
+        # the loader's padding of an empty entry does not depend on the packer
+        assert empty == 0, "on this fixture SAB fills every micro-batch up to the epoch end"
+    else:
+        assert empty > 0, "fixture no longer ends an epoch with an empty micro-batch"
     assert all((s == 1).all() for s in seen), "a token was trained zero or several times in epoch 0"
 
 
