@@ -110,3 +110,16 @@ def write_gguf(path, arch="llama", tied=True, seed=0, types=None, pre="smollm"):
     w.write_tensors_to_file()
     w.close()
     return hf
+
+
+def converted_tiny_model(world, d) -> str:
+    """:func:`write_gguf` into ``d/model.gguf``, converted by ``convert.py gguf-to-megatron``
+    in the warm ``world`` into ``d/ckpt`` (returned)."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    write_gguf(os.path.join(d, "model.gguf"))
+    ckpt = os.path.join(d, "ckpt")
+    p = world.launch(os.path.join(repo, "tools", "checkpoint", "convert.py"),
+                     ["gguf-to-megatron", "--gguf", os.path.join(d, "model.gguf"), "--output", ckpt,
+                      "--no-progress-bar"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return ckpt

@@ -19,9 +19,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from _gguf_models import tiny_bpe, write_gguf  # noqa: E402
+from _gguf_models import converted_tiny_model, tiny_bpe  # noqa: E402
 
-CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 LENGTHS = (41, 59)
 
@@ -34,10 +33,7 @@ def tiny(tmp_path_factory, world):
     from megatron.training.indexed_io import write_documents
 
     d = tmp_path_factory.mktemp("ft")
-    write_gguf(str(d / "model.gguf"))
-    p = world.launch(CONVERT, ["gguf-to-megatron", "--gguf", str(d / "model.gguf"), "--output", str(d / "ckpt"),
-                               "--no-progress-bar"])
-    assert p.returncode == 0, p.stderr[-3000:]
+    converted_tiny_model(world, str(d))
     rng = np.random.RandomState(0)
     vocab = len(tiny_bpe()[0])
     docs = [rng.randint(0, vocab, size=n).astype(np.int64) for n in LENGTHS]

@@ -34,18 +34,14 @@ class Window:
 def build_window(carried: Carried, stream: StreamCursor, ctx: PackContext,
                  token_budget: int) -> Window:
     """Carried items plus the stream prefix that fits ``token_budget`` minus the carried
-    tokens. Consumes those stream items from ``stream``. A window never starts empty while
-    the stream has items: with nothing carried it holds at least the stream's next item (an
-    item fits a micro-batch, but may exceed a budget below the step's tokens, e.g. SAB's
-    ``0.9 x`` one micro-batch, which would otherwise stall the stream for good).
+    tokens. Consumes those stream items from ``stream``. (A budget below the step's
+    tokens, SAB's ``0.9 x``, may admit nothing; :func:`occupy_empty_bins` then admits items.)
     """
     order = np.argsort(-carried.age, kind="stable")
     c_doc, c_off, c_len, c_age = (carried.doc[order], carried.offset[order],
                                   carried.length[order], carried.age[order])
     budget = max(int(token_budget) - int(c_len.sum()), 0)
     s_doc, s_off, s_len = stream.peek_tokens(budget)
-    if s_doc.size == 0 and c_doc.size == 0:
-        s_doc, s_off, s_len = stream.peek(1)
     stream.advance(s_doc.size)
     doc = np.concatenate([c_doc, s_doc])
     age = np.concatenate([c_age, np.zeros(s_doc.size, dtype=np.int64)])

@@ -100,14 +100,10 @@ def test_summary_spreads_ratios_and_sensitivity():
 def tiny_model(tmp_path_factory, world):
     """A tiny GGUF (tests/checkpoint/_gguf_models.py) converted in the warm world, and a corpus in its tokens."""
     import make_real_corpus as mrc
-    from _gguf_models import write_gguf
+    from _gguf_models import converted_tiny_model
 
     d = tmp_path_factory.mktemp("real")
-    write_gguf(str(d / "model.gguf"))
-    p = world.launch(os.path.join(REPO, "tools", "checkpoint", "convert.py"),
-                     ["gguf-to-megatron", "--gguf", str(d / "model.gguf"), "--output", str(d / "ckpt"),
-                      "--no-progress-bar"])
-    assert p.returncode == 0, p.stderr[-3000:]
+    converted_tiny_model(world, str(d))
     assert mrc.main(["--tokenizer-model", str(d / "ckpt" / "hf"), "--output-prefix", str(d / "corpus"),
                      "--num-docs", "24", "--min-length", "128", "--max-length", "512", "--quantiles", "0.05,0.5",
                      "--sources", "code,csv,json,repeat"]) == 0
