@@ -87,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bench-reps", type=int, default=3,
                    help="bench: timed repetitions per point (bench_attention.py --reps)")
     p.add_argument("--train-seq-lens", default="32768,65536", help="train: micro-batch tokens")
+    p.add_argument("--train-arms", default="sparse,dense",
+                   help="train: which arms run, sparse first (a lease too short for both: sparse)")
     p.add_argument("--test-modules", default="",
                    help="tests: only these CUDA test modules (comma list of file names)")
     p.add_argument("--train-backend", default=None,
@@ -130,6 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--seq-lens must be integers >= 1024")
     if not a.train_seq_lens or min(a.train_seq_lens) < 1024:
         p.error("--train-seq-lens must be integers >= 1024")
+    arms = [x for x in a.train_arms.split(",") if x]
+    if not arms or set(arms) - {"sparse", "dense"} or len(set(arms)) != len(arms):
+        p.error(f"--train-arms must be sparse, dense or both (comma list), got {a.train_arms!r}")
+    a.train_arms = [m for m in ("sparse", "dense") if m in arms]  # sparse first, whatever the order given
     if not 0.0 < a.train_quantile <= 1.0:
         p.error(f"--train-quantile must be in (0, 1], got {a.train_quantile}")
     if a.budget_s <= 0:

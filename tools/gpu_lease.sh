@@ -9,8 +9,9 @@
 #   tests      the build (nvcc, ~75 s) and the other CUDA test modules (flex, triton, cuda kernels)
 #   profile    the GPU latency profile (held-out MAPE) and the simulated comparison
 #   flexbench  flex and triton at 64K / block 128 (not in the default plan: Run 5 measured them)
-#   train128k  the train step at 128K (not in the default plan): both arms with the loss in
-#              chunks (--cross-entropy-fusion-impl linear; the 0.5B preset's logits need it at 128K)
+#   train128k  the train step at 128K (not in the default plan): both arms with the loss fused
+#              in chunks (--cross-entropy-fusion-impl linear; the 0.5B preset's logits need it at 128K)
+# TRAIN_ARMS=sparse runs a train step's sparse arm alone (a lease too short for both: no ratio).
 #
 # flash-attn-4 comes from `make gpu-prep`'s two bundles (tools/gpu_fa4_install.sh):
 #   command 1 (carry .gpu1):                bash tools/gpu_fa4_install.sh stash
@@ -28,15 +29,18 @@ DEST=${OUT:-runs/gpu_lease_out}
 STEPS=${STEPS:-fa4tests fa4bench train tests profile}
 DRY=0
 [[ ${1:-} == --dry-run ]] && DRY=1
+# a one-part step's budget: the whole step's, and that part's own cap raised to it (gpu_check.py
+# caps each part, e.g. the profile at 150 s: Run 7's PROFILE_S=330 was cut at 120 s without this)
+b() { echo "--budget-s $2 --part-budgets $1=$2"; }
 plan() {  # step name, then gpu_check.sh's arguments
     case $1 in
     fa4tests)  echo "--parts deps,tests --test-modules test_fa4_gpu.py,test_route_gpu.py --budget-s ${FA4TESTS_S:-120}" ;;
-    fa4bench)  echo "--parts bench --backends fa4 --seq-lens 65536,131072 --budget-s ${FA4BENCH_S:-120}" ;;
-    train)     echo "--parts train --train-seq-lens 65536 --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${TRAIN_S:-160}" ;;
+    fa4bench)  echo "--parts bench --backends fa4 --seq-lens 65536,131072 $(b bench "${FA4BENCH_S:-120}")" ;;
+    train)     echo "--parts train --train-seq-lens 65536 --train-backend ${TRAIN_BACKEND:-fa4} --train-arms ${TRAIN_ARMS:-sparse,dense} $(b train "${TRAIN_S:-160}")" ;;
     tests)     echo "--parts build,tests --test-modules test_flex_gpu.py,test_gpu_backends.py --budget-s ${TESTS_S:-170}" ;;
-    profile)   echo "--parts profile --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${PROFILE_S:-150}" ;;
-    flexbench) echo "--parts bench --backends flex,triton --seq-lens 65536 --budget-s ${FLEXBENCH_S:-110}" ;;
-    train128k) echo "--parts train --train-seq-lens 131072 --train-backend ${TRAIN_BACKEND:-fa4} --budget-s ${TRAIN128K_S:-300}" ;;
+    profile)   echo "--parts profile --train-backend ${TRAIN_BACKEND:-fa4} $(b profile "${PROFILE_S:-150}")" ;;
+    flexbench) echo "--parts bench --backends flex,triton --seq-lens 65536 $(b bench "${FLEXBENCH_S:-110}")" ;;
+    train128k) echo "--parts train --train-seq-lens 131072 --train-backend ${TRAIN_BACKEND:-fa4} --train-arms ${TRAIN_ARMS:-sparse,dense} $(b train "${TRAIN128K_S:-300}")" ;;
     *)         echo "gpu_lease.sh: error: unknown step '$1' (fa4tests fa4bench train train128k flexbench tests profile)" >&2
                return 1 ;;
     esac
@@ -47,7 +51,8 @@ if (( DRY )); then
     exit 0
 fi
 mkdir -p runs "$R" "$DEST"
-save() { cp -f "$R"/*.json "$R"/*.md runs/gpu_check_work/gpu_tests_0.xml "$DEST"/ 2>/dev/null; true; }
+save() { cp -f "$R"/*.json "$R"/*.md runs/gpu_check_work/gpu_tests_0.xml runs/gpu_check_work/profile_latency.log \
+    "$DEST"/ 2>/dev/null; true; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 if [[ -d .gpu2 ]] && ! python3 -c "import flash_attn.cute" 2>/dev/null; then
     line=$(bash tools/gpu_fa4_install.sh install | tail -1) || exit 1

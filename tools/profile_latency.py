@@ -218,10 +218,20 @@ class Bench:
         gc.freeze()
 
     def close(self) -> None:
-        """Undo the gc.freeze() of __init__ (frozen objects would outlive shutdown)."""
+        """Undo the gc.freeze() of __init__ (frozen objects would outlive shutdown), and end
+        the process group this profiler started: a live NCCL group left to the interpreter's
+        exit can hold the process up after its result is printed (Runs 5-7 on an H200: the
+        profile was written, then the tool was cut at its time limit)."""
         import gc
 
+        import torch.distributed as dist
+
         gc.unfreeze()
+        if self._store is not None and dist.is_initialized():
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
 
     # -- inputs ------------------------------------------------------------------
     def _packed(self, lengths):
@@ -531,7 +541,7 @@ def run(args, threads: int, command: str, t0: float) -> int:
         result.update(_report(pred, held, times[n:n + m], stage_items, times[n + m:], args))
     result["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1), flush=True)
     else:
         print(f"profile_latency: {len(samples)} samples in {result['seconds']} s, threads={threads}"
               + (f" -> {args.output}" if args.output else ""))

@@ -26,6 +26,8 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from torch.utils.checkpoint import checkpoint
 
+from megatron.training import linear_ce
+
 
 def chunked_output_loss(model, hidden: torch.Tensor, labels: torch.Tensor, weight, chunk_tokens: int,
                         sp_ranks: int = 1) -> torch.Tensor:
@@ -67,10 +69,16 @@ def chunked_output_loss(model, hidden: torch.Tensor, labels: torch.Tensor, weigh
     return torch.cat(losses, dim=2).view(batch, sp_ranks * rows)
 
 
+loss_path = {"used": None}
+"""How the last chunked step computed its loss: ``fused`` (linear_ce) or ``checkpointed``."""
+
+
 class ChunkedLossGPTModel(GPTModel):
     """``GPTModel`` with ``loss_chunk_tokens``: when labels are given on the last stage, the
-    output layer and the loss run in chunks (:func:`chunked_output_loss`); logits (labels
-    None), multi-token prediction and inference take megatron-core's own path."""
+    output layer and the loss run in chunks: at TP = 1 as one autograd step that never keeps
+    the logits (:func:`megatron.training.linear_ce.linear_cross_entropy`), else checkpointed
+    (:func:`chunked_output_loss`); logits (labels None), multi-token prediction and inference
+    take megatron-core's own path."""
 
     def __init__(self, *args, loss_chunk_tokens: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -82,5 +90,10 @@ class ChunkedLossGPTModel(GPTModel):
         if plain:
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if linear_ce.supported(self) is None:  # one autograd step, logits never kept (TP = 1)
+            weight = self.output_layer.weight if weight is None else weight
+            loss_path["used"] = "fused"
+            return linear_ce.linear_cross_entropy(hidden_states, weight, labels, self.loss_chunk_tokens)
+        loss_path["used"] = "checkpointed"
         sp_ranks = self.config.tensor_model_parallel_size if self.output_layer.sequence_parallel else 1
         return chunked_output_loss(self, hidden_states, labels, weight, self.loss_chunk_tokens, sp_ranks)

@@ -204,6 +204,14 @@ def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torc
     from sparsebalance.attention.spec import get_gpt_decoder_spec
 
     spec = layer_spec(args, attention)
+    if attention is None:
+        from megatron.training.sb_config import attention_config
+
+        attention = attention_config(args)
+    if attention.sparse:  # one compiled gate for every micro-batch up to --seq-length
+        from sparsebalance.ops.plan import set_route_width
+
+        set_route_width(-(-args.seq_length // attention.block_size))
     model_class, extra = GPTModel, {}
     if getattr(args, "loss_chunk_tokens", 0):  # --cross-entropy-fusion-impl linear: the loss in chunks
         from megatron.training.loss_chunks import ChunkedLossGPTModel

@@ -68,6 +68,8 @@ class StepLog:
     compiles: int = 0
     """:func:`kernel_compiles` on rank 0 after this step (a count that grows after step 2
     means a shape or budget reached a compile key)."""
+    compiles_by_kind: dict = field(default_factory=dict)
+    """:func:`kernel_compiles_by_kind` after this step (which cache a late one came from)."""
 
     @property
     def density(self) -> float:
@@ -113,6 +115,14 @@ def kernel_compiles() -> int:
 def kernel_compiles_by_kind() -> dict:
     """:func:`kernel_compiles` by where they are held, so a late compilation can be named."""
     return {m: _compiles(f"sparsebalance.ops.{m}") for m in ("fa4", "flex", "route_kernels")}
+
+
+def loss_path_used() -> str:
+    """How the output layer + loss ran: megatron-core's own path, or with
+    ``--cross-entropy-fusion-impl linear`` fused (one rank of TP) or checkpointed in chunks."""
+    mod = sys.modules.get("megatron.training.loss_chunks")
+    used = mod.loss_path["used"] if mod is not None else None
+    return f"chunks ({used})" if used else "megatron-core"
 
 
 def flex_compile_count() -> int:
@@ -321,7 +331,11 @@ class RunLogger:
             "kernel_compiles_all": [s.compiles for s in steps],
             "kernel_compiles_after_step_2": steps[-1].compiles - steps[1].compiles if len(steps) > 2 else None,
             "kernel_compiles_by_kind": kernel_compiles_by_kind(),
+            "kernel_compiles_late_by_kind": ({k: v - steps[1].compiles_by_kind.get(k, 0)
+                                              for k, v in steps[-1].compiles_by_kind.items()}
+                                             if len(steps) > 2 and steps[-1].compiles_by_kind else None),
             "routing": routing_used(),
+            "loss_path": loss_path_used(),
             "peak_memory_mb": peaks.tolist(),
             "peak_memory_mb_max": float(peaks.max()) if len(peaks) else None,
             "peak_memory_source": peak_memory_source(use_cpu(self.args)),

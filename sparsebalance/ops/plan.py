@@ -597,6 +597,22 @@ _fused_state = {"worked": False, "off": None}
 fused route off (its first launch failed), or None."""
 
 
+_route_width = {"blocks": 0}
+"""The fused gate's least row width in blocks (:func:`set_route_width`); 0: none."""
+
+
+def set_route_width(blocks: int) -> None:
+    """Make every fused routing launch of this process at least ``blocks`` wide (the
+    driver sets ``--seq-length / block size``: the widest micro-batch it packs). The gate
+    kernels compile once per power of two of the row width; taking it from each
+    micro-batch's own length compiled again in the first shorter micro-batch after step 2
+    (Run 7 at 128K). A wider row is masked, never wrong; over
+    :data:`FUSED_MAX_BLOCKS` the hint is ignored."""
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+        raise ValueError(f"blocks must be an int >= 0, got {blocks!r}")
+    _route_width["blocks"] = blocks
+
+
 def route_used() -> str:
     """How plans were routed in this process: ``fused`` (a fused launch ran),
     ``torch``, or ``torch (fused off: why)`` after :func:`run_fused` turned it off."""
@@ -638,6 +654,8 @@ def _route(q, k, cu_seqlens, topk, block_size, softmax_scale, reduce_q_sums=None
         # the gate row's width from the micro-batch's length, not its longest document, so
         # micro-batches of one packed length share one compiled kernel
         width = -(-q.shape[0] // int(block_size))
+        if width < _route_width["blocks"] <= FUSED_MAX_BLOCKS:
+            width = _route_width["blocks"]
         m = sk.meta_d
         args = (q, k, m[0], m[1], m[2], m[3], m[4], sk.kv_template.shape[2],
                 width if width <= FUSED_MAX_BLOCKS else sk.max_blocks, int(block_size), float(softmax_scale))

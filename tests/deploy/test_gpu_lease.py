@@ -45,11 +45,23 @@ def test_train128k_is_its_own_step_with_its_own_budget():
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.strip().splitlines()
     assert line.startswith("train128k: bash tools/gpu_check.sh ") and "--parts train " in line
-    assert "--train-seq-lens 131072 " in line and "--budget-s 300" in line
+    assert "--train-seq-lens 131072 " in line and "--budget-s 300 --part-budgets train=300" in line
     proc = _sh("tools/gpu_lease.sh", "--dry-run", env={"STEPS": "train128k", "TRAIN128K_S": "420"})
-    assert proc.stdout.strip().endswith("--budget-s 420")
+    assert proc.stdout.strip().endswith("--budget-s 420 --part-budgets train=420")
     default = _sh("tools/gpu_lease.sh", "--dry-run").stdout
     assert "train128k" not in default and "131072 --train-backend" not in default
+
+
+def test_a_steps_budget_also_raises_its_parts_own_cap():
+    """gpu_check.py caps each part (the profile at 150 s); Run 7's PROFILE_S=330 still cut the
+    profile at 120 s (0.8 of that cap) until the step's budget raised the part's cap too."""
+    proc = _sh("tools/gpu_lease.sh", "--dry-run", env={"STEPS": "profile", "PROFILE_S": "330"})
+    (line,) = proc.stdout.strip().splitlines()
+    assert line.endswith("--parts profile --train-backend fa4 --budget-s 330 --part-budgets profile=330")
+    from tools import gpu_check as gc
+
+    args = line.split("gpu_check.sh ", 1)[1].split()
+    assert gc.parse_args([*args, "--dry-run"]).part_budgets["profile"] == 330.0
 
 
 @pytest.mark.parametrize("args, said", [

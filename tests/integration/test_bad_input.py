@@ -456,6 +456,8 @@ CASES = [
     Case("gpu-check-out-is-file", "tools/gpu_check.py", _p("--out", "{d}/good.idx"), r"--out", cold=True),
     Case("gpu-check-bad-train-quantile", "tools/gpu_check.py",
          _p("--train-quantile", "1.5", "--out", "{d}/gc3"), r"--train-quantile", _p("{d}/gc3")),
+    Case("gpu-check-bad-train-arms", "tools/gpu_check.py",
+         _p("--train-arms", "sparse,sparse", "--out", "{d}/gc4"), r"--train-arms", _p("{d}/gc4")),
     Case("train-mix-missing-report", "tools/harness/gpu/train_mix.py",
          _p("--report", "{d}/no_report.json", "--run-quantile", "0.999"), r"no_report.json", cold=True),
     Case("train-mix-bad-quantile", "tools/harness/gpu/train_mix.py",

@@ -73,7 +73,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
         passed = re.search(r"(\d+) passed", r.stdout)
-        assert passed and int(passed.group(1)) == len(CASES) + 2 * len(THRESHOLD_CASES) + 3, r.stdout[-2000:]
+        assert passed and int(passed.group(1)) == len(CASES) + 2 * len(THRESHOLD_CASES) + 4, r.stdout[-2000:]
 
     def test_route_switch(monkeypatch):
         """``auto``: fused on CUDA only; ``fused`` / ``torch`` forced; anything else one line."""
@@ -303,6 +303,37 @@ else:
             del os.environ["SPARSEBALANCE_ROUTE"]
         assert len(calls) == 3 and len(P._skeletons.entries) == 1
         assert compiled[0] >= 2 and compiled == compiled[:1] * 3  # q/k means and the route: no new keys
+
+    def test_a_route_width_hint_compiles_one_gate_for_shorter_micro_batches():
+        """Run 7 at 128K compiled after step 2: the gate's width came from each micro-batch's
+        length, so a shorter micro-batch (another power of two) compiled again. With the
+        driver's hint (--seq-length / block) it is one kernel; the plans stay the torch
+        route's."""
+        from sparsebalance.ops import plan as P
+        from sparsebalance.ops import route_kernels
+
+        batches = [[100, 60], [200, 100], [600]]  # 10, 19 and 38 blocks of 16: widths 16, 32, 64
+
+        def keys_after_each():
+            got = []
+            for lens in batches:
+                before = set(route_kernels._keys)
+                ref, plan, _ = _routes(lens, 2, 1, 8, 16, 2)
+                assert torch.equal(plan.kv_idx, ref.kv_idx)
+                got.append(set(route_kernels._keys) - before)
+            return got
+
+        route_kernels._keys.clear()
+        assert all(keys_after_each())  # every new width a new kernel
+        try:
+            P.set_route_width(38)
+            route_kernels._keys.clear()
+            new = keys_after_each()
+        finally:
+            P.set_route_width(0)
+        assert new[0] and new[1:] == [set(), set()]
+        with pytest.raises(ValueError, match="blocks must be an int >= 0"):
+            P.set_route_width(-1)
 
     def _same_plans(ref, got):
         assert torch.equal(got.kv_idx, ref.kv_idx)

@@ -45,8 +45,10 @@ def step(model) -> dict:
     """One forward+backward; the saved-for-backward peak counted as test_recompute.py does."""
     import torch
 
+    from megatron.training import loss_chunks
     from tests.training._saved_bytes import SavedBytes
 
+    loss_chunks.loss_path["used"] = None
     ids, pos, packed, mask = batch()
     counter = SavedBytes(model.parameters())
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
@@ -56,7 +58,8 @@ def step(model) -> dict:
     assert counter.live == 0, counter.live  # backward released everything that was saved
     return {"per_token": per_token.detach(), "loss": loss.detach(), "saved_peak": counter.peak,
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-            "params": len(list(model.parameters())), "class": type(model).__name__}
+            "params": len(list(model.parameters())), "class": type(model).__name__,
+            "path": loss_chunks.loss_path["used"]}
 
 
 def main(argv) -> None:

@@ -1,5 +1,6 @@
 """The output layer + loss in chunks (``--cross-entropy-loss-fusion --cross-entropy-fusion-impl
-linear``, megatron/training/loss_chunks.py) against megatron-core's unchunked path.
+linear``, megatron/training/loss_chunks.py: fused at TP = 1, megatron/training/linear_ce.py;
+checkpointed chunks under TP) against megatron-core's unchunked path.
 
 World jobs (``_loss_chunks_worker.py``) build the driver's tiny GPT (fp32, PP=1, one packed
 THD micro-batch of three documents, a loss mask with zeros) unchunked and chunked with the
@@ -55,6 +56,7 @@ def test_chunked_loss_and_gradients_equal_unchunked(world, tmp_path_factory, chu
     (rank0,) = _run(world, tmp_path_factory, 1, False)
     ref, got = rank0[(tied, 0)], rank0[(tied, chunk)]
     assert ref["class"] == "GPTModel" and got["class"] == "ChunkedLossGPTModel"
+    assert ref["path"] is None and got["path"] == "fused"  # TP = 1: megatron/training/linear_ce.py
     assert ("output_layer.weight" in ref["grads"]) != tied  # tied: the embedding gets the output's gradient
     _assert_same(got, ref)
     mask = batch()[3]
@@ -69,6 +71,7 @@ def test_chunked_loss_under_tensor_parallelism(world, tmp_path_factory, sp):
         for tied in (False, True):
             assert rank[(tied, 0)]["grads"]["embedding.word_embeddings.weight"].shape[0] == VOCAB // 2
             _assert_same(rank[(tied, TP_CHUNKS[0])], rank[(tied, 0)])
+            assert rank[(tied, TP_CHUNKS[0])]["path"] == "checkpointed"  # the vocabulary split over ranks
     torch.testing.assert_close(ranks[0][(False, 0)]["per_token"], ranks[1][(False, 0)]["per_token"])
 
 

@@ -78,8 +78,11 @@ if __name__ != "__main__":
         assert s["peak_memory_mb_max"] == max(s["peak_memory_mb"])
         assert s["flex_compiles"] == 0  # the flex backend never ran here
         assert s["routing"] == "torch"  # the fused route runs on CUDA only
+        assert s["loss_path"] == "megatron-core"  # no --cross-entropy-fusion-impl linear
         assert s["kernel_compiles_after_step_2"] == 0 and len(s["kernel_compiles_all"]) == len(s["step_ms_all"])
         assert s["kernel_compiles_by_kind"] == {"fa4": 0, "flex": 0, "route_kernels": 0}
+        if len(s["step_ms_all"]) > 2:  # by kind from step 2 to the last (naming a late compile)
+            assert s["kernel_compiles_late_by_kind"] == {"fa4": 0, "flex": 0, "route_kernels": 0}
         # a high-water mark: never down from step to step; a torch process is >100 MB
         assert (np.diff(measured, axis=1) >= 0).all(), measured
         assert (measured > 100).all() and (measured < 64 * 1024).all(), measured

@@ -41,15 +41,17 @@ def evaluate_targets(parts: List[dict]) -> List[dict]:
     if tests and counts and not ran:  # every module skipped itself (no CUDA): nothing shown
         out.append(_target("every GPU test passes", tests["detail"], "0 failed", None, "no test ran"))
     else:
+        cut = [m.split(":")[0] for m in (tests or {}).get("data", {}).get("per_module", []) if "timed out" in m]
         out.append(_target("every GPU test passes", tests["detail"] if tests else None, "0 failed",
-                           tests["status"] == "pass" if tests else None))
+                           tests["status"] == "pass" if tests else None,
+                           f"cut at its time share: {', '.join(cut)}" if cut else ""))
     bench = _part(parts, "bench")
     rows = target_rows(bench["data"].get("rows", [])) if bench else []
     where = "64K tokens, block 128, density ~12%, fwd+bwd"
     if rows:
         best = max(rows, key=lambda r: r["efficiency"])
-        out.append(_target("best backend efficiency", round(best["efficiency"], 3), ">= 0.45",
-                           best["efficiency"] >= 0.45, f"{best['backend']} at {where}, dense: "
+        out.append(_target("best backend efficiency", round(best["efficiency"], 3), ">= 0.6 (moonshot 0.8)",
+                           best["efficiency"] >= 0.6, f"{best['backend']} at {where}, dense: "
                            f"{best.get('dense_backend', 'sdpa')}"))
         own = [r for r in rows if r["backend"] in OWN_KERNELS]
         if own:
@@ -61,26 +63,67 @@ def evaluate_targets(parts: List[dict]) -> List[dict]:
         out.append(_target("routing + plan share", round(best["gate_share"], 4), "<= 0.05",
                            best["gate_share"] <= 0.05, f"{best['backend']} at {where}"))
     else:
-        for name, thr in (("best backend efficiency", ">= 0.45"), ("own kernel efficiency", ">= 0.45"),
+        for name, thr in (("best backend efficiency", ">= 0.6"), ("own kernel efficiency", ">= 0.45"),
                           ("routing + plan share", "<= 0.05")):
             out.append(_target(name, None, thr, None, f"no bench row at {where}"))
-    train = _part(parts, "train")
-    ratio = (train or {}).get("data", {}).get("speedup_64k")
-    dens = (train or {}).get("data", {}).get("density_64k")
-    if ratio is not None:
-        ok = ratio >= 2.0 and (dens is None or dens <= 0.12)
-        med = train["data"].get("median_step_speedup_64k")
-        note = (f"density {dens:.3f}" if dens is not None else "density not reported") + \
-            (f"; median step per token {med:.2f}x" if med is not None else "")
-        out.append(_target("training 64K sparse / dense tokens/s", round(ratio, 3),
-                           ">= 2.0 at density <= 0.12", ok, note))
+    shaped = [r for r in (bench["data"].get("rows", []) if bench else [])
+              if r.get("shape") == "qwen2.5-0.5b" and r.get("seq_len") == TARGET_POINT["seq_len"]
+              and r.get("block") == TARGET_POINT["block"] and r.get("density") == TARGET_POINT["density"]]
+    if shaped:
+        s = max(shaped, key=lambda r: r["efficiency"])
+        out.append(_target("efficiency at the 0.5B shape", round(s["efficiency"], 3), ">= 0.5", s["efficiency"] >= 0.5,
+                           f"{s['backend']} at {where}, 14:2 heads, head dim 64"))
     else:
-        out.append(_target("training 64K sparse / dense tokens/s", None, ">= 2.0", None,
-                           "no 64K dense + sparse pair"))
+        out.append(_target("efficiency at the 0.5B shape", None, ">= 0.5", None, "no qwen2.5-0.5b row at the point"))
+    out += _train_targets(_part(parts, "train"))
     prof = _part(parts, "profile")
     m = (prof or {}).get("data", {}).get("mape")
     out.append(_target("latency predictor held-out MAPE", None if m is None else round(m, 4), "<= 0.05",
                        None if m is None else m <= 0.05))
+    return out
+
+
+TRAIN_TARGETS = ((64, 1.5, ">= 1.5 at density <= 0.12"), (128, 2.0, ">= 2.0 at density <= 0.12 (moonshot 3x)"))
+"""(length in K tokens, sparse / dense tokens/s needed, threshold text): issue 51's training
+targets for the 0.5B preset on the long-document mix."""
+BUSY_TARGET = 0.9
+"""The sparse step's device-busy share of its profiled step's wall time."""
+
+
+def _train_targets(train: Optional[dict]) -> List[dict]:
+    """Sparse / dense tokens/s at 64K and 128K, the sparse step's device-busy share and its
+    late compilations (every sparse run the part measured)."""
+    data = (train or {}).get("data", {})
+    out = []
+    for n, need, threshold in TRAIN_TARGETS:
+        name = f"training {n}K sparse / dense tokens/s"
+        ratio, dens = data.get(f"speedup_{n}k"), data.get(f"density_{n}k")
+        if ratio is None:
+            out.append(_target(name, None, threshold, None, f"no {n}K dense + sparse pair"))
+            continue
+        med = data.get(f"median_step_speedup_{n}k")
+        note = (f"density {dens:.3f}" if dens is not None else "density not reported") + \
+            (f"; median step per token {med:.2f}x" if med is not None else "")
+        out.append(_target(name, round(ratio, 3), threshold, ratio >= need and (dens is None or dens <= 0.12), note))
+    sparse = [r for r in data.get("runs", []) if r.get("name", "").startswith("sparse")]
+    busy = [(r["name"], r["device_busy_ms"] / r["profile_wall_ms"]) for r in sparse
+            if r.get("device_busy_ms") is not None and r.get("profile_wall_ms")]
+    if busy:
+        low = min(busy, key=lambda x: x[1])
+        out.append(_target("sparse step device busy / wall", round(low[1], 3), f">= {BUSY_TARGET}",
+                           low[1] >= BUSY_TARGET, "; ".join(f"{n} {b:.1%}" for n, b in busy)))
+    else:
+        out.append(_target("sparse step device busy / wall", None, f">= {BUSY_TARGET}", None,
+                           "no profiled sparse step"))
+    late = [(r["name"], r["compiles_after_step_2"], r.get("compiles_late_by_kind")) for r in sparse
+            if r.get("compiles_after_step_2") is not None]
+    if late:
+        said = [f"{n}: {c}" + (" (" + ", ".join(f"{k} {v}" for k, v in kinds.items() if v) + ")"
+                               if c and kinds else "") for n, c, kinds in late]
+        out.append(_target("sparse compilations after step 2", max(c for _, c, _ in late), "0",
+                           all(c == 0 for _, c, _ in late), "; ".join(said)))
+    else:
+        out.append(_target("sparse compilations after step 2", None, "0", None, "no sparse run counted them"))
     return out
 
 

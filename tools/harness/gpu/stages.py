@@ -26,16 +26,18 @@ TRAIN_QUANTILE = 0.99
 micro-batch length (see gpu_check.py's --train-quantile)."""
 """Top-k at block 128 in training: (8 + 2) x 128 keys per query, ~4% of a 64K document
 (more for short documents, which stay dense; the summary reports the mean)."""
-LOSS_CHUNKS_ABOVE = 65536
-"""Micro-batches longer than this (tokens) run the output layer + loss in chunks, in both
-arms: at 128K the 0.5B preset's fp32 logits over 152K words alone would fill the H200."""
+LOSS_CHUNKS_FROM = 65536
+"""Micro-batches of this many tokens or more run the output layer + loss fused, in chunks, in
+both arms (megatron/training/linear_ce.py): at 128K the 0.5B preset's fp32 logits over 152K
+words alone would fill the H200, and at 64K and 128K (Runs 6, 7) the unfused loss's fp32
+passes took ~1 s of either arm's step. Shorter ones keep megatron-core's unfused loss."""
 LOSS_CHUNK_TOKENS = 4096
 """--sb-loss-chunk-tokens of those runs (the driver's default; one chunk's fp32 logits 2.5 GB)."""
 
 
 def loss_chunk_tokens(n: int) -> int:
     """Tokens per chunk of the output layer + loss for micro-batches of ``n`` tokens (0: unchunked)."""
-    return LOSS_CHUNK_TOKENS if n > LOSS_CHUNKS_ABOVE else 0
+    return LOSS_CHUNK_TOKENS if n >= LOSS_CHUNKS_FROM else 0
 
 
 def loss_chunk_flags(n: int) -> List[str]:
@@ -127,6 +129,7 @@ def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
             "flex_compiles": s.get("flex_compiles"), "routing": s.get("routing"),
             "compiles_after_step_2": s.get("kernel_compiles_after_step_2"),
             "compiles_all": s.get("kernel_compiles_all"), "compiles_by_kind": s.get("kernel_compiles_by_kind"),
+            "compiles_late_by_kind": s.get("kernel_compiles_late_by_kind"), "loss_path": s.get("loss_path"),
             "peak_memory_mb_max": s.get("peak_memory_mb_max"), "step_ms_median": s.get("step_ms_median"),
             "density_mean": s.get("density_mean"), "plan_ms_median": s.get("plan_ms_median"),
             "attention_backend": s.get("attention_backend"), "dense_kernel": s.get("dense_kernel"),
@@ -175,7 +178,7 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
     t0, runs = time.time(), []
     seq_lens = train_seq_lens(a)
     # sparse first: on a lease cut short, the arm that carries the claim has run
-    todo = [(n, mode) for n in seq_lens for mode in ("sparse", "dense")]
+    todo = [(n, mode) for n in seq_lens for mode in getattr(a, "train_arms", ("sparse", "dense"))]
     for i, (n, mode) in enumerate(todo):
         name = f"{mode} {n}"
         cap = (left - (time.time() - t0)) / (len(todo) - i)  # a fair share of what is left
@@ -232,6 +235,15 @@ def length_files(a) -> List[str]:
     return files
 
 
+def keep_log(a, name: str, proc) -> None:
+    """A tool's stdout and stderr, kept under the work folder (the lease copies it back)."""
+    from sparsebalance.io import atomic_write_text
+
+    os.makedirs(a.work, exist_ok=True)
+    atomic_write_text(os.path.join(a.work, name), f"exit {proc.returncode}\n# stdout\n{proc.stdout or ''}"
+                      f"\n# stderr\n{proc.stderr or ''}")
+
+
 def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     """tools/profile_latency.py on this device for the train model (held-out MAPE), the
     profile written under --out, then tools/compare.py --mode sim with it."""
@@ -249,8 +261,12 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
     if files:
         cmd += ["--length-files", *files]
     proc = run(cmd, left * 0.8)  # the rest for compare.py
+    keep_log(a, "profile_latency.log", proc)
     res = last_json(proc.stdout)
-    if proc.returncode != 0 or res is None or not os.path.isfile(prof):
+    # The result is printed last: a whole JSON object naming this profile means the tool
+    # finished, even when its process then outlived the time limit (Runs 5-7).
+    hung = proc.returncode == 124 and res is not None and res.get("output") == prof
+    if (proc.returncode != 0 and not hung) or res is None or not os.path.isfile(prof):
         return False, "profile_latency.py: " + last_line(proc), {}
     data = {"profile": os.path.relpath(prof, a.repo), "mape": res.get("mape"),
             "mape_fwd": res.get("mape_fwd"), "mape_bwd": res.get("mape_bwd"),
@@ -265,7 +281,9 @@ def part_profile(a, left: float, run: Callable, best_backend: str) -> Result:
               left - (time.time() - t0))
     data["compare_sim"] = last_json(sim.stdout) if sim.returncode == 0 else None
     ok = sim.returncode == 0 and data["mape"] is not None
+    data["exited"] = not hung
     detail = (f"held-out MAPE {data['mape']:.3f}" if data["mape"] is not None else "no MAPE") + \
+        ("; profile_latency.py printed its result, then did not exit before its limit" if hung else "") + \
         ("; compare.py --mode sim ran with the profile" if sim.returncode == 0
          else "; compare.py --mode sim failed: " + last_line(sim))
     return ok, detail, data
