@@ -301,8 +301,8 @@ def _loss_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-entropy-fusion-impl", choices=CROSS_ENTROPY_FUSION_IMPLS, default="native",
                    help="with --cross-entropy-loss-fusion: linear = the output layer and the loss in chunks "
                         "of --sb-loss-chunk-tokens tokens, each chunk's logits recomputed in backward (the "
-                        "logits are never whole; Megatron-LM's dev-branch name); native / te: the same results "
-                        "as without fusion (no fused kernel here)")
+                        "logits are never whole; at TP=1 the loss fused in Triton passes; Megatron-LM's "
+                        "dev-branch name); native / te: the same results as without fusion (no fused kernel here)")
     g.add_argument("--sb-loss-chunk-tokens", type=_positive(int), default=None, metavar="N",
                    help=f"tokens per chunk of --cross-entropy-fusion-impl linear (default "
                         f"{arg_checks.DEFAULT_LOSS_CHUNK_TOKENS}; under sequence parallelism, per TP rank)")
