@@ -640,8 +640,8 @@ def main(argv=None) -> int:
     model = open_model(a)
     try:
         vocab = int(model.gpt.vocab_size)
-        hide = ("json", "out", "study", "stage_profile") + (
-            ("sensitivity", "sensitivity_study") if a.sensitivity == "off" else ()) + (
+        hide = ("json", "out", "study", "stage_profile") + (("sensitivity",) if a.sensitivity == "off" else ()) + (
+            ("sensitivity_study",) if a.sensitivity != "estimate" else ()) + (
             ("stage_sensitivity",) if a.sensitivity != "stage" else ())
         out = {"config": {k: v for k, v in vars(a).items() if k not in hide}, "iteration": model.iteration}
         if a.num_microbatches:
