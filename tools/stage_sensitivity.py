@@ -30,7 +30,7 @@ Output (``--out``, written atomically; ``sparsebalance.tuning.stage_sensitivity`
 Tiny CPU run (``make real-model`` first; ~1 minute)::
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/stage_sensitivity.py --load runs/models/smollm2-135m \\
-        --data-path runs/real/corpus --num-documents 1 --max-length 1024 --pp 2 --out /tmp/stage.json
+        --data-path runs/real/corpus --num-documents 1 --min-length 1024 --max-length 1024 --pp 2 --out /tmp/stage.json
 
 The profile of ``results/stage_sensitivity.json`` (~15 minutes on one core)::
 

@@ -72,3 +72,18 @@ def test_flags(tmp_path):
         DSTConfig(policy="critical-path", stage_weight=(0.0, -1.0))
     with pytest.raises(ValueError, match="one weight per stage"):
         balancer_config(pp=2, stage_weight=(1.0, 2.0, 3.0))
+
+
+def test_driver_trains_with_a_stage_profile(long_corpus, world, tmp_path):
+    """--sb-stage-sensitivity end to end at PP=2 (the profile read, checked against the run's
+    depth and split, and handed to the planner every step)."""
+    from conftest import PRETRAIN, TINY, summary_of
+
+    profile = _profile(tmp_path / "p.json", stages=(2,), num_layers=4)
+    proc = world.launch(PRETRAIN, [*TINY, "--seq-length", "1024", "--data-path", long_corpus, "--train-iters", "2",
+                                   "--pipeline-model-parallel-size", "2", "--sparse-balance", "--sb-block-size", "32",
+                                   "--sb-topk", "4", "--sb-cost-model", "h100-analytic",
+                                   "--sb-stage-sensitivity", profile], nproc=2, timeout=300)
+    summary = summary_of(proc)
+    assert summary["iterations"] == 2
+    assert summary["args"]["sb_stage_sensitivity"] == profile

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sparsebalance.predictor import get_predictor
-from sparsebalance.tuning import critical_path_indices
+from sparsebalance.tuning import critical_path_indices, instance_from_json, instance_to_json
 from sparsebalance.tuning.critical_path import objective
 from sparsebalance.tuning.from_predictor import build_instance
 from sparsebalance.tuning.sensitivity import loss_proxy, sensitivity_indices, weighted_attention
@@ -77,6 +77,15 @@ def test_op_weights_and_instance_check():
     pred = get_predictor("h100-analytic", num_layers=8, block_size=256)
     with pytest.raises(ValueError, match=r"\[dp, microbatch, stage\]"):
         build_instance(pred, [[[9000], [4000]]], pp=2, k0=16, weight=np.ones((1, 2, 3)))
+
+
+def test_per_op_weight_survives_the_instance_json(case):
+    inst, base = case
+    w = op_weights(np.array([1.0, 1.0, 1.0, 4.0]), 1, 8)
+    back = instance_from_json(instance_to_json(instance_from_json({**instance_to_json(inst), "weight": w.tolist()})))
+    assert back.weight.shape == (1, 8, 4) and np.array_equal(back.weight, w)
+    assert np.array_equal(sensitivity_indices(back, base, raise_first=False, pairs_tol=TOL),
+                          _refine(inst, base, w[0, 0], raise_first=False, pairs_tol=TOL))
 
 
 def _profile(**over):
