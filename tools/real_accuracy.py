@@ -68,7 +68,8 @@ Sensitivity-aware DST against slack-only DST (the reduced run of
         --data-path runs/real-accuracy/corpus --seq-length 2048 --num-microbatches 12 --pp 4,8 \\
         --num-samples 0 --threads 1 --sensitivity estimate --out results/real_accuracy_sensitivity.json
 
-Stage-aware DST (``results/real_accuracy_stage.json``; the profile from ``tools/stage_sensitivity.py``)::
+Stage-aware DST (``results/real_accuracy_stage.json``, 10 minutes on one core; the profile from
+``tools/stage_sensitivity.py``)::
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/real_accuracy.py --load runs/models/smollm2-135m \\
         --data-path runs/real-accuracy/corpus --seq-length 2048 --num-microbatches 12 --pp 4,8 \\

@@ -32,7 +32,7 @@ Tiny CPU run (``make real-model`` first; ~1 minute)::
     OMP_NUM_THREADS=1 .venv/bin/python tools/stage_sensitivity.py --load runs/models/smollm2-135m \\
         --data-path runs/real/corpus --num-documents 1 --min-length 1024 --max-length 1024 --pp 2 --out /tmp/stage.json
 
-The profile of ``results/stage_sensitivity.json`` (~15 minutes on one core)::
+The profile of ``results/stage_sensitivity.json`` (16 minutes on one core)::
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/stage_sensitivity.py --load runs/models/smollm2-135m \\
         --data-path runs/real/corpus --exclude-data-path runs/real-accuracy/corpus --pp 4,8 \\
