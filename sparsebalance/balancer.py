@@ -201,14 +201,20 @@ class Balancer:
     def plan(self, lengths: Lengths, weight: Optional[np.ndarray] = None) -> StepForecast:
         """Plan the budgets of a step of document ``lengths`` (under DST) and predict it.
         ``weight``: [dp, M] sensitivity weights (:class:`SensitivityWeights`; used under
-        ``dst.sensitivity`` "estimate", see :mod:`sparsebalance.tuning.sensitivity`)."""
+        ``dst.sensitivity`` "estimate", see :mod:`sparsebalance.tuning.sensitivity`); under
+        ``dst.stage_weight`` each op's weight is its stage's (times its micro-batch's)."""
         from sparsebalance.pipeline import simulate
 
         t0 = time.perf_counter()
         dst, pred = self.config.dst, self.predictor
         budget = None
         if dst.enabled:
-            inst = self.instance(lengths, weight if dst.sensitivity != "off" else None)
+            weight = weight if dst.sensitivity != "off" else None
+            if dst.stage_weight is not None:  # per op: the stage's weight (x the micro-batch's)
+                from sparsebalance.tuning.stage_sensitivity import op_weights
+
+                weight = op_weights(dst.stage_weight, len(lengths), len(lengths[0]), weight)
+            inst = self.instance(lengths, weight)
             plan = self._policy(inst, dst)
             if inst.weight is not None:  # same step time and kept pairs, budget where it counts
                 from sparsebalance.tuning.sensitivity import sensitivity_plan

@@ -11,6 +11,7 @@ the registry that resolves one checks it (``sparsebalance.ops``, ``batching.stra
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Tuple
 
@@ -76,7 +77,8 @@ class PackingConfig:
 @dataclass(frozen=True)
 class DSTConfig:
     """Dynamic sparsity tuning (``--sb-dst``, ``--sb-anchor``, ``--sb-p``, ``--sb-topk-min|max``,
-    ``--sb-attn-slack``, ``--no-sb-plan-ahead``, ``--sb-dst-sensitivity``, ``--sb-sensitivity-study``)."""
+    ``--sb-attn-slack``, ``--no-sb-plan-ahead``, ``--sb-dst-sensitivity``, ``--sb-sensitivity-study``,
+    ``--sb-stage-sensitivity``)."""
 
     policy: str = "off"
     """"off" or a ``sparsebalance.tuning.policies.DST_POLICIES`` key (checked when resolved)."""
@@ -98,6 +100,10 @@ class DSTConfig:
     (``sparsebalance.tuning.sensitivity``)."""
     sensitivity_study: Optional[str] = None
     """Sensitivity study JSON (``documents`` with ``loss_delta``) the estimator starts from."""
+    stage_weight: Optional[Tuple[float, ...]] = None
+    """Weight per (virtual) stage: its layers' loss per dropped pair, relative (a stage profile,
+    ``sparsebalance.tuning.stage_sensitivity``); among plans of the policy's step time and kept
+    pairs, budget moves to the stages that weigh more. None: every stage alike."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.topk_min <= self.topk_max,
@@ -109,6 +115,10 @@ class DSTConfig:
                f"dst.sensitivity must be off or estimate, got {self.sensitivity!r}")
         _check(self.sensitivity == "off" or self.sensitivity_study is not None,
                "dst.sensitivity estimate needs a sensitivity study (dst.sensitivity_study)")
+        if self.stage_weight is not None:
+            w = tuple(self.stage_weight)
+            _check(all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in w)
+                   and any(x > 0 for x in w), "dst.stage_weight must be finite values >= 0, one positive")
 
     @property
     def enabled(self) -> bool:
@@ -312,3 +322,5 @@ class SparseBalanceConfig:
         _check(not self.dst.enabled or self.dst.topk_min <= self.attention.topk <= self.dst.topk_max,
                f"need dst.topk_min {self.dst.topk_min} <= attention.topk {self.attention.topk} "
                f"<= dst.topk_max {self.dst.topk_max}")
+        _check(self.dst.stage_weight is None or len(self.dst.stage_weight) == self.parallel.stages,
+               f"dst.stage_weight needs one weight per stage ({self.parallel.stages})")

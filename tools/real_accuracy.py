@@ -28,6 +28,14 @@ only the attention differs (post-hoc sparsity, no fine-tuning). Arms:
   compression ratio, never from the losses scored here. ``sens_minus_slack`` is the
   sensitivity arm minus ``sparsebalance-ppP`` per micro-batch (paired bootstrap, as below);
   a micro-batch whose budgets the refinement left alone reuses the slack-only forward.
+* ``sparsebalance-ppP-stage`` (``--sensitivity stage``): the same refinement, at the same planned
+  step time and kept pairs, with a weight per stage instead of per micro-batch: the stage profile
+  of ``--stage-sensitivity`` (``tools/stage_sensitivity.py``: loss per dropped pair of each
+  stage's layers, measured on calibration documents that are not the scored corpus's), so a
+  level moves from a stage whose layers pay little to one whose layers pay much. A stage's
+  weight is the profile's per-layer value times its layers in the model over its layers in the
+  plan (a 30-layer model is planned as 32). ``stage_minus_slack`` and ``stage_minus_static`` (at
+  equal kept pairs, as ``sb_minus_static``) hold the paired intervals.
 
 Loss (``--loss-tokens``): mean next-token cross entropy over the second half of each
 document (default; its first half is mostly within the dense reach of the sink, diagonal and
@@ -59,6 +67,14 @@ Sensitivity-aware DST against slack-only DST (the reduced run of
     OMP_NUM_THREADS=1 .venv/bin/python tools/real_accuracy.py --load runs/models/smollm2-135m \\
         --data-path runs/real-accuracy/corpus --seq-length 2048 --num-microbatches 12 --pp 4,8 \\
         --num-samples 0 --threads 1 --sensitivity estimate --out results/real_accuracy_sensitivity.json
+
+Stage-aware DST (``results/real_accuracy_stage.json``, 10 minutes on one core; the profile from
+``tools/stage_sensitivity.py``)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/real_accuracy.py --load runs/models/smollm2-135m \\
+        --data-path runs/real-accuracy/corpus --seq-length 2048 --num-microbatches 12 --pp 4,8 \\
+        --num-samples 0 --threads 1 --sensitivity stage --stage-sensitivity results/stage_sensitivity.json \\
+        --out results/real_accuracy_stage.json
 
 ``make real-accuracy`` runs the sized default (<= 45 minutes on 2 threads). GPU (one GPU, the
 model built with PP=1)::
@@ -122,8 +138,11 @@ def build_parser():
     p.add_argument("--lengths", default="2048,4096,8192", help="retrieval context lengths (tokens)")
     p.add_argument("--num-samples", type=int, default=2, help="retrieval samples per (task, length); 0: none")
     p.add_argument("--retrieval-pp", type=int, default=4, help="pipeline size of the retrieval DST arm")
-    p.add_argument("--sensitivity", choices=("off", "estimate"), default="off",
-                   help="estimate: add the sparsebalance-ppP-sens arms (sensitivity-aware DST)")
+    p.add_argument("--sensitivity", choices=("off", "estimate", "stage"), default="off",
+                   help="estimate: add the sparsebalance-ppP-sens arms (sensitivity-aware DST); stage: "
+                        "the sparsebalance-ppP-stage arms (stage-aware DST, --stage-sensitivity)")
+    p.add_argument("--stage-sensitivity", default=None, metavar="JSON",
+                   help="stage profile (tools/stage_sensitivity.py) of --sensitivity stage")
     p.add_argument("--sensitivity-study", default=DEFAULT_STUDY, metavar="JSON",
                    help="sensitivity study whose documents the estimator is fitted on (tools/sparsity_study.py "
                         "--real); default results/real_study.json")
@@ -137,9 +156,19 @@ def build_parser():
 
 
 def check_args(a) -> None:
-    a.study = read_study(a.sensitivity_study) if a.sensitivity != "off" else None
+    a.study = read_study(a.sensitivity_study) if a.sensitivity == "estimate" else None
     if a.sensitivity != "off" and a.num_microbatches == 0:
-        fail("--sensitivity estimate compares losses: it needs --num-microbatches >= 1")
+        fail(f"--sensitivity {a.sensitivity} compares losses: it needs --num-microbatches >= 1")
+    if (a.sensitivity == "stage") != (a.stage_sensitivity is not None):
+        fail("--sensitivity stage and --stage-sensitivity JSON go together")
+    a.stage_profile = None
+    if a.stage_sensitivity is not None:
+        from sparsebalance.tuning.stage_sensitivity import read_stage_profile
+
+        try:
+            a.stage_profile = read_stage_profile(a.stage_sensitivity)
+        except ValueError as e:
+            fail(f"--stage-sensitivity: {e}")
     if not os.path.isfile(os.path.join(a.load, "model_flags.txt")):
         fail(f"--load: {a.load} has no model_flags.txt (make real-model writes runs/models/smollm2-135m)")
     if a.num_microbatches > 0 and (a.data_path is None or not os.path.isfile(a.data_path + ".idx")):
@@ -268,7 +297,7 @@ def dst_plan(a, vocab: int, mb_lengths: list, pp: int) -> dict:
 
 def sensitivity_dst_plan(a, vocab: int, mb_lengths: list, pp: int, weight) -> dict:
     """DST's plan of :func:`dst_plan` and the same plan refined by the micro-batch weights
-    ``weight`` [M] (nats per dropped pair) at its planned step time and kept pairs (module
+    ``weight`` [M] (nats per dropped pair; or [M, stages] per op) at its planned step time and kept pairs (module
     docstring): ``budget`` (the refined ``[M, stages]``), ``slack_budget``, both arms'
     ``step_ms`` and planned kept pairs (``attn``: pairs x layers, one head), the weights, the
     ops that moved. RuntimeError if the refinement broke either equality."""
@@ -279,7 +308,7 @@ def sensitivity_dst_plan(a, vocab: int, mb_lengths: list, pp: int, weight) -> di
 
     balancer, policy, planned_layers = dst_balancer(a, vocab, mb_lengths, pp)
     forecast = balancer.plan([mb_lengths])
-    w = np.asarray(weight, dtype=float).reshape(1, -1)
+    w = np.asarray(weight, dtype=float)[None]
     inst = balancer.instance([mb_lengths], w)
     base = inst.indices(forecast.budget)
     slack = make_plan(inst, base, policy)
@@ -367,25 +396,29 @@ def loss_part(a, model, vocab: int) -> dict:
     mbs, packing, ds = microbatches(a, vocab)
     mb_lengths = [(mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist() for mb in mbs]
     sb_arms, plans, sens_arms, sens_plans, estimate = [], {}, [], {}, None
-    if a.sensitivity != "off":
+    suffix = {"estimate": "-sens", "stage": "-stage"}.get(a.sensitivity)
+    if a.sensitivity == "estimate":
         weight, estimate = sensitivity_weights(a, packing, ds, mb_lengths)
     for pp in a.pp:
         plan = dst_plan(a, int(model.gpt.vocab_size), mb_lengths, pp)
         plans[f"sparsebalance-pp{pp}"] = plan
         sb_arms.append(Arm(f"sparsebalance-pp{pp}", stage_budgets=plan["budget"]))
-        if a.sensitivity != "off":
+        if suffix is not None:
+            if a.sensitivity == "stage":
+                weight = np.tile(stage_weight(a, pp, L, plan["planned_layers"]), (len(mb_lengths), 1))
             sp = sensitivity_dst_plan(a, int(model.gpt.vocab_size), mb_lengths, pp, weight)
             if not np.array_equal(sp["slack_budget"], plan["budget"]):
                 raise RuntimeError(f"PP={pp}: the sensitivity arm's slack-only plan is not the driver's")
-            sens_plans[f"sparsebalance-pp{pp}-sens"] = sp
-            sens_arms.append(Arm(f"sparsebalance-pp{pp}-sens", stage_budgets=sp["budget"]))
-    slack_of = {arm.name: arm.name[:-len("-sens")] for arm in sens_arms}
+            sens_plans[f"sparsebalance-pp{pp}{suffix}"] = sp
+            sens_arms.append(Arm(f"sparsebalance-pp{pp}{suffix}", stage_budgets=sp["budget"]))
+    slack_of = {arm.name: arm.name[:-len(suffix)] for arm in sens_arms}
+    judged = sb_arms + (sens_arms if a.sensitivity == "stage" else [])  # against static at equal pairs
 
     def static_pairs(k):
         return arm_pairs(Arm("s", topk=k), mb_lengths, a.block_size, L, heads)
 
     brackets = {arm.name: bracket(arm_pairs(arm, mb_lengths, a.block_size, L, heads), static_pairs)
-                for arm in sb_arms}
+                for arm in judged}
     ks = sorted({k for lo, hi, _ in brackets.values() for k in (lo, hi)})  # static-k0 itself: not needed
     arms = [Arm("dense"), *[Arm(f"static-k{k}", topk=k) for k in ks],
             Arm("threshold", topk=a.threshold_cap, threshold=a.threshold, topk_min=a.topk // 2), *sb_arms,
@@ -420,7 +453,7 @@ def loss_part(a, model, vocab: int) -> dict:
         r["density"] = r["kept_pairs"] / r["causal_pairs"]
     weights = per["dense"]["tokens"]
     diffs = {}
-    for arm in sb_arms:
+    for arm in judged:
         lo, hi, w = brackets[arm.name]
         static_eq = (1 - w) * np.array(per[f"static-k{lo}"]["loss"]) + w * np.array(per[f"static-k{hi}"]["loss"])
         d = np.array(per[arm.name]["loss"]) - static_eq
@@ -433,17 +466,38 @@ def loss_part(a, model, vocab: int) -> dict:
         if name != "dense":
             d = np.array(per[name]["loss"]) - np.array(per["dense"]["loss"])
             per[name]["minus_dense"] = paired_interval(d, weights, seed=a.seed)
-    out = {"arms": per, "sb_minus_static": diffs,
+    out = {"arms": per, "sb_minus_static": {arm.name: diffs[arm.name] for arm in sb_arms},
            "plans": {n: {**p, "budget": p["budget"].tolist()} for n, p in plans.items()},
            "microbatch_lengths": mb_lengths, "loss_tokens": a.loss_tokens, "seconds": time.time() - t0}
-    if sens_arms:
+    if a.sensitivity == "estimate":
         out["sens_minus_slack"] = sensitivity_report(per, sens_plans, seed=a.seed)
         out["sensitivity_estimate"] = estimate
+    elif a.sensitivity == "stage":
+        out["stage_minus_slack"] = sensitivity_report(per, sens_plans, seed=a.seed)
+        out["stage_minus_static"] = {arm.name: diffs[arm.name] for arm in sens_arms}
+        out["stage_profile"] = {"path": a.stage_sensitivity, "num_layers": a.stage_profile.num_layers,
+                                "stages": {str(p): list(v) for p, v in a.stage_profile.stages.items()}}
     return out
 
 
+def stage_weight(a, pp: int, num_layers: int, planned_layers: int):
+    """[pp] weights of a PP=``pp`` plan from the stage profile: its nats per dropped pair (one
+    layer) times the stage's layers in the model over its layers in the plan (the planner counts
+    a stage's pairs over ``planned_layers / pp`` layers)."""
+    import numpy as np
+
+    from tools.harness.compare.real_arms import stage_of
+
+    try:
+        w = a.stage_profile.weights(pp, num_layers)
+    except ValueError as e:
+        fail(f"--stage-sensitivity: {e}")
+    real = np.bincount([stage_of(x, num_layers, pp) for x in range(1, num_layers + 1)], minlength=pp)
+    return w * real / (planned_layers / pp)
+
+
 def sensitivity_report(per: dict, sens_plans: dict, seed: int = 0) -> dict:
-    """Per sensitivity arm ``NAME-sens``: its loss minus ``NAME``'s per micro-batch
+    """Per sensitivity arm ``NAME-sens`` (or ``NAME-stage``): its loss minus ``NAME``'s per micro-batch
     (``paired_interval``: token-weighted mean, ``interval`` [2.5%, 50%, 97.5%] of a paired
     bootstrap), with both arms' planned step ms and kept pairs (planned and measured)."""
     import numpy as np
@@ -452,7 +506,7 @@ def sensitivity_report(per: dict, sens_plans: dict, seed: int = 0) -> dict:
 
     out = {}
     for name, sp in sens_plans.items():
-        slack = name[:-len("-sens")]
+        slack = name.rsplit("-", 1)[0]
         d = np.array(per[name]["loss"]) - np.array(per[slack]["loss"])
         out[name] = {**paired_interval(d, per[slack]["tokens"], seed=seed), "per_microbatch": d.tolist(),
                      "planned_step_ms": {"slack": sp["slack_step_ms"], "sens": sp["step_ms"]},
@@ -587,14 +641,19 @@ def main(argv=None) -> int:
     model = open_model(a)
     try:
         vocab = int(model.gpt.vocab_size)
-        hide = ("json", "out", "study") + (("sensitivity", "sensitivity_study") if a.sensitivity == "off" else ())
+        hide = ("json", "out", "study", "stage_profile") + (("sensitivity",) if a.sensitivity == "off" else ()) + (
+            ("sensitivity_study",) if a.sensitivity != "estimate" else ()) + (
+            ("stage_sensitivity",) if a.sensitivity != "stage" else ())
         out = {"config": {k: v for k, v in vars(a).items() if k not in hide}, "iteration": model.iteration}
         if a.num_microbatches:
             out["loss"] = loss_part(a, model, vocab)
             sb = out["loss"]["sb_minus_static"]
             out["sb_minus_static_loss"] = sb[f"sparsebalance-pp{a.pp[0]}"]["interval"] if sb else None
             out["sb_minus_static_loss_by_pp"] = {n: d["interval"] for n, d in sb.items()}
-            if a.sensitivity != "off":
+            if a.sensitivity == "stage":
+                for key in ("stage_minus_slack", "stage_minus_static"):
+                    out[f"{key}_loss_by_pp"] = {n: d["interval"] for n, d in out["loss"][key].items()}
+            if a.sensitivity == "estimate":
                 sens = out["loss"]["sens_minus_slack"]
                 out["sens_minus_slack_loss"] = sens[f"sparsebalance-pp{a.pp[0]}-sens"]["interval"]
                 out["sens_minus_slack_loss_by_pp"] = {n: d["interval"] for n, d in sens.items()}
@@ -617,8 +676,10 @@ def main(argv=None) -> int:
         atomic_write_text(a.out, json.dumps(out, indent=1) + "\n")
     keys = ("sb_minus_static_loss", "sb_minus_static_loss_by_pp", "retrieval", "pretrained_loss",
             "finetune_first_loss_dense")
-    if a.sensitivity != "off":
+    if a.sensitivity == "estimate":
         keys += ("sens_minus_slack_loss", "sens_minus_slack_loss_by_pp")
+    if a.sensitivity == "stage":
+        keys += ("stage_minus_slack_loss_by_pp", "stage_minus_static_loss_by_pp")
     print(json.dumps(out) if a.json else json.dumps({k: out.get(k) for k in keys}))
     return 0
 

@@ -179,6 +179,7 @@ def validate_balance(args: argparse.Namespace) -> None:
             raise UsageError("--sb-dst-sensitivity estimate needs --sb-sensitivity-study PATH")
     if args.sb_sensitivity_study is not None and args.sb_dst_sensitivity == "off":
         raise UsageError("--sb-sensitivity-study needs --sb-dst-sensitivity estimate")
+    args.sb_stage_weight = stage_weight(args)
     if args.sb_profile is not None and args.sb_cost_model is not None:
         raise UsageError("give either --sb-profile or --sb-cost-model, not both")
     if args.sb_cost_model is not None:
@@ -214,6 +215,25 @@ def validate_distributed_optimizer(args: argparse.Namespace) -> None:
         raise UsageError("--overlap-param-gather is only supported with --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise UsageError("--overlap-param-gather needs --overlap-grad-reduce")
+
+
+def stage_weight(args: argparse.Namespace):
+    """DST's weight per (virtual) stage from ``--sb-stage-sensitivity`` (a tuple; None without
+    the flag); UsageError naming what does not fit the run."""
+    path = getattr(args, "sb_stage_sensitivity", None)
+    if path is None:
+        return None
+    if args.sb_dst == "off":
+        raise UsageError("--sb-stage-sensitivity refines DST's budgets: it needs --sb-dst")
+    from sparsebalance.tuning.stage_sensitivity import read_stage_profile
+
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1  # set by validate() first
+    stages = args.pipeline_model_parallel_size * vpp
+    try:
+        layers = stage_layers(args) if vpp == 1 else [args.num_layers // stages] * stages
+        return tuple(float(x) for x in read_stage_profile(path).weights(stages, args.num_layers, layers))
+    except ValueError as e:
+        raise UsageError(f"--sb-stage-sensitivity {e}") from None
 
 
 def stage_layers(args: argparse.Namespace) -> list:

@@ -81,7 +81,8 @@ def sparsebalance_config(args, vocab_size: int) -> SparseBalanceConfig:
     dst = DSTConfig(policy=args.sb_dst, topk_min=args.sb_topk_min, topk_max=args.sb_topk_max,
                     anchor=args.sb_anchor, p=args.sb_p, attn_slack=args.sb_attn_slack,
                     plan_ahead=bool(args.sb_plan_ahead), sensitivity=args.sb_dst_sensitivity,
-                    sensitivity_study=args.sb_sensitivity_study)
+                    sensitivity_study=args.sb_sensitivity_study,
+                    stage_weight=getattr(args, "sb_stage_weight", None))
     return SparseBalanceConfig(model=model_config(args, vocab_size), attention=attention_config(args),
                                packing=packing, dst=dst, predictor=predictor_config(args),
                                parallel=parallel_config(args))

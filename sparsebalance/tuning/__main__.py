@@ -42,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--anchor", choices=("mean", "max", "min"), default="mean")
     pl.add_argument("--p", type=float, default=0.1, help="anchor: budget window +-p * k0")
     pl.add_argument("--sensitivity", action="store_true",
-                    help="refine the plan by the instance's per-micro-batch 'weight' (same step "
-                         "time and kept pairs, budget toward sensitive micro-batches)")
+                    help="refine the plan by the instance's 'weight' (per micro-batch or per op; same "
+                         "step time and kept pairs, budget toward sensitive micro-batches and stages)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 

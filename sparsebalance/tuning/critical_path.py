@@ -71,9 +71,9 @@ class _Batch:
             return a.reshape(L, D, M * S).transpose(0, 2, 1)  # [L, MS, D]
 
         self.Fr, self.Br, self.Ar = lay(inst.fwd), lay(inst.bwd), lay(inst.attn)
-        # Weighted kept pairs (a per-micro-batch weight [D, M]: tuning/sensitivity.py).
-        self.Wr = self.Ar if weight is None else lay(
-            inst.attn * np.asarray(weight, dtype=float)[None, :, :, None])
+        # Weighted kept pairs (a weight per micro-batch [D, M] or per op [D, M, S]:
+        # tuning/sensitivity.py, tuning/stage_sensitivity.py).
+        self.Wr = self.Ar if weight is None else lay(inst.attn * inst.op_weight(weight)[None])
         self.Lr = self.Fr + self.Br
         N = self.g.num_nodes
         s1 = self.g.succ[:, 1]

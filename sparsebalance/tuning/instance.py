@@ -4,7 +4,8 @@ JSON form (the CLI's ``--instance``)::
 
     {"schedule": "1f1b" | "interleaved", "pp": P, "vpp": V, "dp": D, "microbatches": M,
      "k0": int, "kmin": int, "kmax": int, "levels": [int, ...] (optional),
-     "p2p_ms": float, "weight": [[w per micro-batch] per dp replica] (optional),
+     "p2p_ms": float, "weight": [[w per micro-batch] per dp replica] (optional; or
+     [[[w per stage] per micro-batch] per dp replica]),
      "ops": [[[{"fwd": [[k, ms], ...], "bwd": [[k, ms], ...], "attn": [[k, pairs], ...]}
                per stage] per micro-batch] per dp replica]}
 
@@ -62,7 +63,8 @@ class Instance:
     """Interleaved: micro-batch group size per virtual stage (default P)."""
     weight: Optional[np.ndarray] = None
     """[D, M] sensitivity of each micro-batch: estimated loss per dropped kept pair
-    (``sparsebalance.tuning.sensitivity``); None: every pair counts alike."""
+    (``sparsebalance.tuning.sensitivity``), or [D, M, S] of each op (a stage's layers pay
+    differently: ``sparsebalance.tuning.stage_sensitivity``); None: every pair counts alike."""
     k0_index: int = field(init=False)
     """Index of k0 in ``levels``."""
 
@@ -86,9 +88,9 @@ class Instance:
                 raise ValueError(f"{name} must be non-decreasing in the budget")
         if self.weight is not None:
             w = np.asarray(self.weight, dtype=float)
-            if w.shape != shape[1:3] or not np.all(np.isfinite(w)) or np.any(w < 0):
-                raise ValueError(f"weight must be a [dp, microbatch] = {shape[1:3]} table of "
-                                 "finite values >= 0")
+            if w.shape not in (shape[1:3], shape[1:]) or not np.all(np.isfinite(w)) or np.any(w < 0):
+                raise ValueError(f"weight must be a [dp, microbatch] = {shape[1:3]} or [dp, microbatch, "
+                                 f"stage] = {shape[1:]} table of finite values >= 0")
             object.__setattr__(self, "weight", w)
         object.__setattr__(self, "k0_index", int(np.flatnonzero(lv == self.k0)[0]))
         if self.schedule == "interleaved":
@@ -98,6 +100,14 @@ class Instance:
     def stages(self) -> int:
         """Virtual stages S = P * V."""
         return self.pp * self.vpp
+
+    def op_weight(self, weight: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+        """[D, M, S] weight of each op: ``weight`` (default :attr:`weight`) of its micro-batch
+        ([D, M]) or its own ([D, M, S]); None without one."""
+        w = self.weight if weight is None else np.asarray(weight, dtype=float)
+        if w is None:
+            return None
+        return np.broadcast_to(w[:, :, None], (self.dp, self.microbatches, self.stages)) if w.ndim == 2 else w
 
     def at(self, idx: np.ndarray):
         """(fwd, bwd, attn) arrays [D, M, S] for level indices ``idx`` [D, M, S]."""
@@ -202,7 +212,7 @@ def instance_from_json(d: Any) -> Instance:
     try:
         weight = None if weight is None else np.asarray(weight, dtype=float)
     except (TypeError, ValueError):
-        raise ValueError("'weight' must be a [dp][microbatch] table of numbers")
+        raise ValueError("'weight' must be a [dp][microbatch] or [dp][microbatch][stage] table of numbers")
     return Instance(schedule=schedule, pp=P, vpp=V, dp=D, microbatches=M, k0=k0, kmin=kmin,
                     kmax=kmax, levels=np.asarray(lv, dtype=np.int64), p2p_ms=p2p,
                     group=None if group is None else int(group), weight=weight, **tabs)

@@ -40,6 +40,10 @@ A comparison *at equal kept pairs* (``tools/real_accuracy.py --sensitivity estim
 step 1 (``raise_first=False``) and holds the swaps' total within ``pairs_tol`` of the plan's
 (``pairs_tol``): then the refinement only moves pairs between micro-batches and stages.
 
+A weight may also be given per op ([D, M, S]): then a swap may move a level from a stage whose
+layers pay little per dropped pair to one whose layers pay much (a stage profile,
+:mod:`sparsebalance.tuning.stage_sensitivity`), by the same rule.
+
 With no weights, or equal weights, the plan is returned as it is (the invariant the tests
 hold). The anchor rule has a single answer per op and no deadline of its own; it gets the
 same refinement at its own step time.
@@ -87,8 +91,8 @@ def microbatch_weights(lengths: Sequence[Sequence[Sequence[int]]],
 
 
 def weighted_attention(inst: Instance, idx: np.ndarray, weight: np.ndarray) -> float:
-    """``sum w_m x attn`` of level indices ``idx`` [D, M, S] (weight [D, M])."""
-    return float((inst.at(idx)[2] * np.asarray(weight)[:, :, None]).sum())
+    """``sum w x attn`` of level indices ``idx`` [D, M, S] (weight [D, M] or [D, M, S])."""
+    return float((inst.at(idx)[2] * inst.op_weight(weight)).sum())
 
 
 def loss_proxy(inst: Instance, idx: np.ndarray, weight: np.ndarray, num_layers: int) -> float:
@@ -110,7 +114,8 @@ def sensitivity_indices(inst: Instance, idx: np.ndarray, weight: Optional[np.nda
     docstring) at its own step time and kept pairs.
 
     Args:
-        weight: [D, M] weights (default ``inst.weight``); None or equal: ``idx`` unchanged.
+        weight: [D, M] weights, or [D, M, S] per op (default ``inst.weight``); None or
+            equal: ``idx`` unchanged.
         shift_rounds: total-float rounds of the raise.
         max_moves: most swaps per replica.
         budget: the swap search stops after timing this many (op x candidate) cells
@@ -159,7 +164,7 @@ def _swaps(sub: Instance, X: np.ndarray, deadline: float, spare: float, max_move
     one = _Batch(sub, 1, sub.weight)
     A, W = one.Ar[:, :, 0], one.Wr[:, :, 0]  # [L, MS]
     L, MS = A.shape
-    wt = np.repeat(sub.weight[0], sub.stages)  # [MS] weight of each op
+    wt = sub.op_weight()[0].reshape(-1)  # [MS] weight of each op
     cells, spent = one.g.num_nodes, 0.0
     ms = np.arange(MS)
     for _ in range(max_moves):

@@ -114,6 +114,8 @@ def make_bad_files(d: str) -> None:
     os.makedirs(f"{d}/empty_ckpt", exist_ok=True)
     os.makedirs(f"{d}/flags_only", exist_ok=True)  # passes a --load check that looks for model_flags.txt
     open(f"{d}/flags_only/model_flags.txt", "w").write("--num-layers 2\n")
+    json.dump({"format": "sb-stage-sensitivity", "version": 1, "num_layers": 2,  # 3 values for 2 stages
+               "profiles": [{"stages": 2, "nats_per_pair": [1.0, 2.0, 3.0]}]}, open(f"{d}/stage_bad.json", "w"))
     os.makedirs(f"{d}/a_dir_with_file", exist_ok=True)
     open(f"{d}/a_dir_with_file/x", "w").close()
     _make_hf_dirs(d)
@@ -255,6 +257,15 @@ CASES = [
          r"wrong_schema\.json.*not a sparsebalance-latency-profile"),
     Case("pretrain-profile-missing", "pretrain_gpt.py", _pretrain_sb("{d}/no_profile.json"),
          r"no_profile\.json does not exist.*tools/profile_latency\.py", _p("{d}/no_profile.json")),
+    Case("pretrain-stage-profile-missing", "pretrain_gpt.py",
+         _pretrain("--sparse-balance", *SB_TINY, "--sb-cost-model", "h100-analytic", "--sb-stage-sensitivity",
+                   "{d}/no_stage.json"), r"--sb-stage-sensitivity .*no_stage\.json: cannot read"),
+    Case("pretrain-stage-profile-bad", "pretrain_gpt.py",
+         _pretrain("--sparse-balance", *SB_TINY, "--sb-cost-model", "h100-analytic", "--sb-stage-sensitivity",
+                   "{d}/stage_bad.json"), r"stage_bad\.json.*2-stage profile must have 2 finite values"),
+    Case("pretrain-stage-profile-no-dst", "pretrain_gpt.py",
+         _pretrain("--sparse-attention", *SB_TINY, "--sb-stage-sensitivity", "{d}/stage_bad.json"),
+         r"--sb-stage-sensitivity refines DST's budgets: it needs --sb-dst"),
     # pretrain_gpt.py: activation recomputation flags (Megatron-LM's rules)
     Case("pretrain-loss-chunk-negative", "pretrain_gpt.py",
          _pretrain("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "linear",
@@ -414,6 +425,30 @@ CASES = [
     Case("real-accuracy-study-no-documents", "tools/real_accuracy.py",
          _p("--load", "{d}/empty_ckpt", "--sensitivity", "estimate", "--sensitivity-study", "{d}/blank.jsonl"),
          r"sensitivity-study.*blank\.jsonl"),
+    Case("real-accuracy-stage-without-profile", "tools/real_accuracy.py",
+         _p("--load", "{d}/empty_ckpt", "--sensitivity", "stage"), r"--sensitivity stage and --stage-sensitivity"),
+    Case("real-accuracy-stage-profile-not-json", "tools/real_accuracy.py",
+         _p("--load", "{d}/empty_ckpt", "--sensitivity", "stage", "--stage-sensitivity", "{d}/blank.jsonl"),
+         r"stage-sensitivity.*blank\.jsonl.*not JSON"),
+    Case("real-accuracy-stage-profile-bad", "tools/real_accuracy.py",
+         _p("--load", "{d}/empty_ckpt", "--sensitivity", "stage", "--stage-sensitivity", "{d}/stage_bad.json",
+            "--out", "{d}/ra3.json"), r"stage_bad\.json.*2-stage profile must have 2", _p("{d}/ra3.json")),
+    # stage_sensitivity.py (rejected before the model is read)
+    Case("stage-sensitivity-no-model", "tools/stage_sensitivity.py",
+         _p("--load", "{d}/empty_ckpt", "--data-path", "{d}/good", "--out", "{d}/ss1.json"), r"model_flags\.txt",
+         _p("{d}/ss1.json"), cold=True),
+    Case("stage-sensitivity-missing-data", "tools/stage_sensitivity.py",
+         _p("--load", "{d}/flags_only", "--data-path", "{d}/nothing", "--out", "{d}/ss2.json"),
+         r"--data-path.*nothing\.idx", _p("{d}/ss2.json")),
+    Case("stage-sensitivity-bad-budgets", "tools/stage_sensitivity.py",
+         _p("--load", "{d}/flags_only", "--data-path", "{d}/good", "--topk-min", "16", "--out", "{d}/ss3.json"),
+         r"topk-min < --topk-max", _p("{d}/ss3.json")),
+    Case("stage-sensitivity-bad-pp", "tools/stage_sensitivity.py",
+         _p("--load", "{d}/flags_only", "--data-path", "{d}/good", "--pp", "4,x", "--out", "{d}/ss4.json"),
+         r"--pp", _p("{d}/ss4.json")),
+    Case("stage-sensitivity-too-few-documents", "tools/stage_sensitivity.py",
+         _p("--load", "{d}/flags_only", "--data-path", "{d}/good", "--out", "{d}/ss5.json"),
+         r"only 0 documents of >= 1536 tokens", _p("{d}/ss5.json")),
     # real_finetune.py (rejected before anything is written)
     Case("real-finetune-no-model", "tools/real_finetune.py", _p("--load", "{d}/empty_ckpt", "--data-path", "{d}/good",
                                                                 "--workdir", "{d}/rfw1", "--out", "{d}/rf1.json"),
