@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import balancer_config
+from conftest import PRETRAIN, TINY, balancer_config, summary_of
 
 from sparsebalance.balancer import Balancer
 from sparsebalance.predictor import get_predictor
@@ -77,8 +77,6 @@ def test_flags(tmp_path):
 def test_driver_trains_with_a_stage_profile(long_corpus, world, tmp_path):
     """--sb-stage-sensitivity end to end at PP=2 (the profile read, checked against the run's
     depth and split, and handed to the planner every step)."""
-    from conftest import PRETRAIN, TINY, summary_of
-
     profile = _profile(tmp_path / "p.json", stages=(2,), num_layers=4)
     proc = world.launch(PRETRAIN, [*TINY, "--seq-length", "1024", "--data-path", long_corpus, "--train-iters", "2",
                                    "--pipeline-model-parallel-size", "2", "--sparse-balance", "--sb-block-size", "32",
