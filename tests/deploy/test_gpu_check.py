@@ -843,6 +843,41 @@ def test_flex_gate_parts_times_plan_layout_and_mask():
     assert seen[:2] == [RoutingPlan.__name__, FlexLayout.__name__] and seen[2] == "BlockMask"
 
 
+def test_profile_cv_leaves_each_mix_out_and_finds_the_one_the_features_miss(tmp_path, capsys):
+    """tools/harness/gpu/profile_cv.py: samples made exactly linear in the layer features are
+    predicted to 1e-6 with each mix left out; one mix timed 30% slower than the features
+    say shows up as that mix's error only, and in the MAPE."""
+    from sparsebalance.predictor.fitted import layer_features
+    from tools.harness.gpu import profile_cv
+
+    mixes = [[4096], [2048, 2048], [1024] * 4, [512] * 8, [3000, 1096], [256] * 16, [8192], [6000, 2192]]
+    truth = {"fwd": np.array([2e-6, 1e-6, 3e-4, 0.05, 0.02, 0.4]), "bwd": np.array([5e-6, 2e-6, 6e-4, 0.1, 0.04, 0.9])}
+
+    def samples(slow=None):
+        out = []
+        for mix in mixes:
+            for topk in (2, 4, None):
+                for ph in ("fwd", "bwd"):
+                    ms = float(layer_features(mix, topk, 64) @ truth[ph]) * (1.3 if mix == slow else 1.0)
+                    out.append({"kind": "layer", "phase": ph, "lengths": mix, "topk": topk, "ms": ms})
+        return out + [{"kind": "output", "phase": ph, "lengths": [n], "topk": None, "ms": 1e-4 * n + 1}
+                      for n in (2048, 8192) for ph in ("fwd", "bwd")]
+
+    exact = profile_cv.leave_one_mix_out(samples(), 64)
+    assert exact["mixes"] == 8 and exact["items"] == 24 and exact["mape"] < 1e-6
+    off = profile_cv.leave_one_mix_out(samples(slow=[8192]), 64)
+    errs = {(r["max_len"], r["docs"]): abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in off["heldout"]}
+    assert errs[(8192, 1)] > 0.2 and off["mape"] > 0.02  # the slow mix, left out, is predicted by the others
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"format": "sparsebalance-latency-profile", "model": {"block_size": 64},
+                                "hardware": {"gpu": "NVIDIA H200"}, "samples": samples()}))
+    assert profile_cv.main(["--profile", str(prof)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["hardware"] == "NVIDIA H200" and printed["items"] == 24 and printed["mape"] < 1e-6
+    with pytest.raises(ValueError, match="2 or more mixes"):
+        profile_cv.leave_one_mix_out(samples()[:6], 64)
+
+
 def test_train_mix_estimate_reproduces_the_profiled_run_and_grows_with_document_length(tmp_path, capsys):
     """tools/harness/gpu/train_mix.py: at the profiled run's own corpus the estimate is the
     measured kernel-time ratio; longer documents raise dense attention work and lower density."""
