@@ -203,11 +203,11 @@ def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torc
         install_cpu_recompute_rng()
     from sparsebalance.attention.spec import get_gpt_decoder_spec
 
-    spec = layer_spec(args, attention)
     if attention is None:
         from megatron.training.sb_config import attention_config
 
         attention = attention_config(args)
+    spec = layer_spec(args, attention)
     if attention.sparse:  # one compiled gate for every micro-batch up to --seq-length
         from sparsebalance.ops.plan import set_route_width
 

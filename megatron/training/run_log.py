@@ -65,11 +65,14 @@ class StepLog:
     RSS of the process on CPU)."""
     profiled: bool = False
     """Ran under ``--profile`` (left out of the summary's timing)."""
-    compiles: int = 0
-    """:func:`kernel_compiles` on rank 0 after this step (a count that grows after step 2
-    means a shape or budget reached a compile key)."""
     compiles_by_kind: dict = field(default_factory=dict)
-    """:func:`kernel_compiles_by_kind` after this step (which cache a late one came from)."""
+    """:func:`kernel_compiles_by_kind` on rank 0 after this step (a count that grows after
+    step 2 means a shape or budget reached a compile key; the kind names the cache)."""
+
+    @property
+    def compiles(self) -> int:
+        """JIT compilations held after this step, all kinds together."""
+        return sum(self.compiles_by_kind.values())
 
     @property
     def density(self) -> float:
@@ -106,14 +109,9 @@ def _compiles(module: str) -> int:
     return int(mod.compile_count()) if mod is not None else 0
 
 
-def kernel_compiles() -> int:
-    """JIT compilations the sparse attention path holds in this process: FA4's kernels,
-    flex's graphs and the fused routing's kernels."""
-    return sum(_compiles(f"sparsebalance.ops.{m}") for m in ("fa4", "flex", "route_kernels"))
-
-
 def kernel_compiles_by_kind() -> dict:
-    """:func:`kernel_compiles` by where they are held, so a late compilation can be named."""
+    """JIT compilations the sparse attention path holds in this process, by where they are
+    held (FA4's kernels, flex's graphs, the fused routing's kernels), so a late one can be named."""
     return {m: _compiles(f"sparsebalance.ops.{m}") for m in ("fa4", "flex", "route_kernels")}
 
 
@@ -334,7 +332,7 @@ class RunLogger:
             "kernel_compiles_by_kind": kernel_compiles_by_kind(),
             "kernel_compiles_late_by_kind": ({k: v - steps[1].compiles_by_kind.get(k, 0)
                                               for k, v in steps[-1].compiles_by_kind.items()}
-                                             if len(steps) > 2 and steps[-1].compiles_by_kind else None),
+                                             if len(steps) > 2 else None),
             "routing": routing_used(),
             "loss_path": loss_path_used(),
             "peak_memory_mb": peaks.tolist(),

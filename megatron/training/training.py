@@ -30,7 +30,7 @@ import torch
 
 from megatron.training.failsafe import strict_json
 from megatron.training.preflight import run_settings
-from megatron.training.run_log import RunLogger, StepLog, kernel_compiles, kernel_compiles_by_kind
+from megatron.training.run_log import RunLogger, StepLog, kernel_compiles_by_kind
 from megatron.training.step_metrics import GatheredStep, RankStep, comm_device, gather_floats, rank_step_row
 from sparsebalance.io import atomic_write_text
 
@@ -353,7 +353,6 @@ def _step_log(args, iteration: int, lr: float, step_s: float, batches, result, f
         causal_pairs=float(gathered.column("causal_pairs").sum()),
         static_density=batches.planned.static_density,
         peak_memory_mb=gathered.column("peak_mb").tolist(),
-        compiles=kernel_compiles(),
         compiles_by_kind=kernel_compiles_by_kind(),
     )
 

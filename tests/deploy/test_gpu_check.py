@@ -863,19 +863,24 @@ def test_profile_cv_leaves_each_mix_out_and_finds_the_one_the_features_miss(tmp_
         return out + [{"kind": "output", "phase": ph, "lengths": [n], "topk": None, "ms": 1e-4 * n + 1}
                       for n in (2048, 8192) for ph in ("fwd", "bwd")]
 
-    exact = profile_cv.leave_one_mix_out(samples(), 64)
+    from sparsebalance.predictor.profile import FORMAT, VERSION
+
+    def profile(s):
+        return {"format": FORMAT, "version": VERSION, "model": {"block_size": 64},
+                "hardware": {"gpu": "NVIDIA H200"}, "samples": s}
+
+    exact = profile_cv.leave_one_mix_out(profile(samples()))
     assert exact["mixes"] == 8 and exact["items"] == 24 and exact["mape"] < 1e-6
-    off = profile_cv.leave_one_mix_out(samples(slow=[8192]), 64)
+    off = profile_cv.leave_one_mix_out(profile(samples(slow=[8192])))
     errs = {(r["max_len"], r["docs"]): abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in off["heldout"]}
     assert errs[(8192, 1)] > 0.2 and off["mape"] > 0.02  # the slow mix, left out, is predicted by the others
     prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({"format": "sparsebalance-latency-profile", "model": {"block_size": 64},
-                                "hardware": {"gpu": "NVIDIA H200"}, "samples": samples()}))
+    prof.write_text(json.dumps(profile(samples())))
     assert profile_cv.main(["--profile", str(prof)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["hardware"] == "NVIDIA H200" and printed["items"] == 24 and printed["mape"] < 1e-6
     with pytest.raises(ValueError, match="2 or more mixes"):
-        profile_cv.leave_one_mix_out(samples()[:6], 64)
+        profile_cv.leave_one_mix_out(profile(samples()[:6]))
 
 
 def test_train_mix_estimate_reproduces_the_profiled_run_and_grows_with_document_length(tmp_path, capsys):

@@ -20,8 +20,6 @@ import json
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from megatron.training.arguments import usage_error  # noqa: E402
@@ -29,49 +27,55 @@ from megatron.training.arguments import usage_error  # noqa: E402
 PROG = "profile_cv.py"
 
 
-def leave_one_mix_out(samples: list, block_size: int) -> dict:
-    """Per held-out (mix, budget): measured and predicted layer fwd+bwd ms; their MAPE."""
-    from sparsebalance.predictor.fitted import LAYER_FEATURES, fit_coefficients, layer_features
+def leave_one_mix_out(profile: dict) -> dict:
+    """Per held-out (mix, budget) of ``profile`` (a parsed latency profile): measured and
+    predicted layer fwd+bwd ms, the prediction by the :class:`FittedPredictor` a run would
+    load from the profile's other samples; their MAPE."""
+    from sparsebalance.config import ModelShape
+    from sparsebalance.predictor.fitted import FittedPredictor, fit_coefficients
     from sparsebalance.predictor.fitting import mape
 
+    samples, model = profile["samples"], profile["model"]
+    shape = ModelShape(**{k: model[k] for k in ModelShape.__dataclass_fields__ if k in model})
     layer = [s for s in samples if s["kind"] == "layer"]
     mixes = sorted({tuple(s["lengths"]) for s in layer})
     if len(mixes) < 2:
         raise ValueError(f"leave one mix out needs layer samples of 2 or more mixes, got {len(mixes)}")
     rows = []
     for mix in mixes:
-        coef = fit_coefficients([s for s in samples if s["kind"] != "layer" or tuple(s["lengths"]) != mix],
-                                block_size)["layer"]
+        rest = [s for s in samples if s["kind"] != "layer" or tuple(s["lengths"]) != mix]
+        pred = FittedPredictor(shape, fit_coefficients(rest, shape.block_size),
+                               dense_only=model.get("attention") == "dense")
         held = [s for s in layer if tuple(s["lengths"]) == mix]
         for topk in sorted({s["topk"] for s in held}, key=lambda t: -1 if t is None else t):
             ms = {s["phase"]: s["ms"] for s in held if s["topk"] == topk}
             if set(ms) != {"fwd", "bwd"}:
                 continue
-            x = layer_features(list(mix), topk, block_size)
-            pred = sum(float(np.dot(x, [coef[ph][n] for n in LAYER_FEATURES])) for ph in ("fwd", "bwd"))
             rows.append({"docs": len(mix), "tokens": int(sum(mix)), "max_len": int(max(mix)), "topk": topk,
-                         "measured_ms": round(ms["fwd"] + ms["bwd"], 4), "predicted_ms": round(pred, 4)})
+                         "measured_ms": round(ms["fwd"] + ms["bwd"], 4),
+                         "predicted_ms": round(sum(pred.layer_ms(list(mix), topk, ph) for ph in ("fwd", "bwd")), 4)})
     meas = [r["measured_ms"] for r in rows]
-    pred = [r["predicted_ms"] for r in rows]
-    return {"mixes": len(mixes), "items": len(rows), "mape": mape(pred, meas),
-            "max_ape": float(max(abs(p / m - 1) for p, m in zip(pred, meas))), "heldout": rows}
+    pred_ms = [r["predicted_ms"] for r in rows]
+    return {"mixes": len(mixes), "items": len(rows), "mape": mape(pred_ms, meas),
+            "max_ape": float(max(abs(p / m - 1) for p, m in zip(pred_ms, meas))), "heldout": rows}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--profile", required=True, help="a latency profile (or unvalidated samples) JSON")
     a = p.parse_args(argv)
+    from sparsebalance.predictor.profile import read_profile
+
     try:
-        with open(a.profile) as fh:
-            prof = json.load(fh)
+        prof, _ = read_profile(a.profile)
     except OSError as e:
         usage_error(f"--profile {a.profile}: {e.strerror}", prog=PROG)
-    except ValueError:
-        usage_error(f"--profile {a.profile}: not JSON", prog=PROG)
-    if not isinstance(prof, dict) or prof.get("format") != "sparsebalance-latency-profile":
-        usage_error(f"--profile {a.profile}: not a latency profile (profile_latency.py's format)", prog=PROG)
+    except UnicodeDecodeError:
+        usage_error(f"--profile {a.profile}: not JSON text", prog=PROG)
+    except ValueError as e:  # read_profile's "profile PATH: why"
+        usage_error(f"--{e}", prog=PROG)
     try:
-        out = leave_one_mix_out(prof.get("samples") or [], int(prof["model"]["block_size"]))
+        out = leave_one_mix_out(prof)
     except (KeyError, TypeError, ValueError) as e:
         usage_error(f"--profile {a.profile}: {e}", prog=PROG)
     out = {"profile": a.profile, "hardware": prof.get("hardware", {}).get("gpu"), **out}
