@@ -3,7 +3,8 @@
     python setup.py build_ext --inplace          # what `make build` runs
 
 Extensions:
-  sparsebalance._C       CPU kernels (csrc/cpu), always built; OpenMP, -O3.
+  sparsebalance._C       CPU kernels (csrc/cpu), always built; OpenMP, -O3. The kernels
+                         and their binding are separate files, compiled in parallel.
   sparsebalance._C_cuda  CUDA kernels (csrc/cuda), only when torch has CUDA and
                          nvcc is found, unless SPARSEBALANCE_SKIP_CUDA_BUILD=1.
 
@@ -31,7 +32,7 @@ def cpu_extension():
         cflags.append(f"-march={arch}")
     return cpp_extension.CppExtension(
         "sparsebalance._C",
-        ["csrc/cpu/sparse_attention_cpu.cpp"],
+        ["csrc/cpu/sparse_attention_cpu.cpp", "csrc/cpu/bindings.cpp"],
         include_dirs=[os.path.join(HERE, "csrc", "cpu")],
         extra_compile_args=cflags,
         extra_link_args=["-fopenmp"],

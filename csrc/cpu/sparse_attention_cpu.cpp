@@ -12,8 +12,16 @@
 // (deterministic) and reduced.
 // Counts are per (head, query block) (kv_cnt [H][NB]): under per-head threshold
 // routing the rows of one query block differ in length by head.
-#include <torch/extension.h>
+// Only ATen's core and per-operator headers here: the Python binding, which needs
+// torch's heavy headers, is bindings.cpp, compiled alongside (make build).
+#include "sparse_attention_cpu.h"
+
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -418,11 +426,3 @@ std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::T
 }
 
 }  // namespace sb
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "SparseBalance CPU kernels: block top-k sparse attention (forward, backward)";
-  m.def("sparse_attention_fwd", &sb::sparse_attention_fwd,
-        "(q, k, v, qb_start, qb_len, kv_idx, kv_cnt, block_size, scale) -> [out, lse2]");
-  m.def("sparse_attention_bwd", &sb::sparse_attention_bwd,
-        "(dout, q, k, v, out, lse2, qb_start, qb_len, kv_idx, kv_cnt, block_size, scale) -> [dq, dk, dv]");
-}

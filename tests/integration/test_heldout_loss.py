@@ -1,6 +1,6 @@
 """tools/heldout_loss.py: the budget stop, the held-out split, the seed statistics, and the
-smoke comparison end to end (3 arms x 2 seeds, 4 s of training each: ~10 steps/s on 2 cores
-even under load, so 40 steps where 8 suffice; start-up dominates the run time)."""
+smoke comparison end to end (3 arms x 2 seeds, 2 s of training each: ~10 steps/s on 2 cores
+even under load, so 20 steps where 8 suffice; start-up dominates the run time)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_smoke_comparison_end_to_end(tmp_path):
     out, png, work = tmp_path / "hl.json", tmp_path / "hl.png", tmp_path / "work"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "heldout_loss.py"), "--smoke", "--json",
-                        "--workdir", str(work), "--out", str(out), "--plot", str(png), "--budget-s", "4"],
+                        "--workdir", str(work), "--out", str(out), "--plot", str(png), "--budget-s", "2"],
                        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout)
@@ -132,7 +132,7 @@ def test_smoke_comparison_end_to_end(tmp_path):
     assert "[heldout]" in p.stderr and "Traceback" not in p.stderr
     cfg, runs = res["config"], res["runs"]
     budget = cfg["budget_s"]
-    assert budget == 4.0
+    assert budget == 2.0
 
     # Interleaved seed-major, every arm once per seed.
     assert [f"{r['arm']}#{r['seed']}" for r in runs] == cfg["order"] == \

@@ -4,15 +4,14 @@ query-direction lists from its kernel equal the torch ones.
 
 TRITON_INTERPRET must be set before triton is imported, so the outer test re-runs this
 file in a child pytest with the variable set (and ``SPARSEBALANCE_ROUTE`` switched per
-test). The outer process also compiles the kernels for sm_80 / sm_90 (what the
-interpreter never checks) and tests the switch itself. Sizes are tiny: the interpreter
-is slow."""
+test), side by side with test_triton_backend.py's (``_interpreter.py``). The outer
+process also compiles the kernels for sm_80 / sm_90 (what the interpreter never checks)
+and tests the switch itself. Sizes are tiny: the interpreter is slow."""
 
 import os
 import re
-import subprocess
-import sys
 
+import _interpreter
 import pytest
 import torch
 from _cases import fused_descriptors_checked, make_inputs, plan_rows_checked, structured_inputs
@@ -65,15 +64,13 @@ def _routes(lens, H, Hkv, D, B, topk, seed=0, q=None, k=None, rule=None):
 
 
 if os.environ.get("TRITON_INTERPRET") != "1":
+    _interpreter.register(__file__)
 
     def test_route_kernels_under_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))) or ".",
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-        passed = re.search(r"(\d+) passed", r.stdout)
-        assert passed and int(passed.group(1)) == len(CASES) + 2 * len(THRESHOLD_CASES) + 4, r.stdout[-2000:]
+        rc, out = _interpreter.run(__file__)
+        assert rc == 0, out[-6000:]
+        passed = re.search(r"(\d+) passed", out)
+        assert passed and int(passed.group(1)) == len(CASES) + 2 * len(THRESHOLD_CASES) + 4, out[-2000:]
 
     def test_route_switch(monkeypatch):
         """``auto``: fused on CUDA only; ``fused`` / ``torch`` forced; anything else one line."""

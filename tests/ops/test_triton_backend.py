@@ -1,15 +1,15 @@
 """The ``triton`` backend equals the reference, run by Triton's CPU interpreter.
 
 TRITON_INTERPRET must be set before triton is imported, so the outer test
-re-runs this file in a child pytest with the variable set; the rest of the
-suite never sees it. Sizes are tiny: the interpreter is slow.
+re-runs this file in a child pytest with the variable set, side by side with
+test_route_kernels.py's (``_interpreter.py``); the rest of the suite never sees it.
+Sizes are tiny: the interpreter is slow.
 """
 
 import os
 import re
-import subprocess
-import sys
 
+import _interpreter
 import pytest
 import torch
 from _cases import make_inputs, run, structured_inputs
@@ -22,15 +22,13 @@ CASES = {
 }
 
 if os.environ.get("TRITON_INTERPRET") != "1":
+    _interpreter.register(__file__)
 
     def test_triton_backend_under_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env=env, cwd=repo, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-        passed = re.search(r"(\d+) passed", r.stdout)
-        assert passed and int(passed.group(1)) == 2 * len(CASES) + 3, r.stdout[-2000:]
+        rc, out = _interpreter.run(__file__)
+        assert rc == 0, out[-6000:]
+        passed = re.search(r"(\d+) passed", out)
+        assert passed and int(passed.group(1)) == 2 * len(CASES) + 3, out[-2000:]
 
     def test_autotune_configs(monkeypatch):
         """GPU: a small warps x stages list per (block, head dim, precision); the
