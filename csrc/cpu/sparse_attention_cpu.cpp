@@ -319,8 +319,6 @@ bool kv_head_owner(const Geometry& g, int nthreads) {
 
 }  // namespace
 
-// Returns (out [T, H, D], lse2 [H, T]) with lse2 the row log-sum-exp in base 2
-// of the scaled logits (what the backward needs).
 std::vector<at::Tensor> sparse_attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, const at::Tensor& qb_start,
                                              const at::Tensor& qb_len, const at::Tensor& kv_idx,
@@ -353,7 +351,6 @@ std::vector<at::Tensor> sparse_attention_fwd(const at::Tensor& q, const at::Tens
   return {out, lse2};
 }
 
-// Returns (dq, dk, dv).
 std::vector<at::Tensor> sparse_attention_bwd(const at::Tensor& dout, const at::Tensor& q,
                                              const at::Tensor& k, const at::Tensor& v,
                                              const at::Tensor& out, const at::Tensor& lse2,

@@ -9,7 +9,7 @@ Checks needing the world size read ``WORLD_SIZE`` (set by torchrun; 1 otherwise)
 from __future__ import annotations
 
 import argparse
-import copy
+import functools
 import os
 import sys
 from typing import NoReturn, Optional, Sequence
@@ -27,13 +27,22 @@ class OneLineParser(argparse.ArgumentParser):
         usage_error(message, prog=self.prog)
 
     def parse_known_args(self, args=None, namespace=None):
-        # --model-preset sets defaults before parsing, so explicit flags override it.
+        # --model-preset's values are this parse's defaults, so explicit flags override them;
+        # the parser's own defaults are put back after, so a parser can be reused.
         from megatron.training.presets import MODEL_PRESETS, preset_in
 
         name = preset_in(sys.argv[1:] if args is None else list(args))
-        if name in MODEL_PRESETS and any(a.dest == "model_preset" for a in self._actions):
-            self.set_defaults(**MODEL_PRESETS[name])
-        return super().parse_known_args(args, namespace)
+        if name not in MODEL_PRESETS or not any(a.dest == "model_preset" for a in self._actions):
+            return super().parse_known_args(args, namespace)
+        preset = MODEL_PRESETS[name]
+        saved = dict(self._defaults), [(a, a.default) for a in self._actions if a.dest in preset]
+        self.set_defaults(**preset)
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            self._defaults = saved[0]
+            for action, default in saved[1]:
+                action.default = default
 
 
 def usage_error(message: str, prog: str = "pretrain_gpt.py", code: int = 2) -> NoReturn:
@@ -763,26 +772,16 @@ def _validate_fim(args: argparse.Namespace) -> None:
         raise UsageError(f"--fim-data: {e}") from None
 
 
-_PARSER: Optional[argparse.ArgumentParser] = None
-
-
-def _pretrain_parser(argv: Optional[Sequence[str]]) -> argparse.ArgumentParser:
-    """``pretrain_gpt.py``'s parser, built once per process (about 1,200 flags: a build costs
-    more than a parse). Parsing leaves a parser as it was except that ``--model-preset``
-    sets its defaults, so a command line naming a preset parses a copy."""
-    from megatron.training.presets import preset_in
-
-    global _PARSER
-    if _PARSER is None:
-        _PARSER = build_parser(megatron_lm_flags=True)
-    if preset_in(sys.argv[1:] if argv is None else list(argv)) is not None:
-        return copy.deepcopy(_PARSER)
-    return _PARSER
+@functools.cache
+def _pretrain_parser() -> argparse.ArgumentParser:
+    """``pretrain_gpt.py``'s parser, built once per process: about 1,200 flags, so a build
+    costs more than a parse, and parsing leaves a parser as it was."""
+    return build_parser(megatron_lm_flags=True)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
     """Parse and validate; any usage error prints one line and exits with code 2."""
-    parser = _pretrain_parser(argv)
+    parser = _pretrain_parser()
     args = parser.parse_args(argv)
     try:
         args.compat_warnings = []

@@ -104,7 +104,7 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]
     quiet = copy.deepcopy(parser)
     for action in quiet._actions:
         action.default = argparse.SUPPRESS
-    quiet._defaults = {}  # set_defaults' values (a --model-preset's) are not the command line's
+    # A --model-preset's values count as given: the command line named the preset.
     return sorted(vars(quiet.parse_known_args(argv)[0]))
 
 

@@ -15,55 +15,52 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_env: Dict[str, Dict[str, str]] = {}
-_procs: Dict[str, Tuple[subprocess.Popen, str]] = {}
-_order: List[str] = []
+_env: Dict[str, Dict[str, str]] = {}  # registered module -> its child's extra environment
+_procs: Dict[str, subprocess.Popen] = {}
+_logs: Dict[str, str] = {}  # started module -> its output file, until read
 
 
 def register(path: str, **extra_env: str) -> None:
     """Run ``path`` (a test module) in a child pytest with TRITON_INTERPRET=1 and ``extra_env``."""
-    path = os.path.abspath(path)
-    if path not in _env:
-        _order.append(path)
-    _env[path] = {"TRITON_INTERPRET": "1", **extra_env}
+    _env[os.path.abspath(path)] = {"TRITON_INTERPRET": "1", **extra_env}
 
 
 def _start(path: str) -> None:
-    out = tempfile.NamedTemporaryFile("w+", prefix="interp-", suffix=".log", delete=False)
-    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
-                         env=dict(os.environ, **_env[path]), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    out.close()
-    _procs[path] = (p, out.name)
+    fd, _logs[path] = tempfile.mkstemp(prefix="interp-", suffix=".log")
+    with os.fdopen(fd, "w") as out:
+        _procs[path] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+                                        env=dict(os.environ, **_env[path]), cwd=REPO, stdout=out,
+                                        stderr=subprocess.STDOUT)
 
 
 def run(path: str, timeout: float = 900) -> Tuple[int, str]:
     """(exit status, output) of ``path``'s child pytest; starts every registered child not
     yet started."""
     path = os.path.abspath(path)
-    for other in _order:
+    for other in _env:
         if other not in _procs:
             _start(other)
-    p, log = _procs[path]
+    p = _procs[path]
     try:
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
+    log = _logs.pop(path)
     with open(log, errors="replace") as fh:
         text = fh.read()
     os.unlink(log)
-    _procs[path] = (p, os.devnull)
     return p.returncode, text
 
 
 @atexit.register
 def _end_unawaited() -> None:
-    for p, log in _procs.values():
+    for p in _procs.values():
         if p.poll() is None:
             p.kill()
             p.wait()
-        if log != os.devnull and os.path.exists(log):
-            os.unlink(log)
+    for log in _logs.values():
+        os.unlink(log)
