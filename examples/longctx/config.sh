@@ -20,7 +20,7 @@ PROFILE_DEVICE_FLAGS=${PROFILE_DEVICE_FLAGS---cpu}
 DATA_DIR=${DATA_DIR:-$SB_ROOT/data/longctx}    # train.jsonl, eval.jsonl, train_text_document.{bin,idx}
 RUNS_DIR=${RUNS_DIR:-$SB_ROOT/runs/longctx}    # one directory per arm and seed
 
-# Data (tools/make_longctx_data.py).
+# Data (benchmarks/make_longctx_data.py).
 NUM_TRAIN_DOCS=${NUM_TRAIN_DOCS:-6000}
 TRAIN_LENGTHS=${TRAIN_LENGTHS:-1024,2048,4096}
 FILLER_SHARE=${FILLER_SHARE:-0.1}

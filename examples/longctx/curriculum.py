@@ -17,7 +17,7 @@ stage's data is built once.
 
 Layout: ``DATA_DIR/NAME/{train.jsonl,train_text_document.*}``, ``RUNS_DIR/NAME/``
 (``ckpt/``, ``train.log``, ``train_meta.json``, ``model_flags.txt`` from train_arm.sh,
-``probe.json`` from tools/eval_longctx.py). The model's shape and the process layout
+``probe.json`` from benchmarks/eval_longctx.py). The model's shape and the process layout
 come from config.sh (NUM_LAYERS, HIDDEN, ...), the schedule from the stage file.
 
 Stage file::
@@ -31,7 +31,7 @@ Stage file::
 
 ``loss`` ("answer", the default, or "all") picks answer-only or plain LM loss. A mix may
 set ``copy_chars`` and ``value_digits`` (a needle value's digits, 7 by default), the task
-generator knobs of tools/make_longctx_data.py. A mix's
+generator knobs of benchmarks/make_longctx_data.py. A mix's
 ``lengths`` (a comma list or a JSON list) is cycled over its documents: repeat a length
 to weight it.
 """
@@ -61,7 +61,7 @@ SLACK_S = 60.0
 STAGE_KEYS = {"name", "lr", "budget_s", "seq_length", "global_batch", "mixes", "probe", "loss", "note"}
 MIX_KEYS = {"tasks", "lengths", "docs", "seed", "copy_chars", "value_digits"}
 TASK_KNOBS = ("copy_chars", "value_digits")
-"""Optional mix keys passed to tools/make_longctx_data.py as ``--copy-chars`` / ``--value-digits``."""
+"""Optional mix keys passed to benchmarks/make_longctx_data.py as ``--copy-chars`` / ``--value-digits``."""
 PROBE_KEYS = {"tasks", "lengths", "samples", "seed"}
 
 
@@ -108,7 +108,7 @@ def _tasks(where: str, d: dict) -> str:
 def _check_samples(where: str, tasks: str, lengths: list[int], knobs: dict | None = None) -> None:
     """Every (task, length) of a mix or probe can be generated: a typo or a length too
     short for a task fails here, not hours later when the stage's turn comes."""
-    from tools.harness.longctx.tasks import TaskConfig, generate
+    from benchmarks.harness.longctx.tasks import TaskConfig, generate
 
     cfg = TaskConfig(**(knobs or {}))
     for task in tasks.split(","):
@@ -228,7 +228,7 @@ def build_data(stage: dict, data_dir: str, python: str) -> str:
     lines: list[str] = []
     for j, mix in enumerate(stage["mixes"]):
         out = os.path.join(tmp, f"mix{j}")
-        cmd = [python, os.path.join(REPO, "tools", "make_longctx_data.py"), "--output-dir", out,
+        cmd = [python, os.path.join(REPO, "benchmarks", "make_longctx_data.py"), "--output-dir", out,
                "--num-train-docs", str(mix["docs"]), "--train-tasks", mix["tasks"],
                "--train-lengths", mix["lengths"], "--max-tokens", str(stage["seq_length"]),
                "--filler-share", "0", "--eval-samples", "0", "--seed", str(mix["seed"])]
@@ -277,7 +277,7 @@ def probe(stage: dict, run: str, python: str) -> dict:
     with open(os.path.join(run, "model_flags.txt")) as f:
         flags = f.read().strip()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("EVAL_THREADS", "2"))
-    _run([python, os.path.join(REPO, "tools", "eval_longctx.py"), "--load", os.path.join(run, "ckpt"),
+    _run([python, os.path.join(REPO, "benchmarks", "eval_longctx.py"), "--load", os.path.join(run, "ckpt"),
           "--train-args", flags, "--tasks", spec["tasks"], "--lengths", spec["lengths"],
           "--num-samples", str(spec["samples"]), "--seed", str(spec["seed"]), "--mode", "greedy",
           "--quiet", "--output", out], f"probing stage {stage['name']}", env=env)

@@ -21,10 +21,10 @@ arm_flags "$ARM" "$RUN" >/dev/null
 cd "$SB_ROOT"
 export OMP_NUM_THREADS=${EVAL_THREADS:-2}   # evaluation is one process: use both cores
 MODEL_FLAGS=$(cat "$RUN/model_flags.txt")   # written by train_arm.sh
-"$PYTHON" tools/eval_longctx.py --load "$RUN/ckpt" --train-args "$MODEL_FLAGS" \
+"$PYTHON" benchmarks/eval_longctx.py --load "$RUN/ckpt" --train-args "$MODEL_FLAGS" \
     --data "$DATA_DIR/eval.jsonl" --mode greedy --quiet --output "$RUN/eval_dense.json"
 if [[ $ARM != dense && $EVAL_SPARSE == 1 ]]; then
-    "$PYTHON" tools/eval_longctx.py --load "$RUN/ckpt" --train-args "$MODEL_FLAGS" \
+    "$PYTHON" benchmarks/eval_longctx.py --load "$RUN/ckpt" --train-args "$MODEL_FLAGS" \
         --data "$DATA_DIR/eval.jsonl" --mode greedy --quiet --sparse-attention \
         --output "$RUN/eval_sparse.json"
 fi

@@ -7,7 +7,7 @@
 set -euo pipefail
 source "$(dirname "$0")/config.sh"
 cd "$SB_ROOT"
-"$PYTHON" tools/make_longctx_data.py --output-dir "$DATA_DIR" \
+"$PYTHON" benchmarks/make_longctx_data.py --output-dir "$DATA_DIR" \
     --num-train-docs "$NUM_TRAIN_DOCS" --train-lengths "$TRAIN_LENGTHS" --max-tokens "$SEQ_LENGTH" \
     --filler-share "$FILLER_SHARE" --lengths "$LENGTHS_NAME" \
     --eval-lengths "$EVAL_LENGTHS" --eval-samples "$EVAL_SAMPLES" --seed "$DATA_SEED"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Continue-pretraining a real pretrained model with SparseBalance on ONE GPU, then its accuracy
 # (issue 50): held-out loss per packed micro-batch and RULER-style retrieval under dense, static
-# top-k, threshold routing and DST's budgets (tools/real_accuracy.py), before and after.
+# top-k, threshold routing and DST's budgets (benchmarks/real_accuracy.py), before and after.
 #   bash examples/real/gpu.sh              SmolLM2-135M-Instruct (make real-model), 8K tokens
 #   MODEL=qwen2.5 HF_DIR=/models/Qwen2.5-0.5B bash examples/real/gpu.sh    Qwen2.5 from HF, 32K
 #   bash examples/real/gpu.sh --dry-run    the steps, their commands and time budgets (CI runs it)
@@ -9,7 +9,7 @@
 # Sized for one GPU lease: the steps' budgets add up to 8 minutes of device time (each step is
 # cut at its budget by `timeout`; the training run saves at its last iteration, so lower ITERS
 # if the GPU is slower than an H100). Steps: convert (Qwen only), corpus (the model's own
-# tokens, tools/make_real_corpus.py), base (the pretrained model's accuracy), train
+# tokens, benchmarks/make_real_corpus.py), base (the pretrained model's accuracy), train
 # (pretrain_gpt.py --finetune --sparse-balance, PP=1, bf16, block 128), eval (the fine-tuned
 # model's accuracy). Outputs: $RUN/base.json, $RUN/ft.json. Environment overrides: MODEL,
 # HF_DIR, CKPT, RUN, SEQ, ITERS, BLOCK, TOPK, PYTHON.
@@ -47,15 +47,15 @@ declare -A cmd budget
 add() { steps+=("$1"); budget[$1]=$2; shift 2; cmd[${steps[-1]}]="$*"; }
 [[ $MODEL == qwen2.5 ]] && add convert 30 "$PYTHON" tools/checkpoint/convert.py hf-to-megatron --hf-dir "${HF_DIR:-}" \
     --output "$CKPT" --no-progress-bar
-add corpus 40 "$PYTHON" tools/make_real_corpus.py --tokenizer-model "$CKPT/hf" --output-prefix "$RUN/corpus" \
+add corpus 40 "$PYTHON" benchmarks/make_real_corpus.py --tokenizer-model "$CKPT/hf" --output-prefix "$RUN/corpus" \
     --num-docs 400 --min-length 1024 --max-length "$SEQ"
-add base 100 "$PYTHON" tools/real_accuracy.py --load "$CKPT" --data-path "$RUN/corpus" "${EVAL[@]}" --out "$RUN/base.json"
+add base 100 "$PYTHON" benchmarks/real_accuracy.py --load "$CKPT" --data-path "$RUN/corpus" "${EVAL[@]}" --out "$RUN/base.json"
 add train "$TRAIN_S" "$PYTHON" pretrain_gpt.py '$(cat' "$CKPT/model_flags.txt)" --load "$CKPT" \
     --finetune --sparse-balance --sb-cost-model h100-analytic --sb-block-size "$BLOCK" --sb-topk "$TOPK" --bf16 \
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$CKPT/hf" --data-path "$RUN/corpus" --split 90,10,0 \
     --seq-length "$SEQ" --global-batch-size 8 --train-iters "$ITERS" --lr 1e-5 --lr-warmup-iters 4 \
     --lr-decay-style constant --save "$RUN/ft" --save-interval "$ITERS" --log-interval 1 --eval-interval 0
-add eval 100 "$PYTHON" tools/real_accuracy.py --load "$RUN/ft" --data-path "$RUN/corpus" "${EVAL[@]}" --out "$RUN/ft.json"
+add eval 100 "$PYTHON" benchmarks/real_accuracy.py --load "$RUN/ft" --data-path "$RUN/corpus" "${EVAL[@]}" --out "$RUN/ft.json"
 
 total=0
 for s in "${steps[@]}"; do total=$(( total + budget[$s] )); done

@@ -365,9 +365,9 @@ def _sparsebalance_flags(p: argparse.ArgumentParser) -> None:
                         "from --sb-sensitivity-study); default off until measured on a real model")
     g.add_argument("--sb-sensitivity-study", default=None, metavar="PATH",
                    help="sensitivity study JSON (documents with source, length, loss_delta; "
-                        "tools/harness/sparsity_real.py) the sensitivity estimator starts from")
+                        "benchmarks/harness/sparsity_real.py) the sensitivity estimator starts from")
     g.add_argument("--sb-stage-sensitivity", default=None, metavar="FILE",
-                   help="DST: stage profile JSON (tools/stage_sensitivity.py); among plans of the "
+                   help="DST: stage profile JSON (benchmarks/stage_sensitivity.py); among plans of the "
                         "policy's step time and kept pairs, move budget from the stages whose layers "
                         "lose little per dropped pair to those that lose much; default none")
     g.add_argument("--no-sb-plan-ahead", dest="sb_plan_ahead", action="store_false",

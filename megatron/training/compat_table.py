@@ -140,7 +140,7 @@ MODELOPT = ("NVIDIA ModelOpt (quantization, distillation, export; Megatron-LM's 
 OFFLOAD = "activation offloading is not supported (use --recompute-granularity)"
 DYNAMIC_CP = ("dynamic (hybrid) context parallelism is not in this driver: train with a fixed "
                "--context-parallel-size; its planning is simulated as the sparsebalance+dcp arm of "
-               "tools/compare.py --mode sim")
+               "benchmarks/compare.py --mode sim")
 REFUSED = {
     "architecture option not implemented: this driver's GPT layers take --normalization, --swiglu, "
     "--squared-relu, --apply-layernorm-1p, --qk-layernorm, --attention-output-gate, --add-qkv-bias, "
@@ -286,7 +286,7 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--enable-ft-package", "the fault-tolerance package is not supported (see --step-timeout-minutes)"),
     ("--calc-ft-timeouts", "the fault-tolerance package is not supported (see --step-timeout-minutes)"),
     ("--ft-", "the fault-tolerance package is not supported (see --step-timeout-minutes)"),
-    ("--fault-injector-", "Megatron-LM's fault injector is not supported (tools/fault_trials.py kills ranks "
+    ("--fault-injector-", "Megatron-LM's fault injector is not supported (benchmarks/fault_trials.py kills ranks "
                           "to test recovery)"),
     ("--use-megatron-fsdp", "FSDP is not supported (use --use-distributed-optimizer)"),
     ("--use-torch-fsdp2", "FSDP is not supported (use --use-distributed-optimizer)"),

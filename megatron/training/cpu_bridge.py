@@ -73,7 +73,7 @@ linears' backward, ``async_op=True``; ``all_reduce`` of the norms' gradients ove
 are gloo's own on torch 2.13: they return exactly what gathering and summing the ranks'
 inputs by hand gives (``tests/training/test_sequence_parallel.py``), and the emulations a
 bridge would use (all-reduce + narrow; all-gather into a list + cat) are not faster
-(``tools/bench_sp_collectives.py``, 2 ranks, 64 KB-4 MB per rank: each pair within the
+(``benchmarks/bench_sp_collectives.py``, 2 ranks, 64 KB-4 MB per rank: each pair within the
 run-to-run noise of the shared machine, 0.3 ms at 64 KB, 22-54 ms at 4 MB), so nothing is
 bridged there. Only the buffers megatron allocates for them on ``torch.cuda.current_device()``
 are placed on the CPU (the table). On GPU NCCL runs them as is.

@@ -5,7 +5,7 @@ builds a :class:`sparsebalance.batching.density_feedback.ThresholdDensity` from 
 sidecars of each dataset prefix, both optional:
 
 * ``PREFIX_sources.json`` (``{"doc_source": [str per document], "lengths": [...]}``, as
-  ``tools/make_hetero_corpus.py`` writes it): the source tag. In a blended
+  ``benchmarks/make_hetero_corpus.py`` writes it): the source tag. In a blended
   ``--data-path`` a component without one is tagged with its prefix's file name.
 * ``PREFIX_compression.npy`` (float32, one per document; ``tools/preprocess_data.py``
   writes it): zlib's compressed / raw bytes of the document's UTF-8 text (default level,

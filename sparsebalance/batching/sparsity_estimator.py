@@ -443,7 +443,7 @@ class SensitivityEstimator(SparsityEstimator):
     between sources is multiplicative: about 40x on SmolLM2-135M at block top-8). Measured
     deltas below ``floor`` (a dense-vs-sparse difference at the noise level, or negative)
     count as ``floor``. What feeds it: a sensitivity study's documents
-    (``tools/harness/sparsity_real.py``'s ``loss_delta``, via :meth:`update_many`) and, online,
+    (``benchmarks/harness/sparsity_real.py``'s ``loss_delta``, via :meth:`update_many`) and, online,
     :meth:`update_probe` with a micro-batch's measured dense-minus-sparse loss.
     """
 

@@ -45,7 +45,7 @@ def _prune(configs, named_args, **kwargs):
     inputs at a 128 routing block with head dim >= 64 (they spill); keep at least one config.
 
     Spills per thread (ptxas -v, sm_90, bf16, bytes of spill stores; from
-    tools/triton_resource_audit.py), 4 warps vs 8 warps over the SPLIT/stage configs:
+    benchmarks/triton_resource_audit.py), 4 warps vs 8 warps over the SPLIT/stage configs:
         block 128, D 128: fwd 520-780 vs 0, dq 1128-2812 vs 0-20, dkdv 3360-4056 vs 168-932;
         block 128, D 64:  fwd 76-144 vs 0, dq 128-1356 vs 0, dkdv 1048-1248 vs 0-324.
     All run at 255 registers and 160-193 KB of shared memory there (1 CTA/SM), so 4 warps

@@ -25,7 +25,7 @@ plan's and the total kept pairs at least the plan's, and the weighted pairs only
 1. raise into the float the plan leaves (``raise_indices``: free-float passes and
    total-float rounds, unweighted): more pairs at the same step time. The swaps keep at
    least this many pairs, so against "the plan + the same raise" the refinement only moves
-   pairs, it does not add any (``tools/sensitivity_sim.py`` reports both comparisons);
+   pairs, it does not add any (``benchmarks/sensitivity_sim.py`` reports both comparisons);
 2. swaps (local search): one op one level down, another of a more sensitive micro-batch
    one level up, on the same replica, kept only if the replica still meets the plan's step
    time and the total pairs stay at or above step 1's. This is where the sensitive
@@ -36,7 +36,7 @@ plan's and the total kept pairs at least the plan's, and the weighted pairs only
    time is not traded (each swap must fit the same step time), so no per-millisecond
    ratio is needed. Within a fixed compute budget.
 
-A comparison *at equal kept pairs* (``tools/real_accuracy.py --sensitivity estimate``) skips
+A comparison *at equal kept pairs* (``benchmarks/real_accuracy.py --sensitivity estimate``) skips
 step 1 (``raise_first=False``) and holds the swaps' total within ``pairs_tol`` of the plan's
 (``pairs_tol``): then the refinement only moves pairs between micro-batches and stages.
 

@@ -3,14 +3,14 @@
 On a pretrained model the loss a budget cut costs depends on WHICH layers are cut, not only on
 which documents: on SmolLM2-135M the last layers pay far more per dropped pair than the first
 ones, while slack-only DST cuts the last stage (the one holding the output layer, hence the
-critical one). A *stage profile* (``tools/stage_sensitivity.py``, ``--sb-stage-sensitivity``)
+critical one). A *stage profile* (``benchmarks/stage_sensitivity.py``, ``--sb-stage-sensitivity``)
 gives each stage of a P-stage split its measured loss per dropped pair; :func:`op_weights` turns
 it into the per-op weights ``[D, M, S]`` that
 :func:`sparsebalance.tuning.sensitivity.sensitivity_indices` refines any plan by: among moves of
 equal planned step time (it never lets the step time grow), a level goes from an op whose
 layers pay little to one whose layers pay much.
 
-Profile JSON (``tools/stage_sensitivity.py`` writes it; only these keys are read)::
+Profile JSON (``benchmarks/stage_sensitivity.py`` writes it; only these keys are read)::
 
     {"format": "sb-stage-sensitivity", "version": 1, "num_layers": N,
      "profiles": [{"stages": P, "nats_per_pair": [float per stage],
@@ -78,7 +78,7 @@ class StageProfile:
 def parse_stage_profile(d: Any) -> StageProfile:
     """The profile of a parsed JSON object; ValueError (one line) on bad input."""
     if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise ValueError(f"not a stage profile (format {FORMAT!r}; tools/stage_sensitivity.py writes one)")
+        raise ValueError(f"not a stage profile (format {FORMAT!r}; benchmarks/stage_sensitivity.py writes one)")
     n = d.get("num_layers")
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError("'num_layers' must be an integer")

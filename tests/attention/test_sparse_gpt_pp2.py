@@ -7,7 +7,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
+from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 
 def test_sparse_gpt_trains_under_pp2(tmp_path, world):

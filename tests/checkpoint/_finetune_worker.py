@@ -1,10 +1,10 @@
-"""Direct scoring of the checkpoints a ``tools/real_finetune.py`` report names.
+"""Direct scoring of the checkpoints a ``benchmarks/real_finetune.py`` report names.
 
     python _finetune_worker.py REPORT.json OUT.json
 
 Rebuilds each model (the pretrained ``--load`` and the fine-tuned ``finetuned_checkpoint``) with
 ``tools/eval_longctx.load_eval_model`` and scores the report's held-out documents one by one with
-``tools/real_accuracy.py``'s forward and loss, under static top-k and dense attention. Writes
+``benchmarks/real_accuracy.py``'s forward and loss, under static top-k and dense attention. Writes
 ``{"pretrained": {...}, "finetuned": {...}, "max_weight_diff": float}``, each model's entry with
 ``sparse`` / ``dense`` per-document losses and its ``iteration``.
 """
@@ -15,7 +15,7 @@ import shlex
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "tools")]
 
 
 def score(root, flags, s, docs):
@@ -23,7 +23,7 @@ def score(root, flags, s, docs):
     from eval_longctx import load_eval_model
     from real_accuracy import attention_modules, forward, scored_loss, set_arm
 
-    from tools.harness.compare.real_arms import Arm
+    from benchmarks.harness.compare.real_arms import Arm
 
     model = load_eval_model(root, flags, sparse=True, sb_topk=s["topk"], sb_block_size=s["block_size"], backend=None)
     out = {"iteration": model.iteration, "sparse": [], "dense": []}

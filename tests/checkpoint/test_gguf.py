@@ -173,7 +173,7 @@ def test_bad_gguf_one_line_exit_2(runs, name):
 
 
 
-REAL_MODEL = os.path.join(ROOT, "tools", "real_model.sh")
+REAL_MODEL = os.path.join(ROOT, "benchmarks", "real_model.sh")
 
 
 def _real_model(tmp_path, **env):

@@ -1,4 +1,4 @@
-"""tools/real_finetune.py on a tiny GGUF converted by ``gguf-to-megatron`` (no download): a
+"""benchmarks/real_finetune.py on a tiny GGUF converted by ``gguf-to-megatron`` (no download): a
 10-document corpus, 4 held out, 2 sparse fine-tuning steps. The documents (100..300 tokens)
 run past the routing's dense reach (sink + diagonal + top-2 blocks of 16 = 64 tokens), so the
 sparse and dense scores differ. Checks: the split is disjoint and the training reads only the
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from _gguf_models import converted_tiny_model, tiny_bpe  # noqa: E402
 
-TOOL = os.path.join(ROOT, "tools", "real_finetune.py")
+TOOL = os.path.join(ROOT, "benchmarks", "real_finetune.py")
 N_DOCS, HELDOUT, SEQ = 10, 4, 256
 
 
@@ -53,8 +53,8 @@ def run(tmp_path_factory, world):
 
 
 def test_split_is_disjoint_and_training_reads_only_train_documents(run):
+    from benchmarks.real_finetune import split_documents
     from megatron.training.indexed_io import open_dataset
-    from tools.real_finetune import split_documents
 
     d, docs, r, _ = run
     train_ids, held = split_documents(N_DOCS, HELDOUT, 0)
@@ -80,7 +80,7 @@ def test_report_keys_and_intervals(run):
     assert len(r["train_losses"]) == 2 and r["train_loss_first"] == r["train_losses"][0]
     assert r["train_loss_last"] == r["train_losses"][1]
     assert set(r["seconds"]) == {"score_before", "train", "score_after", "total"}
-    assert r["command"].startswith("tools/real_finetune.py --load")
+    assert r["command"].startswith("benchmarks/real_finetune.py --load")
     assert "--finetune --sparse-balance" in r["train_command"] and "--global-batch-size 1 " in r["train_command"]
     s = r["settings"]
     assert (s["lr"], s["min_lr"], s["lr_decay_style"], s["train_iters"], s["seq_length"]) == (2e-5, 2e-6, "cosine", 2,
@@ -125,7 +125,7 @@ def test_after_is_the_finetuned_checkpoint(run):
 def test_pipeline_training_goes_through_torchrun():
     import types
 
-    from tools.real_finetune import train_command
+    from benchmarks.real_finetune import train_command
 
     a = types.SimpleNamespace(pp=2, load="M", block_size=64, topk=8, train_iters=20, seed=0)
     cmd = train_command(a, ["--num-layers", "2"], "W/train", "W/ckpt", "W/s.json")

@@ -1,5 +1,5 @@
 """examples/real/gpu.sh (continue-pretraining a real model with SparseBalance on one GPU, then
-tools/real_accuracy.py before and after), on the CPU: its dry run's steps fit one 8-minute
+benchmarks/real_accuracy.py before and after), on the CPU: its dry run's steps fit one 8-minute
 lease, and the training command's flags are the driver's."""
 
 import os

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from tools.harness.run_flags import PROJECT_RUN_FLAGS
+from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO, "pretrain_gpt.py")

@@ -1,6 +1,6 @@
 """The Slurm launch scripts, run by a real one-node Slurm cluster on localhost.
 
-tools/ci/slurm_cluster.sh installs (apt-get, as root) or finds Debian's slurm-wlm and
+benchmarks/ci/slurm_cluster.sh installs (apt-get, as root) or finds Debian's slurm-wlm and
 munge, and starts munged + slurmctld + slurmd in a temporary directory. Then:
 
 * examples/slurm/pretrain_cpu.sbatch is submitted as is (2 tasks = 2 ranks, PP=2, the
@@ -29,7 +29,7 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLUSTER = os.path.join(REPO, "tools", "ci", "slurm_cluster.sh")
+CLUSTER = os.path.join(REPO, "benchmarks", "ci", "slurm_cluster.sh")
 CPU_SBATCH = os.path.join(REPO, "examples", "slurm", "pretrain_cpu.sbatch")
 GPU_SBATCH = os.path.join(REPO, "examples", "slurm", "pretrain_sparsebalance.sbatch")
 JOB_TIMEOUT_S = 240

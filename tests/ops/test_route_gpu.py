@@ -5,7 +5,7 @@ kept-pair counts, and fa4's query-direction lists from the kernel equal the torc
 threshold routing too (per-head and per-block counts), where a count may also differ at a
 near tie of the softmax mass with TAU (the kernel sums it in another order).
 
-Ordered for a short GPU lease: it runs right after test_fa4_gpu.py (tools/gpu_lease.sh)."""
+Ordered for a short GPU lease: it runs right after test_fa4_gpu.py (benchmarks/gpu_lease.sh)."""
 
 import os
 

@@ -1,7 +1,7 @@
 """Register spills of the Triton kernels' autotune configs, compiled for sm_90 on the CPU.
 
 The configs the prune hook keeps at the main shape (bf16, head dim 128, routing block
-128) must not spill more than audited (tools/triton_resource_audit.py): a kernel change
+128) must not spill more than audited (benchmarks/triton_resource_audit.py): a kernel change
 that spills more fails here, without a GPU. fwd, reduce and dq at SPLIT 2 do not spill;
 dq at SPLIT 1 and dkdv still do (255 registers a thread), so their budgets are the
 audited spill stores (bytes a thread) plus ~10%; lower them when a change spills less.
@@ -40,8 +40,8 @@ def test_kept_configs_do_not_spill_more_than_audited():
     pytest.importorskip("triton")
     from concurrent.futures import ProcessPoolExecutor
 
+    from benchmarks.triton_resource_audit import audit_one
     from sparsebalance.ops.triton_backend import _RED_WARPS
-    from tools.triton_resource_audit import audit_one
 
     jobs = [(k, 128, 128, "bf16", sp, w, s) for k in ("fwd", "dq", "dkdv") for sp, w, s in _kept_configs()]
     jobs.append(("reduce", 128, 128, "bf16", 1, _RED_WARPS, 3))

@@ -1,4 +1,4 @@
-"""tools/simulate.py and tools/timeline.py: outputs written, bad input -> exit 2."""
+"""benchmarks/simulate.py and tools/timeline.py: outputs written, bad input -> exit 2."""
 
 import json
 import os
@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def tool(name, *args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *args],
+    folder = "benchmarks" if name == "simulate.py" else "tools"
+    return subprocess.run([sys.executable, os.path.join(ROOT, folder, name), *args],
                           capture_output=True, text=True, env=env, timeout=120)
 
 

@@ -177,7 +177,7 @@ def test_printed_command_writes_the_profile_the_run_accepts(tmp_path, run):
 
 def test_threads_of_the_predicted_run(tmp_path):
     """A tool that launches ranks with N threads predicts with the N-thread profile,
-    whatever its own thread count (tools/compare.py runs ranks with one thread)."""
+    whatever its own thread count (benchmarks/compare.py runs ranks with one thread)."""
     import torch
 
     other = torch.get_num_threads() + 1

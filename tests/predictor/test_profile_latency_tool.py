@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tools.harness.run_flags import PROJECT_RUN_FLAGS
+from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "profile_latency.py")

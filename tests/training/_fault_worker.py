@@ -1,6 +1,6 @@
 """pretrain_gpt.py with deterministic "measured" op times and fault hooks, for the
 resume, watchdog and fault-injection tests (tests/training/test_exact_resume.py,
-tests/training/test_watchdog.py, tools/fault_trials.py).
+tests/training/test_watchdog.py, benchmarks/fault_trials.py).
 
 Runs ``pretrain_gpt.main()`` (so errors end in its one ``error:`` line) after
 monkeypatching, as told by environment variables (test-only; the driver has no such

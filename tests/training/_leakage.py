@@ -13,7 +13,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
+from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # worker scripts import this file without the test session's path
     sys.path.insert(0, ROOT)
-from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
+from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 PY = sys.executable
 HARNESS = os.path.join(ROOT, "tests", "training", "_harness.py")

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
+from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 STEPS = 4
 FLAGS = [*PROJECT_RUN_FLAGS, "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from tools.harness.run_flags import PROJECT_RUN_FLAGS
+from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS
 
 WORKER = os.path.join(ROOT, "tests", "training", "_sb_worker.py")
 LAYERS, PP, M, STEPS = 4, 2, 4, 2

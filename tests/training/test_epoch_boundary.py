@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import PRETRAIN, summary_of
 
-from tools.harness.run_flags import PROJECT_RUN_FLAGS
+from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS
 
 M, SEQ, SEED = 4, 256, 7
 

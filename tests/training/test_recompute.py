@@ -34,8 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 from tests.training._saved_bytes import SavedBytes  # noqa: E402
-from tools.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 
 LAYERS, PP, M, STEPS = 4, 2, 4, 3
 FLAGS = [*PROJECT_RUN_FLAGS, "--num-layers", str(LAYERS), "--hidden-size", "64", "--ffn-hidden-size", "128",

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from conftest import PRETRAIN, TINY, balancer_config, summary_of
 
+from benchmarks.sensitivity_sim import SMOLLM2, fixture_study
 from sparsebalance.balancer import Balancer, SensitivityWeights
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning.critical_path import objective
 from sparsebalance.tuning.sensitivity import microbatch_weights
-from tools.sensitivity_sim import SMOLLM2, fixture_study
 
 STUDY = fixture_study(seed=1, docs_per_source=4)
 LENGTHS = [[[9000, 3000], [12000], [2000, 2000, 2000], [7000, 5000], [300, 11000], [6000]]]

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from conftest import PRETRAIN, TINY, balancer_config, summary_of
 
+from benchmarks.sensitivity_sim import SMOLLM2
 from sparsebalance.balancer import Balancer
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning.critical_path import objective
 from sparsebalance.tuning.from_predictor import build_instance
-from tools.sensitivity_sim import SMOLLM2
 
-# The reduced real run's packing (tests/harness/compare/test_real_accuracy_sens.py).
+# The reduced real run's packing (tests/benchmarks/compare/test_real_accuracy_sens.py).
 LENGTHS = [[[2048], [1901], [2048], [2048], [2048], [1542], [1503], [559, 715], [1017, 553], [760], [2023], [2048]]]
 
 

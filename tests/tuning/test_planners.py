@@ -5,9 +5,9 @@ import pytest
 from bruteforce import frontier
 from tuning_cases import SEEDS, SMALL, make
 
+from benchmarks.harness.synthetic_instances import random_instance
 from sparsebalance.tuning import anchor_indices, critical_path_indices, raise_indices
 from sparsebalance.tuning.critical_path import objective
-from tools.harness.synthetic_instances import random_instance
 
 ANCHORS = [(agg, p) for agg in ("mean", "max", "min") for p in (0.05, 0.1, 0.2, 0.3)]
 

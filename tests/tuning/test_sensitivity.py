@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from tuning_cases import SEEDS, SMALL, make
 
+from benchmarks.harness.synthetic_instances import random_instance
 from sparsebalance.pairs import causal_pairs, kept_pairs
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning import anchor_indices, critical_path_indices, instance_from_json, instance_to_json
@@ -21,7 +22,6 @@ from sparsebalance.tuning.sensitivity import (
     sensitivity_plan,
     weighted_attention,
 )
-from tools.harness.synthetic_instances import random_instance
 
 
 def _weights(inst, seed):
@@ -130,7 +130,7 @@ def test_instance_weight_json_and_checks():
 def test_simulation_tool_on_the_fixture(tmp_path, capsys):
     import json
 
-    from tools.sensitivity_sim import main
+    from benchmarks.sensitivity_sim import main
 
     path = str(tmp_path / "study.json")
     assert main(["fixture", "--out", path, "--seed", "3"]) == 0

@@ -13,7 +13,7 @@ from sparsebalance.tuning.from_predictor import build_instance
 from sparsebalance.tuning.sensitivity import loss_proxy, sensitivity_indices, weighted_attention
 from sparsebalance.tuning.stage_sensitivity import op_weights, parse_stage_profile, read_stage_profile
 
-TOL = 0.005  # tools/real_accuracy.py's SENS_PAIRS_TOL
+TOL = 0.005  # benchmarks/real_accuracy.py's SENS_PAIRS_TOL
 # One PP=4 step whose critical-path plan cuts the last stage (it holds the output layer and loss)
 # to the least budget and raises the others: the shape of the real SmolLM2 plans.
 LENGTHS = [[[26000], [9000, 14000], [29000], [20000], [7000, 7000], [25000, 3000], [12000], [28000]]]

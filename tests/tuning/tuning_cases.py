@@ -1,6 +1,6 @@
 """Seeded small planning instances shared by the tuning tests (brute force is feasible)."""
 
-from tools.harness.synthetic_instances import random_instance
+from benchmarks.harness.synthetic_instances import random_instance
 
 LEVELS5 = [14, 17, 20, 23, 26]
 LEVELS3 = [17, 20, 23]

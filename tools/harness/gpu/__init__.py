@@ -1,1 +1,0 @@
-"""gpu-check (tools/gpu_check.py) parts: the train / profile / accuracy stages and the report."""
