@@ -29,6 +29,38 @@ def _on_device(event) -> bool:
     return str(getattr(event, "device_type", "")).endswith("CUDA")
 
 
+KERNEL_CLASSES = (
+    ("attention", ATTENTION_KERNELS),
+    ("routing", re.compile(r"_block_means_kernel|_route_kernel|_threshold_kernel|_bwd_desc_kernel|topk|sort",
+                           re.IGNORECASE)),
+    ("loss", re.compile(r"_lse_kernel|_grad_kernel|cross_entropy|log_softmax|nll_loss|logsumexp", re.IGNORECASE)),
+    ("weight_gemm", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|s16816|aten::mm|aten::addmm|aten::bmm|"
+                               r"aten::linear|aten::matmul", re.IGNORECASE)),
+    ("optimizer", re.compile(r"multi_tensor|adam|_foreach|optimizer|l2norm|clip_grad", re.IGNORECASE)),
+    ("communication", re.compile(r"nccl|gloo|c10d|all_reduce|allreduce|all_gather|reduce_scatter|send|recv",
+                                 re.IGNORECASE)),
+    ("memory", re.compile(r"memcpy|memset|aten::copy_|aten::fill_|aten::zero_", re.IGNORECASE)),
+    ("norm_elementwise", re.compile(r"norm|elementwise|vectorized|unrolled|reduce|silu|gelu|swiglu|rotary|rope|"
+                                    r"softmax|mul|add|div|cat|index|gather|scatter|where|clamp|exp|triton_",
+                                    re.IGNORECASE)),
+)
+"""Kernel classes of the step breakdown, tried in order (first match wins; the rest is
+``other``). Recompute is not a class: a recomputed forward runs the same kernels as the
+forward, so its time sits inside the classes above (compare a run with and without
+``--recompute-*`` to price it)."""
+
+
+def kernel_classes(rows) -> dict:
+    """Milliseconds per class of :data:`KERNEL_CLASSES` (plus ``other``) of ``(name, us)`` rows;
+    the classes add up to the rows' total."""
+    out = {name: 0.0 for name, _ in KERNEL_CLASSES}
+    out["other"] = 0.0
+    for key, us in rows:
+        cls = next((name for name, rx in KERNEL_CLASSES if rx.search(key)), "other")
+        out[cls] += us / 1e3
+    return out
+
+
 HOST_SYNCS = re.compile(r"Synchronize|cudaMemcpy(?!Async)|aten::item|aten::_local_scalar_dense", re.IGNORECASE)
 """Host calls that wait for the device (their self time is ``host_sync_ms``)."""
 
@@ -36,7 +68,8 @@ HOST_SYNCS = re.compile(r"Synchronize|cudaMemcpy(?!Async)|aten::item|aten::_loca
 def kernel_split(events) -> dict:
     """Self time of the profiled kernels from ``prof.key_averages()``: the device's kernels
     when any ran on an accelerator, else the CPU operators. Returns ``kernel_ms``,
-    ``attention_ms``, ``attention_share``, ``device`` and the five longest kernels; with an
+    ``attention_ms``, ``attention_share``, ``device``, the time per kernel class
+    (``classes_ms``, :func:`kernel_classes`) and the five longest kernels; with an
     accelerator also the eight host operators of most self time (``top_host_ops``) and the
     host's time in calls that wait for the device (``host_sync_ms``)."""
     events = list(events)
@@ -51,6 +84,7 @@ def kernel_split(events) -> dict:
     top = sorted(rows, key=lambda r: -r[1])[:5]
     out = {"device": device, "kernel_ms": total / 1e3, "attention_ms": attn / 1e3,
            "attention_share": attn / total if total > 0 else None,
+           "classes_ms": kernel_classes(rows),
            "top_kernels": [{"name": name[:160], "ms": us / 1e3} for name, us in top]}
     if on_device:  # where the host spent the window: what points at a device left waiting
         host = sorted((e for e in events if not _on_device(e)
@@ -136,8 +170,10 @@ class StepProfiler:
         wall_ms = (time.perf_counter() - self.t0) * 1e3
         self.torch_prof.stop()
         split = kernel_split(self.torch_prof.key_averages())
-        self.result = {"iterations": [first, iteration], "wall_ms": wall_ms,
-                       "device_busy_ms": device_busy_ms(self.torch_prof.events()), **split}
+        busy = device_busy_ms(self.torch_prof.events())
+        self.result = {"iterations": [first, iteration], "wall_ms": wall_ms, "device_busy_ms": busy,
+                       # the device waiting for the host (the breakdown's "idle")
+                       "idle_ms": max(wall_ms - busy, 0.0) if busy is not None else None, **split}
         if self.args.tensorboard_dir:
             os.makedirs(self.args.tensorboard_dir, exist_ok=True)
             path = os.path.join(self.args.tensorboard_dir,

@@ -928,3 +928,20 @@ def test_bench_detail_names_the_target_points_efficiency(monkeypatch):
     assert max(r["efficiency"] for r in part.data["rows"]) == pytest.approx(2.0)
     assert part.data["best_efficiency_64k_b128"] == {"fa4": pytest.approx(0.96)}
     assert part.detail.endswith("density 0.12 (fwd+bwd): fa4 0.96")
+
+
+def test_train_report_shows_where_each_profiled_step_goes():
+    """The profile's kernel classes reach the run record and the report's breakdown table."""
+    from benchmarks.harness.gpu.stages import train_run_record
+
+    classes = {"weight_gemm": 1800.0, "attention": 325.0, "routing": 20.0, "loss": 400.0, "norm_elementwise": 700.0,
+               "optimizer": 90.0, "communication": 0.0, "memory": 50.0, "other": 11.0}
+    s = {"tokens_per_s": 1000.0, "losses": [2.0, 1.0],
+         "profile": {"classes_ms": classes, "idle_ms": 250.0, "wall_ms": 3976.0, "kernel_ms": 3396.0,
+                     "attention_ms": 325.0, "attention_share": 325 / 3396, "device_busy_ms": 3726.0}}
+    rec = train_run_record("sparse-128k", s, device="NVIDIA H200")
+    assert rec["kernel_classes_ms"] == classes and rec["profile_idle_ms"] == 250.0
+    md = gr.render_markdown({"device": "X", "targets": [], "parts": [
+        {"name": "train", "status": "pass", "seconds": 1.0, "detail": "d", "data": {"runs": [rec]}}]})
+    row = next(line for line in md.splitlines() if line.startswith("| sparse-128k | 1800 |"))
+    assert row.split(" | ")[1:3] == ["1800", "325"] and row.rstrip(" |").endswith("250 | 3976")

@@ -22,6 +22,9 @@ def test_pytorch_profiler_window(corpus, tmp_path):
     assert p["wall_ms"] > 0 and p["device_busy_ms"] is None  # no accelerator
     # the tiny model's dense attention is CPU SDPA: a part of the kernel time, not all of it
     assert 0 < p["attention_ms"] < p["kernel_ms"] and 0 < p["attention_share"] < 1
+    # the breakdown by kernel class covers the whole kernel time; the linears are GEMMs on CPU too
+    assert abs(sum(p["classes_ms"].values()) - p["kernel_ms"]) < 1e-6 and p["classes_ms"]["weight_gemm"] > 0
+    assert p["idle_ms"] is None  # no device to wait
     assert os.path.basename(p["trace"]) == "profile_rank0_iter3-3.pt.trace.json"
     with open(p["trace"]) as fh:
         assert json.load(fh)["traceEvents"]
@@ -65,3 +68,26 @@ def test_kernel_split_on_a_device_names_attention_and_host_waits():
     assert [h["name"] for h in out["top_host_ops"]][:2] == ["cudaLaunchKernel", "cudaStreamSynchronize"]
     assert out["top_host_ops"][0]["calls"] == 50
     assert out["host_sync_ms"] == 0.75  # the synchronize and the item, not the launches
+
+
+def test_kernel_classes_of_a_training_step_add_up():
+    from types import SimpleNamespace as NS
+
+    from megatron.training.profiling import kernel_classes, kernel_split
+
+    rows = [("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90", 400.0),  # FA4: attention, not a GEMM
+            ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", 900.0),
+            ("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNT", 300.0), ("_route_kernel", 50.0),
+            ("_lse_kernel", 70.0), ("_grad_kernel", 30.0),
+            ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", 40.0),
+            ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>", 20.0),
+            ("multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float>>", 60.0),
+            ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 25.0), ("Memcpy DtoD (Device -> Device)", 5.0),
+            ("some_unknown_kernel_xyz", 1.0)]
+    c = kernel_classes(rows)
+    assert c == {"attention": 0.4, "routing": 0.05, "loss": 0.1, "weight_gemm": 1.2, "optimizer": 0.06,
+                 "communication": 0.025, "memory": 0.005, "norm_elementwise": 0.06, "other": 0.001}
+    ev = [NS(key=k, device_type="DeviceType.CUDA", count=1, self_device_time_total=us, self_cpu_time_total=0.0)
+          for k, us in rows]
+    out = kernel_split(ev)
+    assert abs(sum(out["classes_ms"].values()) - out["kernel_ms"]) < 1e-9

@@ -244,12 +244,33 @@ def render_markdown(doc: dict) -> str:
                       f"{_fmt(r.get('loss_last'), '.3f')} | {_fmt(r.get('density_mean'), '.3f')} | "
                       f"{backend} | {_attention_share(r)} | "
                       f"{_fmt(r.get('flex_compiles'), 'd')} |")
+        md += _breakdown_table(train["data"]["runs"])
     tests = next((p for p in doc["parts"] if p["name"] == "tests" and p["data"].get("failed_tests")), None)
     if tests:
         why = tests["data"].get("failures", {})
         md += ["", "## Failed tests", ""] + [f"- `{t}`" + (f": {why[t]}" if why.get(t) else "")
                                              for t in tests["data"]["failed_tests"]]
     return "\n".join(md) + "\n"
+
+
+BREAKDOWN = ("weight_gemm", "attention", "routing", "loss", "norm_elementwise", "optimizer", "communication",
+             "memory", "other")
+
+
+def _breakdown_table(runs: list) -> list:
+    """Markdown lines: each profiled run's kernel time by class (ms in the profiled window) and
+    the device's idle time (window wall minus busy); none when no run has a breakdown."""
+    rows = [r for r in runs if r.get("kernel_classes_ms")]
+    if not rows:
+        return []
+    md = ["", "Where the profiled step's time goes (kernel self time by class, ms; recompute runs the "
+          "forward's kernels again and sits inside their classes; idle = wall - device busy):", "",
+          "| run | " + " | ".join(BREAKDOWN) + " | idle | wall |", "|---" * (len(BREAKDOWN) + 3) + "|"]
+    for r in rows:
+        c = r["kernel_classes_ms"]
+        md.append(f"| {r['name']} | " + " | ".join(_fmt(c.get(k), '.0f') for k in BREAKDOWN)
+                  + f" | {_fmt(r.get('profile_idle_ms'), '.0f')} | {_fmt(r.get('profile_wall_ms'), '.0f')} |")
+    return md
 
 
 def _attention_share(run: dict) -> str:

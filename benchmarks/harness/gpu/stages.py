@@ -136,6 +136,7 @@ def train_run_record(name: str, s: dict, device: Optional[str] = None) -> dict:
             "mfu_matmul": matmul_mfu(s.get("tokens_per_s"), device),
             "attention_kernel_share": prof.get("attention_share"), "attention_kernel_ms": prof.get("attention_ms"),
             "kernel_ms": prof.get("kernel_ms"), "top_kernels": prof.get("top_kernels"),
+            "kernel_classes_ms": prof.get("classes_ms"), "profile_idle_ms": prof.get("idle_ms"),
             "profile_wall_ms": prof.get("wall_ms"), "device_busy_ms": prof.get("device_busy_ms"),
             "host_sync_ms": prof.get("host_sync_ms"), "top_host_ops": prof.get("top_host_ops"), "losses": losses,
             "loss_first": first, "loss_last": last, "loss_down": down}
