@@ -28,6 +28,8 @@ LAUNCHER_FLAGS = {
     "--master-addr", "--master_port", "--master-port", "--rdzv_backend", "--rdzv-backend", "--rdzv_endpoint",
     "--rdzv-endpoint", "--rdzv_id", "--rdzv-id", "--standalone", "--max_restarts", "--max-restarts",
     "--log_dir", "--log-dir", "--redirects", "--tee", "--local-ranks-filter", "--local_ranks_filter",
+    "--role", "--rdzv-conf", "--rdzv_conf", "--monitor-interval", "--monitor_interval", "--start-method",
+    "--start_method", "--run-path", "--run_path", "--local-addr", "--local_addr", "--logs-specs", "--logs_specs",
 }
 """torchrun / torch.distributed.launch flags that appear in the same scripts (not ours)."""
 _STOP = {")", "(", "&&", "||", "|", ";", "&", "2>&1", ">", ">>"}
