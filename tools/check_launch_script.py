@@ -3,7 +3,8 @@
 Reads a shell launch script written for Megatron-LM's ``pretrain_gpt.py`` (arrays,
 continuation lines and torchrun flags are fine; ``$VARS`` expand from the environment),
 runs the trainer's own argument parsing and validation on the whole line, as on the
-target machine (``--cuda``: a CUDA device; ``--te``: Transformer Engine installed), and
+target machine (``--cuda``: a CUDA device; ``--te``: Transformer Engine installed; neither:
+a CPU machine without TE, wherever the tool runs), and
 prints the trainer's verdict::
 
     ACCEPTED: trains 32 layers, hidden 4096, ...; 1 warning
