@@ -1,14 +1,15 @@
 """Whether pretrain_gpt.py accepts a Megatron-LM launch script, judged by its own parse and validation.
 
 Reads a shell launch script written for Megatron-LM's ``pretrain_gpt.py`` (arrays,
-continuation lines and torchrun flags are fine; ``$VARS`` expand from the environment),
+continuation lines and torchrun flags are fine; ``$VARS`` expand from the script's own
+assignments and the environment),
 runs the trainer's own argument parsing and validation on the whole line, as on the
 target machine (``--cuda``: a CUDA device; ``--te``: Transformer Engine installed; neither:
 a CPU machine without TE, wherever the tool runs), and
 prints the trainer's verdict::
 
-    ACCEPTED: trains 32 layers, hidden 4096, ...; 1 warning
-    REFUSED: --fp8-format: needs Transformer Engine with FP8 support ...
+    ACCEPTED on CUDA + Transformer Engine, 16 rank(s): trains 24 layers, hidden 2048, ...; 0 warnings
+    REFUSED on CUDA + Transformer Engine, 4 rank(s): --fp8-format: needs Transformer Engine with FP8 ...
 
 plus the flags refused on the target. ``--json`` prints the full report: the verdict and,
 per flag, its status (``honoured``, ``ignored`` = accepted with a warning, ``hardware`` =
