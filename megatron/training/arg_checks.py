@@ -71,7 +71,9 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
                                     "writes torch_dist (which --load reads too)")
     try:
         args.compat_warnings += compat.resolve(args)
-        compat.check_hardware(args, cuda=has_cuda() and not args.cpu)
+        cuda = has_cuda() and not args.cpu
+        args.compat_warnings += compat.transformer_engine_fallback(args, cuda)
+        compat.check_hardware(args, cuda=cuda)
     except ValueError as e:
         raise UsageError(str(e))
 

@@ -218,6 +218,38 @@ def _importable(module: str) -> bool:
         return False
 
 
+def transformer_engine_fallback(args: argparse.Namespace, cuda: bool) -> List[str]:
+    """``--transformer-impl transformer_engine`` where CUDA or the transformer_engine package
+    is missing: train the same model with the local spec (``args.transformer_impl`` becomes
+    ``local``); returns the warning line saying what is lost (none where TE runs).
+
+    The two specs hold the same parameters (megatron-core maps the local norms onto TE's
+    fused LayerNorm-linear names in torch_dist checkpoints), so a run can move between them.
+    With sparse attention ``--attention-backend`` has nothing to pick (this project's module
+    fills the core-attention slot of either spec; ``--sb-attention-backend`` picks its
+    kernel): it goes back to ``auto`` with a warning line.
+    """
+    out = []
+    sparse = args.sparse_attention or args.sparse_balance
+    if sparse and args.attention_backend in ("flash", "fused"):
+        out.append(f"--attention-backend {args.attention_backend} chooses Transformer Engine's dense attention; "
+                   "with sparse attention this project's module runs instead (--sb-attention-backend picks "
+                   "its kernel)")
+        args.attention_backend = "auto"
+    te = _importable("transformer_engine")
+    if args.transformer_impl != "transformer_engine" or (cuda and te):
+        return out
+    missing = " and ".join(x for x, ok in (("CUDA", cuda), ("the transformer_engine package", te)) if not ok)
+    lost = "TE's fused LayerNorm-linear and GEMM kernels"
+    if args.attention_backend in ("flash", "fused"):
+        lost += (f" and --attention-backend {args.attention_backend}, TE's attention (this project's dense "
+                 "attention runs instead)")
+        args.attention_backend = "auto"
+    args.transformer_impl = "local"
+    return out + [f"--transformer-impl transformer_engine without {missing}: training with the local layer "
+                  f"spec (same model, same checkpoint layout; lost: {lost})"]
+
+
 def check_hardware(args: argparse.Namespace, cuda: bool) -> None:
     """Hardware-bound flags this driver defines: fine where the GPU / library is present,
     else ``ValueError`` with one line naming the flag and what it needs."""
@@ -231,14 +263,6 @@ def check_hardware(args: argparse.Namespace, cuda: bool) -> None:
     if args.distributed_backend == "nccl" and not cuda:
         raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
     te = args.transformer_impl == "transformer_engine"
-    if te and not (cuda and _importable("transformer_engine")):
-        missing = " and ".join(x for x, ok in (("CUDA", cuda), ("the transformer_engine package",
-                                                                 _importable("transformer_engine"))) if not ok)
-        raise ValueError(f"--transformer-impl transformer_engine needs {missing} (or pass "
-                         "--transformer-impl local, this driver's default)")
-    if te and args.sparse_attention:
-        raise ValueError("--transformer-impl transformer_engine with --sparse-attention: the sparse "
-                         "attention is this project's core-attention module; use --transformer-impl local")
     if te and args.context_parallel_size > 1:
         raise ValueError("--transformer-impl transformer_engine with --context-parallel-size > 1 is not "
                          "supported (this driver's CP attention is its own); use --transformer-impl local")

@@ -8,7 +8,8 @@ flag on its line, as many as the flag takes). :func:`classify` gives each one a 
   (``compat.py``'s ``noop``: the effect is already this driver's behaviour);
 * ``ignored``: accepted with a warning line (a logging / profiling extra not produced);
 * ``hardware``: needs a GPU or a library this machine lacks (the driver stops with one
-  line naming it); drop it to run here;
+  line naming it); drop it to run here (classified for a CUDA target, the Megatron-LM flags
+  this driver refuses on every GPU are ``unsupported``);
 * ``unsupported``: refused with one line and the reason (MoE, MLA, a value not
   implemented, ...);
 * ``unrecognized``: Megatron-LM has no such flag either (argparse's error).
@@ -27,6 +28,8 @@ LAUNCHER_FLAGS = {
     "--master-addr", "--master_port", "--master-port", "--rdzv_backend", "--rdzv-backend", "--rdzv_endpoint",
     "--rdzv-endpoint", "--rdzv_id", "--rdzv-id", "--standalone", "--max_restarts", "--max-restarts",
     "--log_dir", "--log-dir", "--redirects", "--tee", "--local-ranks-filter", "--local_ranks_filter",
+    "--role", "--rdzv-conf", "--rdzv_conf", "--monitor-interval", "--monitor_interval", "--start-method",
+    "--start_method", "--run-path", "--run_path", "--local-addr", "--local_addr", "--logs-specs", "--logs_specs",
 }
 """torchrun / torch.distributed.launch flags that appear in the same scripts (not ours)."""
 _STOP = {")", "(", "&&", "||", "|", ";", "&", "2>&1", ">", ">>"}
@@ -111,6 +114,8 @@ def classify(flags: Sequence[Tuple[str, List[str]]], cuda: bool = False, te: boo
             t = compat.treatment(compat._spelling(flag), " ".join(values) if values else None)
             status = {"noop": "honoured"}.get(t.kind, t.kind)
             reason = t.reason
+            if status == "hardware" and cuda:  # these the trainer refuses on every GPU too
+                status, reason = "unsupported", f"refused on CUDA machines too: {reason}"
         else:
             status, reason = _own(flag, values, action, parser, cuda, te, tp, given)
         out.append({"flag": flag, "values": values, "status": status, "reason": reason})
@@ -123,15 +128,16 @@ def _own(flag: str, values: List[str], action, parser, cuda: bool, te: bool, tp:
     v = values[0] if values else ""
     if (flag in ("--bf16", "--fp16") or (flag == "--distributed-backend" and v == "nccl")) and not cuda:
         return "hardware", "needs CUDA"
+    te_impl = (given.get("--transformer-impl") or [""])[0] == "transformer_engine"
     if flag == "--use-flash-attn" or (flag == "--attention-backend" and v in ("flash", "fused")):
-        if not (cuda and te):
-            return "hardware", "Transformer Engine's attention: needs CUDA and transformer_engine"
-        if (given.get("--transformer-impl") or [""])[0] != "transformer_engine":
+        if not te_impl:
             return "unsupported", "needs --transformer-impl transformer_engine"
+        if not (cuda and te):
+            return "ignored", "Transformer Engine's attention: where CUDA or TE is missing this project's runs"
     if flag == "--deterministic-mode" and cuda:
         return "unsupported", "this driver's GPU attention kernels are not deterministic (atomic accumulation)"
     if flag == "--transformer-impl" and v == "transformer_engine" and not (cuda and te):
-        return "hardware", "needs CUDA and transformer_engine"
+        return "ignored", "the local layer spec trains where CUDA or transformer_engine is missing (one warning)"
     if _is_var(values):
         return "honoured", "value is a shell variable (not checked)"
     rules = {

@@ -45,6 +45,9 @@ def layer_spec(args, attention=None):
         from megatron.training.sb_config import attention_config
 
         attention = attention_config(args)
+    # validation put --transformer-impl back to local where CUDA or TE is missing
+    # (compat.transformer_engine_fallback), so transformer_engine here means TE runs
+    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     if attention.sparse:
         # Imported lazily: the sparse module is optional until --sparse-attention is used.
         from sparsebalance.attention.sparse import get_gpt_layer_sparse_spec
@@ -60,14 +63,15 @@ def layer_spec(args, attention=None):
             topk_min=attention.topk_min,
             per_head=attention.per_head,
             qk_layernorm=args.qk_layernorm,
+            use_te=use_te,
         )
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":  # checked: CUDA + TE present
+    if use_te:  # Megatron-LM's dense path: TE's core attention, --attention-backend picks its kernel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
-    return get_gpt_layer_dense_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+    return get_gpt_layer_dense_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm, use_te=False)
 
 
 def transformer_config(args, use_cpu: bool):

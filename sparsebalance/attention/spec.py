@@ -46,12 +46,17 @@ def get_gpt_layer_spec(
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     use_te = HAS_TE if use_te is None else use_te
-    if use_te:
-        spec = specs.get_gpt_layer_with_transformer_engine_spec(normalization=normalization,
-                                                                qk_layernorm=qk_layernorm)
+    if use_te:  # TE's norms read config.normalization: its spec takes no normalization argument
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
         spec = specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
-    spec = copy.deepcopy(spec)
+    # Copy the path to the slots changed below, not the whole spec: megatron-core's own spec
+    # objects are shared by every caller (and without TE its TE classes are mocks, which
+    # deepcopy refuses).
+    spec = copy.copy(spec)
+    spec.submodules = copy.copy(spec.submodules)
+    spec.submodules.self_attention = copy.copy(spec.submodules.self_attention)
+    spec.submodules.self_attention.submodules = copy.copy(spec.submodules.self_attention.submodules)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=core_attention, params=dict(core_attention_params or {})
     )

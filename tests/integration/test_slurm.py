@@ -160,7 +160,8 @@ def test_gpu_sbatch_rendezvous_preemption_and_requeue(slurm, tmp_path):
     (root / "pretrain_gpt.py").write_text(STAND_IN)
     run_dir = tmp_path / "run"
     env = dict(slurm, SB_ROOT=str(root), RUN_DIR=str(run_dir), PYTHON=sys.executable,
-               DATA_PATH=str(tmp_path / "unused"), GPUS_PER_NODE="2")
+               DATA_PATH=str(tmp_path / "unused"), TOKENIZER_MODEL=str(tmp_path / "unused-tokenizer"),
+               GPUS_PER_NODE="2")
     t0 = time.perf_counter()
     job = sbatch(env, ["--gpus-per-node=0", "--cpus-per-task=2", "--nodes=1", "--exclusive",
                        f"--output={tmp_path}/%x-%j.out", GPU_SBATCH, "--train-iters", "12"], cwd=str(tmp_path))

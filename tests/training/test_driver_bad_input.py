@@ -136,8 +136,6 @@ PARSE_CASES = {
     "bf16 on cpu names cuda": (["--bf16", "--cpu"], None, "--bf16 needs CUDA"),
     "fp16 on cpu names cuda": (["--fp16", "--cpu"], None, "--fp16 needs CUDA"),
     "nccl on cpu names cuda": (["--distributed-backend", "nccl", "--cpu"], None, "nccl needs CUDA"),
-    "transformer engine impl needs cuda and te": (["--transformer-impl", "transformer_engine", "--cpu"], None,
-                                                  "--transformer-impl transformer_engine needs CUDA"),
     "flash attention backend needs te impl": (["--attention-backend", "flash"], None,
                                               "--attention-backend flash is Transformer Engine's"),
     "dropout above zero refused": (["--hidden-dropout", "0.1"], None,

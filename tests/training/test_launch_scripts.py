@@ -98,18 +98,21 @@ def test_launch_script_runs_unchanged(name, runs):
 
 
 def test_check_launch_script_tool(paths, tmp_path):
-    """The user-facing tool prints the same classification as JSON, exit 0 for a script
-    that runs here once its hardware-bound flags are dropped."""
+    """The user-facing tool's --json report: this machine refuses the whole line (it has
+    --bf16 and FP8 flags), the line without its hardware-bound flags is accepted, exit 1;
+    --transformer-impl transformer_engine stays on the line (the local spec trains here)."""
     _, variables = paths
     script = tmp_path / "llama.sh"
     script.write_text(script_text("llama3_te_fp8.sh", variables, str(tmp_path)))
-    proc = subprocess.run([PY, os.path.join(ROOT, "tools", "check_launch_script.py"), str(script)],
+    proc = subprocess.run([PY, os.path.join(ROOT, "tools", "check_launch_script.py"), "--json", str(script)],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)
+    assert not report["accepted"] and "--fp8" in report["error"]
     hw = {r["flag"] for r in report["flags_detail"] if r["status"] == "hardware"}
-    assert {"--bf16", "--transformer-impl", "--fp8-format"} <= hw
-    assert not hw & set(report["runnable_argv"])
+    assert {"--bf16", "--fp8-format"} <= hw and "--transformer-impl" not in hw
+    assert set(report["without_hardware_flags"]["flags"]) == hw and report["without_hardware_flags"]["accepted"]
+    assert not hw & set(report["runnable_argv"]) and "--transformer-impl" in report["runnable_argv"]
     assert report["megatron_lm_flags_unrecognized"] == 0
 
 
