@@ -17,7 +17,7 @@ pooled over the files, its speedup over megatron, WLB-LLM's imbalance degree
 (``imbalance.py``: mean and max over the steps of every file) and tokens/s per step
 (mean and max). One command writes ``regime.json``, ``regime.md`` and the figure::
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --regime \\
+    OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --regime --sim-models llama7b \\
         --density-study results/scaling_threshold/fixture_study.json --report results/regime
 """
 

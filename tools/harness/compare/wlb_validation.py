@@ -14,7 +14,7 @@ megatron (fixed-length next-fit packing), wlb (``sparsebalance/batching/strategi
 and greedy-tokens (greedy fixed-length packing, LPT by tokens). Nothing is tuned to agree::
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --wlb-validation \\
-        --report results/wlb_validation
+        --sim-models llama7b --sim-steps 12 --report results/wlb_validation
 """
 
 from __future__ import annotations
