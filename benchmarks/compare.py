@@ -11,6 +11,10 @@ with PNG figures (results of the other mode already in DIR are included).
 ``--scaling`` (sim mode) runs the scaling study instead: context 32K-256K, three model
 shapes, PP 4-16, DP 8-64, CP 1-4 (the cells in benchmarks/harness/compare/scaling.py),
 saving DIR/scaling.json and the scaling_*.png figures.
+``--regime`` (sim mode): where balance pays, WLB-LLM's regime of PP micro-batches per
+replica, dense and sparse (tools/harness/compare/regime.py; DIR/regime.{json,md,png});
+``--wlb-validation``: the simulator against WLB-LLM's published numbers
+(tools/harness/compare/wlb_validation.py; DIR/validation.{json,md}).
 ``--mode sim --json`` prints ``{"cost_model", "cells": [{"model", "context", "pp", "dp",
 "cp", "arms": {arm: tokens_per_s}, "best_baseline", "sb_vs_best"}]}``
 (benchmarks/harness/compare/cells.py); ``--mode real|all --json`` prints the summary object
@@ -113,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of --sim-models x --seq-lengths x --sim-cp at --pp/--dp")
     p.add_argument("--scaling-models", type=_names, default=None, metavar="MODELS",
                    help="--scaling: only the cells of these models (comma list)")
+    p.add_argument("--regime", action="store_true",
+                   help="sim mode: where balance pays (tools/harness/compare/regime.py): M in "
+                        "{PP, 2xPP, 32}, dense/top-k/threshold, 64K-160K, PP 4 and 8")
+    p.add_argument("--wlb-validation", action="store_true",
+                   help="sim mode: the simulator against WLB-LLM's published numbers "
+                        "(tools/harness/compare/wlb_validation.py)")
     g = p.add_argument_group("simulation")
     g.add_argument("--lengths", nargs="*", default=None,
                    help="length files (default ../shared/data/lengths/*.json)")
@@ -186,11 +196,16 @@ def _check(a) -> None:
                 get_arm(n)
         except ValueError as e:
             raise UsageError(f"--arms: {e}")
-    if a.scaling and a.mode != "sim":
-        raise UsageError("--scaling needs --mode sim")
+    if a.scaling + a.regime + a.wlb_validation > 1:
+        raise UsageError("--scaling, --regime and --wlb-validation are separate studies: pick one")
+    for flag in ("scaling", "regime", "wlb_validation"):
+        if getattr(a, flag) and a.mode != "sim":
+            raise UsageError(f"--{flag.replace('_', '-')} needs --mode sim")
     if a.scaling_models is not None and not a.scaling:
         raise UsageError("--scaling-models needs --scaling")
-    if (a.routing == "threshold") != (a.density_study is not None):
+    if a.regime and a.routing == "threshold":
+        raise UsageError("--regime picks the routing per cell: give --density-study alone")
+    if not a.regime and (a.routing == "threshold") != (a.density_study is not None):
         raise UsageError("--routing threshold and --density-study go together")
     if a.routing == "threshold" and a.mode != "sim":
         raise UsageError("--routing threshold needs --mode sim")
@@ -508,6 +523,10 @@ def main(argv=None) -> int:
             os.makedirs(a.report, exist_ok=True)
         cmd = ("OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "(unset)") + " benchmarks/compare.py "
                + " ".join(argv if argv is not None else sys.argv[1:]))
+        if a.regime or a.wlb_validation:
+            from tools.harness.compare.studies import run_study
+
+            return run_study(a, cmd, log)
         if a.scaling:
             res = run_scaling(a, log)
             res["command"] = cmd

@@ -81,6 +81,9 @@ SIM_ONLY: Dict[str, Arm] = {a.name: a for a in (
                     "document from the L^2/cp estimate, static k0"),
     Arm("sparsebalance+dcp", "sab", "critical-path", 0.0, dynamic_cp=True,
         description="SAB + critical-path DST under Megatron-core's dynamic CP scheduler"),
+    Arm("greedy-tokens", "tokens",
+        description="greedy fixed-length packing (LPT by token count), static k0: WLB-LLM's "
+                    "second baseline, for the validation table (wlb_validation.py)"),
 )}
 """Arms the real runs cannot select (no dynamic CP in the CPU driver): simulation only."""
 

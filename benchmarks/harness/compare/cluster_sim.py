@@ -38,6 +38,7 @@ from sparsebalance.tuning.plan import timeline_at
 from .arms import ARMS, FRONTIER, SIM_ONLY, Arm
 from .density_study import MODES, CellContent, cell_content, load_study
 from .dynamic_cp import dynamic_cp_instance
+from .imbalance import step_imbalance_degree
 
 WARM_STEPS = 2
 """Threshold routing: steps' worth of documents SAB's estimator has seen before a cell's
@@ -142,6 +143,8 @@ class _Acc:
     lb_ms: float = 0.0
     imb_mb: List[float] = field(default_factory=list)
     imb_rank: List[float] = field(default_factory=list)
+    imb_degree: List[float] = field(default_factory=list)
+    step_tokens: List[int] = field(default_factory=list)
     bubble: List[np.ndarray] = field(default_factory=list)
     plan_ms: List[float] = field(default_factory=list)
 
@@ -324,6 +327,8 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
                 r.lb_ms += lb
                 r.imb_mb.append(_ratio((f + b).sum(axis=2).ravel()))
                 r.imb_rank.append(_ratio(res.replica_step_ms))
+                r.imb_degree.append(step_imbalance_degree(f, b))
+                r.step_tokens.append(packed.tokens)
                 r.bubble.append(res.bubble_ms / res.step_ms)
                 r.plan_ms.append(plan_ms)
                 if step == 0 and name in ("megatron", "sparsebalance"):
@@ -352,6 +357,7 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
 
 def _summarise(r: _Acc) -> dict:
     total_ms = float(np.sum(r.step_ms))
+    tps = 1e3 * np.asarray(r.step_tokens, dtype=np.float64) / np.asarray(r.step_ms)
     return {
         "step_ms": float(np.mean(r.step_ms)),
         "tokens": int(r.tokens),
@@ -365,6 +371,12 @@ def _summarise(r: _Acc) -> dict:
         "imbalance_rank": float(np.mean(r.imb_rank)),
         "bubble_fraction": [float(x) for x in np.mean(r.bubble, axis=0)],
         "plan_ms": float(np.median(r.plan_ms)),
+        # WLB-LLM's metric per step (imbalance.py) and the per-step throughput beside it.
+        "imbalance_degree": float(np.mean(r.imb_degree)),
+        "imbalance_degree_max": float(np.max(r.imb_degree)),
+        "imbalance_degree_steps": [float(x) for x in r.imb_degree],
+        "tokens_per_s_step_mean": float(np.mean(tps)),
+        "tokens_per_s_step_max": float(np.max(tps)),
     }
 
 
