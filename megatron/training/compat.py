@@ -209,45 +209,47 @@ def resolve(args: argparse.Namespace) -> List[str]:
             f"accepted without effect (logging/profiling extras this driver does not produce): {' '.join(ignored)}"]
 
 
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def check_hardware(args: argparse.Namespace, cuda: bool) -> None:
+def check_hardware(args: argparse.Namespace, cuda: bool) -> List[str]:
     """Hardware-bound flags this driver defines: fine where the GPU / library is present,
-    else ``ValueError`` with one line naming the flag and what it needs."""
+    else ``ValueError`` with one line naming the flag and what it needs. Returns warning
+    lines: ``--transformer-impl transformer_engine`` (Megatron-LM's default) that cannot run
+    here becomes the local spec, said once."""
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
         if on and not cuda:
             raise ValueError(f"{flag} needs CUDA (the CPU path trains in fp32; drop {flag} or "
                              "run on a GPU without --cpu)")
-    if args.deterministic_mode and cuda:
-        raise ValueError("--deterministic-mode on CUDA: this driver's GPU attention kernels are not deterministic "
-                         "(their backward accumulates with atomics); drop it, or train with --cpu")
     if args.distributed_backend == "nccl" and not cuda:
         raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
-    te = args.transformer_impl == "transformer_engine"
-    if te and not (cuda and _importable("transformer_engine")):
-        missing = " and ".join(x for x, ok in (("CUDA", cuda), ("the transformer_engine package",
-                                                                 _importable("transformer_engine"))) if not ok)
-        raise ValueError(f"--transformer-impl transformer_engine needs {missing} (or pass "
-                         "--transformer-impl local, this driver's default)")
-    if te and args.sparse_attention:
-        raise ValueError("--transformer-impl transformer_engine with --sparse-attention: the sparse "
-                         "attention is this project's core-attention module; use --transformer-impl local")
-    if te and args.context_parallel_size > 1:
-        raise ValueError("--transformer-impl transformer_engine with --context-parallel-size > 1 is not "
-                         "supported (this driver's CP attention is its own); use --transformer-impl local")
-    if args.attention_backend in ("flash", "fused") and not te:
-        flag = "--use-flash-attn (= --attention-backend flash)" if args.use_flash_attn else \
-            f"--attention-backend {args.attention_backend}"
-        raise ValueError(f"{flag} is Transformer Engine's: it needs "
-                         "--transformer-impl transformer_engine on a CUDA GPU with transformer_engine "
-                         "(auto/local/unfused use this project's attention)")
+    warnings = []
+    if args.transformer_impl == "transformer_engine":
+        why = _te_unusable(args, cuda)
+        if why:
+            args.transformer_impl = "local"
+            warnings.append(f"--transformer-impl transformer_engine: {why}; training with the local layer spec "
+                            "(the same model without TE's fused LayerNorm-linear, linear and attention kernels)")
+    # Megatron-LM's local spec ignores --attention-backend too
+    if args.attention_backend in ("flash", "fused") and args.transformer_impl == "local":
+        warnings.append(f"--attention-backend {args.attention_backend} picks a Transformer Engine kernel; the "
+                        "local layer spec runs this project's dense attention")
+    if args.deterministic_mode and cuda and (args.sparse_attention or args.sparse_balance):
+        raise ValueError("--deterministic-mode on CUDA with --sparse-attention: the sparse attention kernels are "
+                         "not deterministic (their backward accumulates with atomics); drop one, or train with --cpu")
+    return warnings
+
+
+def _te_unusable(args: argparse.Namespace, cuda: bool) -> Optional[str]:
+    """Why Transformer Engine's layer spec cannot build this run (None: it can)."""
+    from megatron.training.arg_checks import has_transformer_engine
+
+    missing = [x for x, ok in (("CUDA", cuda), ("the transformer_engine package", has_transformer_engine()))
+               if not ok]
+    if missing:
+        return " and ".join(missing) + " missing"
+    if args.sparse_attention or args.sparse_balance:
+        return "the sparse attention lives in the local spec's core-attention slot"
+    if args.context_parallel_size > 1:
+        return "this driver's context-parallel attention lives in the local spec"
+    return None
 
 
 def split_script_flags(tokens: Sequence[str]) -> List[Tuple[str, List[str]]]:
