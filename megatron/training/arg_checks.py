@@ -342,10 +342,13 @@ def validate_pipeline_layout(args: argparse.Namespace) -> None:
 def validate_recompute(args: argparse.Namespace) -> None:
     """Megatron-LM's rules: full needs a method and a layer count, selective takes neither."""
     gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    if gran is None:
-        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):
-            if value is not None:
-                raise UsageError(f"{flag} needs --recompute-granularity full")
+    if gran is None:  # Megatron-LM ignores them then
+        given = [flag for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n))
+                 if value is not None]
+        if given:
+            args.compat_warnings.append(f"{' and '.join(given)} without --recompute-granularity: nothing is "
+                                        "recomputed (as in Megatron-LM)")
+        args.recompute_method = args.recompute_num_layers = None
         return
     if gran == "selective":
         for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):

@@ -207,8 +207,12 @@ def test_global_batch_default_and_sequence_parallel_off_with_tp1():
     assert not resolve("--sequence-parallel").sequence_parallel
 
 
-def test_recompute_activations_is_selective():
+def test_recompute_rules(capsys):
     assert resolve("--recompute-activations").recompute_granularity == "selective"
+    args = resolve("--recompute-num-layers", "1")  # without a granularity Megatron-LM recomputes nothing
+    assert args.recompute_granularity is None and args.recompute_num_layers is None
+    assert len(warned(args, "nothing is recomputed")) == 1
+    assert "takes no --recompute-method" in refused(capsys, "--recompute-activations", "--recompute-method", "block")
 
 
 def test_overlap_param_gather_rules(capsys):
