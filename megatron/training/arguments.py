@@ -641,9 +641,36 @@ def _split(text: str) -> tuple[float, float, float]:
     return tuple(x / total for x in parts)  # type: ignore[return-value]
 
 
+LEGACY_SPLIT = "969, 30, 1"
+"""Megatron-LM's ``--split`` when ``--data-path`` comes without one (with a warning there)."""
+
+
+def derive_model_fields(args: argparse.Namespace) -> None:
+    """What Megatron-LM derives from flags left out: for :func:`validate` and for tools that
+    rebuild a run's model from its flags without validating a run. ``--num-query-groups``
+    counts only with ``--group-query-attention`` (1 group by default then; else a group per
+    head, megatron-core's None); the MLP is 4h, with ``--swiglu`` int(8h/3/64) x 64 (SwiGLU's
+    two input projections keep about 4h's parameters); positions up to ``--seq-length``;
+    ``--split`` its legacy default; the tokenizer as :func:`arg_checks.resolve_tokenizer_default`."""
+    if not args.group_query_attention:
+        args.num_query_groups = None
+    elif args.num_query_groups is None:
+        args.num_query_groups = 1
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.split is None:
+        args.split = LEGACY_SPLIT
+    if getattr(args, "tokenizer_type", None) is None:
+        args.compat_warnings = list(getattr(args, "compat_warnings", None) or [])
+        arg_checks.resolve_tokenizer_default(args)
+
+
 def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check cross-flag consistency and fill derived fields; raises :class:`UsageError`."""
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    split_given = args.split is not None
     arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -715,21 +742,12 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
         raise UsageError(f"--hidden-size {args.hidden_size} not divisible by "
                          f"--num-attention-heads {args.num_attention_heads} (or give --kv-channels)")
-    # Megatron-LM hands --num-query-groups to the model only with --group-query-attention
-    # (its TransformerConfig gets num_query_groups=None, one group per head, otherwise).
-    if not args.group_query_attention:
-        args.num_query_groups = None
-    elif args.num_query_groups is None:
-        args.num_query_groups = 1
+    derive_model_fields(args)
     if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
         raise UsageError(f"--num-attention-heads {args.num_attention_heads} not divisible by "
                          f"--num-query-groups {args.num_query_groups}")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
     if args.max_position_embeddings < args.seq_length:
         raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} < --seq-length {args.seq_length}")
-    if args.ffn_hidden_size is None:  # Megatron-LM's: SwiGLU's two input projections keep ~4h's parameters
-        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
     if args.rotary_percent > 1.0:
         raise UsageError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
     head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
@@ -745,11 +763,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     bad = [n for n in args.sb_dense_layers if n > args.num_layers]
     if bad:
         raise UsageError(f"--sb-dense-layers {bad[0]} is beyond --num-layers {args.num_layers}")
-    if args.split is None:  # Megatron-LM's legacy default, with its warning when data is given
-        args.split = "969, 30, 1"
-        if args.data_path:
-            args.compat_warnings.append("--data-path without --split: using Megatron-LM's legacy default "
-                                        "'969, 30, 1'")
+    if args.data_path and not split_given:  # Megatron-LM's warning
+        args.compat_warnings.append(f"--data-path without --split: using Megatron-LM's legacy default '{LEGACY_SPLIT}'")
     args.split_fractions = _split(args.split)
     arg_checks.validate_balance(args)
     arg_checks.validate_recompute(args)
