@@ -32,7 +32,7 @@ GPU cluster run (per node; see examples/ for Slurm)::
     torchrun --nnodes $NNODES --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \
         pretrain_gpt.py --data-path /lustre/data/corpus --tokenizer-type HuggingFaceTokenizer \
         --tokenizer-model /lustre/qwen2.5/tokenizer.json --num-layers 36 --hidden-size 2048 \
-        --num-attention-heads 16 --num-query-groups 2 --seq-length 32768 --bf16 \
+        --num-attention-heads 16 --group-query-attention --num-query-groups 2 --seq-length 32768 --bf16 \
         --pipeline-model-parallel-size 4 --global-batch-size 64 --train-iters 1000 \
         --save /lustre/ckpt --load /lustre/ckpt --exit-signal-handler
 
@@ -103,7 +103,7 @@ def _check_inputs(args) -> None:
     if fresh:
         _warn(f"--load {args.load}: no checkpoint there; training starts from scratch (as in Megatron-LM; "
               "--exit-on-missing-checkpoint makes this an error)")
-    if args.eval_interval and args.eval_iters and not len(split_documents(documents, args.split_fractions)[1]):
+    if args.eval_interval and args.eval_iters > 0 and not len(split_documents(documents, args.split_fractions)[1]):
         _warn(f"--eval-interval {args.eval_interval}: the validation split of --split {args.split} holds no "
               f"document of the {documents}; no evaluation will run")
 

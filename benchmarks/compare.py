@@ -12,9 +12,9 @@ with PNG figures (results of the other mode already in DIR are included).
 shapes, PP 4-16, DP 8-64, CP 1-4 (the cells in benchmarks/harness/compare/scaling.py),
 saving DIR/scaling.json and the scaling_*.png figures.
 ``--regime`` (sim mode): where balance pays, WLB-LLM's regime of PP micro-batches per
-replica, dense and sparse (tools/harness/compare/regime.py; DIR/regime.{json,md,png});
+replica, dense and sparse (benchmarks/harness/compare/regime.py; DIR/regime.{json,md,png});
 ``--wlb-validation``: the simulator against WLB-LLM's published numbers
-(tools/harness/compare/wlb_validation.py; DIR/validation.{json,md}).
+(benchmarks/harness/compare/wlb_validation.py; DIR/validation.{json,md}).
 ``--mode sim --json`` prints ``{"cost_model", "cells": [{"model", "context", "pp", "dp",
 "cp", "arms": {arm: tokens_per_s}, "best_baseline", "sb_vs_best"}]}``
 (benchmarks/harness/compare/cells.py); ``--mode real|all --json`` prints the summary object
@@ -118,11 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scaling-models", type=_names, default=None, metavar="MODELS",
                    help="--scaling: only the cells of these models (comma list)")
     p.add_argument("--regime", action="store_true",
-                   help="sim mode: where balance pays (tools/harness/compare/regime.py): M in "
+                   help="sim mode: where balance pays (benchmarks/harness/compare/regime.py): M in "
                         "{PP, 2xPP, 32}, dense/top-k/threshold, 64K-160K, PP 4 and 8")
     p.add_argument("--wlb-validation", action="store_true",
                    help="sim mode: the simulator against WLB-LLM's published numbers "
-                        "(tools/harness/compare/wlb_validation.py)")
+                        "(benchmarks/harness/compare/wlb_validation.py)")
     g = p.add_argument_group("simulation")
     g.add_argument("--lengths", nargs="*", default=None,
                    help="length files (default ../shared/data/lengths/*.json)")
@@ -524,7 +524,7 @@ def main(argv=None) -> int:
         cmd = ("OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "(unset)") + " benchmarks/compare.py "
                + " ".join(argv if argv is not None else sys.argv[1:]))
         if a.regime or a.wlb_validation:
-            from tools.harness.compare.studies import run_study
+            from benchmarks.harness.compare.studies import run_study
 
             return run_study(a, cmd, log)
         if a.scaling:

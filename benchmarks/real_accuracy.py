@@ -210,9 +210,10 @@ def read_study(path: str) -> dict:
 
 
 def model_flags(load: str) -> list:
+    # the pretrained models train without dropout (conversions before the flags carried it)
     with open(os.path.join(load, "model_flags.txt")) as f:
-        return f.read().split() + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                                   os.path.join(load, "hf")]
+        return ["--hidden-dropout", "0", "--attention-dropout", "0", *f.read().split(),
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.join(load, "hf")]
 
 
 def open_model(a):

@@ -185,7 +185,7 @@ class Balancer:
         self.predictor = predictor
         self.pp, self.vpp = config.parallel.pp, config.parallel.vpp
         self.stages = config.parallel.stages
-        self.schedule = config.parallel.schedule
+        self.schedule, self.group = config.parallel.schedule, config.parallel.group
         self.topk = config.attention.static_topk
         self._policy = None
         if config.dst.enabled:  # the registry checks the name (ValueError listing the policies)
@@ -225,7 +225,7 @@ class Balancer:
             step_ms, base_ms = plan.step_ms, plan.baseline_step_ms
         else:
             fwd, bwd = stage_tables(pred, lengths, self.topk, self.stages)
-            step_ms = base_ms = simulate(fwd, bwd, schedule=self.schedule, vpp=self.vpp).step_ms
+            step_ms = base_ms = simulate(fwd, bwd, schedule=self.schedule, vpp=self.vpp, group=self.group).step_ms
         corr = np.array([[pred.correction(s, ph) for s in range(self.stages)]
                          for ph in ("fwd", "bwd")])
         ms = (time.perf_counter() - t0) * 1e3
@@ -242,6 +242,7 @@ class Balancer:
 
         dst = self.config.dst
         return build_instance(self.predictor, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
+                              group=self.group,
                               k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max, weight=weight)
 
     def forecast(self, step: Hashable, lengths: Lengths, then: Optional[tuple] = None,

@@ -283,10 +283,14 @@ class ParallelConfig:
     CP rank's share is a multiple of it (:func:`sparsebalance.cp_split.sequence_parallel_pad`)."""
     cpu: bool = False
     """The run trains on CPU."""
+    group: Optional[int] = None
+    """Interleaved schedule: micro-batches each virtual stage runs before the next (megatron-core's
+    ``microbatch_group_size_per_vp_stage``); None: ``pp``."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "vpp", "cp", "sp"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.group is None or self.group >= 1, f"parallel.group must be None or >= 1, got {self.group}")
 
     @property
     def stages(self) -> int:

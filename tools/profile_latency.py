@@ -384,10 +384,11 @@ def model_fingerprint(args) -> dict:
 
 def _fill_defaults(args) -> None:
     """Derived model fields, as pretrain_gpt.py derives them."""
+    from megatron.training.arguments import derive_model_fields
     from megatron.training.tokenizer import vocab_size_for
 
+    derive_model_fields(args)
     args.num_query_groups = args.num_query_groups or args.num_attention_heads
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.vocab_size = vocab_size_for(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     args.repeats = args.repeats or (7 if args.quick else 9)
     args.heldout = args.heldout or (12 if args.quick else 40)

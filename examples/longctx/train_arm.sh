@@ -71,7 +71,7 @@ LOSS_FLAGS=""
 [[ $ANSWER_ONLY_LOSS == 1 ]] && LOSS_FLAGS="--mask-prompt-loss"
 mkdir -p "$RUN/ckpt"
 # this project's architecture and schedule (Megatron-LM's defaults differ; docs/usage.md)
-SHAPE_FLAGS="--position-embedding-type rope --untie-embeddings-and-output-weights --lr-decay-style cosine --adam-beta2 0.95 --make-vocab-size-divisible-by 1 --num-layers $NUM_LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS \
+SHAPE_FLAGS="--position-embedding-type rope --untie-embeddings-and-output-weights --lr-decay-style cosine --adam-beta2 0.95 --make-vocab-size-divisible-by 1 --hidden-dropout 0 --attention-dropout 0 --transformer-impl local --tokenizer-type ByteTokenizer --num-layers $NUM_LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS \
 --seq-length $SEQ_LENGTH --max-position-embeddings $MAX_POSITIONS --rotary-percent $ROTARY_PERCENT"
 # Model flags, also stored for eval_arm.sh (checkpoints do not record their arguments).
 MODEL_FLAGS="$SHAPE_FLAGS $FLAGS"

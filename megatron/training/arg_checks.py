@@ -8,7 +8,9 @@ Each raises :class:`UsageError` (one line, exit 2). This module sits below
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from typing import Iterator, Optional, Tuple
 
 from sparsebalance.batching.strategies import STRATEGIES
 
@@ -22,39 +24,82 @@ class UsageError(Exception):
     """Bad command line or input; reported as one line, exit code 2."""
 
 
+_ASSUMED: Optional[Tuple[bool, bool]] = None
+"""(CUDA, Transformer Engine) a launch-line check validates for (:func:`assume_hardware`);
+None: this machine's."""
+
+
+@contextlib.contextmanager
+def assume_hardware(cuda: bool, te: bool) -> Iterator[None]:
+    """Validate command lines as on a machine with (or without) CUDA and Transformer Engine:
+    ``tools/check_launch_script.py --cuda --te`` judges a line for its target, not this machine."""
+    global _ASSUMED
+    before, _ASSUMED = _ASSUMED, (cuda, te)
+    try:
+        yield
+    finally:
+        _ASSUMED = before
+
+
 def has_cuda() -> bool:
     """Whether torch sees a CUDA device (torch imported on first use: ``--help`` stays fast)."""
+    if _ASSUMED is not None:
+        return _ASSUMED[0]
     import torch
 
     return torch.cuda.is_available()
+
+
+def has_transformer_engine() -> bool:
+    """Whether the ``transformer_engine`` package is installed (or assumed, see :func:`assume_hardware`)."""
+    if _ASSUMED is not None:
+        return _ASSUMED[1]
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def validate_megatron_lm(args: argparse.Namespace) -> None:
     """Megatron-LM's spellings, its rules, and the flags this driver refuses (one line each)."""
     from megatron.training import compat
 
+    args.compat_warnings = list(getattr(args, "compat_warnings", None) or [])
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
-    if args.no_position_embedding:
-        args.position_embedding_type = "none"
-    if args.use_flash_attn:
-        args.attention_backend = "flash"
+    # Megatron-LM: --no-position-embedding (add_position_embedding=False) only drops learned
+    # absolute embeddings, which RoPE has none of; with any other type it is an error there.
+    if args.no_position_embedding and args.position_embedding_type != "rope":
+        raise UsageError("--no-position-embedding is deprecated, use --position-embedding-type (rope, or none "
+                         "for no position signal); Megatron-LM refuses it without rope too")
+    # --use-flash-attn: Megatron-LM main parses it and reads it nowhere (the backend stays
+    # --attention-backend's), so it changes nothing here either.
+    resolve_tokenizer_default(args)
     if args.recompute_activations:
         if args.recompute_granularity not in (None, "selective"):
             raise UsageError("--recompute-activations means --recompute-granularity selective, but "
                              f"--recompute-granularity {args.recompute_granularity} was given")
         args.recompute_granularity = "selective"
+    if args.deterministic_mode and args.cross_entropy_loss_fusion:
+        raise UsageError("--deterministic-mode with --cross-entropy-loss-fusion: Megatron-LM requires the loss "
+                         "unfused for determinism; drop one")
     if args.fp16 and args.bf16:
         raise UsageError("give --fp16 or --bf16, not both")
+    if args.fp16 and not args.loss_scale and args.check_for_nan_in_loss_and_grad:
+        # Megatron-LM's rule: non-finite gradients are the dynamic loss scaler's signal
+        args.check_for_nan_in_loss_and_grad = False
+        args.compat_warnings.append("--fp16 with dynamic loss scaling: no stop on a non-finite loss or grad norm "
+                                    "(as in Megatron-LM; overflowing steps are skipped)")
     if args.squared_relu and args.swiglu:
         raise UsageError("give --squared-relu or --swiglu, not both (Megatron-LM asserts the same)")
     if args.test_mode and args.qk_layernorm and args.normalization != "LayerNorm":
         raise UsageError("--test-mode compares the q/k norms' weights and biases: --normalization "
                          f"{args.normalization} has no bias (use LayerNorm, or drop --test-mode)")
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
-        if value > 0:
-            raise UsageError(f"{flag} {value:g}: this driver trains without dropout (its checkpoints hold no "
-                             "RNG state and its attention modules have no dropout); pass 0")
+        if value > 1:  # torch's Dropout takes [0, 1]
+            raise UsageError(f"{flag} {value:g}: a dropout probability is at most 1")
     if args.ckpt_format not in ("torch_dist", "torch"):
         raise UsageError(f"--ckpt-format {args.ckpt_format}: this driver writes torch_dist checkpoints "
                          "(Megatron-LM's default) and reads those and legacy --ckpt-format torch ones")
@@ -65,17 +110,27 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
                          f"{args.profile_step_start}")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM turns it off too: nothing to split without TP
-    args.compat_warnings = list(getattr(args, "compat_warnings", None) or [])
     if args.ckpt_format == "torch" and args.save:
         args.compat_warnings.append("--ckpt-format torch: Megatron-LM's legacy checkpoints are loaded, but --save "
                                     "writes torch_dist (which --load reads too)")
     try:
         args.compat_warnings += compat.resolve(args)
-        cuda = has_cuda() and not args.cpu
-        args.compat_warnings += compat.transformer_engine_fallback(args, cuda)
-        compat.check_hardware(args, cuda=cuda)
+        args.compat_warnings += compat.check_hardware(args, cuda=has_cuda() and not args.cpu)
     except ValueError as e:
         raise UsageError(str(e))
+
+
+def resolve_tokenizer_default(args: argparse.Namespace) -> None:
+    """No ``--tokenizer-type``: Megatron-LM's ``pretrain_gpt.py`` default, GPT2BPETokenizer, where
+    its files are given; without them (Megatron-LM stops there) ByteTokenizer, with one warning."""
+    if args.tokenizer_type is not None:
+        return
+    if args.vocab_file or args.merge_file:
+        args.tokenizer_type = "GPT2BPETokenizer"
+    else:
+        args.tokenizer_type = "ByteTokenizer"
+        args.compat_warnings.append("no --tokenizer-type: Megatron-LM's default GPT2BPETokenizer needs --vocab-file "
+                                    "and --merge-file; training with ByteTokenizer (UTF-8 bytes)")
 
 
 def validate_tokenizer(args: argparse.Namespace) -> None:
@@ -211,6 +266,17 @@ def validate_balance(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {path} is a file, expected a directory")
 
 
+def validate_dropout(args: argparse.Namespace) -> None:
+    """Dropout (Megatron-LM's defaults 0.1): megatron-core applies the hidden dropout; the dense
+    attention modules drop attention probabilities, the sparse kernels cannot."""
+    if args.attention_dropout > 0 and args.sparse_attention:
+        raise UsageError(f"--attention-dropout {args.attention_dropout:g} with --sparse-attention: the sparse "
+                         "attention kernels apply no dropout; pass --attention-dropout 0 (or leave it out)")
+    if args.load and (args.hidden_dropout > 0 or args.attention_dropout > 0):
+        args.compat_warnings.append("dropout with --load: checkpoints hold no RNG state, so a resumed run draws "
+                                    "other dropout masks than an uninterrupted one")
+
+
 def validate_distributed_optimizer(args: argparse.Namespace) -> None:
     """Megatron-LM's rules for the overlap flags."""
     if args.overlap_param_gather and not args.use_distributed_optimizer:
@@ -275,10 +341,13 @@ def validate_pipeline_layout(args: argparse.Namespace) -> None:
 def validate_recompute(args: argparse.Namespace) -> None:
     """Megatron-LM's rules: full needs a method and a layer count, selective takes neither."""
     gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    if gran is None:
-        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):
-            if value is not None:
-                raise UsageError(f"{flag} needs --recompute-granularity full")
+    if gran is None:  # Megatron-LM ignores them then
+        given = [flag for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n))
+                 if value is not None]
+        if given:
+            args.compat_warnings.append(f"{' and '.join(given)} without --recompute-granularity: nothing is "
+                                        "recomputed (as in Megatron-LM)")
+        args.recompute_method = args.recompute_num_layers = None
         return
     if gran == "selective":
         for flag, value in (("--recompute-method", method), ("--recompute-num-layers", n)):

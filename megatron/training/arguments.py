@@ -45,6 +45,18 @@ class OneLineParser(argparse.ArgumentParser):
                 action.default = default
 
 
+class _DefaultsOnce(argparse.HelpFormatter):
+    """``(default: X)`` after a flag's help unless the help already says its default (argparse's
+    ArgumentDefaultsHelpFormatter printed it twice there) or there is none to say."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) \
+                or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
 def usage_error(message: str, prog: str = "pretrain_gpt.py", code: int = 2) -> NoReturn:
     """Print ``prog: error: message`` on stderr and exit with ``code``."""
     sys.stderr.write(f"{prog}: error: {message}\n")
@@ -122,12 +134,15 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="architecture of a published model (Qwen2.5, Llama 3); explicit flags override it")
     g.add_argument("--num-layers", type=pos(int), default=4, help="transformer layers")
     g.add_argument("--hidden-size", type=pos(int), default=128, help="model width")
-    g.add_argument("--ffn-hidden-size", type=pos(int), default=None, help="MLP width (default 4 x hidden)")
+    g.add_argument("--ffn-hidden-size", type=pos(int), default=None,
+                   help="MLP width (default: 4 x hidden; with --swiglu int(8 x hidden / 3 / 64) x 64, as Megatron-LM)")
     g.add_argument("--num-attention-heads", type=pos(int), default=4, help="query heads")
     g.add_argument("--group-query-attention", action="store_true",
-                   help="grouped-query attention (Megatron-LM's switch; --num-query-groups alone also enables it)")
+                   help="grouped-query attention with --num-query-groups key/value heads (Megatron-LM's switch: "
+                        "without it --num-query-groups is ignored)")
     g.add_argument("--num-query-groups", type=pos(int), default=None,
-                   help="key/value heads for GQA (default: = attention heads; 1 with --group-query-attention)")
+                   help="key/value heads with --group-query-attention (default: 1 with it; without it every "
+                        "head has its own, as in Megatron-LM)")
     g.add_argument("--seq-length", type=int, default=1024,
                    help="tokens per micro-batch (packed documents, THD)")
     g.add_argument("--max-position-embeddings", type=pos(int), default=None,
@@ -139,7 +154,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron-LM's older spelling of --position-embedding-type rope")
     g.add_argument("--no-position-embedding", action="store_true",
-                   help="Megatron-LM's older spelling of --position-embedding-type none")
+                   help="deprecated in Megatron-LM: no learned absolute embeddings, so it goes with "
+                        "--position-embedding-type rope (which it leaves unchanged); otherwise an error, as there")
     g.add_argument("--rotary-percent", type=pos(float), default=1.0,
                    help="fraction of each head's dims that RoPE rotates (GPT-NeoX style partial rotary); "
                         "the rest carry content only")
@@ -159,12 +175,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "Megatron-LM; presets of untied models such as llama3-8b set it)")
     g.add_argument("--kv-channels", type=pos(int), default=None,
                    help="width of each attention head (default: hidden size / attention heads)")
-    g.add_argument("--hidden-dropout", type=nonneg(float), default=0.0,
-                   help="dropout after attention and MLP (Megatron-LM's default is 0.1; this driver "
-                        "trains without dropout: only 0 is accepted, see docs/usage.md)")
-    g.add_argument("--attention-dropout", type=nonneg(float), default=0.0,
-                   help="dropout of attention probabilities (Megatron-LM's default is 0.1; only 0 is "
-                        "accepted, see --hidden-dropout)")
+    g.add_argument("--hidden-dropout", type=nonneg(float), default=0.1,
+                   help="dropout of the embeddings and after attention and MLP (Megatron-LM's default)")
+    g.add_argument("--attention-dropout", type=nonneg(float), default=0.1,
+                   help="dropout of the dense attention probabilities (Megatron-LM's default; the sparse "
+                        "attention kernels have none: with --sparse-attention pass 0)")
     g.add_argument("--init-method-std", type=pos(float), default=0.02,
                    help="std of the normal initialization of the weights")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama/Qwen style)")
@@ -204,15 +219,16 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="with --fp16: steps without overflow before the dynamic scale grows")
     g.add_argument("--hysteresis", type=pos(int), default=2,
                    help="with --fp16: overflows tolerated before the dynamic scale shrinks")
-    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
-                   help="local: megatron-core layers with this project's attention modules (Megatron-LM's "
-                        "default is transformer_engine); transformer_engine: Transformer Engine's layer "
-                        "spec (needs CUDA and transformer_engine; dense attention only)")
+    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="transformer_engine",
+                   help="transformer_engine (Megatron-LM's default): Transformer Engine's layer spec where CUDA "
+                        "and transformer_engine are present and the attention is dense, else the local spec "
+                        "with one warning line; local: megatron-core layers with this project's attention modules")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="dense attention: auto/local/unfused = this project's varlen attention; "
                         "flash/fused = Transformer Engine's (needs --transformer-impl transformer_engine)")
     g.add_argument("--use-flash-attn", action="store_true",
-                   help="Megatron-LM's older spelling of --attention-backend flash")
+                   help="accepted without effect, as in Megatron-LM main (which reads it nowhere): the backend "
+                        "is --attention-backend's")
 
 
 def _sparse_attention_flags(p: argparse.ArgumentParser) -> None:
@@ -256,6 +272,9 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=pos(int), default=1,
                    help="CP ranks per micro-batch: each holds a head and a tail chunk of every "
                         "document; attention all-gathers keys/values per layer")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", dest="microbatch_group_size_per_vp_stage",
+                   type=pos(int), default=None, metavar="N",
+                   help="interleaved schedule: micro-batches run per virtual stage before the next (default: PP)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=pos(int), default=None,
                    help="virtual stages per pipeline rank (the other way to ask for the interleaved "
                         "schedule; layers per virtual stage = layers / PP / this)")
@@ -474,7 +493,9 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
                         "at exit); no other cache exists here")
     g.add_argument("--mock-data", action="store_true",
                    help="train on random tokens (one --seq-length document per sample) instead of --data-path")
-    g.add_argument("--split", default="98,2,0", help="train,valid,test weights over documents")
+    g.add_argument("--split", default=None,
+                   help="train,valid,test weights over documents (default with --data-path: '969, 30, 1' and a "
+                        "warning, as in Megatron-LM)")
     g.add_argument("--fim-data", action="store_true",
                    help="fill-in-the-middle: rearrange documents' segments as prefix/suffix/middle with "
                         "sentinel tokens, lengths kept (megatron/training/fim.py)")
@@ -489,8 +510,10 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
                    help="train only on each document's tokens from its loss start on (read from "
                         "DATA_PATH_loss_start.npy, written by tools/preprocess_data.py "
                         "--loss-start-key): prompts are context, answers are targets")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer",
-                   help="see megatron/training/tokenizer.py (ByteTokenizer: UTF-8 bytes, no files)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="see megatron/training/tokenizer.py (default: GPT2BPETokenizer, Megatron-LM's pretrain_gpt.py "
+                        "default, given its --vocab-file and --merge-file; without them ByteTokenizer, UTF-8 bytes "
+                        "with no files, and one warning line)")
     g.add_argument("--tokenizer-model", default=None,
                    help="HuggingFaceTokenizer: tokenizer.json or a directory holding one; "
                         "SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer: tokenizer.model")
@@ -506,7 +529,8 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log-interval", type=pos(int), default=1)
     g.add_argument("--eval-interval", type=nonneg(int), default=0, help="0: no evaluation")
-    g.add_argument("--eval-iters", type=nonneg(int), default=2)
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="iterations per evaluation (Megatron-LM's default; <= 0: no evaluation, as there)")
     g.add_argument("--eval-global-batch-size", type=pos(int), default=None,
                    help="samples (packed sequences) per evaluation iteration, a multiple of --micro-batch-size "
                         "x DP (default: --global-batch-size)")
@@ -583,9 +607,10 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False)
     (a name of theirs may be a Megatron-LM flag, e.g. ``--warmup``)."""
     p = OneLineParser(
         prog=prog,
+        usage="%(prog)s [options]",  # argparse's own lists all ~200 flags once more (150 lines)
         description="GPT training on megatron-core with packed documents (CPU/gloo or GPU/NCCL).",
         allow_abbrev=False,  # a typo must never silently match another flag
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnce,
     )
     _model_flags(p)
     _sparse_attention_flags(p)
@@ -616,9 +641,36 @@ def _split(text: str) -> tuple[float, float, float]:
     return tuple(x / total for x in parts)  # type: ignore[return-value]
 
 
+LEGACY_SPLIT = "969, 30, 1"
+"""Megatron-LM's ``--split`` when ``--data-path`` comes without one (with a warning there)."""
+
+
+def derive_model_fields(args: argparse.Namespace) -> None:
+    """What Megatron-LM derives from flags left out: for :func:`validate` and for tools that
+    rebuild a run's model from its flags without validating a run. ``--num-query-groups``
+    counts only with ``--group-query-attention`` (1 group by default then; else a group per
+    head, megatron-core's None); the MLP is 4h, with ``--swiglu`` int(8h/3/64) x 64 (SwiGLU's
+    two input projections keep about 4h's parameters); positions up to ``--seq-length``;
+    ``--split`` its legacy default; the tokenizer as :func:`arg_checks.resolve_tokenizer_default`."""
+    if not args.group_query_attention:
+        args.num_query_groups = None
+    elif args.num_query_groups is None:
+        args.num_query_groups = 1
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.split is None:
+        args.split = LEGACY_SPLIT
+    if getattr(args, "tokenizer_type", None) is None:
+        args.compat_warnings = list(getattr(args, "compat_warnings", None) or [])
+        arg_checks.resolve_tokenizer_default(args)
+
+
 def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check cross-flag consistency and fill derived fields; raises :class:`UsageError`."""
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    split_given = args.split is not None
     arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -677,26 +729,25 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"--eval-global-batch-size {args.eval_global_batch_size} is not divisible by "
                          f"micro-batch size x DP = {args.micro_batch_size} x {dp}")
     args.eval_num_microbatches = args.eval_global_batch_size // (args.micro_batch_size * dp)
-    if args.virtual_pipeline_model_parallel_size and args.eval_num_microbatches % pp:
-        raise UsageError(f"the interleaved schedule needs evaluation micro-batches per rank "
-                         f"({args.eval_num_microbatches}) divisible by PP {pp}")
-    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
-        raise UsageError(f"the interleaved schedule needs micro-batches per rank "
-                         f"({args.num_microbatches}) divisible by PP {pp}")
+    if args.virtual_pipeline_model_parallel_size:  # megatron-core's interleaved schedule's constraints
+        from sparsebalance.pipeline.schedule import check_schedule
+
+        for what, m in (("", args.num_microbatches), ("evaluation ", args.eval_num_microbatches)):
+            try:
+                check_schedule("interleaved", pp, m, args.virtual_pipeline_model_parallel_size,
+                               args.microbatch_group_size_per_vp_stage)
+            except ValueError as e:
+                raise UsageError(f"the interleaved schedule with {m} {what}micro-batches per rank: {e} "
+                                 "(--microbatch-group-size-per-virtual-pipeline-stage sets the group)") from None
     if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
         raise UsageError(f"--hidden-size {args.hidden_size} not divisible by "
                          f"--num-attention-heads {args.num_attention_heads} (or give --kv-channels)")
-    if args.group_query_attention and args.num_query_groups is None:
-        args.num_query_groups = 1
+    derive_model_fields(args)
     if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
         raise UsageError(f"--num-attention-heads {args.num_attention_heads} not divisible by "
                          f"--num-query-groups {args.num_query_groups}")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
     if args.max_position_embeddings < args.seq_length:
         raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} < --seq-length {args.seq_length}")
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
     if args.rotary_percent > 1.0:
         raise UsageError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
     head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
@@ -712,6 +763,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     bad = [n for n in args.sb_dense_layers if n > args.num_layers]
     if bad:
         raise UsageError(f"--sb-dense-layers {bad[0]} is beyond --num-layers {args.num_layers}")
+    if args.data_path and not split_given:  # Megatron-LM's warning
+        args.compat_warnings.append(f"--data-path without --split: using Megatron-LM's legacy default '{LEGACY_SPLIT}'")
     args.split_fractions = _split(args.split)
     arg_checks.validate_balance(args)
     arg_checks.validate_recompute(args)
@@ -749,10 +802,15 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError("--finetune needs --load")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise UsageError(f"--load: {args.load} is not a directory")
+    # Megatron-LM ignores these without --load (recipes pass them for their resumes): training
+    # starts from scratch, and a flag meant to stop a run without a checkpoint says so
     if args.exit_on_missing_checkpoint and args.load is None:
-        raise UsageError("--exit-on-missing-checkpoint needs --load")
-    if args.no_load_optim and args.load is None:
-        raise UsageError("--no-load-optim needs --load")
+        args.compat_warnings.append("--exit-on-missing-checkpoint without --load: no checkpoint to look for, "
+                                    "training starts from scratch (as in Megatron-LM)")
+    if args.eval_interval and args.eval_iters <= 0:
+        args.compat_warnings.append(f"--eval-iters {args.eval_iters}: no evaluation (as in Megatron-LM), "
+                                    f"whatever --eval-interval says")
+    arg_checks.validate_dropout(args)
     return args
 
 
@@ -779,6 +837,20 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     return build_parser(megatron_lm_flags=True)
 
 
+def _sparse_attention_dropout(parser, argv, args: argparse.Namespace) -> None:
+    """Sparse attention applies no attention dropout: where the line does not set
+    ``--attention-dropout`` (Megatron-LM's default 0.1) it trains with 0 and says so once; a
+    value the line (or its preset) sets stays, and validation refuses it above 0."""
+    if not (args.sparse_attention or args.sparse_balance) or args.attention_dropout == 0:
+        return
+    from megatron.training.checkpoint_args import explicit_dests
+
+    if "attention_dropout" not in explicit_dests(parser, argv):
+        args.compat_warnings.append(f"--attention-dropout not given: 0 with sparse attention, whose kernels apply "
+                                    f"no dropout (Megatron-LM's default would be {args.attention_dropout:g})")
+        args.attention_dropout = 0.0
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
     """Parse and validate; any usage error prints one line and exits with code 2."""
     parser = _pretrain_parser()
@@ -792,6 +864,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
                 apply_checkpoint_args(args, explicit_dests(parser, argv), args.compat_warnings.append)
             except ValueError as e:
                 raise UsageError(str(e))
+        _sparse_attention_dropout(parser, argv, args)
         return validate(args, world_size)
     except UsageError as e:
         usage_error(str(e), prog=parser.prog)

@@ -15,7 +15,8 @@ of :data:`MODEL_ARGS` the same way (a plain dict) and reads either kind:
   (not weight shapes with RoPE: context extension changes them; Megatron-LM keeps the
   command line's too);
 * an architecture this driver does not build (e.g. MoE, squared ReLU) is refused in one
-  line; dropout is not taken (this driver trains without dropout).
+  line. The dropout probabilities are the checkpoint's even when given (Megatron-LM forces
+  them); a given value that differs gets one warning line.
 
 No checkpoint under ``--load``: the command line's flags with one warning (Megatron-LM
 prints the same), or the ``--exit-on-missing-checkpoint`` error.
@@ -32,10 +33,12 @@ MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "norm_epsilon",
               "swiglu", "squared_relu", "apply_layernorm_1p", "qk_layernorm", "attention_output_gate",
               "rotary_interleaved", "add_qkv_bias", "disable_bias_linear", "untie_embeddings_and_output_weights",
-              "padded_vocab_size")
+              "padded_vocab_size", "hidden_dropout", "attention_dropout")
 """Flags (argparse dests) saved as the checkpoint's ``args`` and read back."""
 COMMAND_LINE_WINS = ("seq_length", "max_position_embeddings")
 """Read from the checkpoint only when the command line leaves them out."""
+CHECKPOINT_WINS = ("hidden_dropout", "attention_dropout")
+"""The checkpoint's value replaces a given one (Megatron-LM's ``_set_arg(..., force=True)``)."""
 UNSUPPORTED = {"num_experts": "mixture of experts", "multi_latent_attention": "multi-latent attention",
                "mtp_num_layers": "multi-token prediction"}
 """Megatron-LM namespace entries (truthy) naming a model this driver does not build."""
@@ -125,6 +128,11 @@ def apply_checkpoint_args(args: argparse.Namespace, given: Sequence[str], warn) 
         value = saved[name]
         if name in given and getattr(args, name) != value:
             if name in COMMAND_LINE_WINS:
+                continue
+            if name in CHECKPOINT_WINS:
+                warn(f"--use-checkpoint-args: --{name.replace('_', '-')} {value} from the checkpoint replaces the "
+                     f"command line's {getattr(args, name)} (as in Megatron-LM)")
+                setattr(args, name, value)
                 continue
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"--use-checkpoint-args: {flag} {getattr(args, name)} on the command line, but the "

@@ -209,69 +209,54 @@ def resolve(args: argparse.Namespace) -> List[str]:
             f"accepted without effect (logging/profiling extras this driver does not produce): {' '.join(ignored)}"]
 
 
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def transformer_engine_fallback(args: argparse.Namespace, cuda: bool) -> List[str]:
-    """``--transformer-impl transformer_engine`` where CUDA or the transformer_engine package
-    is missing: train the same model with the local spec (``args.transformer_impl`` becomes
-    ``local``); returns the warning line saying what is lost (none where TE runs).
-
-    The two specs hold the same parameters (megatron-core maps the local norms onto TE's
-    fused LayerNorm-linear names in torch_dist checkpoints), so a run can move between them.
-    With sparse attention ``--attention-backend`` has nothing to pick (this project's module
-    fills the core-attention slot of either spec; ``--sb-attention-backend`` picks its
-    kernel): it goes back to ``auto`` with a warning line.
-    """
-    out = []
-    sparse = args.sparse_attention or args.sparse_balance
-    if sparse and args.attention_backend in ("flash", "fused"):
-        out.append(f"--attention-backend {args.attention_backend} chooses Transformer Engine's dense attention; "
-                   "with sparse attention this project's module runs instead (--sb-attention-backend picks "
-                   "its kernel)")
-        args.attention_backend = "auto"
-    te = _importable("transformer_engine")
-    if args.transformer_impl != "transformer_engine" or (cuda and te):
-        return out
-    missing = " and ".join(x for x, ok in (("CUDA", cuda), ("the transformer_engine package", te)) if not ok)
-    lost = "TE's fused LayerNorm-linear and GEMM kernels"
-    if args.attention_backend in ("flash", "fused"):
-        lost += (f" and --attention-backend {args.attention_backend}, TE's attention (this project's dense "
-                 "attention runs instead)")
-        args.attention_backend = "auto"
-    args.transformer_impl = "local"
-    return out + [f"--transformer-impl transformer_engine without {missing}: training with the local layer "
-                  f"spec (same model, same checkpoint layout; lost: {lost})"]
-
-
-def check_hardware(args: argparse.Namespace, cuda: bool) -> None:
+def check_hardware(args: argparse.Namespace, cuda: bool) -> List[str]:
     """Hardware-bound flags this driver defines: fine where the GPU / library is present,
-    else ``ValueError`` with one line naming the flag and what it needs."""
+    else ``ValueError`` with one line naming the flag and what it needs. Returns warning
+    lines: ``--transformer-impl transformer_engine`` (Megatron-LM's default) that cannot run
+    here becomes the local spec, said once."""
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
         if on and not cuda:
             raise ValueError(f"{flag} needs CUDA (the CPU path trains in fp32; drop {flag} or "
                              "run on a GPU without --cpu)")
-    if args.deterministic_mode and cuda:
-        raise ValueError("--deterministic-mode on CUDA: this driver's GPU attention kernels are not deterministic "
-                         "(their backward accumulates with atomics); drop it, or train with --cpu")
     if args.distributed_backend == "nccl" and not cuda:
         raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
-    te = args.transformer_impl == "transformer_engine"
-    if te and args.context_parallel_size > 1:
-        raise ValueError("--transformer-impl transformer_engine with --context-parallel-size > 1 is not "
-                         "supported (this driver's CP attention is its own); use --transformer-impl local")
-    if args.attention_backend in ("flash", "fused") and not te:
-        flag = "--use-flash-attn (= --attention-backend flash)" if args.use_flash_attn else \
-            f"--attention-backend {args.attention_backend}"
-        raise ValueError(f"{flag} is Transformer Engine's: it needs "
-                         "--transformer-impl transformer_engine on a CUDA GPU with transformer_engine "
-                         "(auto/local/unfused use this project's attention)")
+    warnings = []
+    sparse = args.sparse_attention or args.sparse_balance
+    if sparse and args.attention_backend in ("flash", "fused"):
+        # this project's module fills the core-attention slot of either spec
+        warnings.append(f"--attention-backend {args.attention_backend} chooses Transformer Engine's dense "
+                        "attention; with sparse attention this project's module runs instead "
+                        "(--sb-attention-backend picks its kernel)")
+        args.attention_backend = "auto"
+    if args.transformer_impl == "transformer_engine":
+        why = _te_unusable(args, cuda)
+        if why:
+            args.transformer_impl = "local"
+            warnings.append(f"--transformer-impl transformer_engine: {why}; training with the local layer spec "
+                            "(the same model and checkpoint layout without TE's fused LayerNorm-linear, linear "
+                            "and attention kernels)")
+    # Megatron-LM's local spec ignores --attention-backend too
+    if args.attention_backend in ("flash", "fused") and args.transformer_impl == "local":
+        warnings.append(f"--attention-backend {args.attention_backend} picks a Transformer Engine kernel; the "
+                        "local layer spec runs this project's dense attention")
+    if args.deterministic_mode and cuda and sparse:
+        raise ValueError("--deterministic-mode on CUDA with --sparse-attention: the sparse attention kernels are "
+                         "not deterministic (their backward accumulates with atomics); drop one, or train with --cpu")
+    return warnings
+
+
+def _te_unusable(args: argparse.Namespace, cuda: bool) -> Optional[str]:
+    """Why Transformer Engine's layer spec cannot build this run (None: it can). With sparse
+    attention the TE spec carries this project's module in its core-attention slot."""
+    from megatron.training.arg_checks import has_transformer_engine
+
+    missing = [x for x, ok in (("CUDA", cuda), ("the transformer_engine package", has_transformer_engine()))
+               if not ok]
+    if missing:
+        return " and ".join(missing) + " missing"
+    if args.context_parallel_size > 1:
+        return "this driver's context-parallel attention lives in the local spec"
+    return None
 
 
 def split_script_flags(tokens: Sequence[str]) -> List[Tuple[str, List[str]]]:

@@ -46,7 +46,7 @@ NOOP = {
         "--nccl-communicator-config-path --use-tp-pp-dp-mapping --disable-gloo-process-groups "
         "--distributed-timeout-seconds-after-init --local-rank --high-priority-stream-groups "
         "--tp-comm-bootstrap-backend --use-sharp --sharp-enabled-group --create-all-gather-group "
-        "--microbatch-group-size-per-virtual-pipeline-stage --no-pin-cpu-grads --no-pin-cpu-params "
+        "--no-pin-cpu-grads --no-pin-cpu-params "
         "--overlap-param-gather-with-optimizer-step --disable-align-grad-reduce --mlp-chunks-for-training "
         "--no-use-layer-wise-param-layout --use-layer-wise-param-layout",
     "checkpoints are always torch_dist, written synchronously and loaded by every rank":

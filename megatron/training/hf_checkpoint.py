@@ -115,7 +115,9 @@ def flags_from_hf_config(cfg: dict) -> List[str]:
              "--rotary-base", str(int(theta)),
              "--disable-bias-linear", "--vocab-size", str(s.vocab), "--make-vocab-size-divisible-by", "1",
              "--init-method-std", repr(float(cfg.get("initializer_range", 0.02))),
-             "--max-position-embeddings", str(int(cfg.get("max_position_embeddings", 4096)))]
+             "--max-position-embeddings", str(int(cfg.get("max_position_embeddings", 4096))),
+             # these models train without hidden dropout; Megatron-LM's defaults are 0.1
+             "--hidden-dropout", "0", "--attention-dropout", repr(float(cfg.get("attention_dropout", 0.0)))]
     if s.qkv_bias:
         flags.append("--add-qkv-bias")
     if scaling:

@@ -44,6 +44,8 @@ def initialize(args) -> None:
         raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
     if not cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if getattr(args, "deterministic_mode", False):
+            deterministic_cuda()
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     torch.distributed.init_process_group(backend=backend, timeout=timeout)
     ps.initialize_model_parallel(
@@ -58,6 +60,19 @@ def initialize(args) -> None:
         from megatron.training.cpu_bridge import install_cpu_rng_tracker
 
         install_cpu_rng_tracker()  # megatron forks it around dropout on sequence shards
+
+
+DETERMINISTIC_ENV = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+"""--deterministic-mode's settings on CUDA (Megatron-LM's): NCCL, Transformer Engine and cuBLAS
+read them when first used, so they are set before the process group and any kernel; a
+value the environment already holds wins."""
+
+
+def deterministic_cuda() -> None:
+    """``--deterministic-mode`` on CUDA (checked in compat.py: Transformer Engine's layers)."""
+    for name, value in DETERMINISTIC_ENV.items():
+        os.environ.setdefault(name, value)
+    torch.use_deterministic_algorithms(True)
 
 
 def set_seeds(seed: int, cpu: bool) -> None:

@@ -128,24 +128,23 @@ def _own(flag: str, values: List[str], action, parser, cuda: bool, te: bool, tp:
     v = values[0] if values else ""
     if (flag in ("--bf16", "--fp16") or (flag == "--distributed-backend" and v == "nccl")) and not cuda:
         return "hardware", "needs CUDA"
-    te_impl = (given.get("--transformer-impl") or [""])[0] == "transformer_engine"
-    if flag == "--use-flash-attn" or (flag == "--attention-backend" and v in ("flash", "fused")):
-        if not te_impl:
-            return "unsupported", "needs --transformer-impl transformer_engine"
-        if not (cuda and te):
-            return "ignored", "Transformer Engine's attention: where CUDA or TE is missing this project's runs"
-    if flag == "--deterministic-mode" and cuda:
-        return "unsupported", "this driver's GPU attention kernels are not deterministic (atomic accumulation)"
+    if flag == "--use-flash-attn":
+        return "honoured", "no effect, as in Megatron-LM main (which reads it nowhere)"
+    te_impl = (given.get("--transformer-impl") or ["transformer_engine"])[0] == "transformer_engine"
+    if flag == "--attention-backend" and v in ("flash", "fused") and not (te_impl and cuda and te):
+        return "ignored", "Transformer Engine's attention: the local layer spec runs this project's (one warning)"
+    if flag == "--deterministic-mode" and cuda and ("--sparse-attention" in given or "--sparse-balance" in given):
+        return "unsupported", "the sparse attention kernels are not deterministic on CUDA (atomic accumulation)"
     if flag == "--transformer-impl" and v == "transformer_engine" and not (cuda and te):
-        return "ignored", "the local layer spec trains where CUDA or transformer_engine is missing (one warning)"
+        return "honoured", "the local layer spec without CUDA and transformer_engine (one warning line)"
     if _is_var(values):
         return "honoured", "value is a shell variable (not checked)"
     rules = {
         "--transformer-impl": (v == "inference_optimized", "inference layers do not apply to training"),
         "--ckpt-format": (v not in ("", "torch_dist", "torch"),
                           "torch_dist checkpoints are written; torch_dist and legacy torch ones are read"),
-        "--hidden-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
-        "--attention-dropout": ((_number(v) or 0) > 0, "this driver trains without dropout"),
+        "--attention-dropout": ((_number(v) or 0) > 0 and "--sparse-attention" in given,
+                                "the sparse attention kernels apply no dropout"),
     }
     bad, why = rules.get(flag, (False, ""))
     if bad:
@@ -191,3 +190,23 @@ def runnable_argv(rows: List[dict]) -> List[str]:
         if r["status"] != "hardware":
             argv += [r["flag"], *r["values"]]
     return argv
+
+
+def judge_line(argv: Sequence[str], cuda: bool, te: bool, world_size: int) -> Optional[str]:
+    """The whole command line as ``pretrain_gpt.py``'s own parse and validation judge it on a
+    machine with (or without) CUDA and Transformer Engine: None when it is accepted, else the
+    one error line the trainer would print (files it names must exist, as for the trainer)."""
+    import contextlib
+    import io
+
+    from megatron.training.arg_checks import assume_hardware
+    from megatron.training.arguments import parse_args
+
+    err = io.StringIO()
+    with assume_hardware(cuda, te), contextlib.redirect_stderr(err):
+        try:
+            parse_args(list(argv), world_size=world_size)
+        except SystemExit:
+            lines = err.getvalue().strip().splitlines()
+            return lines[-1] if lines else "refused"
+    return None

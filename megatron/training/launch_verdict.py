@@ -50,19 +50,10 @@ class Verdict:
 @contextlib.contextmanager
 def on_target(target: Target) -> Iterator[None]:
     """The trainer's hardware probes answer as on ``target`` while the block runs."""
-    from megatron.training import arg_checks, arguments, compat
+    from megatron.training.arg_checks import assume_hardware
 
-    real = arg_checks.has_cuda, arguments.has_cuda, compat._importable
-
-    def importable(module: str) -> bool:
-        return target.te if module.split(".")[0] == "transformer_engine" else real[2](module)
-
-    arg_checks.has_cuda = arguments.has_cuda = lambda: target.cuda
-    compat._importable = importable
-    try:
+    with assume_hardware(target.cuda, target.te):
         yield
-    finally:
-        arg_checks.has_cuda, arguments.has_cuda, compat._importable = real
 
 
 def judge(argv: Sequence[str], world_size: int, target: Target) -> Verdict:

@@ -79,9 +79,11 @@ def validate_schedule(args: argparse.Namespace, usage_error: Callable[[str], Exc
     if end < start:
         raise usage_error(f"--end-weight-decay {end} is smaller than --start-weight-decay {start}")
     steps = schedule_steps(args)
-    if steps["lr_warmup_steps"] > args.train_iters:
-        raise usage_error(f"the LR warmup ({steps['lr_warmup_steps']:g} iterations) exceeds the "
-                          f"{args.train_iters} training iterations")
+    if steps["lr_warmup_steps"] > args.train_iters:  # Megatron-LM runs it: the run ends in warmup
+        args.compat_warnings = [*getattr(args, "compat_warnings", []),
+                                f"the LR warmup ({steps['lr_warmup_steps']:g} iterations) is longer than the "
+                                f"{args.train_iters} training iterations: the LR stays below --lr "
+                                f"{args.lr:g} throughout (as in Megatron-LM)"]
 
 
 def schedule_steps(args: argparse.Namespace) -> Dict[str, Optional[float]]:

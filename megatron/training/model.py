@@ -46,7 +46,7 @@ def layer_spec(args, attention=None):
 
         attention = attention_config(args)
     # validation put --transformer-impl back to local where CUDA or TE is missing
-    # (compat.transformer_engine_fallback), so transformer_engine here means TE runs
+    # (compat.check_hardware), so transformer_engine here means TE runs
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     if attention.sparse:
         # Imported lazily: the sparse module is optional until --sparse-attention is used.
@@ -120,6 +120,7 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
         # Context parallelism: our core_attention modules all-gather K/V over the CP group
         # (sparsebalance.attention.context_parallel); the split is done by data.py.
         context_parallel_size=getattr(args, "context_parallel_size", 1),
@@ -127,8 +128,10 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
-        hidden_dropout=0.0,  # dropout would fork megatron's CUDA RNG tracker
-        attention_dropout=0.0,
+        # megatron-core applies the hidden dropout (embeddings, after attention and MLP); the
+        # dense core-attention modules read attention_dropout (the sparse ones are refused it)
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
         use_cpu_initialization=use_cpu,
         # Packed micro-batches differ in length; the interleaved schedule gets padded
         # ones instead (see data.py for why).

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-_QWEN2 = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", rotary_base=1000000,
+# Both families: grouped-query attention (Megatron-LM reads --num-query-groups only with
+# --group-query-attention) and no dropout (their config.json's attention_dropout 0.0)
+_COMMON = dict(group_query_attention=True, hidden_dropout=0.0, attention_dropout=0.0)
+_QWEN2 = dict(_COMMON, normalization="RMSNorm", swiglu=True, position_embedding_type="rope", rotary_base=1000000,
               norm_epsilon=1e-6, add_qkv_bias=True, disable_bias_linear=True, init_method_std=0.02,
               make_vocab_size_divisible_by=1)
 
@@ -25,7 +28,7 @@ MODEL_PRESETS: Dict[str, dict] = {
                        num_query_groups=2, vocab_size=151936, untie_embeddings_and_output_weights=False),
     "qwen2.5-7b": dict(_QWEN2, num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28,
                        num_query_groups=4, vocab_size=152064, untie_embeddings_and_output_weights=True),
-    "llama3-8b": dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", rotary_base=500000,
+    "llama3-8b": dict(_COMMON, normalization="RMSNorm", swiglu=True, position_embedding_type="rope", rotary_base=500000,
                       norm_epsilon=1e-5, add_qkv_bias=False, disable_bias_linear=True, init_method_std=0.02,
                       make_vocab_size_divisible_by=1, num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
                       num_attention_heads=32, num_query_groups=8, vocab_size=128256,

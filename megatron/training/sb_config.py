@@ -37,7 +37,8 @@ def parallel_config(args) -> ParallelConfig:
     sp = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
     return ParallelConfig(pp=args.pipeline_model_parallel_size,
                           vpp=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
-                          cp=getattr(args, "context_parallel_size", 1) or 1, sp=sp, cpu=use_cpu(args))
+                          cp=getattr(args, "context_parallel_size", 1) or 1, sp=sp, cpu=use_cpu(args),
+                          group=getattr(args, "microbatch_group_size_per_vp_stage", None))
 
 
 def model_config(args, vocab_size: int) -> ModelShape:

@@ -176,14 +176,14 @@ def setup(args) -> TrainState:
                               balancer=balancer, attention=sb.attention, density=density,
                               sensitivity=sensitivity, **cp)
     valid = None
-    if args.eval_interval and args.eval_iters and len(valid_ids):
+    if args.eval_interval and args.eval_iters > 0 and len(valid_ids):
         valid = PackedDataLoader(dataset, valid_ids, dp=dp, dp_rank=dp_rank, item_length=args.seq_length,
                                  micro_batches=args.eval_num_microbatches, seq_length=args.micro_batch_tokens,
                                  strategy="megatron", seed=args.seed, shuffle=False, vocab_size=vocab,
                                  pad_to=pad_to, loss_starts=loss_starts, pad_id=pad_id, **cp)
     config = transformer_config(args, use_cpu=cpu)
     timers = StageTimers(rank_order(sb.parallel.schedule, pp, pp_rank, args.num_microbatches,
-                                    sb.parallel.vpp))
+                                    sb.parallel.vpp, sb.parallel.group))
     config.timers = timers
     config.finalize_model_grads_func = finalize_model_grads
     model = build_model(args, config, vocab, sb.attention)

@@ -24,11 +24,14 @@ On the CPU, and on CUDA without ``flash-attn-4``, attention runs per document th
 optimised flash path). On CUDA with 16-bit inputs and ``flash-attn-4`` installed, the
 whole packed batch runs in one FlashAttention-4 varlen causal call (no per-document loop,
 no host sync): the strong dense baseline the sparse kernels are measured against.
-``SPARSEBALANCE_DENSE_BACKEND=sdpa`` keeps the per-document SDPA path.
+``SPARSEBALANCE_DENSE_BACKEND=sdpa`` keeps the per-document SDPA path. Where torch's
+deterministic algorithms are on (``--deterministic-mode`` on CUDA), CUDA inputs take SDPA's
+math kernel, whose backward accumulates without atomics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Optional
@@ -82,6 +85,7 @@ def causal_varlen_attention(
     cu_seqlens: torch.Tensor,
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention per document of a packed batch.
 
@@ -90,6 +94,8 @@ def causal_varlen_attention(
         cu_seqlens: int ``[n_docs + 1]`` document boundaries (0 .. T).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         backend: :data:`DENSE_BACKENDS` name (default: :func:`dense_backend`'s choice).
+        dropout_p: dropout of the attention probabilities (SDPA's; > 0 always takes the SDPA
+            path, fa4 has no dropout).
 
     Returns:
         ``[T, H, D]``.
@@ -99,7 +105,7 @@ def causal_varlen_attention(
     if H % hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({hkv})")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    if dense_backend(q, backend) == "fa4":
+    if dropout_p == 0 and not _deterministic(q) and dense_backend(q, backend) == "fa4":
         return _fa4_varlen(q, k, v, cu_seqlens, scale)
     bounds = cu_seqlens.tolist()
     out = torch.empty_like(q)
@@ -110,14 +116,31 @@ def causal_varlen_attention(
         qd = q[s:e].transpose(0, 1).unsqueeze(0)
         kd = k[s:e].transpose(0, 1).unsqueeze(0)
         vd = v[s:e].transpose(0, 1).unsqueeze(0)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, is_causal=True, scale=scale, enable_gqa=hkv != H
-        )
+        with _sdpa_kernels(q):
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, is_causal=True, scale=scale, enable_gqa=hkv != H, dropout_p=dropout_p
+            )
         out[s:e] = od.squeeze(0).transpose(0, 1)
     return out
 
 
-def causal_local_attention(q, k_full, v_full, layout, softmax_scale: Optional[float] = None) -> torch.Tensor:
+def _deterministic(q: torch.Tensor) -> bool:
+    """CUDA input with torch's deterministic algorithms on (``--deterministic-mode``)."""
+    return q.is_cuda and torch.are_deterministic_algorithms_enabled()
+
+
+def _sdpa_kernels(q: torch.Tensor):
+    """SDPA's math kernel where :func:`_deterministic` (its flash and memory-efficient backwards
+    may accumulate with atomics); otherwise torch's choice."""
+    if not _deterministic(q):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def causal_local_attention(q, k_full, v_full, layout, softmax_scale: Optional[float] = None,
+                           dropout_p: float = 0.0) -> torch.Tensor:
     """Dense causal attention of some queries of each document against the whole document.
 
     Args:
@@ -125,6 +148,7 @@ def causal_local_attention(q, k_full, v_full, layout, softmax_scale: Optional[fl
             document as ``layout.local_docs`` says).
         k_full, v_full: ``[sum(lengths), Hkv, D]`` keys/values of every document.
         layout: :class:`~sparsebalance.attention.context_parallel.CPLayout`.
+        dropout_p: dropout of the attention probabilities.
 
     Returns:
         ``[n, H, D]``: query at document position ``p`` attends to keys ``0 .. p``.
@@ -142,8 +166,9 @@ def causal_local_attention(q, k_full, v_full, layout, softmax_scale: Optional[fl
         qd = q[a:b].transpose(0, 1).unsqueeze(0)
         kd = k_full[s:s + n_keys].transpose(0, 1).unsqueeze(0)
         vd = v_full[s:s + n_keys].transpose(0, 1).unsqueeze(0)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
-                                            enable_gqa=hkv != H)
+        with _sdpa_kernels(q):
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
+                                                enable_gqa=hkv != H, dropout_p=dropout_p)
         outs.append(od.squeeze(0).transpose(0, 1))
     return torch.cat(outs, 0) if outs else q * 0
 
@@ -186,15 +211,21 @@ class CausalVarlenAttention(MegatronModule):
             raise ValueError(f"attn_mask_type must be causal for {name}, got {attn_mask_type}")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
+        self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    @property
+    def dropout_p(self) -> float:
+        """Dropout of the attention probabilities now (none in evaluation)."""
+        return self.attention_dropout if self.training else 0.0
 
     def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None) -> torch.Tensor:
         """``[T, H, D]`` attention over the documents of ``cu_seqlens`` (subclasses swap it;
         ``packed_seq_params`` is the micro-batch's, None for SBHD input)."""
-        return causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale)
+        return causal_varlen_attention(q, k, v, cu_seqlens, self.softmax_scale, dropout_p=self.dropout_p)
 
     def _attend_cp(self, q, query, k_full, v_full, layout, group, packed_seq_params=None) -> torch.Tensor:
         """``[n, H, D]`` attention of this CP rank's real queries ``q`` (subclasses swap it)."""
-        return causal_local_attention(q, k_full, v_full, layout, self.softmax_scale)
+        return causal_local_attention(q, k_full, v_full, layout, self.softmax_scale, dropout_p=self.dropout_p)
 
     def _forward_cp(self, query, key, value, packed_seq_params) -> torch.Tensor:
         from sparsebalance.attention.context_parallel import depend_on_gathered, gather_kv

@@ -76,6 +76,9 @@ class SparseAttention(CausalVarlenAttention):
     ):
         super().__init__(config, layer_number, attn_mask_type, attention_type,
                          attention_dropout, softmax_scale, cp_comm_type, pg_collection)
+        if self.attention_dropout:
+            raise ValueError(f"attention_dropout must be 0 for {type(self).__name__} (its kernels have no "
+                             f"dropout), got {self.attention_dropout}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if topk is not None and (not isinstance(topk, int) or topk < 0):

@@ -38,6 +38,70 @@ def test_counts_training_configs_by_status(tmp_path, capsys):
     assert [r[0].split(":")[0] for r in out["top_refused"]] == ["--moe-router-topk"]
 
 
+# Megatron-LM accepts both whole (a warmup longer than the run ends in warmup; the data path
+# is a shell variable); the trainer refuses the MoE one, naming its flag
+WHOLE = {
+    "warmup_longer_than_run": """MODEL_ARGS:
+  --num-layers: 2
+  --hidden-size: 64
+  --num-attention-heads: 4
+  --seq-length: 64
+  --max-position-embeddings: 64
+  --micro-batch-size: 1
+  --train-iters: 50
+  --lr-decay-iters: 320000
+  --lr-warmup-fraction: .01
+  --data-path: ${DATA_PATH}/my-gpt3_00_text_document
+  --split: 949,50,1
+  --vocab-file: ${DATA_PATH}/bpe/vocab.json
+  --merge-file: ${DATA_PATH}/bpe/merges.txt
+  --save: ${CHECKPOINT_SAVE_PATH}
+  --load: ${CHECKPOINT_LOAD_PATH}
+  --seed: ${REPEAT}
+  --step-batch-size-schedule: "0:8"
+""",
+    "tied_pp2": """MODEL_ARGS:
+  --num-layers: 2
+  --hidden-size: 64
+  --num-attention-heads: 4
+  --seq-length: 64
+  --max-position-embeddings: 64
+  --pipeline-model-parallel-size: 2
+  --bf16: true
+  --mock-data: true
+  --tokenizer-type: NullTokenizer
+  --vocab-size: 100
+""",
+    "moe": """MODEL_ARGS:
+  --num-layers: 2
+  --hidden-size: 64
+  --num-attention-heads: 4
+  --mock-data: true
+  --tokenizer-type: NullTokenizer
+  --vocab-size: 100
+  --num-experts: 4
+""",
+}
+
+
+def test_whole_configs_judged_by_the_trainer(tmp_path, capsys):
+    for name, text in WHOLE.items():
+        d = tmp_path / "tests" / "functional_tests" / "test_cases" / "gpt" / name
+        os.makedirs(d)
+        (d / "model_config.yaml").write_text(text)
+    main(["--megatron-lm", str(tmp_path)])
+    cpu = json.loads(capsys.readouterr().out)
+    # on CPU --bf16 and, without it, tied embeddings over PP 2 need CUDA
+    assert cpu["whole_configs_accepted"] == cpu["whole_configs_accepted_without_hardware_flags"] == 1
+    assert any("tied embeddings" in r for r, _ in cpu["whole_configs_refused_by"])
+    main(["--megatron-lm", str(tmp_path), "--cuda"])
+    gpu = json.loads(capsys.readouterr().out)
+    assert gpu["training_configs"] == 3 and gpu["whole_configs_accepted"] == 2
+    assert gpu["whole_configs_accepted_fraction"] == round(2 / 3, 4)
+    assert gpu["whole_configs_refused_for_unsupported_feature"] == 1
+    assert [r.split(":")[0] for r, _ in gpu["whole_configs_refused_by"]] == ["--num-experts"]
+
+
 def test_not_a_checkout_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--megatron-lm", str(tmp_path)])

@@ -81,7 +81,8 @@ def main(argv) -> None:
         write_documents(f"{d}/c", [np.ones(8, dtype=np.int64)], VOCAB)
         base = ["--num-layers", "2", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4",
                 "--seq-length", str(TOKENS), "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "1",
-                "--position-embedding-type", "rope", "--data-path", f"{d}/c", "--cpu", *extra]
+                "--position-embedding-type", "rope", "--data-path", f"{d}/c", "--cpu", "--hidden-dropout", "0",
+                "--attention-dropout", "0", "--tokenizer-type", "ByteTokenizer", *extra]  # exact comparisons
 
         def args_of(flags, tied):
             return parse_args([*base, *flags, *([] if tied else ["--untie-embeddings-and-output-weights"])], ws)

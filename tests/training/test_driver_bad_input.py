@@ -136,10 +136,10 @@ PARSE_CASES = {
     "bf16 on cpu names cuda": (["--bf16", "--cpu"], None, "--bf16 needs CUDA"),
     "fp16 on cpu names cuda": (["--fp16", "--cpu"], None, "--fp16 needs CUDA"),
     "nccl on cpu names cuda": (["--distributed-backend", "nccl", "--cpu"], None, "nccl needs CUDA"),
-    "flash attention backend needs te impl": (["--attention-backend", "flash"], None,
-                                              "--attention-backend flash is Transformer Engine's"),
-    "dropout above zero refused": (["--hidden-dropout", "0.1"], None,
-                                   "--hidden-dropout 0.1: this driver trains without dropout"),
+    "dropout above one refused": (["--hidden-dropout", "1.5"], None,
+                                  "--hidden-dropout 1.5: a dropout probability is at most 1"),
+    "attention dropout with sparse attention refused": (["--sparse-attention", "--attention-dropout", "0.1"], None,
+                                                        "the sparse attention kernels apply no dropout"),
     "ckpt format other than torch_dist or torch refused": (["--ckpt-format", "torch_dcp"], None,
                                                            "--ckpt-format torch_dcp"),
     "rampup batch size refused": (["--rampup-batch-size", "16", "16", "1000"], None, "batch-size ramp-up"),
@@ -165,7 +165,6 @@ PARSE_CASES = {
                                   "--merge-file", "m.txt"], None, "--merge-file is not read"),
     "llama2 tokenizer needs a model file": (["--tokenizer-type", "Llama2Tokenizer"], None, "needs --tokenizer-model"),
     "mock data and data path exclusive": (["--mock-data"], None, "--data-path or --mock-data, not both"),
-    "no load optim needs load": (["--no-load-optim"], None, "--no-load-optim needs --load"),
     "not a megatron-lm flag stays unrecognized": (["--no-such-megatron-flag"], None,
                                                   "unrecognized arguments: --no-such-megatron-flag"),
     # issue 42: flags of Megatron-LM main and dev, and of its forks
@@ -258,9 +257,11 @@ def test_flags_of_megatron_lm_main_are_honoured(corpus):
     assert args.compat_warnings == []
     from megatron.training import compat
 
-    # --deterministic-mode: the CPU path is deterministic already; on CUDA it is refused
+    # --deterministic-mode: the CPU path is deterministic already; on CUDA the sparse kernels are not
     compat.check_hardware(args, cuda=False)
-    with pytest.raises(ValueError, match="--deterministic-mode on CUDA: this driver's GPU attention kernels"):
+    compat.check_hardware(args, cuda=True)
+    args.sparse_attention = True
+    with pytest.raises(ValueError, match="--deterministic-mode on CUDA with --sparse-attention"):
         compat.check_hardware(args, cuda=True)
     pad = parse_args([*TINY, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
                       "--null-tokenizer-pad-id", "99"], world_size=1)

@@ -66,7 +66,8 @@ LAYERS, HIDDEN, TOKENS = 4, 64, 2049
 MODEL = ["--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
          "--make-vocab-size-divisible-by", "1", "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
          "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "4096",
-         "--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+         "--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]  # the comparisons are exact
 
 
 @pytest.fixture(scope="module")

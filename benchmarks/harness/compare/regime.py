@@ -17,7 +17,7 @@ pooled over the files, its speedup over megatron, WLB-LLM's imbalance degree
 (``imbalance.py``: mean and max over the steps of every file) and tokens/s per step
 (mean and max). One command writes ``regime.json``, ``regime.md`` and the figure::
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --regime --sim-models llama7b \\
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compare.py --mode sim --regime --sim-models llama7b \\
         --density-study results/scaling_threshold/fixture_study.json --report results/regime
 """
 
@@ -196,6 +196,6 @@ def report(res: dict) -> str:
         "megatron's step time over the balanced bound of its own packing (every micro-batch at the "
         "step's mean per-stage time). Imbalance degree = WLB-LLM's max micro-batch latency x M / "
         "sum over a replica's micro-batches (predicted per-stage fwd+bwd; "
-        "`tools/harness/compare/imbalance.py`), mean over steps. Every arm keeps each micro-batch "
+        "`benchmarks/harness/compare/imbalance.py`), mean over steps. Every arm keeps each micro-batch "
         "within the sequence length in tokens.", ""]
         + table_lines(res["cells"]) + ["", "![speedup vs M](regime_vs_microbatches.png)", ""])

@@ -1,4 +1,4 @@
-"""``tools/compare.py --regime`` and ``--wlb-validation``: run, check, write, print."""
+"""``benchmarks/compare.py --regime`` and ``--wlb-validation``: run, check, write, print."""
 
 from __future__ import annotations
 

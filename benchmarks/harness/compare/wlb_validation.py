@@ -13,7 +13,7 @@ is not in the copy of the paper read for this table: ``docs/results.md``), with 
 megatron (fixed-length next-fit packing), wlb (``sparsebalance/batching/strategies/wlb.py``)
 and greedy-tokens (greedy fixed-length packing, LPT by tokens). Nothing is tuned to agree::
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/compare.py --mode sim --wlb-validation \\
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compare.py --mode sim --wlb-validation \\
         --sim-models llama7b --sim-steps 12 --report results/wlb_validation
 """
 

@@ -71,7 +71,8 @@ def model_flags(a) -> List[str]:
     a dry run (CPU)."""
     if a.dry_run:
         return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                "--ffn-hidden-size", "128", "--vocab-size", "512", "--cpu"]
+                "--ffn-hidden-size", "128", "--vocab-size", "512", "--cpu", "--hidden-dropout", "0",
+                "--attention-dropout", "0"]
     return ["--model-preset", "qwen2.5-0.5b", "--bf16"]
 
 

@@ -127,7 +127,7 @@ def parse_train_args(flags: str):
     """``--train-args``: pretrain_gpt.py's flags -> the Namespace the driver builds the model from."""
     import shlex
 
-    from megatron.training.arguments import build_parser
+    from megatron.training.arguments import build_parser, derive_model_fields
 
     parser = build_parser()
 
@@ -138,10 +138,7 @@ def parse_train_args(flags: str):
     args = parser.parse_args(shlex.split(flags))
     # The derived model fields arguments.validate() fills (it also checks data files,
     # which evaluation does not need).
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
+    derive_model_fields(args)
     args.virtual_pipeline_model_parallel_size = None
     return args
 

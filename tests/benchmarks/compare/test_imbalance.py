@@ -4,8 +4,8 @@ reports it per step beside tokens/s for every arm."""
 import numpy as np
 import pytest
 
-from tools.harness.compare.cluster_sim import SimConfig, simulate_cell
-from tools.harness.compare.imbalance import imbalance_degree, step_imbalance_degree
+from benchmarks.harness.compare.cluster_sim import SimConfig, simulate_cell
+from benchmarks.harness.compare.imbalance import imbalance_degree, step_imbalance_degree
 
 
 def test_hand_computed_cases():

@@ -4,8 +4,8 @@ the table's arithmetic, the report and the figure."""
 import numpy as np
 import pytest
 
-from tools.harness.compare import regime, wlb_validation
-from tools.harness.compare.cluster_sim import SimConfig
+from benchmarks.harness.compare import regime, wlb_validation
+from benchmarks.harness.compare.cluster_sim import SimConfig
 
 SMALL = (("num_layers", 2), ("hidden_size", 128), ("num_attention_heads", 2),
          ("num_query_groups", 2), ("ffn_hidden_size", 256), ("vocab_size", 500))
