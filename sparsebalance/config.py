@@ -188,6 +188,10 @@ class ModelShape:
     ``--decoder-first-pipeline-num-layers``); None: its share of the even split."""
     last_stage_layers: Optional[int] = None
     """Layers of the last pipeline stage when PP > 1 (``--decoder-last-pipeline-num-layers``)."""
+    stage_layers: Optional[Tuple[int, ...]] = None
+    """Layers of each pipeline stage, first to last (the driver's placement for Megatron-LM's
+    pipeline-split flags, e.g. ``--pipeline-model-parallel-layout``); overrides
+    ``first_stage_layers`` / ``last_stage_layers``. None: those, or the even split."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -208,6 +212,12 @@ class ModelShape:
         for name in ("first_stage_layers", "last_stage_layers"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= self.num_layers:
                 raise ValueError(f"{name} must be in [0, num_layers], got {getattr(self, name)}")
+        if self.stage_layers is not None:
+            counts = tuple(self.stage_layers)
+            if not counts or any(int(n) != n or n < 0 for n in counts) or sum(counts) != self.num_layers:
+                raise ValueError(f"stage_layers must be counts >= 0 adding up to num_layers ({self.num_layers}), "
+                                 f"got {list(counts)}")
+            object.__setattr__(self, "stage_layers", tuple(int(n) for n in counts))
 
     @property
     def head_dim(self) -> int:
@@ -254,6 +264,10 @@ class ModelShape:
             raise ValueError(f"pp must be >= 1, got {pp}")
         if not 0 <= stage < pp:
             raise ValueError(f"stage must be in [0, {pp}), got {stage}")
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != pp:
+                raise ValueError(f"stage_layers holds {len(self.stage_layers)} stages, asked for {pp}")
+            return self.stage_layers[stage]
         ends = {0: self.first_stage_layers, pp - 1: self.last_stage_layers} if pp > 1 else {}
         if ends.get(stage) is not None:
             return int(ends[stage])

@@ -251,6 +251,13 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="layers of the first pipeline stage (the others split the rest evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=pos(int), default=None, metavar="N",
                    help="layers of the last pipeline stage (the others split the rest evenly)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the embedding counts as one layer when --num-layers is split over the stages")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the output layer and loss count as one layer when --num-layers is split")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help='layers of each stage, e.g. "Ettt|(tt|)*2,tL": E embedding, t transformer layer, '
+                        'L loss, stages split by |, (..)*n repeats (Megatron-LM\'s grammar)')
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=pos(int), default=None,
                    help="enables the interleaved 1F1B schedule")
     g.add_argument("--context-parallel-size", type=pos(int), default=1,
