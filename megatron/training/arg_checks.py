@@ -195,6 +195,10 @@ def validate_balance(args: argparse.Namespace) -> None:
     if needs and not args.sb_has_predictor:
         raise UsageError(f"{' and '.join(needs)} plan from predicted latency: give --sb-profile "
                          "PATH (made by tools/profile_latency.py) or --sb-cost-model h100-analytic")
+    from megatron.training.pipeline_layout import check_auto
+
+    if check_auto(args) is not None:
+        raise UsageError(check_auto(args))
     if args.sb_allow_stale_profile and args.sb_profile is None:
         raise UsageError("--sb-allow-stale-profile needs --sb-profile")
     if args.sb_timeline is not None and not args.sb_has_predictor:
@@ -253,7 +257,9 @@ def validate_pipeline_layout(args: argparse.Namespace) -> None:
     schedule, whose chunks this driver keeps equal)."""
     from megatron.training import pipeline_layout
 
-    if not pipeline_layout.given(args) and args.num_layers % args.pipeline_model_parallel_size:
+    # --sb-auto-layout picks the split in setup (checked in validate_balance)
+    if not pipeline_layout.given(args) and not args.sb_auto_layout and \
+            args.num_layers % args.pipeline_model_parallel_size:
         raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
                          f"{args.pipeline_model_parallel_size}")
     error = pipeline_layout.validate(args)

@@ -377,6 +377,10 @@ def _sparsebalance_flags(p: argparse.ArgumentParser) -> None:
                    help="DST: stage profile JSON (tools/stage_sensitivity.py); among plans of the "
                         "policy's step time and kept pairs, move budget from the stages whose layers "
                         "lose little per dropped pair to those that lose much; default none")
+    g.add_argument("--sb-auto-layout", action="store_true",
+                   help="split --num-layers over the pipeline stages so that their predicted times "
+                        "(layers, embedding, output layer and loss; --sb-profile / --sb-cost-model) are "
+                        "equal on the training data (tools/propose_layout.py prints the same split)")
     g.add_argument("--no-sb-plan-ahead", dest="sb_plan_ahead", action="store_false",
                    help="DST: plan each step in line before it runs instead of in the "
                         "background during the previous step (with the correction one step "

@@ -152,3 +152,52 @@ def mismatch(saved: Optional[dict], now: Dict[str, object]) -> Optional[str]:
         if saved.get(dest) != now.get(dest):
             return f"{flag} {show(now.get(dest))} (the checkpoint's: {show(saved.get(dest))})"
     return None
+
+
+AUTO_MICROBATCHES = 256
+"""Micro-batches of training documents ``--sb-auto-layout`` prices the stages over."""
+
+
+def check_auto(args: argparse.Namespace) -> Optional[str]:
+    """``--sb-auto-layout``'s requirements (after the predictor flags are checked); None or the
+    one-line reason it is refused."""
+    if not args.sb_auto_layout:
+        return None
+    if not args.sb_has_predictor:
+        return ("--sb-auto-layout prices the stages with the latency predictor: give --sb-profile PATH "
+                "or --sb-cost-model h100-analytic")
+    if args.pipeline_model_parallel_size < 2:
+        return "--sb-auto-layout needs --pipeline-model-parallel-size >= 2"
+    if given(args):
+        return f"--sb-auto-layout chooses the split itself: give no {given(args)[0]}"
+    if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank:
+        return "--sb-auto-layout with the interleaved schedule is not supported here (uneven virtual stages)"
+    return None
+
+
+def apply_auto(args: argparse.Namespace, predictor, lengths) -> str:
+    """``--sb-auto-layout``: set the split flags to the one that equalises the predicted stage
+    times over micro-batches of ``lengths`` (training documents in order, tokens; packed as
+    :func:`sparsebalance.pipeline.split.pack_in_order`) and return the line that says so.
+    A deterministic function of the flags, the predictor and the data, so every rank (and a
+    resume) sets the same split. ValueError (one line) if megatron-core refuses it."""
+    from sparsebalance.pipeline.split import megatron_flags, pack_in_order, propose_split, spread, stage_costs
+
+    pp = args.pipeline_model_parallel_size
+    mbs = pack_in_order(lengths, args.micro_batch_tokens, AUTO_MICROBATCHES)
+    if not mbs:
+        raise ValueError("--sb-auto-layout: the training split holds no document")
+    topk = args.sb_topk if args.sparse_attention else None
+    costs = stage_costs(predictor, mbs, pp, topk=topk)
+    layers = propose_split(costs, args.num_layers)
+    flags = megatron_flags(layers)
+    for flag, value in zip(flags[::2], flags[1::2]):
+        dest = next(d for d, f in FLAGS.items() if f == flag)
+        setattr(args, dest, value if dest == "pipeline_model_parallel_layout" else int(value))
+    error = validate(args)
+    if error is not None:
+        raise ValueError(f"--sb-auto-layout: {error}")
+    ms = " ".join(f"{t:.3g}" for t in costs.stage_ms(layers))
+    shown = " ".join(f"'{x}'" if "|" in x else x for x in flags) or "none (the even split)"
+    return (f"--sb-auto-layout: stages hold {list(layers)} layers (predicted ms per micro-batch [{ms}], "
+            f"slowest / fastest - 1 = {100 * spread(costs.stage_ms(layers)):.1f}%); flags: {shown}")

@@ -148,6 +148,13 @@ def setup(args) -> TrainState:
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     pad_to = args.micro_batch_tokens if interleaved else None  # see megatron/training/data.py
     pad_id = args.null_tokenizer_pad_id if args.null_tokenizer_pad_id >= 0 else None
+    if args.sb_auto_layout:  # before the model and the predictor see the split
+        from megatron.training.sb_config import build_predictor as args_predictor
+
+        line = pipeline_layout.apply_auto(args, args_predictor(args, vocab),
+                                          np.asarray(dataset.sequence_lengths)[train_ids])
+        if torch.distributed.get_rank() == 0:
+            print(line, flush=True)
     sb = sparsebalance_config(args, vocab)  # the library's one view of the flags
     # how each micro-batch is split over CP ranks and padded for sequence parallelism
     cp = dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(), sp=sb.parallel.sp)

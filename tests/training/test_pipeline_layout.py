@@ -113,6 +113,8 @@ RUNS = {  # flags at PP=2 -> global layer indices each rank trains
     "loss counted": (["--num-layers", "3", "--account-for-loss-in-pipeline-split"], [[0, 1], [2]]),
     "layout": (["--pipeline-model-parallel-layout", "Ettt|tL"], [[0, 1, 2], [3]]),
     "last stage": (["--decoder-last-pipeline-num-layers", "1"], [[0, 1, 2], [3]]),
+    # 3 layers over 2 stages: the predictor decides which stage takes the extra layer
+    "auto layout": (["--num-layers", "3", "--sb-auto-layout", "--sb-cost-model", "h100-analytic"], [[0, 1], [2]]),
 }
 
 
@@ -155,5 +157,29 @@ def test_resume_with_another_split_refused_in_one_line(runs):
 
     from megatron.training.checkpointing import iter_dir, read_tracker
 
-    common = dist_checkpointing.load_common_state_dict(iter_dir(save, read_tracker(save)))
-    assert common["pipeline_split"] == recorded  # the split the run trained with
+    def common(save):
+        return dist_checkpointing.load_common_state_dict(iter_dir(save, read_tracker(save)))
+
+    assert common(save)["pipeline_split"] == recorded  # the split the run trained with
+    # --sb-auto-layout records the flags it chose: a resume with it chooses them again
+    assert common(runs["auto layout"][1])["pipeline_split"] == pipeline_layout.record(_args(3, 2, first=2))
+
+
+@pytest.mark.parametrize("flags, layers", [(["--decoder-first-pipeline-num-layers", "1"], [1, 3]),
+                                           (["--pipeline-model-parallel-layout", "E|ttttL"], [0, 4]),
+                                           (["--account-for-loss-in-pipeline-split", "--num-layers", "5"], [3, 2])])
+def test_predictor_prices_each_stages_own_layers(flags, layers):
+    """SAB's and DST's predictor (built from the run's flags) counts the layers megatron-core builds."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.sb_config import sparsebalance_config
+    from sparsebalance.balancer import build_predictor
+
+    args = parse_args([*TINY, "--mock-data", "--pipeline-model-parallel-size", "2", "--sb-cost-model",
+                       "h100-analytic", *flags], world_size=2)
+    predictor = build_predictor(sparsebalance_config(args, 1024))
+    assert [predictor.shape.layers_of(s, 2) for s in range(2)] == layers == stage_layers(args)
+    mb = [200, 56]
+    per_layer = predictor.layer_ms(mb, None, "fwd")
+    for s in range(2):
+        assert predictor.stage_ms(mb, None, s, 2, "fwd") == pytest.approx(
+            layers[s] * per_layer + predictor.extras_ms(mb, s, 2, "fwd"))
