@@ -92,6 +92,9 @@ class DSTConfig:
     """Anchor policy: budgets stay within ``[(1-p) k0, (1+p) k0]``."""
     attn_slack: float = 0.0
     """Critical-path policy: retained attention may drop to ``(1 - slack)`` x static."""
+    floor: str = "stage"
+    """Critical-path policy: where that floor holds, on each stage ("stage": budget moves only
+    between a stage's micro-batches) or over the whole step ("total")."""
     plan_ahead: bool = True
     """Plan step N+1 in a background thread while step N trains."""
     sensitivity: str = "off"
@@ -111,6 +114,7 @@ class DSTConfig:
         _check(self.anchor in ("mean", "max", "min"), f"dst.anchor must be mean, max or min, got {self.anchor!r}")
         _check(0.0 <= self.p < 1.0, f"dst.p must be in [0, 1), got {self.p}")
         _check(0.0 <= self.attn_slack <= 1.0, f"dst.attn_slack must be in [0, 1], got {self.attn_slack}")
+        _check(self.floor in ("stage", "total"), f"dst.floor must be stage or total, got {self.floor!r}")
         _check(self.sensitivity in ("off", "estimate"),
                f"dst.sensitivity must be off or estimate, got {self.sensitivity!r}")
         _check(self.sensitivity == "off" or self.sensitivity_study is not None,

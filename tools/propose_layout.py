@@ -98,7 +98,10 @@ def _microbatches(a) -> list:
     if a.lengths is None:
         return [[tokens]]
     with open(a.lengths) as fh:
-        lengths = json.load(fh)
+        try:
+            lengths = json.load(fh)
+        except ValueError as e:  # not JSON, or not UTF-8 text
+            raise ValueError(f"--lengths {a.lengths}: not JSON ({e})") from None
     if not isinstance(lengths, list) or not all(isinstance(n, int) for n in lengths):
         raise ValueError(f"--lengths {a.lengths}: expected a JSON list of document lengths")
     mbs = pack_in_order(lengths, tokens, a.microbatches)

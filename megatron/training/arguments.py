@@ -366,6 +366,10 @@ def _sparsebalance_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sb-attn-slack", type=float, default=0.0,
                    help="critical-path policy: retained attention may drop to (1 - slack) x "
                         "the static plan's, 0 <= slack < 1")
+    g.add_argument("--sb-dst-floor", choices=("stage", "total"), default="stage",
+                   help="critical-path policy: each stage keeps its static plan's attention (default: "
+                        "budget moves between a stage's micro-batches only, never off a stage slower in "
+                        "every one) or only the step's total (budget may move between stages)")
     g.add_argument("--sb-dst-sensitivity", choices=("off", "estimate"), default="off",
                    help="DST: among plans of the policy's step time and kept pairs, move budget "
                         "to the micro-batches estimated to lose most per dropped pair (estimate: "

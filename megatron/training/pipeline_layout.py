@@ -121,8 +121,8 @@ def validate(args: argparse.Namespace) -> Optional[str]:
         return f"{uneven[0]} cannot be set with {counted[0]}"
     if not flags:
         return None
-    if pp < 2:
-        return f"{flags[0]} needs --pipeline-model-parallel-size >= 2"
+    if pp < 2 and uneven:  # counted layers and a one-stage layout are no-ops at PP=1 upstream too
+        return f"{uneven[0]} needs --pipeline-model-parallel-size >= 2"
     if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank:
         return f"{flags[0]} with the interleaved schedule is not supported here (uneven virtual stages)"
     try:

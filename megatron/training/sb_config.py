@@ -90,6 +90,7 @@ def sparsebalance_config(args, vocab_size: int) -> SparseBalanceConfig:
     packing = PackingConfig(strategy=args.sb_batching, max_carry_steps=args.max_carry_steps)
     dst = DSTConfig(policy=args.sb_dst, topk_min=args.sb_topk_min, topk_max=args.sb_topk_max,
                     anchor=args.sb_anchor, p=args.sb_p, attn_slack=args.sb_attn_slack,
+                    floor=getattr(args, "sb_dst_floor", "stage"),
                     plan_ahead=bool(args.sb_plan_ahead), sensitivity=args.sb_dst_sensitivity,
                     sensitivity_study=args.sb_sensitivity_study,
                     stage_weight=getattr(args, "sb_stage_weight", None))

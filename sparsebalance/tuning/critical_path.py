@@ -429,8 +429,8 @@ def critical_path_plan(inst: Instance, eps: float = 0.0, floor: str = "stage") -
 
 def policy(inst: Instance, dst) -> Plan:
     """``DST_POLICIES["critical-path"]``: the critical-path plan under ``dst`` (a
-    :class:`sparsebalance.config.DSTConfig`: ``attn_slack``)."""
-    return critical_path_plan(inst, eps=dst.attn_slack)
+    :class:`sparsebalance.config.DSTConfig`: ``attn_slack``, ``floor``)."""
+    return critical_path_plan(inst, eps=dst.attn_slack, floor=dst.floor)
 
 
 def objective(inst: Instance, idx: np.ndarray) -> Tuple[float, float]:

@@ -61,6 +61,8 @@ CASES = {
     "layout": _args(30, 4, layout="Ettttttt|(tttttttt|)*2,tttttttL"),
     "layout, empty first stage": _args(4, 2, layout="E|ttttL"),
     "layout, SmolLM2 at PP=8": _args(30, 8, layout="Etttt|(tttt|)*6,ttL"),
+    "counted at PP=1 (a no-op)": _args(4, 1, embedding=True, loss=True),
+    "layout at PP=1": _args(4, 1, layout="EttttL"),
 }
 
 
@@ -85,7 +87,7 @@ REFUSED = {
     "layout stages": (_args(4, 2, layout="Et|t|t|tL"), "4 stages for --pipeline-model-parallel-size 2"),
     "layout embedding placement": (_args(4, 2, layout="tt|EttL"), "the embedding (E) must be on the first stage"),
     "layout grammar": (_args(4, 2, layout="Ett|ttX"), "Invalid layer character: X"),
-    "needs a pipeline": (_args(4, 1, loss=True), "needs --pipeline-model-parallel-size >= 2"),
+    "uneven needs a pipeline": (_args(4, 1, last=2), "needs --pipeline-model-parallel-size >= 2"),
     "middle stages hold a layer": (_args(4, 3, first=2, last=2), "leaves 0 layer(s) for the other 1 stage(s)"),
 }
 
