@@ -107,6 +107,14 @@ def test_a_uniformly_slower_stage_is_not_cut_in_every_microbatch():
     assert not cut["stage"][..., -1].all()
     assert cut["stage"].any(), "fixture: the per-stage plan should still cut somewhere"
     assert objective(inst, critical_path_indices(inst))[0] <= objective(inst, static(inst))[0] * (1 + 1e-12)
+    # the driver's policy takes --sb-dst-floor (DSTConfig.floor)
+    from sparsebalance.config import DSTConfig
+    from sparsebalance.tuning.policies import DST_POLICIES
+
+    for floor in ("total", "stage"):
+        plan = DST_POLICIES["critical-path"](inst, DSTConfig(policy="critical-path", topk_min=16, topk_max=48,
+                                                            floor=floor))
+        assert np.array_equal(plan.budget < inst.k0, cut[floor])
 
 
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.3])
