@@ -136,9 +136,22 @@ def validate(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _expanded(layout: str) -> str:
+    """A layout string with its repeats and commas written out (``"Et*2|tL"`` -> ``"Ett|tL"``),
+    so that two spellings of one split record the same."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    char = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+    return "|".join("".join(char[layer.name] for layer in stage)
+                    for stage in PipelineParallelLayerLayout.parse_str_to_list(layout))
+
+
 def record(args: argparse.Namespace) -> Dict[str, object]:
-    """The split a checkpoint records: the flags' values (JSON types)."""
-    return {dest: getattr(args, dest, None) for dest in FLAGS}
+    """The split a checkpoint records: the flags' values (JSON types; a layout written out)."""
+    out = {dest: getattr(args, dest, None) for dest in FLAGS}
+    if out["pipeline_model_parallel_layout"] is not None:
+        out["pipeline_model_parallel_layout"] = _expanded(out["pipeline_model_parallel_layout"])
+    return out
 
 
 def mismatch(saved: Optional[dict], now: Dict[str, object]) -> Optional[str]:

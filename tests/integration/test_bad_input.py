@@ -534,7 +534,7 @@ CASES = [
     # propose_layout.py
     Case("propose-layout-garbage-lengths", "tools/propose_layout.py",
          _p("--model-preset", "qwen2.5-0.5b", "--pp", "4", "--seq-length", "4096", "--lengths", "{d}/garbage.json"),
-         r"garbage\.json"),
+         r"garbage\.json", cold=True),
     # simulate.py
     Case("simulate-missing-instance", "tools/simulate.py",
          _p("run", "--instance", "{d}/none.json", "--trace", "{d}/sim1.trace.json"), r"none\.json",
