@@ -114,7 +114,6 @@ RUNS = {  # flags at PP=2 -> global layer indices each rank trains
     "embedding counted": (["--num-layers", "3", "--account-for-embedding-in-pipeline-split"], [[0], [1, 2]]),
     "loss counted": (["--num-layers", "3", "--account-for-loss-in-pipeline-split"], [[0, 1], [2]]),
     "layout": (["--pipeline-model-parallel-layout", "Ettt|tL"], [[0, 1, 2], [3]]),
-    "last stage": (["--decoder-last-pipeline-num-layers", "1"], [[0, 1, 2], [3]]),
     # 3 layers over 2 stages: the predictor decides which stage takes the extra layer
     "auto layout": (["--num-layers", "3", "--sb-auto-layout", "--sb-cost-model", "h100-analytic"], [[0, 1], [2]]),
 }
