@@ -84,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--lengths", required=True, help="JSON list of document lengths")
     f.add_argument("--predictor", default="h100-analytic", help="name or profile JSON")
     f.add_argument("--num-layers", type=int, default=24)
+    for dest in ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+        f.add_argument("--" + dest.replace("_", "-"), type=int, default=None,
+                       help="the predictor's model shape (default: its Qwen2.5-0.5B-like shape)")
+    f.add_argument("--stage-layers", type=_levels, default=None,
+                   help="layers of each stage, comma-separated (default: the even split; see tools/propose_layout.py)")
     f.add_argument("--block-size", type=int, default=256)
     f.add_argument("--seq-length", type=int, default=32768)
     f.add_argument("--pp", type=int, default=4)
@@ -97,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--instance", required=True)
     r.add_argument("--policy", choices=("critical-path", "anchor"), default="critical-path")
     r.add_argument("--attn-slack", type=float, default=0.0)
+    r.add_argument("--floor", choices=("stage", "total"), default="stage",
+                   help="critical-path: keep each stage's static attention (default) or the step's total")
     r.add_argument("--anchor", choices=("mean", "max", "min"), default="mean")
     r.add_argument("--p", type=float, default=0.1)
     r.add_argument("--trace", help="Chrome-trace JSON output")
@@ -136,17 +143,12 @@ def _synth(a):
 
 def _pack_in_order(lengths, seq_length: int, count: int) -> list:
     """``count`` micro-batches of whole documents in order (longer ones cut to seq_length)."""
-    docs = (min(int(n), seq_length) for n in lengths if int(n) > 0)
-    out, cur, used = [], [], 0
-    for n in docs:
-        if used + n > seq_length:
-            out.append(cur)
-            cur, used = [], 0
-            if len(out) == count:
-                return out
-        cur.append(n)
-        used += n
-    raise ValueError(f"lengths file holds fewer than {count} micro-batches of documents")
+    from sparsebalance.pipeline.split import pack_in_order
+
+    out = pack_in_order(lengths, seq_length, count)
+    if len(out) < count:
+        raise ValueError(f"lengths file holds fewer than {count} micro-batches of documents")
+    return out
 
 
 def _from_lengths(a) -> dict:
@@ -162,7 +164,11 @@ def _from_lengths(a) -> dict:
     with warnings.catch_warnings():
         # A stale profile warns and then raises; the raised error is the one line to show.
         warnings.filterwarnings("ignore", message="latency profile .* does not match")
-        pred = get_predictor(a.predictor, num_layers=a.num_layers, block_size=a.block_size)
+        stages = None if a.stage_layers is None else tuple(a.stage_layers)
+        shape = {k: getattr(a, k) for k in ("hidden_size", "num_attention_heads", "num_query_groups",
+                                             "ffn_hidden_size", "vocab_size") if getattr(a, k) is not None}
+        pred = get_predictor(a.predictor, num_layers=a.num_layers, block_size=a.block_size, stage_layers=stages,
+                             **shape)
     inst = build_instance(pred, nested, pp=a.pp, k0=a.k0, levels=a.levels, p2p_ms=a.p2p_ms)
     return instance_to_json(inst)
 
@@ -203,7 +209,7 @@ def main(argv=None) -> int:
             print(json.dumps(_bench(a)))
             return 0
         inst = _read_instance(a.instance)
-        idx = (critical_path_indices(inst, a.attn_slack) if a.policy == "critical-path"
+        idx = (critical_path_indices(inst, a.attn_slack, floor=a.floor) if a.policy == "critical-path"
                else anchor_indices(inst, a.anchor, a.p))
         plan = make_plan(inst, idx, a.policy)
         base = timeline_at(inst, np.full_like(idx, inst.k0_index))
@@ -219,6 +225,11 @@ def main(argv=None) -> int:
     summary = {"policy": a.policy}
     summary.update((k, v) for k, v in plan.to_json().items() if k not in ("budget", "critical_path"))
     summary["speedup"] = plan.baseline_step_ms / plan.step_ms
+    # per stage: the share of micro-batches (over replicas) whose budget is below / above k0;
+    # None for a stage without attention (no layers: its budget changes nothing)
+    live = inst.attn.max(axis=(0, 1, 2)) > 0
+    for key, moved in (("cut_share", plan.budget < inst.k0), ("raised_share", plan.budget > inst.k0)):
+        summary[key] = [float(x) if on else None for x, on in zip(moved.mean(axis=(0, 1)), live)]
     summary["bubble_ms_static"] = base.bubble_ms.tolist()
     summary["bubble_ms_plan"] = tuned.bubble_ms.tolist()
     print(json.dumps(summary))

@@ -114,7 +114,10 @@ def build_predictor(config: SparseBalanceConfig, warn=None):
     shape = dict(num_layers=m.num_layers, hidden_size=m.hidden_size,
                  num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
                  ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size, swiglu=m.swiglu,
-                 block_size=att.block_size, topk=att.static_topk)
+                 block_size=att.block_size, topk=att.static_topk,
+                 # each stage's own layers (Megatron-LM's pipeline-split flags), not the even split
+                 first_stage_layers=m.first_stage_layers, last_stage_layers=m.last_stage_layers,
+                 stage_layers=m.stage_layers)
     # Under context parallelism the predictor answers per-rank times of a CP group,
     # K/V exchange included (sparsebalance.predictor.context_parallel); under sequence
     # parallelism it prices each micro-batch's padding.

@@ -92,6 +92,9 @@ class DSTConfig:
     """Anchor policy: budgets stay within ``[(1-p) k0, (1+p) k0]``."""
     attn_slack: float = 0.0
     """Critical-path policy: retained attention may drop to ``(1 - slack)`` x static."""
+    floor: str = "stage"
+    """Critical-path policy: where that floor holds, on each stage ("stage": budget moves only
+    between a stage's micro-batches) or over the whole step ("total")."""
     plan_ahead: bool = True
     """Plan step N+1 in a background thread while step N trains."""
     sensitivity: str = "off"
@@ -111,6 +114,7 @@ class DSTConfig:
         _check(self.anchor in ("mean", "max", "min"), f"dst.anchor must be mean, max or min, got {self.anchor!r}")
         _check(0.0 <= self.p < 1.0, f"dst.p must be in [0, 1), got {self.p}")
         _check(0.0 <= self.attn_slack <= 1.0, f"dst.attn_slack must be in [0, 1], got {self.attn_slack}")
+        _check(self.floor in ("stage", "total"), f"dst.floor must be stage or total, got {self.floor!r}")
         _check(self.sensitivity in ("off", "estimate"),
                f"dst.sensitivity must be off or estimate, got {self.sensitivity!r}")
         _check(self.sensitivity == "off" or self.sensitivity_study is not None,
@@ -188,6 +192,10 @@ class ModelShape:
     ``--decoder-first-pipeline-num-layers``); None: its share of the even split."""
     last_stage_layers: Optional[int] = None
     """Layers of the last pipeline stage when PP > 1 (``--decoder-last-pipeline-num-layers``)."""
+    stage_layers: Optional[Tuple[int, ...]] = None
+    """Layers of each pipeline stage, first to last (the driver's placement for Megatron-LM's
+    pipeline-split flags, e.g. ``--pipeline-model-parallel-layout``); overrides
+    ``first_stage_layers`` / ``last_stage_layers``. None: those, or the even split."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -208,6 +216,12 @@ class ModelShape:
         for name in ("first_stage_layers", "last_stage_layers"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= self.num_layers:
                 raise ValueError(f"{name} must be in [0, num_layers], got {getattr(self, name)}")
+        if self.stage_layers is not None:
+            counts = tuple(self.stage_layers)
+            if not counts or any(int(n) != n or n < 0 for n in counts) or sum(counts) != self.num_layers:
+                raise ValueError(f"stage_layers must be counts >= 0 adding up to num_layers ({self.num_layers}), "
+                                 f"got {list(counts)}")
+            object.__setattr__(self, "stage_layers", tuple(int(n) for n in counts))
 
     @property
     def head_dim(self) -> int:
@@ -254,6 +268,10 @@ class ModelShape:
             raise ValueError(f"pp must be >= 1, got {pp}")
         if not 0 <= stage < pp:
             raise ValueError(f"stage must be in [0, {pp}), got {stage}")
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != pp:
+                raise ValueError(f"stage_layers holds {len(self.stage_layers)} stages, asked for {pp}")
+            return self.stage_layers[stage]
         ends = {0: self.first_stage_layers, pp - 1: self.last_stage_layers} if pp > 1 else {}
         if ends.get(stage) is not None:
             return int(ends[stage])

@@ -252,6 +252,10 @@ def validate_balance(args: argparse.Namespace) -> None:
     if needs and not args.sb_has_predictor:
         raise UsageError(f"{' and '.join(needs)} plan from predicted latency: give --sb-profile "
                          "PATH (made by tools/profile_latency.py) or --sb-cost-model h100-analytic")
+    from megatron.training.pipeline_layout import check_auto
+
+    if check_auto(args) is not None:
+        raise UsageError(check_auto(args))
     if args.sb_allow_stale_profile and args.sb_profile is None:
         raise UsageError("--sb-allow-stale-profile needs --sb-profile")
     if args.sb_timeline is not None and not args.sb_has_predictor:
@@ -305,37 +309,30 @@ def stage_weight(args: argparse.Namespace):
 
 
 def stage_layers(args: argparse.Namespace) -> list:
-    """Transformer layers of each pipeline stage (megatron-core's placement; see
-    :meth:`sparsebalance.config.ModelShape.layers_of`)."""
-    from sparsebalance.config import ModelShape
+    """Transformer layers of each pipeline stage (megatron-core's placement for the
+    pipeline-split flags; :func:`megatron.training.pipeline_layout.stage_layers`)."""
+    from megatron.training import pipeline_layout
 
-    shape = ModelShape(num_layers=args.num_layers, hidden_size=1, num_attention_heads=1, num_query_groups=1,
-                       ffn_hidden_size=1, vocab_size=1, block_size=1, topk=None,
-                       first_stage_layers=args.decoder_first_pipeline_num_layers,
-                       last_stage_layers=args.decoder_last_pipeline_num_layers)
     pp = args.pipeline_model_parallel_size
-    return [shape.layers_of(s, pp) for s in range(pp)]
+    if not pipeline_layout.given(args):
+        return [args.num_layers // pp] * pp
+    return pipeline_layout.stage_layers(args)
 
 
 def validate_pipeline_layout(args: argparse.Namespace) -> None:
-    """``--num-layers`` over the pipeline stages: evenly, or with Megatron-LM's
-    ``--decoder-first/last-pipeline-num-layers`` (the other stages split the rest evenly;
-    not with the interleaved schedule, whose chunks this driver keeps equal)."""
-    pp, first, last = args.pipeline_model_parallel_size, args.decoder_first_pipeline_num_layers, \
-        args.decoder_last_pipeline_num_layers
-    if first is None and last is None:
-        if args.num_layers % pp:
-            raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-        return
-    flag = "--decoder-first-pipeline-num-layers" if first is not None else "--decoder-last-pipeline-num-layers"
-    if pp < 2:
-        raise UsageError(f"{flag} needs --pipeline-model-parallel-size >= 2")
-    if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank:
-        raise UsageError(f"{flag} with the interleaved schedule is not supported here (uneven virtual stages)")
-    try:
-        stage_layers(args)
-    except ValueError as e:
-        raise UsageError(f"{flag}: {e}") from None
+    """``--num-layers`` over the pipeline stages: evenly, or as Megatron-LM's pipeline-split
+    flags place them (:mod:`megatron.training.pipeline_layout`; not with the interleaved
+    schedule, whose chunks this driver keeps equal)."""
+    from megatron.training import pipeline_layout
+
+    # --sb-auto-layout picks the split in setup (checked in validate_balance)
+    if not pipeline_layout.given(args) and not args.sb_auto_layout and \
+            args.num_layers % args.pipeline_model_parallel_size:
+        raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+                         f"{args.pipeline_model_parallel_size}")
+    error = pipeline_layout.validate(args)
+    if error is not None:
+        raise UsageError(error)
 
 
 def validate_recompute(args: argparse.Namespace) -> None:
@@ -359,7 +356,8 @@ def validate_recompute(args: argparse.Namespace) -> None:
         raise UsageError("--recompute-granularity full needs --recompute-method uniform or block")
     # megatron-core applies the method to each model chunk's layers (one chunk per virtual stage)
     vpp = args.virtual_pipeline_model_parallel_size or 1
-    chunks = sorted({layers // vpp for layers in stage_layers(args)})  # uneven first/last stages
+    # uneven stages; a layout's stage may hold no layer (nothing to recompute there)
+    chunks = sorted({layers // vpp for layers in stage_layers(args)} - {0})
     chunk = chunks[0]
     if n is None:
         raise UsageError(f"--recompute-granularity full needs --recompute-num-layers (1 .. {chunk}, "

@@ -267,6 +267,13 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="layers of the first pipeline stage (the others split the rest evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=pos(int), default=None, metavar="N",
                    help="layers of the last pipeline stage (the others split the rest evenly)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the embedding counts as one layer when --num-layers is split over the stages")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the output layer and loss count as one layer when --num-layers is split")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help='layers of each stage, e.g. "Ettt|(tt|)*2,tL": E embedding, t transformer layer, '
+                        'L loss, stages split by |, (..)*n repeats (Megatron-LM\'s grammar)')
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=pos(int), default=None,
                    help="enables the interleaved 1F1B schedule")
     g.add_argument("--context-parallel-size", type=pos(int), default=1,
@@ -378,6 +385,10 @@ def _sparsebalance_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sb-attn-slack", type=float, default=0.0,
                    help="critical-path policy: retained attention may drop to (1 - slack) x "
                         "the static plan's, 0 <= slack < 1")
+    g.add_argument("--sb-dst-floor", choices=("stage", "total"), default="stage",
+                   help="critical-path policy: each stage keeps its static plan's attention (default: "
+                        "budget moves between a stage's micro-batches only, never off a stage slower in "
+                        "every one) or only the step's total (budget may move between stages)")
     g.add_argument("--sb-dst-sensitivity", choices=("off", "estimate"), default="off",
                    help="DST: among plans of the policy's step time and kept pairs, move budget "
                         "to the micro-batches estimated to lose most per dropped pair (estimate: "
@@ -389,6 +400,10 @@ def _sparsebalance_flags(p: argparse.ArgumentParser) -> None:
                    help="DST: stage profile JSON (benchmarks/stage_sensitivity.py); among plans of the "
                         "policy's step time and kept pairs, move budget from the stages whose layers "
                         "lose little per dropped pair to those that lose much; default none")
+    g.add_argument("--sb-auto-layout", action="store_true",
+                   help="split --num-layers over the pipeline stages so that their predicted times "
+                        "(layers, embedding, output layer and loss; --sb-profile / --sb-cost-model) are "
+                        "equal on the training data (tools/propose_layout.py prints the same split)")
     g.add_argument("--no-sb-plan-ahead", dest="sb_plan_ahead", action="store_false",
                    help="DST: plan each step in line before it runs instead of in the "
                         "background during the previous step (with the correction one step "

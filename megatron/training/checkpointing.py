@@ -396,7 +396,8 @@ def _write_state(state: dict, path: str, cpu: bool) -> Optional[str]:
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, loader, cpu: bool,
                     balancer=None, save_optim: bool = True, settings: Optional[dict] = None,
-                    metadata: Optional[dict] = None, model_args: Optional[dict] = None) -> str:
+                    metadata: Optional[dict] = None, model_args: Optional[dict] = None,
+                    split: Optional[dict] = None) -> str:
     """Write iteration ``iteration`` under ``root`` (all ranks call this); returns its path.
 
     ``balancer``: the run's :class:`sparsebalance.balancer.Balancer` (None: no
@@ -408,6 +409,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
     ``dp_reshardable``), recorded as the checkpoint's ``content_metadata``.
     ``model_args``: the run's model flags (``args`` in the checkpoint, read by
     ``--use-checkpoint-args``; :mod:`megatron.training.checkpoint_args`).
+    ``split``: the run's pipeline-split flags (:func:`megatron.training.pipeline_layout.record`),
+    checked on resume.
 
     Raises :class:`SaveError` on every rank if any rank failed to write, or if any rank's
     weights hold a NaN / Inf (nothing is written then); the partial directory is removed
@@ -453,6 +456,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
         state["args"] = model_args
     if settings is not None:
         state["settings"] = settings
+    if split is not None:
+        state["pipeline_split"] = split
     if balancer is not None:  # identical on every rank: rank 0's common.pt holds it
         state["sparsebalance"] = balancer.state_dict()
     error = _write_state(state, tmp, cpu)
@@ -503,13 +508,17 @@ def _load(state: dict, path: str, what: str) -> dict:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn = None,
-                    balancer=None, load_optim: bool = True, settings: Optional[dict] = None) -> int:
+                    balancer=None, load_optim: bool = True, settings: Optional[dict] = None,
+                    split: Optional[dict] = None) -> int:
     """Load the newest intact checkpoint under ``root`` (:func:`choose_checkpoint`) into
     everything (``balancer``: the SparseBalance predictor state, when the run has one);
     returns its iteration. ``load_optim`` False (``--no-load-optim``): the optimizer state
     and LR schedule start fresh (Megatron-LM's meaning). ``settings``: this run's
     (:func:`megatron.training.preflight.run_settings`): ``warn`` gets one line per setting
-    that differs from the checkpoint's.
+    that differs from the checkpoint's. ``split``: this run's pipeline-split flags
+    (:func:`megatron.training.pipeline_layout.record`), which must be the checkpoint's: each
+    stage's layers set its predictor corrections and DST plans (``--finetune`` takes the
+    weights under any split).
 
     The LR schedule follows Megatron-LM's resume rule
     (:func:`megatron.training.lr_schedule.resume_schedule`, with the scheduler's
@@ -530,6 +539,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
         common = dist_checkpointing.load_common_state_dict(path)
     except _errors() as e:
         raise ValueError(f"--load: checkpoint {path} is unreadable: {_cause(e)}") from None
+    if split is not None:
+        from megatron.training.pipeline_layout import mismatch
+
+        changed = mismatch(common.get("pipeline_split"), split)
+        if changed is not None:
+            raise ValueError(f"--load: checkpoint {path} was trained with another pipeline split: resuming with "
+                             f"{changed}; give the checkpoint's split flags, or --finetune to take only the weights")
     if warn is not None and settings is not None:
         from megatron.training.preflight import changed_settings
 

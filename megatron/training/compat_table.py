@@ -171,11 +171,6 @@ REFUSED = {
     "optimizer CPU offload is not supported": "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload "
                                               "--overlap-cpu-optimizer-d2h-h2d --disable-grad-buffers-cpu-backup "
                                               "--disable-param-buffers-cpu-backup",
-    "custom pipeline layouts are not supported: the stages split --num-layers evenly, apart from "
-    "--decoder-first/last-pipeline-num-layers (--num-layers-per-virtual-pipeline-stage for the interleaved "
-    "schedule); the embedding and loss are not counted as layers":
-        "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
-        "--pipeline-model-parallel-layout",
     "pipeline / context-parallel communication options not implemented (p2p and all-gathers over the "
     "default backend)": "--pipeline-model-parallel-comm-backend --use-ring-exchange-p2p "
                         "--hierarchical-context-parallel-sizes --symmetric-ar-type --disable-symmetric-registration "

@@ -33,6 +33,8 @@ from typing import Dict, List
 
 import torch
 
+from megatron.training import pipeline_layout
+
 
 def layer_spec(args, attention=None):
     """Layer spec for GPTModel: dense varlen attention, or the sparse one with --sparse-attention.
@@ -116,9 +118,8 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         # pads each micro-batch for it); the core attention sees the gathered sequence.
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        # Megatron-LM's --decoder-first/last-pipeline-num-layers (checked in arg_checks.py)
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        # Megatron-LM's pipeline-split flags (checked in pipeline_layout.py)
+        **pipeline_layout.config_fields(args),
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
         # Context parallelism: our core_attention modules all-gather K/V over the CP group

@@ -33,6 +33,7 @@ RESUME_SETTINGS = {
     "sb_topk_min": "--sb-topk-min",
     "sb_topk_max": "--sb-topk-max",
     "sb_attn_slack": "--sb-attn-slack",
+    "sb_dst_floor": "--sb-dst-floor",
     "sb_dst_sensitivity": "--sb-dst-sensitivity",
     "sb_stage_sensitivity": "--sb-stage-sensitivity",
     "sb_plan_ahead": "DST planning ahead (--no-sb-plan-ahead turns it off)",

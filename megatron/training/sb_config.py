@@ -9,6 +9,8 @@ checkpoint's settings fingerprint, which compare flags, not settings).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from sparsebalance.config import (
     AttentionConfig,
     DSTConfig,
@@ -51,8 +53,16 @@ def model_config(args, vocab_size: int) -> ModelShape:
                       ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
                       vocab_size=vocab_size, swiglu=bool(args.swiglu), block_size=args.sb_block_size,
                       topk=args.sb_topk if args.sparse_attention else None,
-                      first_stage_layers=args.decoder_first_pipeline_num_layers,
-                      last_stage_layers=args.decoder_last_pipeline_num_layers)
+                      stage_layers=_stage_layers(args))
+
+
+def _stage_layers(args) -> Optional[tuple]:
+    """Each pipeline stage's layers where a pipeline-split flag moves them (megatron-core's
+    placement, so the cost model prices the stages the model builds); None: the even split."""
+    from megatron.training import pipeline_layout
+    from megatron.training.arg_checks import stage_layers
+
+    return tuple(stage_layers(args)) if pipeline_layout.given(args) else None
 
 
 def predictor_config(args) -> PredictorConfig:
@@ -81,6 +91,7 @@ def sparsebalance_config(args, vocab_size: int) -> SparseBalanceConfig:
     packing = PackingConfig(strategy=args.sb_batching, max_carry_steps=args.max_carry_steps)
     dst = DSTConfig(policy=args.sb_dst, topk_min=args.sb_topk_min, topk_max=args.sb_topk_max,
                     anchor=args.sb_anchor, p=args.sb_p, attn_slack=args.sb_attn_slack,
+                    floor=getattr(args, "sb_dst_floor", "stage"),
                     plan_ahead=bool(args.sb_plan_ahead), sensitivity=args.sb_dst_sensitivity,
                     sensitivity_study=args.sb_sensitivity_study,
                     stage_weight=getattr(args, "sb_stage_weight", None))

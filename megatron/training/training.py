@@ -28,6 +28,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 import torch
 
+from megatron.training import pipeline_layout
 from megatron.training.failsafe import strict_json
 from megatron.training.preflight import run_settings
 from megatron.training.run_log import RunLogger, StepLog, kernel_compiles_by_kind
@@ -147,6 +148,13 @@ def setup(args) -> TrainState:
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     pad_to = args.micro_batch_tokens if interleaved else None  # see megatron/training/data.py
     pad_id = args.null_tokenizer_pad_id if args.null_tokenizer_pad_id >= 0 else None
+    if args.sb_auto_layout:  # before the model and the predictor see the split
+        from megatron.training.sb_config import build_predictor as args_predictor
+
+        line = pipeline_layout.apply_auto(args, args_predictor(args, vocab),
+                                          np.asarray(dataset.sequence_lengths)[train_ids])
+        if torch.distributed.get_rank() == 0:
+            print(line, flush=True)
     sb = sparsebalance_config(args, vocab)  # the library's one view of the flags
     # how each micro-batch is split over CP ranks and padded for sequence parallelism
     cp = dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(), sp=sb.parallel.sp)
@@ -213,7 +221,7 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             state.iteration = ckpt.load_checkpoint(args.load, state.model, state.optimizer, state.scheduler,
                                                    state.loader, warn=warn, balancer=state.balancer,
                                                    load_optim=not args.no_load_optim,
-                                                   settings=run_settings(args))
+                                                   settings=run_settings(args), split=pipeline_layout.record(args))
     log = RunLogger(args, rank, state.sb, start=state.iteration)
     if state.sb.attention.sparse:
         choice = log.attention_backend()
@@ -375,7 +383,7 @@ def _save(args, state: TrainState, hooks: RunHooks, last: bool) -> None:
         ckpt.save_checkpoint(args.save, iteration, state.model, state.optimizer, state.scheduler,
                              state.loader, state.cpu, balancer=state.balancer,
                              save_optim=not args.no_save_optim, settings=run_settings(args),
-                             model_args=saved_args(args),
+                             model_args=saved_args(args), split=pipeline_layout.record(args),
                              metadata=ckpt.content_metadata(args.dist_ckpt_optim_fully_reshardable,
                                                             args.distrib_optim_fully_reshardable_mem_efficient))
     except ckpt.SaveError as e:

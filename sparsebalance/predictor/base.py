@@ -224,7 +224,8 @@ class LatencyPredictor(abc.ABC):
     def extras_ms(self, lengths, stage: int, pp: int, phase: str) -> float:
         """Per-stage extras of a micro-batch (ms): embedding on stage 0, output layer and
         loss on stage pp-1, nothing in between; sequence parallelism's padding included."""
-        self.shape.layers_of(stage, pp)  # validates stage/pp
+        if pp < 1 or not 0 <= stage < pp:  # any split of the layers: extras depend on the ends only
+            raise ValueError(f"need pp >= 1 and stage in [0, pp), got stage {stage} of {pp}")
         # Under CP a rank embeds / scores its 1/size of the tokens (CP's padding left out).
         tokens = int(as_lengths(lengths).sum()) + self.pad_tokens(lengths)
         cp = self.context_parallel.size

@@ -38,7 +38,7 @@ from sparsebalance.predictor.recalibration import Recalibrator
 
 FORMAT = "sparsebalance-latency-profile"
 VERSION = 1
-NOT_FINGERPRINTED = frozenset({"num_layers", "topk", "first_stage_layers", "last_stage_layers"})
+NOT_FINGERPRINTED = frozenset({"num_layers", "topk", "first_stage_layers", "last_stage_layers", "stage_layers"})
 """Model fields a per-layer profile stays valid for when they change."""
 _SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape))
 _CACHE: dict[str, tuple[dict, dict]] = {}

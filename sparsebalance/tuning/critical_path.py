@@ -1,9 +1,17 @@
 """Pipeline-aware budget planner ("critical-path" policy).
 
-Objective, in this order: (1) minimise the predicted step time subject to the total
-retained attention being at least ``(1 - eps)`` times the static plan's (every op
-at ``k0``) and every budget in the allowed levels; (2) at that step time, maximise
-the retained attention.
+Objective, in this order: (1) minimise the predicted step time subject to the
+retained attention of each pipeline stage being at least ``(1 - eps)`` times the static
+plan's on that stage (every op at ``k0``) and every budget in the allowed levels; (2) at
+that step time, maximise the retained attention.
+
+Why per stage (``floor="stage"``, the default): budget cuts answer imbalance that changes
+from micro-batch to micro-batch; a stage that is slower in every micro-batch (its layers, or
+the output layer and loss on the last stage) is a layout's imbalance, fixed by the layer split
+(``tools/propose_layout.py``), not by cutting that stage in every micro-batch and paying for it
+on the others. Each stage's floor makes the plan trade budget between the micro-batches of a
+stage only, against that stage's own typical time. ``floor="total"`` keeps one floor for the
+whole step (budget may move between stages).
 
 Method. The replicas interact only through the step time (the slowest one) and
 the attention total, so for a deadline ``T`` each replica can be planned on its own.
@@ -93,6 +101,11 @@ class _Batch:
     def attention(self, X: np.ndarray) -> np.ndarray:
         """[K] total attention of each candidate (summed over its replicas)."""
         return self._pick(self.Ar, X).sum(axis=0).reshape(self.K, self.D).sum(axis=1)
+
+    def stage_attention(self, X: np.ndarray) -> np.ndarray:
+        """[K, S] attention of each candidate on each stage (summed over micro-batches and replicas)."""
+        S = self.inst.stages
+        return self._pick(self.Ar, X).reshape(self.MS // S, S, self.K, self.D).sum(axis=(0, 3)).T
 
     def weighted(self, X: np.ndarray) -> np.ndarray:
         """[K] total weighted attention of each candidate (== attention without weights)."""
@@ -226,14 +239,33 @@ def _family(inst: Instance, thetas: np.ndarray) -> np.ndarray:
     return np.maximum(fits - 1, 0).transpose(1, 0, 2).reshape(M * S, -1)
 
 
+FLOORS = ("stage", "total")
+"""Where the attention floor holds: on each stage, or over the whole step."""
+
+
+def _floor_min(one: _Batch, k0: np.ndarray, eps: float, floor: str) -> np.ndarray:
+    """The attention a plan must keep: [S] per stage, or [1] in total (tolerance included)."""
+    per = one.stage_attention(k0)[0]
+    target = (1.0 - eps) * (per if floor == "stage" else per.sum(keepdims=True))
+    return target - _TOL * np.maximum(np.abs(target), 1.0)
+
+
+def _meets(stage_att: np.ndarray, floor_min: np.ndarray) -> np.ndarray:
+    """Whether each plan's attention per stage ``stage_att`` [..., S] keeps ``floor_min``."""
+    att = stage_att if stage_att.shape[-1] == len(floor_min) else stage_att.sum(axis=-1, keepdims=True)
+    return (att >= floor_min).all(axis=-1)
+
+
 def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
                           num_deadlines: int = 4, polish_moves: int = 16,
-                          polish_budget: float = 5e5, shift_rounds: int = 4) -> np.ndarray:
+                          polish_budget: float = 5e5, shift_rounds: int = 4,
+                          floor: str = "stage") -> np.ndarray:
     """Level indices [D, M, S] of the critical-path plan (see module docstring).
 
     Args:
         eps: attention slack: the plan keeps at least ``(1 - eps)`` of the static
-            plan's retained attention. 0 = never less than static.
+            plan's retained attention (on each stage, or in total). 0 = never less than static.
+        floor: "stage" (each stage keeps its own static attention) or "total".
         num_caps: cap factors per cap family (search resolution).
         num_deadlines: candidate deadlines raised per round.
         polish_moves: most local-search moves (cuts and swaps) after the search.
@@ -246,13 +278,14 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
     if num_caps < 2 or num_deadlines < 1 or shift_rounds < 0 or polish_moves < 0:
         raise ValueError("need num_caps >= 2, num_deadlines >= 1, shift_rounds >= 0 and "
                          "polish_moves >= 0")
+    if floor not in FLOORS:
+        raise ValueError(f"floor must be one of {FLOORS}, got {floor!r}")
     D, M, S = inst.dp, inst.microbatches, inst.stages
     MS = M * S
     one = _Batch(inst, 1)
     k0 = np.full((MS, D), inst.k0_index, dtype=np.int64)
     t_static = float(one.makespan(k0)[0])
-    target = (1.0 - eps) * float(one.attention(k0)[0])
-    atol = _TOL * max(abs(target), 1.0)
+    floor_min = _floor_min(one, k0, eps, floor)
     # The static plan raised into its own slack: always feasible, never slower.
     best_X = one.fill(k0, np.full(D, t_static))
     best_t, best_a = float(one.makespan(best_X)[0]), float(one.attention(best_X)[0])
@@ -264,17 +297,18 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
     fam = _Batch(inst, K)
     _, ef = earliest(fam.g, fam.durations(cand), inst.p2p_ms)
     span = ef[:-1].max(axis=0).reshape(K, D)
-    att = fam._pick(fam.Ar, cand).sum(axis=0).reshape(K, D)
+    per = fam._pick(fam.Ar, cand).reshape(M, S, K, D).sum(axis=0)  # [S, K, D]
+    att = per.sum(axis=0)
     times = np.unique(span)
     times = times[times <= best_t]
     if len(times):
         ok = span[None, :, :] <= times[:, None, None] * (1 + _TOL)  # [T, K, D]
         best_att = np.where(ok, att[None], -np.inf)
         pick = np.argmax(best_att, axis=1)  # [T, D]
-        total = np.take_along_axis(best_att, pick[:, None, :], 1)[:, 0].sum(axis=1)
+        held = per[:, pick, np.arange(D)].sum(axis=2).T  # [T, S] attention of each deadline's picks
         # Raise: the raise phase adds attention, so also try deadlines below the
         # first one the capped plans meet on their own.
-        first = np.flatnonzero(total >= target - atol)
+        first = np.flatnonzero(_meets(held, floor_min))
         hi = int(first[0]) if len(first) else len(times) - 1
         sel = np.unique(np.linspace(0, hi, num_deadlines).round().astype(int))
         ts = times[sel]
@@ -283,12 +317,12 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
         ras = _Batch(inst, len(sel))
         X = ras.fill(X0, np.repeat(ts, D))
         a2, t2 = ras.attention(X), ras.makespan(X)
-        for j in np.flatnonzero(a2 >= target - atol):
+        for j in np.flatnonzero(_meets(ras.stage_attention(X), floor_min)):
             if t2[j] < best_t - _TOL * best_t or (abs(t2[j] - best_t) <= _TOL * best_t
                                                   and a2[j] > best_a):
                 best_X, best_t, best_a = X[:, j * D:(j + 1) * D].copy(), t2[j], a2[j]
     # Polish within a fixed compute budget (large instances get few or no moves).
-    best_X = _polish(inst, one.fill(best_X, np.full(D, best_t)), target - atol, polish_moves,
+    best_X = _polish(inst, one.fill(best_X, np.full(D, best_t)), floor_min, polish_moves,
                      polish_budget, shift_rounds)
     # Objective (2): everything that fits under the chosen step time.
     best_t = float(one.makespan(best_X)[0])
@@ -306,10 +340,10 @@ def _critical_vars(inst: Instance, one: _Batch, X: np.ndarray) -> Tuple[np.ndarr
     return np.unique(np.array(nodes) % one.MS), col
 
 
-def _polish(inst: Instance, X: np.ndarray, floor: float, max_moves: int, budget: float,
+def _polish(inst: Instance, X: np.ndarray, floor_min: np.ndarray, max_moves: int, budget: float,
             shift_rounds: int = 4, num_tries: int = 4) -> np.ndarray:
     """Local search around X [MS, D]; each move must shorten the step and keep the
-    attention >= ``floor``; up to ``max_moves`` moves, stopping before the sweeps
+    attention floor ``floor_min`` (:func:`_floor_min`); up to ``max_moves`` moves, stopping before the sweeps
     would exceed ``budget`` (op x column) cells. Two kinds of move, best one wins:
 
     * cut: one op of the slowest replica's critical path loses one level, then
@@ -337,7 +371,7 @@ def _polish(inst: Instance, X: np.ndarray, floor: float, max_moves: int, budget:
         spans = bc.makespan(cuts)
         order = np.argsort(spans, kind="stable")[:num_tries]
         order = order[spans[order] < t * (1 - _TOL)]
-        cands, cand_att, cand_span = [], [], []
+        cands, cand_att, cand_span, cand_ok = [], [], [], []
         if len(order):
             sel = (order[:, None] * D + np.arange(D)).ravel()
             bk = _Batch(inst, len(order))
@@ -346,6 +380,7 @@ def _polish(inst: Instance, X: np.ndarray, floor: float, max_moves: int, budget:
             cands.append(filled)
             cand_att.append(bk.attention(filled))
             cand_span.append(bk.makespan(filled))
+            cand_ok.append(_meets(bk.stage_attention(filled), floor_min))
         # Swaps: every (critical cut, raise elsewhere) pair, timed as is (only while
         # the pairs fit in a bounded sweep).
         up_r, up_c = np.nonzero(X < L - 1)
@@ -359,10 +394,11 @@ def _polish(inst: Instance, X: np.ndarray, floor: float, max_moves: int, budget:
             cands.append(sw)
             cand_att.append(bs.attention(sw))
             cand_span.append(bs.makespan(sw))
+            cand_ok.append(_meets(bs.stage_attention(sw), floor_min))
         if not cands:
             break
         att, span2 = np.concatenate(cand_att), np.concatenate(cand_span)
-        ok = np.flatnonzero((att >= floor) & (span2 < t * (1 - _TOL)))
+        ok = np.flatnonzero(np.concatenate(cand_ok) & (span2 < t * (1 - _TOL)))
         if len(ok) == 0:
             break
         k = ok[np.lexsort((-att[ok], span2[ok]))[0]]
@@ -386,15 +422,15 @@ def raise_indices(inst: Instance, idx: np.ndarray, deadline: Optional[float] = N
     return one.fill(one.shift(one.fill(X, dl), dl, shift_rounds), dl).T.reshape(D, M, S)
 
 
-def critical_path_plan(inst: Instance, eps: float = 0.0) -> Plan:
+def critical_path_plan(inst: Instance, eps: float = 0.0, floor: str = "stage") -> Plan:
     """The critical-path plan, evaluated."""
-    return make_plan(inst, critical_path_indices(inst, eps), "critical-path")
+    return make_plan(inst, critical_path_indices(inst, eps, floor=floor), "critical-path")
 
 
 def policy(inst: Instance, dst) -> Plan:
     """``DST_POLICIES["critical-path"]``: the critical-path plan under ``dst`` (a
-    :class:`sparsebalance.config.DSTConfig`: ``attn_slack``)."""
-    return critical_path_plan(inst, eps=dst.attn_slack)
+    :class:`sparsebalance.config.DSTConfig`: ``attn_slack``, ``floor``)."""
+    return critical_path_plan(inst, eps=dst.attn_slack, floor=dst.floor)
 
 
 def objective(inst: Instance, idx: np.ndarray) -> Tuple[float, float]:

@@ -531,6 +531,10 @@ CASES = [
     Case("profile-heads-vs-hidden", "tools/profile_latency.py",
          _p("--output", "{d}/prof2.json", "--quick", "--hidden-size", "100", "--num-attention-heads", "3"),
          r"hidden-size", _p("{d}/prof2.json")),
+    # propose_layout.py
+    Case("propose-layout-garbage-lengths", "tools/propose_layout.py",
+         _p("--model-preset", "qwen2.5-0.5b", "--pp", "4", "--seq-length", "4096", "--lengths", "{d}/garbage.json"),
+         r"garbage\.json", cold=True),
     # simulate.py
     Case("simulate-missing-instance", "benchmarks/simulate.py",
          _p("run", "--instance", "{d}/none.json", "--trace", "{d}/sim1.trace.json"), r"none\.json",

@@ -31,6 +31,31 @@ def test_simulate_synth_and_run(tmp_path):
     ev = json.loads(trace.read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in ev) == 2 * 2 * 2 * 4 * 3  # static + plan
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert len(out["cut_share"]) == 3 and all(0 <= x <= 1 for x in out["cut_share"])
+    assert all(c + r <= 1 for c, r in zip(out["cut_share"], out["raised_share"]))
+
+
+def test_simulate_stage_layers_and_floor(tmp_path):
+    """from-lengths prices the stages a split holds; run plans with the per-stage or the total floor."""
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([int(x) for x in np.random.default_rng(1).lognormal(7, 1.2, 400)]))
+    shape = ["--num-layers", "6", "--seq-length", "4096", "--block-size", "64", "--pp", "2", "--dp", "1",
+             "--microbatches", "4", "--k0", "8", "--levels", "4,6,8,10,12"]
+    steps = {}
+    for split in ("3,3", "5,1"):
+        inst = tmp_path / f"{split}.json"
+        r = tool("simulate.py", "from-lengths", "--lengths", str(lengths), *shape, "--stage-layers", split,
+                 "--out", str(inst))
+        assert r.returncode == 0, r.stderr
+        for floor in ("stage", "total"):
+            r = tool("simulate.py", "run", "--instance", str(inst), "--floor", floor)
+            assert r.returncode == 0, r.stderr
+            steps[split, floor] = json.loads(r.stdout)
+    assert steps["3,3", "stage"]["baseline_step_ms"] != steps["5,1", "stage"]["baseline_step_ms"]
+    assert all(len(s["cut_share"]) == 2 for s in steps.values())
+    r = tool("simulate.py", "from-lengths", "--lengths", str(lengths), *shape, "--stage-layers", "3,2",
+             "--out", str(tmp_path / "bad.json"))
+    assert r.returncode == 2 and "stage_layers" in r.stderr
 
 
 def test_timeline_and_errors(tmp_path):

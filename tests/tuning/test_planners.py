@@ -1,5 +1,7 @@
 """Planner targets: brute-force gap, anchor dominance, raise and constraint properties."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from bruteforce import frontier
@@ -22,7 +24,7 @@ def test_within_3_percent_of_brute_force(small, eps):
     opt = fr.optimum(eps)
     t_static, a_static = objective(small, static(small))
     assert opt <= t_static + 1e-9
-    idx = critical_path_indices(small, eps)
+    idx = critical_path_indices(small, eps, floor="total")  # the objective brute force solves
     t, a = objective(small, idx)
     assert t >= opt * (1 - 1e-9), "faster than the exhaustive optimum: the model disagrees"
     assert t <= 1.03 * opt, f"critical-path {t:.4f} vs optimum {opt:.4f}"
@@ -44,7 +46,7 @@ def test_at_least_as_fast_as_every_anchor_setting(small):
     for agg, p in ANCHORS:
         ta, aa = objective(small, anchor_indices(small, agg, p))
         eps = min(max(0.0, 1.0 - aa / a0), 1.0)
-        tc, ac = objective(small, critical_path_indices(small, eps))
+        tc, ac = objective(small, critical_path_indices(small, eps, floor="total"))
         assert tc <= ta * (1 + 1e-9), (agg, p, tc, ta)
         assert ac >= (1 - eps) * a0 * (1 - 1e-12)
 
@@ -77,15 +79,42 @@ MEDIUM = [dict(pp=4, dp=2, microbatches=8), dict(pp=8, dp=4, microbatches=16),
 
 @pytest.mark.parametrize("cfg", MEDIUM, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("eps", [0.0, 0.02, 0.1])
-def test_attention_floor_holds_and_never_slower_than_static(cfg, eps):
+@pytest.mark.parametrize("floor", ["stage", "total"])
+def test_attention_floor_holds_and_never_slower_than_static(cfg, eps, floor):
     inst = random_instance(3, levels=[16, 20, 24, 28, 32, 40, 48], k0=32, **cfg)
     t0, a0 = objective(inst, static(inst))
-    idx = critical_path_indices(inst, eps)
+    idx = critical_path_indices(inst, eps, floor=floor)
     assert idx.shape == (inst.dp, inst.microbatches, inst.stages)
     t, a = objective(inst, idx)
     assert a >= (1 - eps) * a0 * (1 - 1e-12)
+    if floor == "stage":  # each stage keeps its own static attention
+        assert np.all(inst.at(idx)[2].sum(axis=(0, 1)) >= (1 - eps) * inst.at(static(inst))[2].sum(axis=(0, 1))
+                      * (1 - 1e-12))
     assert t <= t0 * (1 + 1e-12)
-    assert np.array_equal(idx, critical_path_indices(inst, eps))  # deterministic
+    assert np.array_equal(idx, critical_path_indices(inst, eps, floor=floor))  # deterministic
+
+
+def test_a_uniformly_slower_stage_is_not_cut_in_every_microbatch():
+    """The last stage twice as slow in every micro-batch (a layout's imbalance): the whole-step
+    floor cuts it in every micro-batch and pays on the others; the per-stage floor (the default)
+    cuts it in none or some only, and still gains where micro-batches differ."""
+    inst = random_instance(5, pp=8, dp=1, microbatches=8, levels=[16, 20, 24, 28, 32, 40, 48], k0=32)
+    fwd = inst.fwd.copy()
+    fwd[..., -1] *= 2.0
+    inst = dataclasses.replace(inst, fwd=fwd, bwd=2.2 * fwd)
+    cut = {floor: critical_path_indices(inst, 0.0, floor=floor) < inst.k0_index for floor in ("total", "stage")}
+    assert cut["total"][..., -1].all(), "fixture: the whole-step floor should cut the slow stage everywhere"
+    assert not cut["stage"][..., -1].all()
+    assert cut["stage"].any(), "fixture: the per-stage plan should still cut somewhere"
+    assert objective(inst, critical_path_indices(inst))[0] <= objective(inst, static(inst))[0] * (1 + 1e-12)
+    # the driver's policy takes --sb-dst-floor (DSTConfig.floor)
+    from sparsebalance.config import DSTConfig
+    from sparsebalance.tuning.policies import DST_POLICIES
+
+    for floor in ("total", "stage"):
+        plan = DST_POLICIES["critical-path"](inst, DSTConfig(policy="critical-path", topk_min=16, topk_max=48,
+                                                            floor=floor))
+        assert np.array_equal(plan.budget < inst.k0, cut[floor])
 
 
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.3])
