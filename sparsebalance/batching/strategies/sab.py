@@ -41,8 +41,7 @@ item waits more steps; once the epoch's stream is exhausted every carried item i
 placed before the next epoch starts) and the carry cap (half the step's tokens). The
 queue pays where one expensive document stretches a step: dense or near-dense attention
 with few micro-batches per replica (M close to PP), where a lone long document
-stretches the 1F1B fill and drain of its replica. With many micro-batches of sparse
-attention it rarely holds anything.
+stretches the 1F1B fill and drain of its replica.
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ import numpy as np
 
 from sparsebalance.batching.packing import Carried, PackContext, Packing
 from sparsebalance.batching.strategies.common import (
+    Window,
     build_window,
     extend_window,
     finish,
@@ -217,6 +217,7 @@ def pack_sab(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packin
         bott = int(np.argmax(st.sum(axis=1) + K * const))
         return li, st[bott], bott
 
+    base = len(win)
     if hold:
         # Top the window up by the tokens that may wait, so that holding them leaves
         # short documents to fill their room (WLB-LLM tops up likewise).
@@ -250,6 +251,18 @@ def pack_sab(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packin
         return assign, (li, prof)
 
     win, assign, extra = settle(win, stream, ctx, assign_fn)
+    # Give back the top-up the plan did not need (what it placed beyond ``sab_fill`` of
+    # the step): unused, it would fill the step beyond sab_fill whenever nothing waits.
+    over = int(win.length[assign >= 0].sum()) - int(K * S * fill)
+    if hold and over > 0 and len(win) > base:
+        tail = np.cumsum(win.length[base:][::-1])
+        drop = int(np.searchsorted(tail, over, side="right"))
+        if drop:
+            stream.retreat(drop)
+            keep = len(win) - drop
+            win = Window(win.doc[:keep], win.offset[:keep], win.length[:keep], win.age[:keep],
+                         win.forced[:keep], win.n_carried)
+            win, assign, extra = settle(win, stream, ctx, assign_fn)
     win, assign, (li, prof) = occupy_empty_bins(win, assign, extra, stream, ctx, assign_fn)
     orders = _rebalance(cost, li, win.length, assign, ctx, prof,
                         int(ctx.options.get("sab_moves", 8)))
