@@ -14,6 +14,9 @@ Steps of one plan:
    are near ``seq_length`` long and few fit the budget, further stream items are
    admitted one at a time and the assignment rerun, while each is placed without
    deferring anything (:func:`~sparsebalance.batching.strategies.common.occupy_empty_bins`).
+   With the outlier queue on (option ``sab_hold``, default True), the window is topped
+   up by the tokens of the items that may wait, so that holding them leaves short
+   documents to fill their room.
 2. Shape: in 1F1B the fill and drain bubbles scale with the first micro-batch's
    forward and the last one's backward, so equal micro-batches are not optimal:
    :func:`pipeline_profile` finds the per-position share of a rank's work that
@@ -21,7 +24,10 @@ Steps of one plan:
    Option ``sab_profile="flat"`` plans equal micro-batches instead.
 3. Assign: items by decreasing cost (forced first) to the bin with the least
    ``load / target share`` that has token room (proportional LPT); items that fit
-   nowhere are deferred.
+   nowhere are deferred. The outlier queue
+   (:mod:`~sparsebalance.batching.strategies.outlier_queue`) first decides which
+   expensive items wait: of the plans that hold the k costliest of them, the one of
+   least predicted step time + price of what it leaves waiting.
 4. Order: per rank, match bins to positions by cost rank, then improve by pair swaps
    evaluated exactly with the vectorised 1F1B model.
 5. Improve: up to ``sab_moves`` (default 8) single-item moves off the slowest rank
@@ -30,10 +36,12 @@ Steps of one plan:
    A move never takes a micro-batch's last item: emptying the first micro-batch
    shortens the 1F1B fill, but wastes a slot of the step that a waiting item could use.
 
-Items that fit nowhere are carried (bounded by ``max_carry_steps`` and the carry
-cap); SAB does not hold documents back on purpose: with ranks balanced to ~0.1%
-by the moves there was nothing left for deliberate delays to buy on the shared
-length files (see the batching report).
+Held items and items that fit nowhere are carried, bounded by ``max_carry_steps`` (no
+item waits more steps; once the epoch's stream is exhausted every carried item is
+placed before the next epoch starts) and the carry cap (half the step's tokens). The
+queue pays where one expensive document stretches a step: dense or near-dense attention
+with few micro-batches per replica (M close to PP), where a lone long document
+stretches the 1F1B fill and drain of its replica.
 """
 
 from __future__ import annotations
@@ -43,7 +51,16 @@ from functools import lru_cache
 import numpy as np
 
 from sparsebalance.batching.packing import Carried, PackContext, Packing
-from sparsebalance.batching.strategies.common import build_window, finish, occupy_empty_bins, rank_interleaved, settle
+from sparsebalance.batching.strategies.common import (
+    Window,
+    build_window,
+    extend_window,
+    finish,
+    occupy_empty_bins,
+    rank_interleaved,
+    settle,
+)
+from sparsebalance.batching.strategies.outlier_queue import choose_holds, hold_candidates
 from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.pipeline import step_ms
 
@@ -87,9 +104,11 @@ def pipeline_profile(M: int, fwd: tuple, bwd: tuple) -> np.ndarray:
 
 
 def _proportional_lpt(c: np.ndarray, length: np.ndarray, forced: np.ndarray,
-                      share: np.ndarray, const: float, S: int, exact: int = 0) -> np.ndarray:
+                      share: np.ndarray, const: float, S: int, exact: int = 0,
+                      skip: np.ndarray | None = None) -> np.ndarray:
     """Items (forced first, then by decreasing cost ``c``) to the bin with token room
-    that minimises ``(load + c) / share``; returns the bin per item (-1: no room).
+    that minimises ``(load + c) / share``; returns the bin per item (-1: no room, or
+    ``skip`` [n] bool marks it as held back).
 
     The first ``exact`` items (default ``4 * K``, the heavy ones, where the choice
     matters) use that rule exactly; the rest are small relative to a bin, where it
@@ -98,6 +117,8 @@ def _proportional_lpt(c: np.ndarray, length: np.ndarray, forced: np.ndarray,
     K = share.size
     exact = exact or 4 * K
     order = np.lexsort((-c, ~forced))
+    if skip is not None:
+        order = order[~skip[order]]
     assign = np.full(c.size, -1, dtype=np.int64)
     tok = np.zeros(K, dtype=np.int64)
     load = np.full(K, const)
@@ -185,14 +206,28 @@ def pack_sab(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packin
         raise ValueError("strategy 'sab' needs a predictor")
     K, S, M, dp = ctx.num_bins, ctx.seq_length, ctx.micro_batches, ctx.dp
     fill = float(ctx.options.get("sab_fill", 0.9))
+    hold = bool(ctx.options.get("sab_hold", True)) and not ctx.flush
     win = build_window(carried, stream, ctx, int(K * S * fill))
     const = cost.stage_const_ms().sum(axis=0)  # [pp] fwd+bwd constant per micro-batch
+    perm = np.array(rank_interleaved(ctx))
 
-    def assign_fn(w):
+    def costs(w):
         li = cost.layer_item_ms(w.length, w.doc)  # [2, n]
         st = cost.stage_item_ms(w.length, w.doc, layer_item=li)  # [pp, n]
         bott = int(np.argmax(st.sum(axis=1) + K * const))
-        c = st[bott]
+        return li, st[bott], bott
+
+    base = len(win)
+    if hold:
+        # Top the window up by the tokens that may wait, so that holding them leaves
+        # short documents to fill their room (WLB-LLM tops up likewise).
+        _, c, bott = costs(win)
+        cand = hold_candidates(c, win, ctx, float(const[bott]))
+        room = ctx.carry_cap_tokens - int(win.length[:win.n_carried].sum())
+        win = extend_window(win, stream, ctx, min(int(win.length[cand].sum()), room))
+
+    def assign_fn(w):
+        li, c, bott = costs(w)
         # Typical micro-batch: the window's mean bin.
         f_typ, b_typ = cost.stage_times(li.sum(axis=1)[None, :] / K,
                                         np.array([w.length.sum() / K]))
@@ -204,15 +239,30 @@ def pack_sab(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packin
         else:
             prof = pipeline_profile(M, tuple(np.round(f_typ[0] / scale * 20) / 20),
                                     tuple(np.round(b_typ[0] / scale * 20) / 20))
-        share = np.tile(prof, dp)
-        # Visit bins round-robin over ranks so that ties (e.g. equal shares) spread
-        # heavy items over ranks instead of filling rank 0 first.
-        perm = np.array(rank_interleaved(ctx))
-        local = _proportional_lpt(c, w.length, w.forced, share[perm], float(const[bott]), S)
-        assign = np.where(local >= 0, perm[np.maximum(local, 0)], -1)
+        share = np.tile(prof, dp)[perm]
+
+        def lpt(skip=None, exact=0):
+            local = _proportional_lpt(c, w.length, w.forced, share, float(const[bott]), S,
+                                      exact=exact, skip=skip)
+            return np.where(local >= 0, perm[np.maximum(local, 0)], -1)
+
+        assign = (choose_holds(w, c, li, lpt, cost, ctx, prof, float(const[bott])) if hold
+                  else lpt())
         return assign, (li, prof)
 
     win, assign, extra = settle(win, stream, ctx, assign_fn)
+    # Give back the top-up the plan did not need (what it placed beyond ``sab_fill`` of
+    # the step): unused, it would fill the step beyond sab_fill whenever nothing waits.
+    over = int(win.length[assign >= 0].sum()) - int(K * S * fill)
+    if hold and over > 0 and len(win) > base:
+        tail = np.cumsum(win.length[base:][::-1])
+        drop = int(np.searchsorted(tail, over, side="right"))
+        if drop:
+            stream.retreat(drop)
+            keep = len(win) - drop
+            win = Window(win.doc[:keep], win.offset[:keep], win.length[:keep], win.age[:keep],
+                         win.forced[:keep], win.n_carried)
+            win, assign, extra = settle(win, stream, ctx, assign_fn)
     win, assign, (li, prof) = occupy_empty_bins(win, assign, extra, stream, ctx, assign_fn)
     orders = _rebalance(cost, li, win.length, assign, ctx, prof,
                         int(ctx.options.get("sab_moves", 8)))
