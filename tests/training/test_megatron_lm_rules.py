@@ -70,10 +70,17 @@ def test_dropout_defaults_reach_the_model():
     assert (config.hidden_dropout, config.attention_dropout) == (0.0, 0.2)
 
 
-def test_attention_dropout_with_sparse_attention_is_refused(capsys):
-    line = refused(capsys, "--sparse-attention")
+def test_attention_dropout_with_sparse_attention_is_refused_when_given(capsys):
+    """The sparse kernels apply no attention dropout: a value the line sets is refused; a line
+    that leaves it out (Megatron-LM's default 0.1) trains with 0 and says so once."""
+    line = refused(capsys, "--sparse-attention", "--attention-dropout", "0.1")
     assert "--attention-dropout 0.1" in line and "pass --attention-dropout 0" in line
     assert resolve("--sparse-attention", "--attention-dropout", "0").sparse_attention
+    for switch in ("--sparse-attention", "--sparse-balance"):
+        args = resolve(switch, *(["--sb-cost-model", "h100-analytic"] if switch == "--sparse-balance" else []))
+        assert args.attention_dropout == 0.0 and args.hidden_dropout == 0.1
+        assert sum("--attention-dropout not given" in w for w in args.compat_warnings) == 1
+    assert resolve().attention_dropout == 0.1  # dense attention keeps Megatron-LM's default
 
 
 # --- MLP and attention shape ---------------------------------------------------------------
@@ -145,9 +152,13 @@ def test_transformer_engine_default_falls_back_once():
     with assume_hardware(cuda=True, te=True):
         assert parse_args(["--mock-data", "--tokenizer-type", "ByteTokenizer"],
                           world_size=1).transformer_impl == "transformer_engine"
+        # the TE spec carries the sparse attention in its core-attention slot
         sparse = parse_args(["--mock-data", "--tokenizer-type", "ByteTokenizer", "--sparse-balance",
-                             "--attention-dropout", "0", "--sb-cost-model", "h100-analytic"], world_size=1)
-        assert sparse.transformer_impl == "local" and warned(sparse, "sparse attention lives in the local spec")
+                             "--sb-cost-model", "h100-analytic"], world_size=1)
+        assert sparse.transformer_impl == "transformer_engine" and not warned(sparse, "--transformer-impl")
+        cp = parse_args(["--mock-data", "--tokenizer-type", "ByteTokenizer", "--context-parallel-size", "2"],
+                        world_size=2)
+        assert cp.transformer_impl == "local" and warned(cp, "context-parallel attention lives in the local spec")
 
 
 def test_attention_backend_flash_on_the_local_spec_warns():
