@@ -72,7 +72,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-SHARED = os.path.join(os.path.dirname(REPO), "shared")
+LENGTHS_DIR = os.path.join(REPO, "data", "lengths")
 
 
 class UsageError(Exception):
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--scaling: only the cells of these models (comma list)")
     g = p.add_argument_group("simulation")
     g.add_argument("--lengths", nargs="*", default=None,
-                   help="length files (default ../shared/data/lengths/*.json)")
+                   help="length files, e.g. your corpus' from tools/dataset_lengths.py (default data/lengths/*.json)")
     g.add_argument("--seq-lengths", type=_ints, default=[65536, 131072])
     g.add_argument("--pp", type=int, default=8)
     g.add_argument("--dp", type=int, default=8)
@@ -167,9 +167,9 @@ def _check(a) -> None:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if a.lengths is None:
-        a.lengths = sorted(glob.glob(os.path.join(SHARED, "data", "lengths", "*.json")))
+        a.lengths = sorted(glob.glob(os.path.join(LENGTHS_DIR, "*.json")))
         if not a.lengths and a.mode in ("sim", "all"):
-            raise UsageError(f"no length files in {os.path.join(SHARED, 'data', 'lengths')}")
+            raise UsageError(f"no length files in {LENGTHS_DIR}")
     for f in a.lengths:
         if not os.path.isfile(f):
             raise UsageError(f"--lengths: {f} does not exist")
@@ -416,7 +416,7 @@ def run_real(a, figs: dict, log) -> dict:
     idle = ml.idle_window()
     start = idle[1]
     kinds = ["sparse"] + (["dense"] if any(not get_arm(n).sparse for n in arms) else [])
-    prep = prepare(REPO, SHARED, cfg, a.workdir, log, kinds)
+    prep = prepare(REPO, LENGTHS_DIR, cfg, a.workdir, log, kinds)
     pred = cpu_prediction(cfg, prep)
     log("[compare] predicted (profile + pipeline model) throughput vs megatron: " + ", ".join(
         f"{n} {r['speedup_vs_megatron']:.3f}x" for n, r in pred["arms"].items()))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: SparseBalance against the Megatron baseline, trained for real on this CPU.
 #
-# 1. a corpus whose document lengths are resampled from ../shared/data/lengths/
+# 1. a corpus whose document lengths are resampled from data/lengths/
 #    (WLB-LLM reconstruction: whole documents of very different lengths, 8K context);
 # 2. a latency profile of this machine's sparse layer (tools/profile_latency.py --quick),
 #    reused while the model flags and thread count stay the same;
