@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rounds", type=int, default=None,
                    help="rounds of all arms, alternating order (default 2; quick 1)")
     g.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    g.add_argument("--corpus-lengths", default=None, metavar="FILE",
+                   help="real: resample the corpus' document lengths from this JSON list (e.g. your "
+                        "corpus', from tools/dataset_lengths.py) instead of data/lengths/wlb_reconstruction.json")
     g.add_argument("--workdir", default=os.path.join(REPO, "runs", "compare"),
                    help="corpus, profiles and run logs")
     return p
@@ -268,11 +271,16 @@ def _sim_configs(a) -> dict:
 
 
 def _real_config(a):
+    from benchmarks.harness.compare.corpus import CorpusRecipe
     from benchmarks.harness.compare.real import RealConfig, measured_steps
 
+    given = a.corpus_lengths
+    if given is not None and not (given.endswith(".json") and os.path.isfile(given)):
+        raise UsageError(f"--corpus-lengths {a.corpus_lengths}: not an existing .json length file")
+    recipe = CorpusRecipe() if a.corpus_lengths is None else CorpusRecipe(lengths_file=a.corpus_lengths)
     try:
         cfg = RealConfig(ranks=a.ranks, iters=a.iters or (23 if a.quick else 33),
-                         rounds=a.rounds or (1 if a.quick else 2), threads=a.threads)
+                         rounds=a.rounds or (1 if a.quick else 2), threads=a.threads, recipe=recipe)
     except ValueError as e:
         raise UsageError(str(e))
     if measured_steps(cfg) * cfg.rounds < 20:

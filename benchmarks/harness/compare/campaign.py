@@ -24,7 +24,7 @@ import numpy as np
 from sparsebalance.io import atomic_write_text
 
 from .arms import get_arm
-from .corpus import corpus_stats, describe, make_corpus_quantile, realised_scale, source_lengths
+from .corpus import corpus_stats, describe, length_file, make_corpus_quantile, realised_scale, source_lengths
 from .real import RealConfig, RunResult, driver_command, launch, measured_steps, pool, python_exe, run_order
 from .timelines import noise_penalty, timeline_stats
 
@@ -83,7 +83,7 @@ def prepare(repo: str, lengths_dir: str, cfg: RealConfig, work: str, log: Callab
     atomic_write_text(info["lengths_json"], json.dumps(lengths.tolist()))
     info["recipe_lines"] = describe(r, info["stats"], q, scale)
     kmin, kmax = max(1, r.topk // 2), 2 * r.topk
-    lfile = os.path.join(lengths_dir, r.lengths_file + ".json")
+    lfile = length_file(lengths_dir, r.lengths_file)
     for kind in kinds:
         path = os.path.join(work, f"profile_{kind}.json")
         cmd = [py, os.path.join(repo, "tools", "profile_latency.py"), "--quick", "--output", path,
