@@ -358,7 +358,7 @@ CASES = [
          _p("--input", "{d}/notjson.jsonl", "--output-prefix", "{d}/pp10", "--json-keys", "text", "--workers", "2"),
          r"notjson\.jsonl:2", _p("{d}/pp10_text_document.bin", "{d}/pp10_text_document.idx")),
     Case("bench-preprocess-one-worker", "benchmarks/bench_preprocess.py",
-         _p("--workers", "1", "--workdir", "{d}/bp"), r"workers", _p("{d}/bp/corpus.jsonl")),
+         _p("--workers", "1", "--workdir", "{d}/bp"), r"workers", _p("{d}/bp/corpus.jsonl"), cold=True),
     # dataset_lengths.py: a missing or corrupt dataset
     Case("lengths-missing-dataset", "tools/dataset_lengths.py", _p("--data-path", "{d}/only", "--output",
                                                                    "{d}/len0.json"), r"only\.bin",
