@@ -73,6 +73,8 @@ COPY tools/ tools/
 # the experiment harness (make gpu-check runs benchmarks/gpu_check.sh inside the image)
 COPY benchmarks/ benchmarks/
 COPY examples/ examples/
+# sample document lengths: the demo, the profile and the simulator read them by default
+COPY data/lengths/ data/lengths/
 COPY pretrain_gpt.py ./
 
 # `megatron/` here is a namespace package (no __init__.py) that merges with

@@ -76,7 +76,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-SHARED = os.path.join(os.path.dirname(REPO), "shared")
+LENGTHS_DIR = os.path.join(REPO, "data", "lengths")
 
 
 class UsageError(Exception):
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(benchmarks/harness/compare/wlb_validation.py)")
     g = p.add_argument_group("simulation")
     g.add_argument("--lengths", nargs="*", default=None,
-                   help="length files (default ../shared/data/lengths/*.json)")
+                   help="length files, e.g. your corpus' from tools/dataset_lengths.py (default data/lengths/*.json)")
     g.add_argument("--seq-lengths", type=_ints, default=[65536, 131072])
     g.add_argument("--pp", type=int, default=8)
     g.add_argument("--dp", type=int, default=8)
@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rounds", type=int, default=None,
                    help="rounds of all arms, alternating order (default 2; quick 1)")
     g.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    g.add_argument("--corpus-lengths", default=None, metavar="FILE",
+                   help="real: resample the corpus' document lengths from this JSON list (e.g. your "
+                        "corpus', from tools/dataset_lengths.py) instead of data/lengths/wlb_reconstruction.json")
     g.add_argument("--workdir", default=os.path.join(REPO, "runs", "compare"),
                    help="corpus, profiles and run logs")
     return p
@@ -177,9 +180,9 @@ def _check(a) -> None:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if a.lengths is None:
-        a.lengths = sorted(glob.glob(os.path.join(SHARED, "data", "lengths", "*.json")))
+        a.lengths = sorted(glob.glob(os.path.join(LENGTHS_DIR, "*.json")))
         if not a.lengths and a.mode in ("sim", "all"):
-            raise UsageError(f"no length files in {os.path.join(SHARED, 'data', 'lengths')}")
+            raise UsageError(f"no length files in {LENGTHS_DIR}")
     for f in a.lengths:
         if not os.path.isfile(f):
             raise UsageError(f"--lengths: {f} does not exist")
@@ -283,11 +286,16 @@ def _sim_configs(a) -> dict:
 
 
 def _real_config(a):
+    from benchmarks.harness.compare.corpus import CorpusRecipe
     from benchmarks.harness.compare.real import RealConfig, measured_steps
 
+    given = a.corpus_lengths
+    if given is not None and not (given.endswith(".json") and os.path.isfile(given)):
+        raise UsageError(f"--corpus-lengths {a.corpus_lengths}: not an existing .json length file")
+    recipe = CorpusRecipe() if a.corpus_lengths is None else CorpusRecipe(lengths_file=a.corpus_lengths)
     try:
         cfg = RealConfig(ranks=a.ranks, iters=a.iters or (23 if a.quick else 33),
-                         rounds=a.rounds or (1 if a.quick else 2), threads=a.threads)
+                         rounds=a.rounds or (1 if a.quick else 2), threads=a.threads, recipe=recipe)
     except ValueError as e:
         raise UsageError(str(e))
     if measured_steps(cfg) * cfg.rounds < 20:
@@ -431,7 +439,7 @@ def run_real(a, figs: dict, log) -> dict:
     idle = ml.idle_window()
     start = idle[1]
     kinds = ["sparse"] + (["dense"] if any(not get_arm(n).sparse for n in arms) else [])
-    prep = prepare(REPO, SHARED, cfg, a.workdir, log, kinds)
+    prep = prepare(REPO, LENGTHS_DIR, cfg, a.workdir, log, kinds)
     pred = cpu_prediction(cfg, prep)
     log("[compare] predicted (profile + pipeline model) throughput vs megatron: " + ", ".join(
         f"{n} {r['speedup_vs_megatron']:.3f}x" for n, r in pred["arms"].items()))

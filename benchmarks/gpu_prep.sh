@@ -5,7 +5,7 @@
 #              (megatron-core; its other needs are in the image). gpu_check.sh installs them
 #              offline into /tmp/site.
 #   gpudata/   the document-length files the train part resamples (copied from
-#              ../shared/data/lengths). Both folders are git-ignored; carry them.
+#              data/lengths, or LENGTHS=DIR of your own). Both folders are git-ignored; carry them.
 #   .gpu1/, .gpu2/  flash-attn-4 and its needs (requirements-gpu.txt) in two bundles of at
 #              most 60 MiB each, for two back-to-back device commands: the CuTeDSL libs
 #              wheel (~92 MB) is cut in two, .gpu1/ holds its first part, .gpu2/ the rest
@@ -24,7 +24,7 @@ FA4_PKGS=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-li
           apache-tvm-ffi==0.1.15.post2
           torch-c-dlpack-ext==0.1.5)
 PART_MB=${PART_MB:-50}
-LENGTHS=${LENGTHS:-../shared/data/lengths}
+LENGTHS=${LENGTHS:-data/lengths}
 
 mkdir -p "$WHEELS" "$DATA"
 platforms=()

@@ -70,7 +70,7 @@ from typing import NoReturn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks"), os.path.join(REPO, "tools")]
-SHARED = os.path.join(os.path.dirname(REPO), "shared")
+LENGTHS_DIR = os.path.join(REPO, "data", "lengths")
 
 from megatron.training import quiet_optional_extras  # noqa: E402
 from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
@@ -399,7 +399,7 @@ def run(a) -> dict:
 
     cfg = real_config(a.smoke)
     os.makedirs(a.workdir, exist_ok=True)
-    prep = prepare(REPO, SHARED, cfg, a.workdir, log, kinds=("sparse",))
+    prep = prepare(REPO, LENGTHS_DIR, cfg, a.workdir, log, kinds=("sparse",))
     prefix, profile = prep["corpus_prefix"], prep["profile_sparse"]
     ds = open_dataset(prefix)
     lengths = np.array(ds.sequence_lengths, dtype=np.int64)  # a copy: the index is memory-mapped

@@ -13,7 +13,7 @@ Five sources, byte-level (vocabulary 256), all from what the machine already has
 * ``markov``: ``tools/make_corpus.py``'s Markov prose (a 64-word chain).
 
 Each document's source is drawn uniformly from ``--sources`` and its length,
-independently of the source, from ``../shared/data/lengths/<name>.json`` scaled so the
+independently of the source, from ``data/lengths/<name>.json`` scaled so the
 ``--quantile`` maps to ``--seq-length`` (``tools/make_corpus.py``'s rule), so two
 documents of equal length differ only in content. Writes ``PREFIX.bin/.idx`` and the
 sidecar ``PREFIX_sources.json`` (``doc_source`` and ``lengths`` per document index) and
@@ -67,7 +67,7 @@ from sparsebalance.io import atomic_write_text  # noqa: E402
 quiet_optional_extras()
 
 PROG = "make_hetero_corpus.py"
-SHARED_LENGTHS = os.path.join(os.path.dirname(REPO), "shared", "data", "lengths")
+LENGTHS_DIR = os.path.join(REPO, "data", "lengths")
 SIDECAR_FORMAT = "sparsebalance-hetero-corpus"
 STAMP = "hetero_corpus_train.json"
 FILLER = b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -262,7 +262,7 @@ def build_parser():
     p.add_argument("--num-docs", type=int, default=2000)
     p.add_argument("--seq-length", type=int, default=1024, help="longest document (tokens) = training sequence")
     p.add_argument("--lengths", default="prolong",
-                   help="name of a file in ../shared/data/lengths (no .json), or a path to a JSON list")
+                   help="name of a file in data/lengths (no .json), or a path to a JSON list")
     p.add_argument("--quantile", type=float, default=0.95,
                    help="length quantile mapped to --seq-length (0.95: at a 1-2K cap the median document "
                         "spans several routing blocks; 0.999 would leave it under two)")
@@ -311,9 +311,9 @@ def parse_sources(text: str, known: tuple, fail_fn) -> list:
 
 
 def read_lengths(name: str) -> np.ndarray:
-    src = name if name.endswith(".json") else os.path.join(SHARED_LENGTHS, name + ".json")
+    src = name if name.endswith(".json") else os.path.join(LENGTHS_DIR, name + ".json")
     if not os.path.isfile(src):
-        fail(f"--lengths: length file {src} not found (a name needs shared/ as the sibling of the repo root; "
+        fail(f"--lengths: length file {src} not found (a name is a file in data/lengths; "
              "or pass a path to a .json list)")
     try:
         with open(src) as fh:

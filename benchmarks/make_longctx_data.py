@@ -4,7 +4,7 @@ Outputs in ``--output-dir``:
 
 * ``train.jsonl`` — ``{"text": prompt + answer + "\\n"}`` per document: task
   samples (split "train") mixed with ``--filler-share`` ordinary prose documents
-  whose lengths are resampled from ``../shared/data/lengths/<--lengths>.json``;
+  whose lengths are resampled from ``data/lengths/<--lengths>.json``;
   feed it to ``tools/preprocess_data.py``.
 * ``eval.jsonl`` — held-out samples (split "eval"), ``--eval-samples`` per
   (task, length), read by ``benchmarks/eval_longctx.py --data``.
@@ -40,7 +40,7 @@ from benchmarks.harness.longctx.tasks import ALL_TASKS, TASKS, TaskConfig, gener
 from sparsebalance.io import atomic_write_text  # noqa: E402
 
 PROG = "make_longctx_data.py"
-SHARED_LENGTHS = os.path.join(os.path.dirname(REPO), "shared", "data", "lengths")
+LENGTHS_DIR = os.path.join(REPO, "data", "lengths")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list or all (the evaluation suite); copy is a training-only warm-up task")
     p.add_argument("--filler-share", type=float, default=0.25, help="fraction of filler documents")
     p.add_argument("--lengths", default="prolong",
-                   help="filler lengths: a name in ../shared/data/lengths or a JSON file path")
+                   help="filler lengths: a name in data/lengths or a JSON file path")
     p.add_argument("--filler-quantile", type=float, default=0.99,
                    help="quantile of the length file mapped to --max-tokens")
     p.add_argument("--max-tokens", type=int, default=4096, help="longest document (= --seq-length)")
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     lengths_file = args.lengths if args.lengths.endswith(".json") else os.path.join(
-        SHARED_LENGTHS, args.lengths + ".json")
+        LENGTHS_DIR, args.lengths + ".json")
     if args.num_train_docs < 0 or args.eval_samples < 0:
         fail("--num-train-docs and --eval-samples must be >= 0")
     if args.num_train_docs == 0 and args.eval_samples == 0:

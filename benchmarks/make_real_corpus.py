@@ -15,7 +15,7 @@ with a note (in the printed summary and the sidecar), never a crash:
 * ``csv`` / ``json``: weather-station rows / nested records, generated from the seed.
 
 Each document's source is drawn uniformly from the available ``--sources``; its length, independently
-of the source, from ``../shared/data/lengths/<--lengths>.json`` (real document lengths) mapped into
+of the source, from ``data/lengths/<--lengths>.json`` (real document lengths) mapped into
 ``[--min-length, --max-length]`` tokens: log-affinely, the ``--quantiles`` (default the 5% and 95%
 quantiles) going to the two ends and what lies outside clipped, so the shape between keeps its
 proportions (prolong: median 1,914 -> ~2,100 tokens; ~5% of documents at each end). Every document
@@ -323,7 +323,7 @@ def build_parser():
     p.add_argument("--min-length", type=int, default=1024, help="shortest document (tokens)")
     p.add_argument("--max-length", type=int, default=8192, help="longest document (tokens)")
     p.add_argument("--lengths", default="prolong",
-                   help="name of a file in ../shared/data/lengths (no .json), or a path to a JSON list")
+                   help="name of a file in data/lengths (no .json), or a path to a JSON list")
     p.add_argument("--quantiles", default="0.05,0.95",
                    help="the length quantiles mapped to --min-length and --max-length")
     p.add_argument("--sources", default=",".join(SOURCES), help=f"comma list of {', '.join(SOURCES)}")

@@ -22,7 +22,7 @@ Tiny CPU run (seconds)::
         --policy critical-path --trace /tmp/step.trace.json --gantt /tmp/step.png
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/simulate.py bench --pp 8 --dp 8 --microbatches 32
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/simulate.py from-lengths \
-        --lengths ../shared/data/lengths/prolong.json --predictor h100-analytic \
+        --lengths data/lengths/prolong.json --predictor h100-analytic \
         --num-layers 24 --pp 4 --dp 2 --microbatches 8 --out /tmp/prolong.json
 
 GPU cluster (instance written by the driver from the predictor; same commands)::

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: SparseBalance against the Megatron baseline, trained for real on this CPU.
 #
-# 1. a corpus whose document lengths are resampled from ../shared/data/lengths/
+# 1. a corpus whose document lengths are resampled from data/lengths/
 #    (WLB-LLM reconstruction: whole documents of very different lengths, 8K context);
 # 2. a latency profile of this machine's sparse layer (tools/profile_latency.py --quick),
 #    reused while the model flags and thread count stay the same;
@@ -21,6 +21,8 @@
 #   bash examples/cpu_demo.sh                 # from the repo root (the Makefile does this)
 #   ROUNDS=5 ITERS=23 bash examples/cpu_demo.sh   # longer, tighter interval
 #   DENSE=1 bash examples/cpu_demo.sh         # add full attention as a third arm
+#   LENGTHS=my_lengths.json make demo         # the corpus' lengths from your own length file
+#                                             # (tools/dataset_lengths.py --data-path YOUR_PREFIX)
 #
 # Outputs under runs/demo/: report/report.md (every number, the commands, the figures),
 # report/real_gantt.png, report/real_trace.json, runs/<arm>-<round>/ (per-run logs,
@@ -32,11 +34,13 @@ ROUNDS=${ROUNDS:-3}
 ITERS=${ITERS:-12}
 ARMS=megatron,sparsebalance
 if [[ -n "${DENSE:-}" ]]; then ARMS=$ARMS,dense; fi
+CORPUS=()
+if [[ -n "${LENGTHS:-}" ]]; then CORPUS=(--corpus-lengths "$LENGTHS"); fi
 OUT=runs/demo
 mkdir -p "$OUT"
 rm -rf "$OUT/runs" "$OUT/report"
 start=$(date +%s)
 # The tool runs every rank with OMP_NUM_THREADS=1 (--threads) whatever this shell has.
 "$PY" benchmarks/compare.py --mode real --arms "$ARMS" --rounds "$ROUNDS" --iters "$ITERS" \
-    --threads 1 --workdir "$OUT" --report "$OUT/report"
+    --threads 1 --workdir "$OUT" --report "$OUT/report" "${CORPUS[@]}"
 echo "demo wall time: $(( $(date +%s) - start )) s; full report: $OUT/report/report.md"

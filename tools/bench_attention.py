@@ -34,7 +34,7 @@ The project's CPU point (16K tokens, density ~0.08):
     OMP_NUM_THREADS=2 .venv/bin/python tools/bench_attention.py --seq-len 16384 --heads 8 \\
         --head-dim 64 --block-size 64 --topk 8 --backend cpu --json
 Document mix (lengths resampled from the ProLong length file, packed to 16K):
-    ... --seq-len 16384 --doc-mix ../shared/data/lengths/prolong.json
+    ... --seq-len 16384 --doc-mix data/lengths/prolong.json
 Threshold routing, per-head vs per-block counts (16K tokens, TAU 0.9):
     OMP_NUM_THREADS=2 .venv/bin/python tools/bench_attention.py --seq-len 16384 --heads 8 \
         --head-dim 64 --block-size 64 --topk 64 --routing threshold --threshold 0.9 \

@@ -1,8 +1,8 @@
 """Synthetic corpus with real document-length statistics (the embedded default dataset).
 
 Document lengths are resampled (with replacement, seeded) from
-``../shared/data/lengths/<name>.json`` (``shared/`` is the sibling of the repo
-root) and scaled so that the chosen quantile of the real distribution maps to
+``data/lengths/<name>.json`` (the repository's sample files, or your own
+length file: ``tools/dataset_lengths.py``) and scaled so that the chosen quantile of the real distribution maps to
 ``--max-length`` tokens (longer documents are clipped to it); the shape of the
 distribution below that quantile is kept. The text is byte-level: words drawn
 from a seeded first-order Markov chain over a small vocabulary, so a tiny GPT
@@ -36,7 +36,8 @@ from megatron.training.arguments import usage_error  # noqa: E402
 quiet_optional_extras()
 
 PROG = "make_corpus.py"
-SHARED_LENGTHS = os.path.join(os.path.dirname(REPO), "shared", "data", "lengths")
+LENGTHS_DIR = os.path.join(REPO, "data", "lengths")
+"""The repository's sample length files (data/lengths/README.md: sources, licence)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,8 +46,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def lengths_path(name: str) -> str:
-    """A length file: ``name`` itself when it ends in .json, else shared/data/lengths/NAME.json."""
-    return name if name.endswith(".json") else os.path.join(SHARED_LENGTHS, name + ".json")
+    """A length file: ``name`` itself when it ends in .json, else data/lengths/NAME.json."""
+    return name if name.endswith(".json") else os.path.join(LENGTHS_DIR, name + ".json")
 
 
 def scaled_lengths(source: np.ndarray, num_docs: int, max_length: int, quantile: float,
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
     p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--lengths", default="prolong",
-                   help="name of a file in ../shared/data/lengths (no .json), or a path to a JSON list")
+                   help="name of a file in data/lengths (no .json), or a path to a JSON list of "
+                        "document lengths (tools/dataset_lengths.py writes one from your dataset)")
     p.add_argument("--num-docs", type=int, default=2000)
     p.add_argument("--max-length", type=int, default=512, help="tokens of the longest document")
     p.add_argument("--quantile", type=float, default=0.999, help="source quantile mapped to --max-length")
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
         usage_error("need --num-docs >= 1, --max-length >= 2 and 0 < --quantile <= 1", prog=PROG)
     src = lengths_path(args.lengths)
     if not os.path.isfile(src):
-        usage_error(f"length file {src} not found (a name needs shared/ as the sibling of the repo root; "
+        usage_error(f"length file {src} not found (a name is a file in data/lengths; "
                     "or pass a path to a .json list)", prog=PROG)
     source = np.asarray(json.load(open(src)), dtype=np.int64)
     rng = np.random.default_rng(args.seed)

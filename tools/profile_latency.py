@@ -5,7 +5,7 @@ Times the forward and the backward of ONE megatron-core transformer layer (our
 layer spec: dense causal varlen attention, or block top-k sparse attention with
 ``--sparse-attention``) on packed THD micro-batches over a grid of compositions
 (single long documents, many short ones, mixes resampled from
-../shared/data/lengths/*.json) and budgets, plus the per-stage extras (embedding;
+data/lengths/*.json, or your own) and budgets, plus the per-stage extras (embedding;
 final norm + output layer + loss). Medians of repeats after warm-up, at a fixed
 thread count. Writes a profile JSON (hardware + model fingerprints, raw samples,
 fitted coefficients) that ``sparsebalance.predictor.get_predictor(path)`` loads.
@@ -52,7 +52,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-_LENGTH_FILES = os.path.join(_REPO, "..", "shared", "data", "lengths", "*.json")
+_LENGTH_FILES = os.path.join(_REPO, "data", "lengths", "*.json")
 
 
 def build_parser():
@@ -79,8 +79,9 @@ def build_parser():
     g.add_argument("--heldout", type=int, default=None, help="held-out micro-batches (default 40; quick 12)")
     g.add_argument("--stage-checks", type=int, default=None,
                    help="held-out micro-batches timed as whole stages (default 6; quick 3)")
-    g.add_argument("--length-files", nargs="*", default=None,
-                   help="JSON lists of document lengths (default ../shared/data/lengths/*.json)")
+    g.add_argument("--length-files", "--lengths", nargs="*", default=None,
+                   help="JSON lists of document lengths, e.g. your corpus' from tools/dataset_lengths.py "
+                        "(default data/lengths/*.json)")
     g.add_argument("--length-scale", type=float, default=None,
                    help="multiplier on resampled lengths (default seq-length / 32768)")
     g.add_argument("--profile-seed", type=int, default=0, help="seed of the grid and held-out set")

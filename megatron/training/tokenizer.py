@@ -12,6 +12,11 @@
 * ``NullTokenizer``: the data are token ids already; the vocabulary is ``--vocab-size``.
 
 Every failure is a ``ValueError`` with one line naming the flag and the file.
+
+Each tokenizer's ``eod`` is the id ``tools/preprocess_data.py --append-eod`` appends, as
+Megatron-LM's tokenizer of the same type has it (None where it has none): GPT-2's
+``<|endoftext|>``; a Hugging Face tokenizer's ``eos_token`` (from the ``tokenizer_config.json``
+beside its ``tokenizer.json``, where ``transformers`` reads it); SentencePiece's eos.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens (ids 0..255)."""
 
     vocab_size = 256
+    eod = None  # every id is a byte: no id is left for an end-of-document token
 
     def encode(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))
@@ -54,6 +60,7 @@ class HFJsonTokenizer:
                 if os.path.isfile(vocab) and os.path.isfile(merges):
                     self._tok = _byte_level_bpe(vocab, merges, flag)
                     self.vocab_size = self._tok.get_vocab_size()
+                    self.eod = self._config_eos(path)
                     return
                 spm = " (it has tokenizer.model: use --tokenizer-type Llama2Tokenizer or " \
                       "SentencePieceTokenizer)" if os.path.isfile(os.path.join(path, "tokenizer.model")) else ""
@@ -65,6 +72,20 @@ class HFJsonTokenizer:
             detail = " ".join(str(e).split())[:160]
             raise ValueError(f"{flag} {file}: not a Hugging Face tokenizer.json ({detail})") from None
         self.vocab_size = self._tok.get_vocab_size()
+        self.eod = self._config_eos(os.path.dirname(os.path.abspath(file)))
+
+    def _config_eos(self, folder: str) -> Optional[int]:
+        """Id of the ``eos_token`` that ``folder/tokenizer_config.json`` names, or None."""
+        import json
+
+        try:
+            with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if isinstance(eos, dict):  # an AddedToken written out: {"content": ..., ...}
+            eos = eos.get("content")
+        return self.token_id(eos) if isinstance(eos, str) else None
 
     def encode(self, text: str) -> List[int]:
         return self._tok.encode(text).ids
@@ -110,6 +131,7 @@ class GPT2BPETokenizer(HFJsonTokenizer):
                              "--merge-file (merges.txt)")
         self._tok = _byte_level_bpe(vocab_file, merge_file, "--tokenizer-type GPT2BPETokenizer")
         self.vocab_size = self._tok.get_vocab_size()
+        self.eod = self.token_id(self.UNKNOWN_TOKEN)  # Megatron-LM's GPT-2 eod is <|endoftext|>
 
 
 class SentencePieceTokenizer:
@@ -131,6 +153,11 @@ class SentencePieceTokenizer:
             detail = " ".join(str(e).split())[:160]
             raise ValueError(f"--tokenizer-model {file}: not a SentencePiece model ({detail})") from None
         self.vocab_size = int(self._sp.vocab_size())
+        # Megatron-LM's GPT-style SentencePiece tokenizers end documents with the model's eos;
+        # its plain SentencePieceTokenizer appends its own <eod> beyond the model's vocabulary,
+        # which the embedding here would not have: none
+        eos = int(self._sp.eos_id())
+        self.eod = eos if eos >= 0 and tokenizer_type != "SentencePieceTokenizer" else None
 
     def encode(self, text: str) -> List[int]:
         return list(self._sp.encode(text))

@@ -2,13 +2,13 @@
 
 Tiny CPU run::
 
-    python -m sparsebalance.batching pack --lengths ../shared/data/lengths/prolong.json \
+    python -m sparsebalance.batching pack --lengths data/lengths/prolong.json \
         --dp 2 --micro-batches 4 --seq-length 8192 --strategy sab \
         --cost-model h100-analytic --steps 5 --seed 0 --json
 
 GPU-cluster planning (the README table; every strategy on the same documents)::
 
-    python -m sparsebalance.batching pack --lengths ../shared/data/lengths/wlb_reconstruction.json \
+    python -m sparsebalance.batching pack --lengths data/lengths/wlb_reconstruction.json \
         --dp 4 --micro-batches 8 --seq-length 32768 --pp 4 --cost-model h100-analytic \
         --steps 50 --seed 0 --compare
 """

@@ -3,8 +3,8 @@
 A composition is ``(lengths, topk)``: the document lengths of one packed
 micro-batch of at most ``capacity`` tokens and its budget (None = dense).
 
-Real compositions are resampled from the shared length files
-(``../shared/data/lengths/*.json``, real long-context mixtures). Those lengths
+Real compositions are resampled from length files (the repository's
+``data/lengths/*.json``, real long-context mixtures, or a user's own corpus'). Those lengths
 are for 32K-128K contexts; a CPU run uses a shorter ``--seq-length``, so lengths
 are multiplied by ``length_scale`` (default ``capacity / 32768``: the paper's 32K
 micro-batch maps onto ours) to keep the share of long documents per micro-batch —

@@ -147,17 +147,20 @@ def dockerignore_patterns() -> list[str]:
 
 
 def ignored(path: str, patterns: list[str]) -> bool:
-    """Approximation of Docker's matcher for the patterns used here (no ``!`` exceptions)."""
-    path = path.strip("/")
-    parts = path.split("/")
+    """Approximation of Docker's matcher for the patterns used here: the last pattern that
+    matches the path or a folder above it decides, and a ``!`` pattern lets it back in."""
+    parts = path.strip("/").split("/")
+    excluded = False
     for pat in patterns:
-        pat = pat.strip("/")
+        keep = pat.startswith("!")
+        pat = pat.lstrip("!").strip("/")
         bare = pat[3:] if pat.startswith("**/") else None
         for k in range(1, len(parts) + 1):
             prefix = "/".join(parts[:k])
             if fnmatch.fnmatch(prefix, pat) or (bare and fnmatch.fnmatch(parts[k - 1], bare)):
-                return True
-    return False
+                excluded = not keep
+                break
+    return excluded
 
 
 def copy_problems(instrs: list[tuple[str, str]], patterns: list[str]) -> list[str]:
@@ -218,8 +221,10 @@ def test_default_cmd_prints_pretrain_help(instrs):
 
 def test_dockerignore_keeps_local_state_out():
     pats = dockerignore_patterns()
-    for path in (".git", ".venv", "build", "data", "runs", "checkpoints", "x/__pycache__"):
+    for path in (".git", ".venv", "build", "data/corpus.bin", "runs", "checkpoints", "x/__pycache__"):
         assert ignored(path, pats), f".dockerignore lets {path} into the build context"
+    # the sample length files are the repository's, not local state: the image has them
+    assert not ignored("data/lengths/prolong.json", pats)
 
 
 def test_run_instructions_are_valid_shell(instrs):

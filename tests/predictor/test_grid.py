@@ -8,15 +8,13 @@ import pytest
 
 from sparsebalance.predictor.grid import GridSpec, heldout_set, load_length_pool, sample_pack, training_grid
 
-FILES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared",
-                                      "data", "lengths", "*.json")))
+FILES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "data", "lengths", "*.json")))
 
 
 @pytest.fixture(scope="module")
 def pool():
-    if FILES:
-        return load_length_pool(FILES)
-    return np.random.default_rng(0).lognormal(7.5, 1.2, size=5000).astype(np.int64) + 1
+    assert len(FILES) == 2, "the repository's data/lengths/*.json"
+    return load_length_pool(FILES)
 
 
 @pytest.mark.parametrize("capacity, block", [(1024, 64), (2048, 64), (32768, 256)])

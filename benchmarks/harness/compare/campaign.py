@@ -24,7 +24,7 @@ import numpy as np
 from sparsebalance.io import atomic_write_text
 
 from .arms import get_arm
-from .corpus import corpus_stats, describe, make_corpus_quantile, realised_scale, source_lengths
+from .corpus import corpus_stats, describe, length_file, make_corpus_quantile, realised_scale, source_lengths
 from .real import RealConfig, RunResult, driver_command, launch, measured_steps, pool, python_exe, run_order
 from .timelines import noise_penalty, timeline_stats
 
@@ -60,13 +60,13 @@ def _cached(cmd: List[str], output: str, cfg: RealConfig, log: Callable, what: s
     return text
 
 
-def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable,
+def prepare(repo: str, lengths_dir: str, cfg: RealConfig, work: str, log: Callable,
             kinds: Sequence[str] = ("sparse", "dense")) -> dict:
     """Corpus and the profiles of ``kinds`` (the sparse layer always; the dense one for
     a dense arm); returns their paths, commands and the corpus statistics."""
     r = cfg.recipe
     py = python_exe(repo)
-    src = source_lengths(os.path.join(shared, "data", "lengths"), r.lengths_file)
+    src = source_lengths(lengths_dir, r.lengths_file)
     q = make_corpus_quantile(src, r)
     scale = realised_scale(src, r, q)
     prefix = os.path.join(work, "corpus")
@@ -83,7 +83,7 @@ def prepare(repo: str, shared: str, cfg: RealConfig, work: str, log: Callable,
     atomic_write_text(info["lengths_json"], json.dumps(lengths.tolist()))
     info["recipe_lines"] = describe(r, info["stats"], q, scale)
     kmin, kmax = max(1, r.topk // 2), 2 * r.topk
-    lfile = os.path.join(shared, "data", "lengths", r.lengths_file + ".json")
+    lfile = length_file(lengths_dir, r.lengths_file)
     for kind in kinds:
         path = os.path.join(work, f"profile_{kind}.json")
         cmd = [py, os.path.join(repo, "tools", "profile_latency.py"), "--quick", "--output", path,

@@ -36,7 +36,8 @@ class CorpusRecipe:
     """Documents, context and routing of the real runs."""
 
     lengths_file: str = "wlb_reconstruction"
-    """Shared length file (../shared/data/lengths/<name>.json) the lengths are resampled from."""
+    """Length file the lengths are resampled from: a name in data/lengths (no .json), or a
+    path to a .json list (a user's own, from tools/dataset_lengths.py)."""
     scale: float = 1.0
     """Target multiplier on the resampled lengths (the realised one is recorded)."""
     num_docs: int = 2000
@@ -66,9 +67,14 @@ class CorpusRecipe:
         return asdict(self)
 
 
-def source_lengths(shared_dir: str, name: str) -> np.ndarray:
-    """The shared length file ``name`` as an int64 array; raises ValueError naming it."""
-    path = os.path.join(shared_dir, name + ".json")
+def length_file(lengths_dir: str, name: str) -> str:
+    """``name`` itself when it ends in .json, else ``lengths_dir/name.json``."""
+    return name if name.endswith(".json") else os.path.join(lengths_dir, name + ".json")
+
+
+def source_lengths(lengths_dir: str, name: str) -> np.ndarray:
+    """The length file ``name`` (in ``lengths_dir``) as an int64 array; raises ValueError naming it."""
+    path = length_file(lengths_dir, name)
     try:
         with open(path) as fh:
             vals = json.load(fh)
@@ -115,8 +121,8 @@ def corpus_stats(lengths: np.ndarray, recipe: CorpusRecipe) -> dict:
 def describe(recipe: CorpusRecipe, stats: dict, quantile: float, scale: float) -> List[str]:
     """Markdown lines of the recipe for the report."""
     return [
-        f"- lengths resampled (seed {recipe.seed}) from `../shared/data/lengths/"
-        f"{recipe.lengths_file}.json`, scale {scale:.3f} (make_corpus `--quantile "
+        f"- lengths resampled (seed {recipe.seed}) from `{length_file('data/lengths', recipe.lengths_file)}`, "
+        f"scale {scale:.3f} (make_corpus `--quantile "
         f"{quantile:.5f} --max-length {recipe.seq_length}`), {recipe.num_docs} documents, "
         f"longer ones clipped to the context",
         f"- context (tokens per micro-batch) {recipe.seq_length}; block {recipe.block_size}, "

@@ -95,7 +95,7 @@ CELLS = {
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.harness.compare.noise_study",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", default="../shared/data/lengths/wlb_reconstruction.json")
+    p.add_argument("--lengths", default="data/lengths/wlb_reconstruction.json")
     p.add_argument("--sigmas", default="0,0.05,0.1,0.14")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--draws", type=int, default=20)

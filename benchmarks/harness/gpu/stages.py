@@ -227,13 +227,13 @@ def part_train(a, left: float, run: Callable, best_backend: str) -> Result:
 
 
 def length_files(a) -> List[str]:
-    """The document-length files of the profile and the simulated comparison: the GPU machine
-    has no ../shared, so the copies gpu-prep put in gpudata/ (a dry run: the prolong file
+    """The document-length files of the profile and the simulated comparison: the copies gpu-prep
+    put in gpudata/ (the repository's data/lengths by default) (a dry run: the prolong file
     only, the one with enough short documents)."""
     files = sorted(glob.glob(os.path.join(a.repo, "gpudata", "*.json")))
     if a.dry_run:
         files = [f for f in files if f.endswith("prolong.json")] or [
-            os.path.join(os.path.dirname(a.repo), "shared", "data", "lengths", "prolong.json")]
+            os.path.join(a.repo, "data", "lengths", "prolong.json")]
     return files
 
 

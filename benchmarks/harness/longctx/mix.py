@@ -4,7 +4,7 @@ The training mix is a list of documents (JSONL ``{"text": ..., "loss_start": ...
 ``tools/preprocess_data.py``): task samples (:mod:`benchmarks.harness.longctx.tasks`,
 split ``"train"``) interleaved with ordinary filler-prose documents whose
 lengths are resampled from a real long-context length distribution
-(``../shared/data/lengths/*.json``) and scaled to the CPU-sized context. The
+(``data/lengths/*.json``) and scaled to the CPU-sized context. The
 evaluation sets use split ``"eval"``, an independent random stream.
 """
 
@@ -34,7 +34,7 @@ class MixConfig:
     """Tasks of task documents, drawn uniformly per document."""
     filler_share: float = 0.25
     """Fraction of documents that are ordinary filler prose (0..1)."""
-    lengths_file: str = "../shared/data/lengths/prolong.json"
+    lengths_file: str = "data/lengths/prolong.json"
     """JSON list of document lengths that filler lengths are resampled from."""
     filler_quantile: float = 0.99
     """Quantile of the length file mapped to ``max_tokens - reserve_tokens`` (the

@@ -46,6 +46,7 @@ def lengths(tmp_path_factory):
     ["--routing", "threshold"],  # no --density-study
     ["--routing", "threshold", "--density-study", "/nonexistent/study.json"],
     ["--scaling-models", "smollm2"],  # without --scaling
+    ["--mode", "real", "--corpus-lengths", "/nonexistent/mine.json"],
 ])
 def test_bad_input_one_line_exit_2(args):
     p = _run(*args)
@@ -61,6 +62,17 @@ def test_bad_lengths_content(tmp_path):
     p = _run("--lengths", str(f), "--seq-lengths", "4096", "--pp", "2", "--dp", "2",
              "--micro-batches", "4", "--sim-steps", "1")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_real_corpus_recipe_takes_a_users_length_file(lengths, tmp_path):
+    """--corpus-lengths: the real runs' corpus and profile resample the user's lengths (a
+    path), the built-in names still resolve in data/lengths."""
+    from benchmarks.harness.compare.corpus import CorpusRecipe, length_file, source_lengths
+
+    mine = source_lengths("unused", CorpusRecipe(lengths_file=lengths).lengths_file)
+    assert mine.tolist() == json.load(open(lengths))
+    assert length_file("data/lengths", "prolong") == "data/lengths/prolong.json"
+    assert source_lengths(os.path.join(REPO, "data", "lengths"), "prolong").size == 77932
 
 
 def test_tiny_sim_json(lengths, tmp_path, world):

@@ -17,7 +17,7 @@ from benchmarks.harness.compare.real import RealConfig
 from benchmarks.harness.compare.report_md import real_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-SHARED = os.path.join(os.path.dirname(REPO), "shared")
+LENGTHS_DIR = os.path.join(REPO, "data", "lengths")
 
 
 def _compare_tool():
@@ -28,14 +28,12 @@ def _compare_tool():
     return mod
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "data", "lengths")),
-                    reason="needs ../shared/data/lengths")
 def test_two_arms_two_rounds(tmp_path):
     recipe = CorpusRecipe(num_docs=120, seq_length=1024, block_size=32, topk=6)
     cfg = RealConfig(recipe=recipe, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64,
                      micro_batches=2, iters=5, rounds=2, timeout_s=300)
     logs = []
-    prep = prepare(REPO, SHARED, cfg, str(tmp_path), logs.append, kinds=("sparse",))
+    prep = prepare(REPO, LENGTHS_DIR, cfg, str(tmp_path), logs.append, kinds=("sparse",))
     assert "profile_dense" not in prep  # no dense arm, no dense profile
     res = run_arms(REPO, cfg, ["megatron", "sparsebalance"], str(tmp_path), prep, logs.append)
     assert not res["failed"], res["failed"]

@@ -19,14 +19,12 @@ from benchmarks.harness.longctx.mix import (
 )
 from benchmarks.harness.longctx.tasks import TASKS, generate, generate_set
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data", "lengths")
-PROLONG = os.path.join(SHARED, "prolong.json")
-needs_shared = pytest.mark.skipif(not os.path.isfile(PROLONG), reason="../shared/data/lengths missing")
+PROLONG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "lengths", "prolong.json")
 
 
 @pytest.fixture
 def lengths_file(tmp_path):
-    """A small private length distribution (so the test does not depend on ../shared)."""
+    """A small private length distribution (so the test does not depend on the sample files)."""
     rng = np.random.default_rng(0)
     path = tmp_path / "lengths.json"
     path.write_text(json.dumps(rng.lognormal(7.5, 1.0, size=5000).astype(int).clip(1).tolist()))
@@ -76,8 +74,7 @@ def test_filler_documents_follow_the_drawn_lengths(lengths_file):
         assert np.quantile(got, q) == pytest.approx(np.quantile(want, q), rel=0.15)
 
 
-@needs_shared
-def test_shared_length_files_load():
+def test_sample_length_files_load():
     arr = load_lengths(PROLONG)
     assert arr.size > 1000 and arr.min() > 0
 
