@@ -107,7 +107,7 @@ def render(cells: list) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", nargs="*", default=None, help="length files (default ../shared/data/lengths/*.json)")
+    p.add_argument("--lengths", nargs="*", default=None, help="length files (default data/lengths/*.json)")
     p.add_argument("--model", default="llama7b", choices=sorted(MODELS))
     p.add_argument("--pp", default="4,8")
     p.add_argument("--seq-lengths", default="65536,131072")
@@ -122,8 +122,8 @@ def main(argv=None) -> None:
         with open(a.markdown, "w") as fh:
             fh.write(render(json.load(open(a.out))))
         return
-    files = a.lengths or sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), *[".."] * 4,
-                                                       "shared", "data", "lengths", "*.json")))
+    files = a.lengths or sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), *[".."] * 3,
+                                                       "data", "lengths", "*.json")))
     if not files:
         raise SystemExit("smallm_grid: no length files (pass --lengths)")
     data = {os.path.splitext(os.path.basename(f))[0]: np.asarray(json.load(open(f)), dtype=np.int64)
