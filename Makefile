@@ -31,11 +31,8 @@ demo: build
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# Both cores throughout: one pytest worker per core (TEST_WORKERS), each taking whole test
-# files (module fixtures and warm worlds stay per worker; files share no paths).
-TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test: build lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q tests
 
 # On a CUDA machine whose python3 has torch + triton (no venv, no internet): the evidence
 # chain of benchmarks/gpu_check.py; wheels from .whl/ (made by gpu-prep) installed offline.

@@ -47,9 +47,10 @@ def layer_spec(args, attention=None):
         from megatron.training.sb_config import attention_config
 
         attention = attention_config(args)
-    # validation put --transformer-impl back to local where CUDA or TE is missing
-    # (compat.check_hardware), so transformer_engine here means TE runs
-    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    # validation puts --transformer-impl back to local where CUDA or TE is missing
+    # (compat.check_hardware); tools that build a model from their own parser (convert.py,
+    # profile_latency.py) meet the same rule here
+    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine" and _te_runs(args)
     if attention.sparse:
         # Imported lazily: the sparse module is optional until --sparse-attention is used.
         from sparsebalance.attention.sparse import get_gpt_layer_sparse_spec
@@ -74,6 +75,13 @@ def layer_spec(args, attention=None):
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
     return get_gpt_layer_dense_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm, use_te=False)
+
+
+def _te_runs(args) -> bool:
+    """Whether Transformer Engine's layers can build here: CUDA in use and the package present."""
+    from megatron.training.arg_checks import has_cuda, has_transformer_engine
+
+    return not getattr(args, "cpu", False) and has_cuda() and has_transformer_engine()
 
 
 def transformer_config(args, use_cpu: bool):
@@ -130,9 +138,12 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         params_dtype=dtype,
         bf16=args.bf16,
         # megatron-core applies the hidden dropout (embeddings, after attention and MLP); the
-        # dense core-attention modules read attention_dropout (the sparse ones are refused it)
+        # dense core-attention modules read attention_dropout; the sparse kernels apply none
+        # (parse_args refuses a value the line sets with sparse attention; tools that build a
+        # model from their own parser get 0 here)
         hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
+        attention_dropout=0.0 if (getattr(args, "sparse_attention", False) or getattr(args, "sparse_balance", False))
+        else args.attention_dropout,
         use_cpu_initialization=use_cpu,
         # Packed micro-batches differ in length; the interleaved schedule gets padded
         # ones instead (see data.py for why).

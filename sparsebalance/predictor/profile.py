@@ -99,6 +99,9 @@ def create_command(path: str, model_cfg: dict, threads: Optional[int] = None,
     for key, flag in flags.items():
         if model_cfg.get(key) is not None:
             argv += [flag, str(model_cfg[key])]
+    groups, heads = model_cfg.get("num_query_groups"), model_cfg.get("num_attention_heads")
+    if groups is not None and groups != heads:
+        argv.append("--group-query-attention")  # Megatron-LM reads --num-query-groups only with it
     if model_cfg.get("swiglu"):
         argv.append("--swiglu")
     if model_cfg.get("params_dtype") == "bf16":
