@@ -39,6 +39,7 @@ def test_te_present_gives_tes_spec_with_our_core_attention(corpus, te_spec_provi
     from megatron.core.extensions import transformer_engine as te
     from megatron.core.transformer.identity_op import IdentityOp
 
+    from megatron.training.arg_checks import assume_hardware
     from megatron.training.launch_verdict import Target
     from megatron.training.model import layer_spec
     from sparsebalance.attention.sparse import SparseAttention
@@ -46,7 +47,8 @@ def test_te_present_gives_tes_spec_with_our_core_attention(corpus, te_spec_provi
     gpu = Target(cuda=True, te=True)
     args = parse([*TINY, "--data-path", corpus, *TE_SPARSE], gpu)
     assert args.transformer_impl == "transformer_engine" and args.compat_warnings == []
-    spec = layer_spec(args)
+    with assume_hardware(cuda=True, te=True):  # the layer spec asks the machine too (model._te_runs)
+        spec = layer_spec(args)
     attention = spec.submodules.self_attention.submodules
     assert attention.core_attention.module is SparseAttention
     assert attention.core_attention.params["block_size"] == 16
@@ -55,8 +57,12 @@ def test_te_present_gives_tes_spec_with_our_core_attention(corpus, te_spec_provi
     assert spec.submodules.input_layernorm is IdentityOp
     assert spec.submodules.mlp.submodules.linear_fc1 is te.TELayerNormColumnParallelLinear
     assert spec.submodules.mlp.submodules.linear_fc2 is te.TERowParallelLinear
-    dense = layer_spec(parse([*TINY, "--data-path", corpus, "--transformer-impl", "transformer_engine",
-                              "--attention-backend", "flash"], gpu))
+    dense_args = parse([*TINY, "--data-path", corpus, "--transformer-impl", "transformer_engine",
+                        "--attention-backend", "flash"], gpu)
+    with assume_hardware(cuda=True, te=True):
+        dense = layer_spec(dense_args)
+    assert layer_spec(dense_args).submodules.self_attention.submodules.core_attention is not \
+        te.TEDotProductAttention  # this CPU: the local spec, whatever the args say
     assert dense.submodules.self_attention.submodules.core_attention is te.TEDotProductAttention
 
 
