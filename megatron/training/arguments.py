@@ -852,15 +852,15 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     return build_parser(megatron_lm_flags=True)
 
 
-def _sparse_attention_dropout(parser, argv, args: argparse.Namespace) -> None:
+def _sparse_attention_dropout(argv, args: argparse.Namespace) -> None:
     """Sparse attention applies no attention dropout: where the line does not set
     ``--attention-dropout`` (Megatron-LM's default 0.1) it trains with 0 and says so once; a
     value the line (or its preset) sets stays, and validation refuses it above 0."""
     if not (args.sparse_attention or args.sparse_balance) or args.attention_dropout == 0:
         return
-    from megatron.training.checkpoint_args import explicit_dests
-
-    if "attention_dropout" not in explicit_dests(parser, argv):
+    words = sys.argv[1:] if argv is None else list(argv)
+    # the flag itself (the parser takes no abbreviations); a --model-preset sets 0 already
+    if not any(w == "--attention-dropout" or w.startswith("--attention-dropout=") for w in words):
         args.compat_warnings.append(f"--attention-dropout not given: 0 with sparse attention, whose kernels apply "
                                     f"no dropout (Megatron-LM's default would be {args.attention_dropout:g})")
         args.attention_dropout = 0.0
@@ -879,7 +879,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
                 apply_checkpoint_args(args, explicit_dests(parser, argv), args.compat_warnings.append)
             except ValueError as e:
                 raise UsageError(str(e))
-        _sparse_attention_dropout(parser, argv, args)
+        _sparse_attention_dropout(argv, args)
         return validate(args, world_size)
     except UsageError as e:
         usage_error(str(e), prog=parser.prog)
