@@ -68,6 +68,7 @@ GPU cluster (simulation with a profile of the target GPU instead of h100-analyti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -163,16 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rounds", type=int, default=None,
                    help="rounds of all arms, alternating order (default 2; quick 1)")
     g.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    g.add_argument("--real-micro-batches", type=int, default=8, metavar="M",
+                   help="micro-batches per step (= global batch at DP 1); --ranks is WLB-LLM's regime")
+    g.add_argument("--real-attention", choices=("sparse", "dense"), default="sparse",
+                   help="dense: every key block kept (top-k = the context's blocks), so the packers "
+                        "balance dense attention")
     g.add_argument("--corpus-lengths", default=None, metavar="FILE",
                    help="real: resample the corpus' document lengths from this JSON list (e.g. your "
                         "corpus', from tools/dataset_lengths.py) instead of data/lengths/wlb_reconstruction.json")
+    g.add_argument("--data-path", default=None, metavar="PREFIX",
+                   help="real: train on your indexed dataset (<prefix>.bin/.idx, e.g. from "
+                        "tools/preprocess_data.py) as it is, its token ids the vocabulary, instead of "
+                        "the resampled corpus")
     g.add_argument("--workdir", default=os.path.join(REPO, "runs", "compare"),
                    help="corpus, profiles and run logs")
     return p
 
 
 def _check(a) -> None:
-    for name in ("pp", "dp", "micro_batches", "block_size", "topk", "ranks", "threads"):
+    for name in ("pp", "dp", "micro_batches", "block_size", "topk", "ranks", "threads", "real_micro_batches"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     for name in ("sim_steps", "iters", "rounds"):
@@ -293,9 +303,24 @@ def _real_config(a):
     if given is not None and not (given.endswith(".json") and os.path.isfile(given)):
         raise UsageError(f"--corpus-lengths {a.corpus_lengths}: not an existing .json length file")
     recipe = CorpusRecipe() if a.corpus_lengths is None else CorpusRecipe(lengths_file=a.corpus_lengths)
+    data = {}
+    if a.data_path is not None:
+        if given is not None:
+            raise UsageError("--data-path and --corpus-lengths: give one (your dataset brings its lengths)")
+        from benchmarks.harness.compare.campaign import dataset_vocab
+        from megatron.training import quiet_optional_extras
+
+        quiet_optional_extras()  # megatron-core's warnings about absent GPU extras
+        try:
+            data = {"data_path": a.data_path, "vocab_size": dataset_vocab(a.data_path)}
+        except ValueError as e:
+            raise UsageError(f"--data-path: {e}")
+    if a.real_attention == "dense":
+        recipe = dataclasses.replace(recipe, topk=recipe.seq_length // recipe.block_size - 2)
     try:
         cfg = RealConfig(ranks=a.ranks, iters=a.iters or (23 if a.quick else 33),
-                         rounds=a.rounds or (1 if a.quick else 2), threads=a.threads, recipe=recipe)
+                         rounds=a.rounds or (1 if a.quick else 2), threads=a.threads, recipe=recipe,
+                         micro_batches=a.real_micro_batches, **data)
     except ValueError as e:
         raise UsageError(str(e))
     if measured_steps(cfg) * cfg.rounds < 20:

@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     import preprocess_data
 
     with contextlib.redirect_stdout(io.StringIO()):  # its one line; the summary below says it all
-        preprocess_data.main(["--input", jsonl, "--output-prefix", args.output_prefix,
+        preprocess_data.main(["--input", jsonl, "--output-prefix", args.output_prefix, "--json-key", "text",
                               "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", args.tokenizer_model])
     from megatron.training.indexed_io import open_dataset
 

@@ -23,6 +23,8 @@
 #   DENSE=1 bash examples/cpu_demo.sh         # add full attention as a third arm
 #   LENGTHS=my_lengths.json make demo         # the corpus' lengths from your own length file
 #                                             # (tools/dataset_lengths.py --data-path YOUR_PREFIX)
+#   DATA=my_prefix make demo                  # train on your indexed dataset itself
+#                                             # (tools/preprocess_data.py's <prefix>.bin/.idx)
 #
 # Outputs under runs/demo/: report/report.md (every number, the commands, the figures),
 # report/real_gantt.png, report/real_trace.json, runs/<arm>-<round>/ (per-run logs,
@@ -36,6 +38,7 @@ ARMS=megatron,sparsebalance
 if [[ -n "${DENSE:-}" ]]; then ARMS=$ARMS,dense; fi
 CORPUS=()
 if [[ -n "${LENGTHS:-}" ]]; then CORPUS=(--corpus-lengths "$LENGTHS"); fi
+if [[ -n "${DATA:-}" ]]; then CORPUS+=(--data-path "$DATA"); fi
 OUT=runs/demo
 mkdir -p "$OUT"
 rm -rf "$OUT/runs" "$OUT/report"

@@ -1,6 +1,6 @@
 """JSONL -> megatron-core indexed datasets (.bin/.idx), with Megatron-LM's preprocess_data flags.
 
-Tiny CPU run (built-in byte-level tokenizer, works offline; writes data/mydocs.bin/.idx)::
+Tiny CPU run (built-in byte-level tokenizer, works offline; writes data/mydocs_text_document.bin/.idx)::
 
     .venv/bin/python tools/preprocess_data.py --input docs.jsonl --output-prefix data/mydocs
 
@@ -12,10 +12,10 @@ A Megatron-LM preprocessing line works as it is (writes /lustre/data/corpus_text
 
 Meaning, as Megatron-LM's ``tools/preprocess_data.py``:
 
-* ``--json-keys K ...``: one dataset per key, ``<prefix>_<key>_document`` (``_sentence`` with
-  ``--split-sentences``: one sequence per sentence, nltk's punkt, with ``--keep-newlines``
-  and ``--lang``). Without ``--json-keys`` (this tool's older form, ``--json-key K``, default
-  ``text``) the one dataset is ``<prefix>`` itself.
+* ``--json-keys K ...`` (default ``text``): one dataset per key, ``<prefix>_<key>_document``
+  (``_sentence`` with ``--split-sentences``: one sequence per sentence, nltk's punkt, with
+  ``--keep-newlines`` and ``--lang``). This tool's older form, ``--json-key K``, writes the one
+  dataset to ``<prefix>`` itself.
 * ``--append-eod``: the tokenizer's end-of-document id after each non-empty document (see
   megatron/training/tokenizer.py for each type's). A text with no tokens is an empty
   document in the index, as upstream writes it.
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input", required=True, help="JSONL file (with --partitions > 1: a glob of them)")
     keys = g.add_mutually_exclusive_group()
     keys.add_argument("--json-keys", nargs="+", default=None,
-                      help="keys to extract; one dataset <prefix>_<key>_document each")
+                      help="keys to extract (default text); one dataset <prefix>_<key>_document each")
     keys.add_argument("--json-key", default=None, help="one key, written to <prefix> itself (default text)")
     g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (nltk punkt)")
     g.add_argument("--keep-newlines", action="store_true", help="keep newlines between split sentences")
@@ -143,8 +143,8 @@ def _check(args) -> Tuple[EncodeConfig, Dict[str, str], List[str], int]:
                     + (" (its tokenizer_config.json names no eos_token)"
                        if args.tokenizer_type == "HuggingFaceTokenizer" else ""), prog=PROG)
     level = "sentence" if args.split_sentences else "document"
-    names = ({k: f"{args.output_prefix}_{k}_{level}" for k in keys} if args.json_keys
-             else {keys[0]: args.output_prefix})
+    names = ({keys[0]: args.output_prefix} if args.json_key
+             else {k: f"{args.output_prefix}_{k}_{level}" for k in keys})
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     config = EncodeConfig(tokenizer=spec, json_keys=keys, source=args.input, dtype=dtype.__name__,
                           append_eod=args.append_eod, split_sentences=args.split_sentences,

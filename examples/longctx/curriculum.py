@@ -244,7 +244,7 @@ def build_data(stage: dict, data_dir: str, python: str) -> str:
     with open(os.path.join(tmp, "train.jsonl"), "w") as f:
         f.writelines(lines)
     _run([python, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", os.path.join(tmp, "train.jsonl"),
-          "--output-prefix", os.path.join(tmp, "train_text_document"), "--loss-start-key", "loss_start"],
+          "--output-prefix", os.path.join(tmp, "train"), "--loss-start-key", "loss_start"],
          f"tokenizing the data of stage {stage['name']}")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

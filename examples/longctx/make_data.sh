@@ -12,4 +12,4 @@ cd "$SB_ROOT"
     --filler-share "$FILLER_SHARE" --lengths "$LENGTHS_NAME" \
     --eval-lengths "$EVAL_LENGTHS" --eval-samples "$EVAL_SAMPLES" --seed "$DATA_SEED"
 "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/train.jsonl" \
-    --output-prefix "$DATA_DIR/train_text_document" --loss-start-key loss_start
+    --output-prefix "$DATA_DIR/train" --loss-start-key loss_start

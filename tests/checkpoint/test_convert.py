@@ -318,8 +318,8 @@ def test_recipe_with_the_models_hf_tokenizer(converted, tmp_path, world):
             f.write(json.dumps({"text": " ".join(f"w{i}" for i in d)}) + "\n")
     prefix = str(tmp_path / "data")
     p = world.launch(os.path.join(ROOT, "tools", "preprocess_data.py"),
-                     ["--input", str(tmp_path / "docs.jsonl"), "--output-prefix", prefix, "--tokenizer-type",
-                      "HuggingFaceTokenizer", "--tokenizer-model", tok])
+                     ["--input", str(tmp_path / "docs.jsonl"), "--output-prefix", prefix, "--json-key", "text",
+                      "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok])
     assert p.returncode == 0, p.stderr[-3000:]
     ds = open_dataset(prefix)
     assert [list(ds[i]) for i in range(len(ds))] == [list(d) for d in docs]

@@ -140,5 +140,5 @@ def test_null_tokenizer_text_is_ids_and_eod_is_vocab_size(tmp_path):
     (tmp_path / "ids.jsonl").write_text('{"text": "5 0 9"}\n{"text": "7"}\n')
     assert preprocess_data.main(["--input", str(tmp_path / "ids.jsonl"), "--output-prefix", str(tmp_path / "n"),
                                  "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--append-eod"]) == 0
-    ds = IndexedDataset(str(tmp_path / "n"))
+    ds = IndexedDataset(str(tmp_path / "n_text_document"))  # Megatron-LM's name without --json-keys
     assert [ds[i].tolist() for i in range(len(ds))] == [[5, 0, 9, 10], [7, 10]]

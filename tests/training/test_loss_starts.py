@@ -19,7 +19,8 @@ def preprocess(tmp_path, docs, *extra, world=None):
     in a process (where the exit status and message are what a test checks)."""
     lines = [json.dumps({"text": t, **({} if s is None else {"loss_start": s})}) for t, s in docs]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    args = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "docs"), *extra]
+    args = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "docs"), "--json-key", "text",
+            *extra]
     if world is not None:
         return world.launch(PREPROCESS, args, timeout=120)
     return subprocess.run(command(PREPROCESS, args), cwd=ROOT, env=env(), capture_output=True, text=True,

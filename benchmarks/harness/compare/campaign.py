@@ -12,6 +12,7 @@ Order of work (each step's command is recorded in the result):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -60,12 +61,11 @@ def _cached(cmd: List[str], output: str, cfg: RealConfig, log: Callable, what: s
     return text
 
 
-def prepare(repo: str, lengths_dir: str, cfg: RealConfig, work: str, log: Callable,
-            kinds: Sequence[str] = ("sparse", "dense")) -> dict:
-    """Corpus and the profiles of ``kinds`` (the sparse layer always; the dense one for
-    a dense arm); returns their paths, commands and the corpus statistics."""
+def _resampled_corpus(py: str, repo: str, lengths_dir: str, cfg: RealConfig, work: str,
+                      log: Callable):
+    """tools/make_corpus.py's corpus, lengths resampled from the recipe's length file;
+    (info, the length file the profile reads, its scale)."""
     r = cfg.recipe
-    py = python_exe(repo)
     src = source_lengths(lengths_dir, r.lengths_file)
     q = make_corpus_quantile(src, r)
     scale = realised_scale(src, r, q)
@@ -82,8 +82,55 @@ def prepare(repo: str, lengths_dir: str, cfg: RealConfig, work: str, log: Callab
     info["lengths_json"] = os.path.join(work, "corpus_lengths.json")
     atomic_write_text(info["lengths_json"], json.dumps(lengths.tolist()))
     info["recipe_lines"] = describe(r, info["stats"], q, scale)
+    return info, length_file(lengths_dir, r.lengths_file), scale
+
+
+def dataset_vocab(prefix: str) -> int:
+    """Largest token id + 1 of the indexed dataset at ``prefix``; ValueError (one line) if it
+    is missing or corrupt."""
+    from megatron.training.indexed_io import open_dataset
+
+    ds = open_dataset(prefix)
+    dtype = np.dtype(ds.index.dtype)
+    del ds
+    return int(np.memmap(prefix + ".bin", dtype=dtype, mode="r").max()) + 1
+
+
+def _user_corpus(cfg: RealConfig, work: str):
+    """The user's indexed dataset as it is: its document lengths (clipped to the context, as
+    the packers cut them) are the length file of the profile, at scale 1."""
+    from megatron.training.indexed_io import open_dataset
+
+    r = cfg.recipe
+    ds = open_dataset(cfg.data_path)
+    lengths = np.clip(np.array(ds.sequence_lengths, dtype=np.int64), 1, r.seq_length)
+    del ds
+    text = json.dumps(lengths.tolist())
+    # named by content: a cached profile is reused only for the same lengths
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    info: dict = {"corpus_prefix": cfg.data_path, "quantile": None, "scale": 1.0, "commands": {},
+                  "stats": corpus_stats(lengths, r),
+                  "lengths_json": os.path.join(work, f"corpus_lengths_{digest}.json")}
+    atomic_write_text(info["lengths_json"], text)
+    s = info["stats"]
+    info["recipe_lines"] = [
+        f"- the user's dataset `{cfg.data_path}` as it is: {s['documents']} documents, its token ids "
+        f"the vocabulary (NullTokenizer, vocab {cfg.vocab_size}), longer ones cut to the context",
+        *describe(r, s)]
+    return info, info["lengths_json"], 1.0
+
+
+def prepare(repo: str, lengths_dir: str, cfg: RealConfig, work: str, log: Callable,
+            kinds: Sequence[str] = ("sparse", "dense")) -> dict:
+    """Corpus and the profiles of ``kinds`` (the sparse layer always; the dense one for
+    a dense arm); returns their paths, commands and the corpus statistics."""
+    r = cfg.recipe
+    py = python_exe(repo)
+    if cfg.data_path is not None:
+        info, lfile, scale = _user_corpus(cfg, work)
+    else:
+        info, lfile, scale = _resampled_corpus(py, repo, lengths_dir, cfg, work, log)
     kmin, kmax = max(1, r.topk // 2), 2 * r.topk
-    lfile = length_file(lengths_dir, r.lengths_file)
     for kind in kinds:
         path = os.path.join(work, f"profile_{kind}.json")
         cmd = [py, os.path.join(repo, "tools", "profile_latency.py"), "--quick", "--output", path,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -118,13 +118,16 @@ def corpus_stats(lengths: np.ndarray, recipe: CorpusRecipe) -> dict:
     }
 
 
-def describe(recipe: CorpusRecipe, stats: dict, quantile: float, scale: float) -> List[str]:
-    """Markdown lines of the recipe for the report."""
-    return [
+def describe(recipe: CorpusRecipe, stats: dict, quantile: Optional[float] = None,
+             scale: Optional[float] = None) -> List[str]:
+    """Markdown lines of the recipe for the report (the resampling line when ``quantile``
+    is given: a corpus made by tools/make_corpus.py)."""
+    lines = [] if quantile is None else [
         f"- lengths resampled (seed {recipe.seed}) from `{length_file('data/lengths', recipe.lengths_file)}`, "
         f"scale {scale:.3f} (make_corpus `--quantile "
         f"{quantile:.5f} --max-length {recipe.seq_length}`), {recipe.num_docs} documents, "
-        f"longer ones clipped to the context",
+        f"longer ones clipped to the context"]
+    return lines + [
         f"- context (tokens per micro-batch) {recipe.seq_length}; block {recipe.block_size}, "
         f"top-k k0 = {recipe.topk} -> at most {recipe.cap} keys per query",
         f"- documents: median {stats['median']:.0f}, mean {stats['mean']:.0f}, max "

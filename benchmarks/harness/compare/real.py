@@ -64,6 +64,11 @@ class RealConfig:
     """Training seed (model init and document order), same for every arm."""
     timeout_s: float = 1200.0
     """A run taking longer is killed and reported as failed."""
+    data_path: Optional[str] = None
+    """The user's indexed dataset (``<prefix>.bin/.idx``) instead of the resampled corpus:
+    its token ids are the data (NullTokenizer) and ``vocab_size`` is its largest id + 1."""
+    vocab_size: Optional[int] = None
+    """With ``data_path``: the vocabulary (largest token id + 1)."""
 
     def __post_init__(self) -> None:
         for name in ("ranks", "layers_per_stage", "hidden_size", "num_attention_heads",
@@ -74,6 +79,8 @@ class RealConfig:
             raise ValueError(f"ranks must be >= 2 (pipeline parallel), got {self.ranks}")
         if self.micro_batches < self.ranks:
             raise ValueError(f"micro_batches ({self.micro_batches}) must be >= ranks ({self.ranks})")
+        if (self.data_path is None) != (self.vocab_size is None):
+            raise ValueError("data_path and vocab_size go together")
 
     @property
     def num_layers(self) -> int:
@@ -84,10 +91,18 @@ class RealConfig:
         d["num_layers"] = self.num_layers
         return d
 
+    def _run_flags(self) -> List[str]:
+        """The project's run flags; with the user's dataset, its token ids as they are."""
+        if self.data_path is None:
+            return list(PROJECT_RUN_FLAGS)
+        i = PROJECT_RUN_FLAGS.index("--tokenizer-type")
+        return [*PROJECT_RUN_FLAGS[:i], "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                str(self.vocab_size), *PROJECT_RUN_FLAGS[i + 2:]]
+
     def model_flags(self) -> List[str]:
         """Model and routing flags shared by the driver and the profiler."""
         r = self.recipe
-        return [*PROJECT_RUN_FLAGS, "--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
+        return [*self._run_flags(), "--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
                 "--num-attention-heads", str(self.num_attention_heads),
                 "--ffn-hidden-size", str(self.ffn_hidden_size), "--seq-length", str(r.seq_length),
                 "--pipeline-model-parallel-size", str(self.ranks),

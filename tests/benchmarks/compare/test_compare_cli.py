@@ -122,3 +122,73 @@ def test_sim_cp_1_is_todays_simulation(lengths, tmp_path, world):
     sim = json.loads((rep / "sim.json").read_text())
     assert "cp" not in sim["models"]["qwen05b"] and sim["config"]["cp_sizes"] == [1]
     assert "cp2" not in p.stdout and "Context parallelism" not in (rep / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args", [
+    ["--mode", "real", "--data-path", "/nonexistent/prefix"],
+    ["--mode", "real", "--real-micro-batches", "0"],
+    ["--mode", "real", "--real-attention", "full"],
+])
+def test_bad_real_input_one_line_exit_2(args):
+    p = _run(*args)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in p.stderr
+
+
+def _compare_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_tool", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_real_regime_and_dense_attention():
+    """--real-micro-batches sets M (global batch at DP 1); --real-attention dense keeps every
+    key block (top-k = the context's blocks - sink - diagonal)."""
+    tool = _compare_module()
+    cfg = tool._real_config(tool.build_parser().parse_args(
+        ["--mode", "real", "--real-micro-batches", "2", "--real-attention", "dense"]))
+    assert cfg.micro_batches == 2 and cfg.ranks == 2
+    r = cfg.recipe
+    assert r.topk == r.seq_length // r.block_size - 2 and r.cap == r.seq_length
+    sparse = tool._real_config(tool.build_parser().parse_args(["--mode", "real"]))
+    assert sparse.micro_batches == 8 and sparse.recipe.topk == 30
+
+
+def test_real_runs_take_a_users_indexed_dataset(tmp_path):
+    """--data-path: the user's dataset is trained as it is (its prefix in the driver command,
+    its token ids the vocabulary) and its lengths, cut to the context, feed the profile."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from benchmarks.harness.compare.arms import get_arm
+    from benchmarks.harness.compare.campaign import prepare
+    from benchmarks.harness.compare.real import driver_command
+
+    prefix = str(tmp_path / "mine_text_document")
+    docs = [[5, 900, 17], list(range(40, 40 + 9000)), [1234] * 700]
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for d in docs:
+        b.add_document(torch.tensor(d, dtype=torch.int32), [len(d)])
+    b.finalize(prefix + ".idx")
+    tool = _compare_module()
+    cfg = tool._real_config(tool.build_parser().parse_args(["--mode", "real", "--data-path", prefix]))
+    assert cfg.vocab_size == 40 + 9000 and cfg.data_path == prefix
+    flags = cfg.model_flags()
+    i = flags.index("--tokenizer-type")
+    assert flags[i + 1] == "NullTokenizer" and flags[flags.index("--vocab-size") + 1] == "9040"
+    assert "ByteTokenizer" not in flags
+    info = prepare(REPO, "unused", cfg, str(tmp_path / "work"), log=lambda *_: None, kinds=())
+    assert info["corpus_prefix"] == prefix and info["scale"] == 1.0
+    S = cfg.recipe.seq_length
+    assert json.load(open(info["lengths_json"])) == [3, min(9000, S), 700]
+    assert info["stats"]["documents"] == 3 and "the user's dataset" in info["recipe_lines"][0]
+    cmd = driver_command("python", REPO, cfg, get_arm("sab"), info["corpus_prefix"], "s.json",
+                         "logs", None, None)
+    assert cmd[cmd.index("--data-path") + 1] == prefix
+    with pytest.raises(tool.UsageError, match="give one"):
+        tool._real_config(tool.build_parser().parse_args(
+            ["--mode", "real", "--data-path", prefix, "--corpus-lengths", info["lengths_json"]]))
