@@ -16,7 +16,8 @@ def dataset(tmp_path_factory, world):
     texts = ["hello world", "a", "the quick brown fox jumps", "x" * 40]
     (d / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts) + "\n")
     proc = world.launch(os.path.join(ROOT, "tools", "preprocess_data.py"),
-                        ["--input", str(d / "in.jsonl"), "--output-prefix", str(d / "docs"), "--json-key", "text"], timeout=120)
+                        ["--input", str(d / "in.jsonl"), "--output-prefix", str(d / "docs"), "--json-key", "text"],
+                        timeout=120)
     assert proc.returncode == 0, proc.stderr
     from megatron.training.indexed_io import open_dataset
 
