@@ -558,6 +558,11 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
                    help="log the number of zeros in the gradients of each step (log line, tensorboard, summary)")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="also write the validation perplexity to tensorboard")
+    g.add_argument("--wandb-project", default=None,
+                   help="log the run's scalars to this Weights & Biases project (last rank; needs wandb)")
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name (default: one W&B picks)")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B's local run files (default: SAVE/wandb)")
+    g.add_argument("--wandb-entity", default=None, help="W&B team or user the run goes to (default: yours)")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
@@ -688,6 +693,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     split_given = args.split is not None
     arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
+    arg_checks.validate_wandb(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size
     if args.seq_length < 2:
