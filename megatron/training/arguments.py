@@ -12,7 +12,7 @@ import argparse
 import functools
 import os
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from megatron.training import arg_checks
 from megatron.training.arg_checks import UsageError, has_cuda
@@ -619,19 +619,29 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
                    help="rank 0 writes the run's metrics here at the end (atomically)")
 
 
-def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False) -> argparse.ArgumentParser:
+TRAINER_DESCRIPTION = ("GPT training on megatron-core with packed documents (Megatron-LM's flag names; "
+                       "CPU/gloo or GPU/NCCL).")
+"""``pretrain_gpt.py --help``'s description (the first line of its docstring)."""
+
+
+def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False, description: Optional[str] = None,
+                 own_flags: Optional[Callable[[argparse.ArgumentParser], None]] = None) -> argparse.ArgumentParser:
     """The flags of ``pretrain_gpt.py`` (no validation beyond types).
 
     ``megatron_lm_flags``: also register the rest of Megatron-LM's flags (``compat.py``), as
     ``pretrain_gpt.py`` does; off for tools that extend this parser with their own flags
-    (a name of theirs may be a Megatron-LM flag, e.g. ``--warmup``)."""
+    (a name of theirs may be a Megatron-LM flag, e.g. ``--warmup``). Such a tool passes its
+    own ``description`` and ``own_flags(parser)``, which adds its flags first, so that
+    ``--help`` shows them before the trainer's."""
     p = OneLineParser(
         prog=prog,
         usage="%(prog)s [options]",  # argparse's own lists all ~200 flags once more (150 lines)
-        description="GPT training on megatron-core with packed documents (CPU/gloo or GPU/NCCL).",
+        description=description or TRAINER_DESCRIPTION,
         allow_abbrev=False,  # a typo must never silently match another flag
         formatter_class=_DefaultsOnce,
     )
+    if own_flags is not None:
+        own_flags(p)
     _model_flags(p)
     _sparse_attention_flags(p)
     _parallel_flags(p)
