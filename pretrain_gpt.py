@@ -1,4 +1,4 @@
-"""GPT training on megatron-core with packed documents (Megatron-LM's flag names).
+"""GPT training on megatron-core with packed documents (Megatron-LM's flag names; CPU/gloo or GPU/NCCL).
 
 Tiny CPU run (2 processes, 1F1B over gloo; what ``make demo`` does)::
 

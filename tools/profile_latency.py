@@ -56,10 +56,13 @@ _LENGTH_FILES = os.path.join(_REPO, "data", "lengths", "*.json")
 
 
 def build_parser():
-    """pretrain_gpt.py's flags plus this tool's own."""
+    """This tool's flags, listed first in ``--help``, then pretrain_gpt.py's (the model's)."""
     from megatron.training.arguments import build_parser as megatron_parser
 
-    p = megatron_parser(prog="profile_latency.py")
+    return megatron_parser(prog="profile_latency.py", description=__doc__.split("\n")[0], own_flags=_own_flags)
+
+
+def _own_flags(p) -> None:
     g = p.add_argument_group("profile_latency")
     g.add_argument("--output", default=None, help="profile JSON to write (atomic)")
     g.add_argument("--quick", action="store_true", help="small grid and held-out set (< 1 min)")
@@ -85,9 +88,6 @@ def build_parser():
     g.add_argument("--length-scale", type=float, default=None,
                    help="multiplier on resampled lengths (default seq-length / 32768)")
     g.add_argument("--profile-seed", type=int, default=0, help="seed of the grid and held-out set")
-    if not any("--swiglu" in a.option_strings for a in p._actions):
-        g.add_argument("--swiglu", action="store_true", help="gated (SwiGLU) MLP")
-    return p
 
 
 def check_args(args, parser) -> None:

@@ -59,7 +59,7 @@ def load_timeline(path: str):
 
 
 def main(argv=None) -> int:
-    p = _Parser(prog="tools/timeline.py")
+    p = _Parser(prog="tools/timeline.py", description=__doc__.split("\n")[0])
     p.add_argument("--timeline", action="append", required=True, metavar="LABEL=FILE")
     p.add_argument("--trace", help="Chrome-trace JSON output")
     p.add_argument("--gantt", help="Gantt PNG output")

@@ -270,6 +270,22 @@ def validate_balance(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {path} is a file, expected a directory")
 
 
+def validate_wandb(args: argparse.Namespace) -> None:
+    """``--wandb-*`` (megatron/training/wandb_log.py): where Megatron-LM's last rank fails when it
+    opens the W&B run, one line at parse here."""
+    if not args.wandb_project:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:  # Megatron-LM: its `import wandb` raises
+        raise UsageError("--wandb-project needs the wandb package (pip install wandb; Megatron-LM fails on "
+                         "its import too)")
+    if args.wandb_exp_name == "":  # Megatron-LM's ValueError
+        raise UsageError("--wandb-exp-name is empty: give the W&B run a name (or leave the flag out)")
+    if not args.wandb_save_dir and not args.save:  # Megatron-LM: os.path.join(args.save, 'wandb') raises
+        raise UsageError("--wandb-project needs --wandb-save-dir or --save (the run's files go to SAVE/wandb)")
+
+
 def validate_dropout(args: argparse.Namespace) -> None:
     """Dropout (Megatron-LM's defaults 0.1): megatron-core applies the hidden dropout; the dense
     attention modules drop attention probabilities, the sparse kernels cannot."""

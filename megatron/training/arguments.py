@@ -12,7 +12,7 @@ import argparse
 import functools
 import os
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from megatron.training import arg_checks
 from megatron.training.arg_checks import UsageError, has_cuda
@@ -558,6 +558,11 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
                    help="log the number of zeros in the gradients of each step (log line, tensorboard, summary)")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="also write the validation perplexity to tensorboard")
+    g.add_argument("--wandb-project", default=None,
+                   help="log the run's scalars to this Weights & Biases project (last rank; needs wandb)")
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name (default: one W&B picks)")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B's local run files (default: SAVE/wandb)")
+    g.add_argument("--wandb-entity", default=None, help="W&B team or user the run goes to (default: yours)")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=nonneg(int), default=0, help="0: save only at the end")
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
@@ -614,19 +619,29 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
                    help="rank 0 writes the run's metrics here at the end (atomically)")
 
 
-def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False) -> argparse.ArgumentParser:
+TRAINER_DESCRIPTION = ("GPT training on megatron-core with packed documents (Megatron-LM's flag names; "
+                       "CPU/gloo or GPU/NCCL).")
+"""``pretrain_gpt.py --help``'s description (the first line of its docstring)."""
+
+
+def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False, description: Optional[str] = None,
+                 own_flags: Optional[Callable[[argparse.ArgumentParser], None]] = None) -> argparse.ArgumentParser:
     """The flags of ``pretrain_gpt.py`` (no validation beyond types).
 
     ``megatron_lm_flags``: also register the rest of Megatron-LM's flags (``compat.py``), as
     ``pretrain_gpt.py`` does; off for tools that extend this parser with their own flags
-    (a name of theirs may be a Megatron-LM flag, e.g. ``--warmup``)."""
+    (a name of theirs may be a Megatron-LM flag, e.g. ``--warmup``). Such a tool passes its
+    own ``description`` and ``own_flags(parser)``, which adds its flags first, so that
+    ``--help`` shows them before the trainer's."""
     p = OneLineParser(
         prog=prog,
         usage="%(prog)s [options]",  # argparse's own lists all ~200 flags once more (150 lines)
-        description="GPT training on megatron-core with packed documents (CPU/gloo or GPU/NCCL).",
+        description=description or TRAINER_DESCRIPTION,
         allow_abbrev=False,  # a typo must never silently match another flag
         formatter_class=_DefaultsOnce,
     )
+    if own_flags is not None:
+        own_flags(p)
     _model_flags(p)
     _sparse_attention_flags(p)
     _parallel_flags(p)
@@ -688,6 +703,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     split_given = args.split is not None
     arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
+    arg_checks.validate_wandb(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size
     if args.seq_length < 2:

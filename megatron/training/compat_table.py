@@ -107,8 +107,6 @@ IGNORED = {
         "--disable-flight-recorder-dump-on-timeout --no-flight-recorder-dump-on-timeout "
         "--disable-flight-recorder-extra-dump-on-exec --no-flight-recorder-extra-dump-on-exec "
         "--disable-flight-recorder-include-only-active --no-flight-recorder-include-only-active",
-    "Weights & Biases logging is not wired (use --tensorboard-dir)":
-        "--wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity",
     "not wired (--profile with --use-pytorch-profiler records a trace; memory snapshots, Chakra "
     "traces and NVTX ranges are not produced)":
         "--record-memory-history --memory-snapshot-path --pytorch-profiler-collect-chakra --nvtx-ranges",
@@ -384,6 +382,7 @@ FORK_INSTEAD: List[Tuple[str, str]] = [
     ("--enable-hetero", "one device type per run"),
     ("--auto-skip-spiky-loss", "--check-for-nan-in-loss-and-grad (stops on a non-finite loss)"),
     ("--spiky-loss-threshold", "--check-for-nan-in-loss-and-grad (stops on a non-finite loss)"),
-    ("--use-wandb", "--tensorboard-dir"),
-    ("--wandb-", "--tensorboard-dir"),
+    ("--use-wandb", "--wandb-project NAME"),
+    ("--wandb-", "--wandb-project / --wandb-exp-name / --wandb-save-dir / --wandb-entity (WANDB_MODE, "
+                 "WANDB_API_KEY in the environment)"),
 ]

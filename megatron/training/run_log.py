@@ -1,5 +1,6 @@
 """Rank 0's view of a run: one :class:`StepLog` per step, the console/tensorboard
-output and the final summary (``SUMMARY_JSON`` line and ``--summary-json``).
+output and the final summary (``SUMMARY_JSON`` line and ``--summary-json``); the last
+rank's Weights & Biases run (``--wandb-project``, :mod:`megatron.training.wandb_log`).
 """
 
 from __future__ import annotations
@@ -7,10 +8,11 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
+from megatron.training import wandb_log
 from megatron.training.failsafe import strict_json
 from sparsebalance.io import atomic_write_text
 
@@ -142,7 +144,8 @@ def peak_memory_text(peaks: List[float]) -> str:
 
 
 class RunLogger:
-    """Rank-0 console (tqdm bar + log lines), tensorboard and the final summary."""
+    """Rank-0 console (tqdm bar + log lines), tensorboard and the final summary; the
+    last rank's W&B run. Every rank holds the same :class:`StepLog` values."""
 
     def __init__(self, args, rank: int, sb, start: int) -> None:
         """``sb``: the run's :class:`~sparsebalance.config.SparseBalanceConfig` (its
@@ -153,6 +156,8 @@ class RunLogger:
         """``--profile --use-pytorch-profiler``'s kernel split (megatron/training/profiling.py)."""
         self.bar = None
         self.tb = None
+        # Megatron-LM's rank for W&B (its losses live on the last pipeline stage)
+        self.wandb = wandb_log.open_run(args, rank, getattr(args, "world_size", 1))
         if rank != 0:
             return
         if not args.no_progress_bar and sys.stderr.isatty():
@@ -172,11 +177,28 @@ class RunLogger:
         else:
             print(text, flush=True)
 
+    def _write(self, scalars: List[Tuple[str, Optional[float]]], iteration: int) -> None:
+        """Tensorboard (rank 0) and W&B (last rank) scalars; None values are left out."""
+        if self.tb is not None:
+            for name, value in scalars:
+                if value is not None:
+                    self.tb.add_scalar(name, value, iteration)
+        if self.wandb is not None:
+            wandb_log.log(self.wandb, scalars, iteration)
+
     def step(self, s: StepLog) -> None:
         self.steps.append(s)
+        tps = s.tokens / s.step_s if s.step_s > 0 else 0.0
+        scalars = [("loss", s.loss), ("lr", s.lr), ("grad-norm", s.grad_norm), ("step-time-s", s.step_s),
+                   ("tokens-per-s", tps), ("imbalance", s.imbalance), ("density", s.density),
+                   ("pack-ms", s.pack_ms), ("plan-ms", s.plan_ms),
+                   ("peak-memory-mb", max(s.peak_memory_mb, default=0.0)),
+                   ("params-norm", s.params_norm), ("num-zeros", s.num_zeros_in_grad)]
+        for i, (f, b) in enumerate(zip(s.stage_fwd_s, s.stage_bwd_s)):
+            scalars += [(f"stage{i}/fwd-s", f), (f"stage{i}/bwd-s", b)]
+        self._write(scalars, s.iteration)
         if self.rank != 0:
             return
-        tps = s.tokens / s.step_s if s.step_s > 0 else 0.0
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{s.loss:.4f}", tok_s=f"{tps:.0f}")
@@ -199,27 +221,14 @@ class RunLogger:
                       f"tokens/s {tps:.0f} | fwd ms/stage [{fwd}] | bwd ms/stage [{bwd}] | "
                       f"bubble [{bub}] | imbalance {s.imbalance:.2f} | pack {s.pack_ms:.1f} ms | "
                       f"{peak_memory_text(s.peak_memory_mb)}{extra}")
-        if self.tb is not None:
-            for name, value in (("loss", s.loss), ("lr", s.lr), ("grad-norm", s.grad_norm),
-                                ("step-time-s", s.step_s), ("tokens-per-s", tps),
-                                ("imbalance", s.imbalance), ("density", s.density),
-                                ("pack-ms", s.pack_ms), ("plan-ms", s.plan_ms),
-                                ("peak-memory-mb", max(s.peak_memory_mb, default=0.0))):
-                self.tb.add_scalar(name, value, s.iteration)
-            for name, value in (("params-norm", s.params_norm), ("num-zeros", s.num_zeros_in_grad)):
-                if value is not None:
-                    self.tb.add_scalar(name, value, s.iteration)
-            for i, (f, b) in enumerate(zip(s.stage_fwd_s, s.stage_bwd_s)):
-                self.tb.add_scalar(f"stage{i}/fwd-s", f, s.iteration)
-                self.tb.add_scalar(f"stage{i}/bwd-s", b, s.iteration)
 
     def eval(self, iteration: int, loss: float) -> None:
         self.info(f"iter {iteration:6d} | validation loss {loss:.4f}")
-        if self.tb is not None:
-            self.tb.add_scalar("validation-loss", loss, iteration)
-            if self.args.log_validation_ppl_to_tensorboard:
-                # Megatron-LM's cap: exp(20) keeps an untrained model's perplexity finite
-                self.tb.add_scalar("validation-ppl", math.exp(min(20.0, loss)), iteration)
+        scalars = [("validation-loss", loss)]
+        if self.args.log_validation_ppl_to_tensorboard:
+            # Megatron-LM's cap: exp(20) keeps an untrained model's perplexity finite
+            scalars.append(("validation-ppl", math.exp(min(20.0, loss))))
+        self._write(scalars, iteration)
 
     def summary(self, preempted: bool) -> dict:
         steps = self.steps
@@ -240,6 +249,8 @@ class RunLogger:
             "preempted": preempted,
         }
         out.update(self._balance_metrics())
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.rank == 0:
             if self.bar is not None:
                 self.bar.close()
