@@ -99,6 +99,19 @@ def _ints(text: str) -> list:
     return vals
 
 
+def _taus(text: str) -> tuple:
+    from sparsebalance.config import check_ladder
+
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated TAUs, got {text!r}")
+    why = check_ladder(vals, min(vals) if vals else 0.5)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return vals
+
+
 def _names(text: str) -> list:
     return [x for x in text.split(",") if x]
 
@@ -155,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bucket-mean: every study density replaced by its length bucket's mean "
                         "(what sparsity-awareness itself buys)")
     g.add_argument("--topk-min", type=int, default=0, help="threshold routing's floor of chosen blocks")
+    g.add_argument("--taus", type=_taus, default=None, metavar="TAUS",
+                   help="threshold routing: DST's TAU levels, comma list (default: the study's TAU with its "
+                        "tail 1 - TAU scaled by 2, 1.5, 0.7, 0.5, 0.3: 0.8,0.85,0.9,0.93,0.95,0.97 at 0.9)")
     g = p.add_argument_group("real runs")
     g.add_argument("--ranks", type=int, default=2, help="processes = pipeline stages")
     g.add_argument("--arms", type=_names, default=None, help="comma list (default: all main arms)")
@@ -222,6 +238,8 @@ def _check(a) -> None:
         raise UsageError("--routing threshold and --density-study go together")
     if a.routing == "threshold" and a.mode != "sim":
         raise UsageError("--routing threshold needs --mode sim")
+    if a.taus is not None and a.routing != "threshold" and not a.regime:
+        raise UsageError("--taus are threshold routing's DST levels: they need --routing threshold")
     if a.density_study is not None:
         from benchmarks.harness.compare.density_study import load_study
 
@@ -287,7 +305,7 @@ def _sim_configs(a) -> dict:
                             cost_model=a.cost_model, block_size=a.block_size, topk=a.topk,
                             model=tuple(MODELS[model].items()), routing=a.routing,
                             density_study=a.density_study, density_mode=a.density_mode,
-                            topk_min=a.topk_min)
+                            topk_min=a.topk_min, taus=a.taus)
             out[model] = (cfg, cfg.predictor().shape.as_dict())
         except (ValueError, OSError) as e:
             raise UsageError(str(e).splitlines()[0])

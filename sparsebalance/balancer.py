@@ -10,8 +10,11 @@ The driver enters the library twice a step (the attention modules are the third 
    (:data:`sparsebalance.tuning.policies.DST_POLICIES`) -> ``budget[dp][microbatch][virtual
    stage]``, the budget's one form, checked once here (:func:`check_budget`); the
    driver's data iterators put each micro-batch's entry on it and it rides on the
-   micro-batch's packed params to the kernel. Without DST: the op times at the static
-   budget and the pipeline model's step time.
+   micro-batch's packed params to the kernel. Under threshold routing DST's levels are
+   TAUs (:func:`sparsebalance.tuning.from_predictor.build_tau_instance`, each priced by SAB's
+   density estimator at that TAU, :attr:`PlannedStep.tau_densities`) and the table is
+   ``StepForecast.tau`` (:func:`check_tau`); the cap stays the static top-k. Without DST: the
+   op times at the static budget and the pipeline model's step time.
 2. :meth:`Balancer.observe`: after the step, the gathered measured per-(micro-batch,
    stage) forward/backward times are folded into the predictor's per-(stage, phase)
    correction (one observation per (stage, phase) per step: the ratio of the step's
@@ -172,6 +175,9 @@ class StepForecast:
     """Uncalibrated (fwd, bwd) ``[dp, M, S]`` ms the step's observation is compared with."""
     wait_ms: float = 0.0
     """Time the step waited for its plan, ms (== plan_ms when planned in line)."""
+    tau: Optional[np.ndarray] = None
+    """[dp, M, S] DST's TAU per op under threshold routing (``budget`` is then None: every op
+    keeps the static cap); None: DST off or top-k routing."""
 
 
 class Balancer:
@@ -190,6 +196,8 @@ class Balancer:
         self.stages = config.parallel.stages
         self.schedule, self.group = config.parallel.schedule, config.parallel.group
         self.topk = config.attention.static_topk
+        self.taus = config.dst_taus
+        """DST's TAU levels (threshold routing), None: DST plans top-k."""
         self._policy = None
         if config.dst.enabled:  # the registry checks the name (ValueError listing the policies)
             from sparsebalance.tuning.policies import DST_POLICIES
@@ -201,30 +209,37 @@ class Balancer:
         self._before_last: dict = predictor.recalibrator.state_dict()
         self._resume_from: Optional[dict] = None  # set by load_state_dict, used once
 
-    def plan(self, lengths: Lengths, weight: Optional[np.ndarray] = None) -> StepForecast:
+    def plan(self, lengths: Lengths, weight: Optional[np.ndarray] = None,
+             densities: Optional[dict] = None) -> StepForecast:
         """Plan the budgets of a step of document ``lengths`` (under DST) and predict it.
         ``weight``: [dp, M] sensitivity weights (:class:`SensitivityWeights`; used under
         ``dst.sensitivity`` "estimate", see :mod:`sparsebalance.tuning.sensitivity`); under
-        ``dst.stage_weight`` each op's weight is its stage's (times its micro-batch's)."""
+        ``dst.stage_weight`` each op's weight is its stage's (times its micro-batch's).
+        ``densities``: under threshold routing, TAU level -> per-document densities nested like
+        ``lengths`` (:func:`level_densities`), what DST's TAU levels are priced by."""
         from sparsebalance.pipeline import simulate
 
         t0 = time.perf_counter()
         dst, pred = self.config.dst, self.predictor
-        budget = None
+        budget = tau = None
         if dst.enabled:
             weight = weight if dst.sensitivity != "off" else None
             if dst.stage_weight is not None:  # per op: the stage's weight (x the micro-batch's)
                 from sparsebalance.tuning.stage_sensitivity import op_weights
 
                 weight = op_weights(dst.stage_weight, len(lengths), len(lengths[0]), weight)
-            inst = self.instance(lengths, weight)
+            inst = self.instance(lengths, weight, densities)
             plan = self._policy(inst, dst)
             if inst.weight is not None:  # same step time and kept pairs, budget where it counts
                 from sparsebalance.tuning.sensitivity import sensitivity_plan
 
                 plan = sensitivity_plan(inst, plan)
-            budget = check_budget(plan.budget, lengths, self.stages)
-            fwd, bwd, _ = inst.at(inst.indices(budget))
+            if inst.unit == "tau":
+                tau = check_tau(plan.budget, lengths, self.stages)
+                fwd, bwd, _ = inst.at(inst.indices(tau))
+            else:
+                budget = check_budget(plan.budget, lengths, self.stages)
+                fwd, bwd, _ = inst.at(inst.indices(budget))
             step_ms, base_ms = plan.step_ms, plan.baseline_step_ms
         else:
             fwd, bwd = stage_tables(pred, lengths, self.topk, self.stages)
@@ -235,44 +250,53 @@ class Balancer:
         return StepForecast(budget=budget, fwd_ms=np.asarray(fwd), bwd_ms=np.asarray(bwd),
                             step_ms=float(step_ms), baseline_step_ms=float(base_ms), plan_ms=ms,
                             model=(np.asarray(fwd) / corr[0], np.asarray(bwd) / corr[1]),
-                            wait_ms=ms)
+                            wait_ms=ms, tau=tau)
 
-    def instance(self, lengths: Lengths, weight: Optional[np.ndarray] = None):
+    def instance(self, lengths: Lengths, weight: Optional[np.ndarray] = None, densities: Optional[dict] = None):
         """The planning :class:`~sparsebalance.tuning.instance.Instance` of a step of document
         ``lengths`` that :meth:`plan` hands DST's policy (``weight``: [dp, M] sensitivity
-        weights, None: none): for a harness that refines or compares plans on it."""
-        from sparsebalance.tuning.from_predictor import build_instance
+        weights, None: none; ``densities``: as in :meth:`plan`, needed under threshold routing):
+        for a harness that refines or compares plans on it."""
+        from sparsebalance.tuning.from_predictor import build_instance, build_tau_instance
 
-        dst = self.config.dst
+        dst, att = self.config.dst, self.config.attention
+        if self.taus is not None:
+            if densities is None or set(map(float, densities)) != set(self.taus):
+                raise ValueError(f"DST under threshold routing prices its TAU levels {list(self.taus)} by the "
+                                 "step's per-document densities at each: the step has none for them")
+            return build_tau_instance(self.predictor, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
+                                      group=self.group, cap=att.topk, tau0=att.threshold, densities=densities,
+                                      weight=weight, topk_min=att.topk_min)
         return build_instance(self.predictor, lengths, pp=self.pp, vpp=self.vpp, schedule=self.schedule,
                               group=self.group,
                               k0=self.config.attention.topk, kmin=dst.topk_min, kmax=dst.topk_max, weight=weight)
 
     def forecast(self, step: Hashable, lengths: Lengths, then: Optional[tuple] = None,
-                 weight: Optional[np.ndarray] = None) -> StepForecast:
+                 weight: Optional[np.ndarray] = None, densities: Optional[dict] = None) -> StepForecast:
         """The plan of ``step`` (any object naming the step, compared by identity) of
         document ``lengths``: the one planned ahead for it (waiting for it if it is not
-        done), else planned now. ``then``: the next ``(step, lengths)`` or ``(step, lengths,
-        weight)``, whose plan :meth:`plan_ahead` starts once this one is in hand (None: no next
-        step). ``weight``: as in :meth:`plan`."""
-        out = self._forecast(step, lengths, weight)
+        done), else planned now. ``then``: the next ``(step, lengths[, weight[, densities]])``,
+        whose plan :meth:`plan_ahead` starts once this one is in hand (None: no next
+        step). ``weight``, ``densities``: as in :meth:`plan`."""
+        out = self._forecast(step, lengths, weight, densities)
         if then is not None:
             self.plan_ahead(*then)
         return out
 
-    def _forecast(self, step: Hashable, lengths: Lengths, weight=None) -> StepForecast:
+    def _forecast(self, step: Hashable, lengths: Lengths, weight=None, densities=None) -> StepForecast:
         pending, self._pending = self._pending, None
         if pending is None or pending[0] is not step:
             self._join(pending)
             if self._resume_from is not None:  # first step after a resume (see docstring)
-                return self._plan_with(self._resume_from, lengths, weight)
-            return self.plan(lengths, weight)
+                return self._plan_with(self._resume_from, lengths, weight, densities)
+            return self.plan(lengths, weight, densities)
         t0 = time.perf_counter()
         out = self._join(pending)
         out.wait_ms = (time.perf_counter() - t0) * 1e3
         return out
 
-    def plan_ahead(self, step: Hashable, lengths: Lengths, weight: Optional[np.ndarray] = None) -> None:
+    def plan_ahead(self, step: Hashable, lengths: Lengths, weight: Optional[np.ndarray] = None,
+                   densities: Optional[dict] = None) -> None:
         """Start planning the next ``step`` of document ``lengths`` in the background
         (no-op unless planning ahead); :meth:`forecast` collects it."""
         if not self.ahead:
@@ -282,7 +306,7 @@ class Balancer:
 
         def work() -> None:
             try:
-                box["out"] = self.plan(lengths, weight)
+                box["out"] = self.plan(lengths, weight, densities)
             except BaseException as e:  # re-raised on the training thread by _join
                 box["err"] = e
 
@@ -314,13 +338,13 @@ class Balancer:
                 if m > 0 and t > 0:
                     self.predictor.observe(s, phase, m, t)
 
-    def _plan_with(self, recal_state: dict, lengths: Lengths, weight=None) -> StepForecast:
+    def _plan_with(self, recal_state: dict, lengths: Lengths, weight=None, densities=None) -> StepForecast:
         """:meth:`plan` under another recalibrator state, then back to the current one
         (nothing else reads the predictor meanwhile: no plan is pending)."""
         current = self.predictor.recalibrator.state_dict()
         self.predictor.recalibrator.load_state_dict(recal_state)
         try:
-            return self.plan(lengths, weight)
+            return self.plan(lengths, weight, densities)
         finally:
             self.predictor.recalibrator.load_state_dict(current)
 
@@ -375,6 +399,41 @@ def check_budget(budget, lengths: Lengths, stages: int) -> np.ndarray:
     return b
 
 
+def check_tau(tau, lengths: Lengths, stages: int) -> np.ndarray:
+    """A DST policy's TAU table (threshold routing) as ``float64 [dp, M, stages]``, checked
+    against the step it plans.
+
+    Raises:
+        ValueError: wrong shape for ``lengths`` and ``stages``, or a TAU outside (0, 1].
+    """
+    t = np.asarray(tau, dtype=np.float64)
+    want = (len(lengths), len(lengths[0]) if lengths else 0, stages)
+    if t.shape != want:
+        raise ValueError(f"TAU table is {t.shape}, the step needs [dp, microbatch, stage] = {want}")
+    if not np.all((t > 0) & (t <= 1)):
+        raise ValueError(f"TAUs must be in (0, 1], got {float(t[~((t > 0) & (t <= 1))][0])}")
+    return t
+
+
+def level_densities(estimator, packing, lengths: Lengths, taus) -> dict:
+    """TAU -> per-segment densities ``[dp][microbatch][segment]`` of a step at each of DST's TAU
+    levels: ``estimator``'s (:class:`~sparsebalance.batching.density_feedback.ThresholdDensity`)
+    predictions for the documents of ``packing`` (``StepPacking``), nested like ``lengths``; a
+    trailing padding segment is predicted from its length alone."""
+    segs = [s for rank in packing.ranks for mb in rank for s in mb]
+    ids = np.array([s[0] for s in segs], dtype=np.int64)
+    seg_len = np.array([s[2] for s in segs], dtype=np.int64)
+    extra = [(r, m, n) for r, rank in enumerate(lengths) for m, mb in enumerate(rank)
+             for n in mb[len(packing.ranks[r][m]):]]
+    out = {}
+    for t in taus:
+        flat = iter(estimator.densities(seg_len, ids, t).tolist())
+        pad = iter(estimator.densities([n for _, _, n in extra], None, t).tolist() if extra else [])
+        out[float(t)] = [[[next(flat) for _ in packing.ranks[r][m]] + [next(pad) for _ in mb[len(packing.ranks[r][m]):]]
+                          for m, mb in enumerate(rank)] for r, rank in enumerate(lengths)]
+    return out
+
+
 @dataclass
 class PlannedStep:
     """One training step as the library decided it (:meth:`StepPlanner.next_step`)."""
@@ -390,7 +449,11 @@ class PlannedStep:
     baseline DST's retained attention is compared with); None: dense attention."""
     forecast: Optional[StepForecast] = None
     """The balancer's plan and prediction (None: no balancer); under DST its ``budget`` is
-    the step's ``[dp][microbatch][virtual stage]`` top-k table."""
+    the step's ``[dp][microbatch][virtual stage]`` top-k table (threshold routing: its ``tau``
+    the TAU table)."""
+    tau_densities: Optional[dict] = None
+    """Under threshold routing with DST: TAU level -> per-segment predicted densities
+    ``[dp][microbatch][segment]`` (:func:`level_densities`, made when the step is packed)."""
 
 
 class StepPlanner:
@@ -419,6 +482,13 @@ class StepPlanner:
     def _pack(self) -> PlannedStep:
         packing = self.sampler.next_step()
         step = PlannedStep(packing=packing, lengths=packing.lengths(self.pad_to))
+        taus = getattr(self.balancer, "taus", None)
+        if taus is not None:  # priced now, with the estimator as it is at packing (the same on every rank)
+            estimator = getattr(self.sampler, "density", None)
+            if estimator is None:
+                raise ValueError("DST under threshold routing needs the sampler's density estimator "
+                                 "(ThresholdDensity) to price its TAU levels")
+            step.tau_densities = level_densities(estimator, packing, step.lengths, taus)
         if self.attention is not None:
             step.static_density = density([n for rank in step.lengths for mb in rank for n in mb],
                                           self.attention.topk, self.attention.block_size)
@@ -437,8 +507,11 @@ class StepPlanner:
                 state = self.sampler.state_dict()
                 nxt = self._pack()
                 self._ahead = (state, nxt)
-                then = (nxt, nxt.lengths) if self.sensitivity is None else (nxt, nxt.lengths, self._weight(nxt))
+                then = (nxt, nxt.lengths, None if self.sensitivity is None else self._weight(nxt),
+                        nxt.tau_densities)
             more_kw = {} if self.sensitivity is None else {"weight": self._weight(step)}
+            if step.tau_densities is not None:
+                more_kw["densities"] = step.tau_densities
             step.forecast = self.balancer.forecast(step, step.lengths, then=then, **more_kw)
         return step
 

@@ -13,12 +13,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def default_ladder(tau0: float, tails: Sequence[float] = (2.0, 1.5, 1.0, 0.7, 0.5, 0.3)) -> Tuple[float, ...]:
+    """DST's default TAU levels around ``tau0``: the tail ``1 - tau0`` scaled by ``tails``
+    (0.80, 0.85, 0.90, 0.93, 0.95, 0.97 at TAU0 0.9), rounded to 4 decimals and kept in (0, 1)."""
+    out = sorted({round(1.0 - m * (1.0 - float(tau0)), 4) for m in tails} | {float(tau0)})
+    return tuple(t for t in out if 0.0 < t < 1.0 or t == float(tau0))
+
+
+def check_ladder(taus: Optional[Sequence[float]], tau0: float) -> Optional[str]:
+    """Why ``taus`` cannot be DST's TAU levels around ``tau0`` (one line), or None if they can:
+    at least two values, each in (0, 1], strictly increasing, ``tau0`` within their range."""
+    if taus is None:
+        return None
+    t = [float(x) for x in taus]
+    if len(t) < 2:
+        return f"needs at least two TAU levels, got {t}"
+    bad = [x for x in t if not (math.isfinite(x) and 0.0 < x <= 1.0)]
+    if bad:
+        return f"every TAU level must be in (0, 1], got {bad[0]:g}"
+    if any(b <= a for a, b in zip(t, t[1:])):
+        return f"TAU levels must be strictly increasing, got {','.join(f'{x:g}' for x in t)}"
+    if not t[0] <= float(tau0) <= t[-1]:
+        return f"the run's TAU {float(tau0):g} must lie within the levels [{t[0]:g}, {t[-1]:g}]"
+    return None
 
 
 @dataclass(frozen=True)
@@ -78,7 +103,7 @@ class PackingConfig:
 class DSTConfig:
     """Dynamic sparsity tuning (``--sb-dst``, ``--sb-anchor``, ``--sb-p``, ``--sb-topk-min|max``,
     ``--sb-attn-slack``, ``--no-sb-plan-ahead``, ``--sb-dst-sensitivity``, ``--sb-sensitivity-study``,
-    ``--sb-stage-sensitivity``)."""
+    ``--sb-stage-sensitivity``, ``--sb-dst-taus``, ``--sb-dst-tau-study``)."""
 
     policy: str = "off"
     """"off" or a ``sparsebalance.tuning.policies.DST_POLICIES`` key (checked when resolved)."""
@@ -107,6 +132,13 @@ class DSTConfig:
     """Weight per (virtual) stage: its layers' loss per dropped pair, relative (a stage profile,
     ``sparsebalance.tuning.stage_sensitivity``); among plans of the policy's step time and kept
     pairs, budget moves to the stages that weigh more. None: every stage alike."""
+    taus: Optional[Tuple[float, ...]] = None
+    """Threshold routing: DST's budget levels are these TAUs (the cap stays ``attention.topk``);
+    None: :func:`default_ladder` around ``attention.threshold``."""
+    tau_study: Optional[str] = None
+    """Threshold routing: sparsity study JSON (documents measured at several TAUs) DST's TAU
+    levels are priced by; None: the relation measured on SmolLM2-135M
+    (``sparsebalance.batching.tau_curve.MEASURED``)."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.topk_min <= self.topk_max,
@@ -119,6 +151,10 @@ class DSTConfig:
                f"dst.sensitivity must be off or estimate, got {self.sensitivity!r}")
         _check(self.sensitivity == "off" or self.sensitivity_study is not None,
                "dst.sensitivity estimate needs a sensitivity study (dst.sensitivity_study)")
+        if self.taus is not None:
+            why = check_ladder(self.taus, min(self.taus, default=0.5))
+            _check(why is None, f"dst.taus: {why}")
+            object.__setattr__(self, "taus", tuple(float(x) for x in self.taus))
         if self.stage_weight is not None:
             w = tuple(self.stage_weight)
             _check(all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in w)
@@ -346,3 +382,18 @@ class SparseBalanceConfig:
                f"<= dst.topk_max {self.dst.topk_max}")
         _check(self.dst.stage_weight is None or len(self.dst.stage_weight) == self.parallel.stages,
                f"dst.stage_weight needs one weight per stage ({self.parallel.stages})")
+        _check(self.attention.threshold is not None or (self.dst.taus is None and self.dst.tau_study is None),
+               "dst.taus / dst.tau_study are threshold routing's levels: attention.threshold must be set")
+        if self.dst.taus is not None:
+            why = check_ladder(self.dst.taus, self.attention.threshold)
+            _check(why is None, f"dst.taus: {why}")
+
+    @property
+    def dst_taus(self) -> Optional[Tuple[float, ...]]:
+        """DST's TAU levels under threshold routing (``dst.taus`` or the default ladder around
+        ``attention.threshold``, which is always a level); None under top-k routing or without DST."""
+        if not self.dst.enabled or self.attention.threshold is None:
+            return None
+        tau0 = float(self.attention.threshold)
+        taus = self.dst.taus if self.dst.taus is not None else default_ladder(tau0)
+        return tuple(sorted(set(taus) | {tau0}))

@@ -225,6 +225,7 @@ def validate_balance(args: argparse.Namespace) -> None:
         args.sb_threshold_counts = args.sb_threshold_counts or "per-head"
         if not 0.0 < args.sb_threshold <= 1.0:
             raise UsageError(f"--sb-threshold must be in (0, 1], got {args.sb_threshold}")
+    args.sb_dst_taus = dst_taus(args)
     if not 0.0 < args.sb_p < 1.0:
         raise UsageError(f"--sb-p must be in (0, 1), got {args.sb_p}")
     if not 0.0 <= args.sb_attn_slack < 1.0:
@@ -303,6 +304,35 @@ def validate_distributed_optimizer(args: argparse.Namespace) -> None:
         raise UsageError("--overlap-param-gather is only supported with --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise UsageError("--overlap-param-gather needs --overlap-grad-reduce")
+
+
+def dst_taus(args: argparse.Namespace):
+    """``--sb-dst-taus`` as a tuple of TAUs (None without the flag), and ``--sb-dst-tau-study``
+    checked to go with it; UsageError (one line) for a ladder DST cannot use."""
+    text = getattr(args, "sb_dst_taus", None)
+    study = getattr(args, "sb_dst_tau_study", None)
+    for flag, given in (("--sb-dst-taus", text is not None), ("--sb-dst-tau-study", study is not None)):
+        if given and (args.sb_routing != "threshold" or args.sb_dst == "off"):
+            raise UsageError(f"{flag} prices DST's TAU levels: it needs --sb-routing threshold and --sb-dst")
+    if study is not None:
+        from sparsebalance.batching.tau_curve import TauCurve
+
+        try:
+            TauCurve.from_study(study)
+        except ValueError as e:
+            raise UsageError(f"--sb-dst-tau-study {e}") from None
+    if text is None or isinstance(text, tuple):
+        return text
+    from sparsebalance.config import check_ladder
+
+    try:
+        taus = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        raise UsageError(f"--sb-dst-taus {text}: expected a comma list of TAUs, e.g. 0.8,0.85,0.9,0.95") from None
+    why = check_ladder(taus, args.sb_threshold)
+    if why:
+        raise UsageError(f"--sb-dst-taus {text}: {why}")
+    return taus
 
 
 def stage_weight(args: argparse.Namespace):

@@ -389,6 +389,15 @@ def _sparsebalance_flags(p: argparse.ArgumentParser) -> None:
                    help="critical-path policy: each stage keeps its static plan's attention (default: "
                         "budget moves between a stage's micro-batches only, never off a stage slower in "
                         "every one) or only the step's total (budget may move between stages)")
+    g.add_argument("--sb-dst-taus", default=None, metavar="TAUS",
+                   help="--sb-routing threshold: DST's budget levels, a comma list of TAUs around "
+                        "--sb-threshold, which is always one (default: its tail 1 - TAU scaled by 2, 1.5, "
+                        "0.7, 0.5, 0.3: 0.8,0.85,0.9,0.93,0.95,0.97 at 0.9); --sb-topk stays the cap")
+    g.add_argument("--sb-dst-tau-study", default=None, metavar="PATH",
+                   help="--sb-routing threshold: sparsity study JSON of documents measured at several TAUs "
+                        "(benchmarks/sparsity_study.py --real --taus ...) whose density-vs-TAU relation prices "
+                        "DST's TAU levels (default: the relation measured on SmolLM2-135M, "
+                        "sparsebalance/batching/tau_curve.py)")
     g.add_argument("--sb-dst-sensitivity", choices=("off", "estimate"), default="off",
                    help="DST: among plans of the policy's step time and kept pairs, move budget "
                         "to the micro-batches estimated to lose most per dropped pair (estimate: "

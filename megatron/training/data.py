@@ -26,6 +26,9 @@ costing at most that segment's attention), loss mask 0, never seen by real token
     budget        (optional, int) DST's top-k of the micro-batch on this chunk's stage,
                   put there by :meth:`StepBatches.iterators`; the forward step moves
                   it to the micro-batch's ``BudgetedPackedSeqParams``
+    tau           (optional, float) instead, under threshold routing: DST's TAU of the
+                  micro-batch on this chunk's stage (the cap stays ``--sb-topk``), carried
+                  the same way
     microbatch    (int) the micro-batch's index in the step, put there by the iterators
     records       (list) the step's attention records, put there by the iterators: the
                   attention modules append to it through the packed params
@@ -183,7 +186,8 @@ def context_parallel_split(mb: Dict[str, torch.Tensor], cp: int, rank: int, sp: 
 class BudgetIterator:
     """One model chunk's data iterator for one step: each pull hands out the next
     micro-batch dict with its index (``microbatch``), the step's attention-record list
-    (``records``) and, under DST, its top-k on this chunk's stage (``budget``).
+    (``records``) and, under DST, its top-k on this chunk's stage (``budget``), or under
+    threshold routing its TAU (``tau``).
 
     megatron's schedules call ``forward_step_func(data_iterator, model)`` once per
     forward and pull from the iterator of the model chunk being run; each chunk's
@@ -193,8 +197,9 @@ class BudgetIterator:
     """
 
     def __init__(self, microbatches: Sequence[Dict[str, Any]], budgets: Optional[Sequence[int]],
-                 records: list) -> None:
+                 records: list, taus: Optional[Sequence[float]] = None) -> None:
         self.microbatches, self.budgets, self.records = microbatches, budgets, records
+        self.taus = taus
         self.pulled = 0
         """Micro-batches handed out so far (= index of the next one)."""
 
@@ -210,6 +215,8 @@ class BudgetIterator:
         out = {**self.microbatches[m], "microbatch": m, "records": self.records}
         if self.budgets is not None:
             out["budget"] = int(self.budgets[m])
+        if self.taus is not None:
+            out["tau"] = float(self.taus[m])
         return out
 
 
@@ -248,12 +255,19 @@ class StepBatches:
         forecast = None if self.planned is None else self.planned.forecast
         return None if forecast is None else forecast.budget
 
+    @property
+    def tau(self) -> Optional[np.ndarray]:
+        """DST's TAU table ``[dp][microbatch][virtual stage]`` under threshold routing (the
+        plan's own, checked by the library); None: every layer's static ``--sb-threshold``."""
+        forecast = None if self.planned is None else self.planned.forecast
+        return getattr(forecast, "tau", None)
+
     def iterators(self, num_chunks: int) -> List[BudgetIterator]:
         """One iterator per model chunk: every virtual stage walks the same micro-batches,
-        chunk ``c`` with the budgets of virtual stage ``c * pp + pp_rank``."""
-        b = self.budget
-        return [BudgetIterator(self.microbatches, None if b is None else b[self.dp_rank, :, c * self.pp + self.pp_rank],
-                               self.records) for c in range(num_chunks)]
+        chunk ``c`` with the budgets (or TAUs) of virtual stage ``c * pp + pp_rank``."""
+        b, t = self.budget, self.tau
+        col = lambda x, c: None if x is None else x[self.dp_rank, :, c * self.pp + self.pp_rank]  # noqa: E731
+        return [BudgetIterator(self.microbatches, col(b, c), self.records, col(t, c)) for c in range(num_chunks)]
 
 
 class PackedDataLoader:

@@ -106,7 +106,10 @@ def segment_pairs(packing, dp_rank: int, records, density=None) -> Tuple[np.ndar
     about a document's density. A record without per-document kept pairs (context
     parallelism) is shared among its segments in proportion to ``density``'s predicted
     kept pairs (the causal pairs without one), a trailing padding segment taking its share
-    at their mean density; the padding segment itself is not reported.
+    at their mean density; the padding segment itself is not reported. A record routed at a
+    DST TAU level (``tau``) has its pairs moved to the run's TAU first
+    (:meth:`~sparsebalance.batching.density_feedback.ThresholdDensity.at_tau0`): the estimator
+    learns densities at one TAU.
     """
     sizes = [len(mb) for rank in packing.ranks for mb in rank]
     M = len(packing.ranks[0])
@@ -125,13 +128,16 @@ def segment_pairs(packing, dp_rank: int, records, density=None) -> Tuple[np.ndar
         all_causal = docs * (docs + 1) / 2
         heads = r.causal_pairs / all_causal.sum()
         c = all_causal[:n] * heads
+        tau = getattr(r, "tau", None)
         if r.doc_kept_pairs:
             k = np.asarray(r.doc_kept_pairs[:n], dtype=np.float64)
         else:
-            share = c if density is None else density.kept(L, r.topk, [s[0] for s in mb]) * heads
+            share = c if density is None else density.kept(L, r.topk, [s[0] for s in mb], tau) * heads
             # a padding segment is taken at the real segments' mean density
             pad = all_causal[n:].sum() * heads * float(np.sum(share)) / max(float(c.sum()), 1e-30)
             k = r.kept_pairs * share / max(float(np.sum(share)) + pad, 1e-30)
+        if density is not None and tau is not None:
+            k = np.minimum(density.at_tau0(k, L, tau), c)
         at = first[dp_rank * M + r.microbatch]
         kept[at:at + n] += k
         causal[at:at + n] += c
@@ -157,15 +163,21 @@ def feedback(density, packing, dp_rank: int, records) -> None:
 def threshold_density(config, blend, dataset, doc_ids: np.ndarray) -> Optional[object]:
     """The :class:`~sparsebalance.batching.density_feedback.ThresholdDensity` of a run whose
     ``config`` (``SparseBalanceConfig``) routes by threshold, over the split ``doc_ids``;
-    None under top-k routing or dense attention."""
+    None under top-k routing or dense attention. It learns at ``--sb-threshold`` and moves
+    densities to DST's TAU levels along ``--sb-dst-tau-study``'s relation (default the one
+    measured on SmolLM2-135M, ``sparsebalance.batching.tau_curve.MEASURED``)."""
     att = config.attention
     if not att.sparse or att.threshold is None:
         return None
     from sparsebalance.batching.density_feedback import ThresholdDensity
+    from sparsebalance.batching.tau_curve import TauCurve
 
+    curve = None
+    if config.dst.tau_study is not None:
+        curve = TauCurve.from_study(config.dst.tau_study, "per_head" if att.per_head else "per_block")
     src, comp = document_features(blend, dataset)
     return ThresholdDensity(block_size=att.block_size, topk_min=att.topk_min, sources=src[doc_ids],
-                            compression=comp[doc_ids])
+                            compression=comp[doc_ids], tau0=att.threshold, curve=curve)
 
 
 def sensitivity_weights(config, blend, dataset, doc_ids: np.ndarray):

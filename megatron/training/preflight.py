@@ -36,6 +36,8 @@ RESUME_SETTINGS = {
     "sb_dst_floor": "--sb-dst-floor",
     "sb_dst_sensitivity": "--sb-dst-sensitivity",
     "sb_stage_sensitivity": "--sb-stage-sensitivity",
+    "sb_dst_taus": "--sb-dst-taus",
+    "sb_dst_tau_study": "--sb-dst-tau-study",
     "sb_plan_ahead": "DST planning ahead (--no-sb-plan-ahead turns it off)",
     "sb_profile": "--sb-profile",
     "sb_cost_model": "--sb-cost-model",

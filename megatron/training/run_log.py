@@ -307,7 +307,7 @@ class RunLogger:
         peaks = np.max([s.peak_memory_mb for s in steps], axis=0) if steps else np.zeros(0)
         keys = ("sparse_attention", "sparse_balance", "sb_batching", "max_carry_steps", "sb_dst",
                 "sb_anchor", "sb_p", "sb_topk", "sb_topk_min", "sb_topk_max", "sb_attn_slack",
-                "sb_dst_sensitivity", "sb_stage_sensitivity",
+                "sb_dst_sensitivity", "sb_stage_sensitivity", "sb_dst_taus", "sb_dst_tau_study",
                 "sb_block_size", "sb_attention_backend", "sb_routing", "sb_threshold",
                 "sb_threshold_counts", "sb_profile", "sb_cost_model",
                 "sb_allow_stale_profile", "num_layers", "hidden_size", "num_attention_heads",

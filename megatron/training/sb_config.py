@@ -94,7 +94,8 @@ def sparsebalance_config(args, vocab_size: int) -> SparseBalanceConfig:
                     floor=getattr(args, "sb_dst_floor", "stage"),
                     plan_ahead=bool(args.sb_plan_ahead), sensitivity=args.sb_dst_sensitivity,
                     sensitivity_study=args.sb_sensitivity_study,
-                    stage_weight=getattr(args, "sb_stage_weight", None))
+                    stage_weight=getattr(args, "sb_stage_weight", None),
+                    taus=getattr(args, "sb_dst_taus", None), tau_study=getattr(args, "sb_dst_tau_study", None))
     return SparseBalanceConfig(model=model_config(args, vocab_size), attention=attention_config(args),
                                packing=packing, dst=dst, predictor=predictor_config(args),
                                parallel=parallel_config(args))

@@ -101,8 +101,9 @@ def forward_step(data_iterator, model):
 
     batch = next(data_iterator)
     # DST: a micro-batch may carry its top-k on this stage (an int the data iterator put
-    # there, data.BudgetIterator); no budget means the module default (--sb-topk).
-    budget, microbatch = batch.get("budget"), batch.get("microbatch")
+    # there, data.BudgetIterator), or under threshold routing its TAU; none means the module
+    # default (--sb-topk, --sb-threshold).
+    budget, tau, microbatch = batch.get("budget"), batch.get("tau"), batch.get("microbatch")
     device = _device_of(model)
     get = lambda k: batch[k].to(device, non_blocking=True)
     cu = get("cu_seqlens")
@@ -120,7 +121,7 @@ def forward_step(data_iterator, model):
     # The host copy of the boundaries rides along: routing reads them without a device sync.
     packed = BudgetedPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=max_len, max_seqlen_kv=max_len,
-                                     budget=budget, microbatch=microbatch, cu_seqlens_host=host,
+                                     budget=budget, tau=tau, microbatch=microbatch, cu_seqlens_host=host,
                                      records=batch.get("records"), **cp_extra)
     output = model(get("tokens"), get("position_ids"), None, labels=get("labels"),
                    packed_seq_params=packed)
@@ -171,6 +172,9 @@ class StepResult:
     """Forward and backward ms ``[vpp, M]`` of this rank's ops (:meth:`StageTimers.op_ms`)."""
     budget: Optional[object] = None
     """The step's DST budget table ``[dp][microbatch][virtual stage]`` (None: DST off)."""
+    tau: Optional[object] = None
+    """The step's DST TAU table ``[dp][microbatch][virtual stage]`` under threshold routing
+    (None: DST off or top-k routing)."""
     attention_records: list = field(default_factory=list)
     """``AttentionRecord`` of this step's attention calls on this rank
     (``sparsebalance.attention.packed``)."""

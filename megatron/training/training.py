@@ -167,7 +167,8 @@ def setup(args) -> TrainState:
             # the data order stays a function of (seed, step) (see sparsebalance/balancer.py).
             sampler_predictor = build_predictor(sb)
     density = None
-    if sampler_predictor is not None:  # threshold routing: SAB predicts each document's density
+    if sampler_predictor is not None or (balancer is not None and sb.dst.enabled):
+        # threshold routing: SAB predicts each document's density, DST prices its TAU levels with it
         from megatron.training.doc_features import threshold_density
 
         density = threshold_density(sb, args.data_blend, dataset, train_ids)
@@ -273,7 +274,7 @@ def _train_loop(args, state: TrainState, hooks: RunHooks) -> dict:
         lr = float(next((g for g in groups if g.get("default_config", True)), groups[0])["lr"])
         result = train_step(args, state.model, state.optimizer, state.scheduler, batches, state.timers,
                             validator if validator.enabled else None, state.iteration + 1)
-        result.budget = batches.budget
+        result.budget, result.tau = batches.budget, batches.tau
         step_s = time.perf_counter() - t0
         state.iteration += 1
         gathered = _gather_step(args, result, step_s, pp_rank, dp_rank)
@@ -435,6 +436,8 @@ class _Timeline:
             doc = self._doc(f, b)
             if forecast.budget is not None:  # DST's top-k per [dp, microbatch, stage]
                 doc["budget"] = np.asarray(forecast.budget).tolist()
+            if forecast.tau is not None:  # DST's TAU per [dp, microbatch, stage] (threshold routing)
+                doc["tau"] = np.asarray(forecast.tau).tolist()
             atomic_write_text(os.path.join(self.dir, f"step_{iteration:07d}.{kind}.json"), strict_json(doc))
         self.last = (iteration, forecast.fwd_ms, forecast.bwd_ms, meas_fwd, meas_bwd)
 

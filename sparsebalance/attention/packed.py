@@ -3,7 +3,8 @@ attention modules, and the records of what those modules did back to the driver.
 
 megatron-core hands the ``packed_seq_params`` of a micro-batch, untouched, from the
 model's forward to every layer's ``core_attention``; the driver's forward step builds
-one :class:`BudgetedPackedSeqParams` per micro-batch with the budget its data iterator
+one :class:`BudgetedPackedSeqParams` per micro-batch with the budget (a top-k, or under
+threshold routing a TAU: :attr:`BudgetedPackedSeqParams.tau`) its data iterator
 attached (the plan's entry, checked by ``sparsebalance.balancer.check_budget``) and the
 step's record list, to which every sparse attention forward appends an
 :class:`AttentionRecord` (:func:`record`). Nothing else holds the budget or the records
@@ -35,7 +36,7 @@ class AttentionRecord:
     microbatch: Optional[int]
     """Micro-batch id the packed params carried, or None when they carried none."""
     topk: Optional[int]
-    """Budget the module used (None: dense attention)."""
+    """Budget the module used (None: dense attention; under threshold routing: the cap)."""
     kept_pairs: int
     """Kept (query, key) pairs summed over documents and heads."""
     causal_pairs: int
@@ -49,6 +50,9 @@ class AttentionRecord:
     """Kept pairs of each query head (over documents; they sum to ``kept_pairs``), when the
     backend routed by the shared plan or the layer was dense (empty otherwise): under
     per-head threshold routing the heads of a layer keep different numbers of pairs."""
+    tau: Optional[float] = None
+    """Threshold routing's TAU the module routed at (the micro-batch's DST level, or the
+    run's); None: top-k routing or dense."""
     kept: Optional[KeptPairs] = field(default=None, compare=False, repr=False)
     """The call's kept pairs while they are still on the device (threshold routing): the
     three fields above are filled from them when one is first read, or for all of a step's
@@ -76,6 +80,9 @@ class BudgetedPackedSeqParams(PackedSeqParams):
     budget: Optional[int] = None
     """Top-k key blocks of every sparse layer for this micro-batch on this stage (the
     DST plan's entry); None: each module's static default."""
+    tau: Optional[float] = None
+    """Threshold routing's TAU of every sparse layer for this micro-batch on this stage (DST's
+    TAU level; the budget, if any, stays the cap); None: each module's static TAU."""
     microbatch: Optional[int] = None
     """Micro-batch id (within the step) the budget belongs to; used in attention records."""
     cu_seqlens_host: Optional[object] = None
@@ -121,3 +128,9 @@ def budget_of(packed_seq_params, default: Optional[int]) -> Tuple[Optional[int],
         return default, None
     b = packed_seq_params.budget
     return (default if b is None else b), packed_seq_params.microbatch
+
+
+def tau_of(packed_seq_params, default: Optional[float]) -> Optional[float]:
+    """Threshold routing's TAU that ``packed_seq_params`` carries (DST's level), else ``default``."""
+    t = getattr(packed_seq_params, "tau", None) if isinstance(packed_seq_params, BudgetedPackedSeqParams) else None
+    return default if t is None else float(t)

@@ -5,7 +5,8 @@ megatron-core 0.16's ``DotProductAttention`` plus four spec params
 (``block_size``, ``topk``, ``backend``, ``dense_layers``). Per call it reads the
 micro-batch's budget from the
 :class:`~sparsebalance.attention.packed.BudgetedPackedSeqParams` megatron hands it
-(falling back to its static ``topk``), runs :func:`sparsebalance.ops.sparse_attention` (or dense
+(falling back to its static ``topk``; under threshold routing also its TAU, falling back
+to its static ``threshold``), runs :func:`sparsebalance.ops.sparse_attention` (or dense
 causal attention for layers in ``dense_layers`` or a ``None`` budget) and
 appends an :class:`~sparsebalance.attention.packed.AttentionRecord` of the kept/causal
 pair counts to the record list the packed params carry.
@@ -23,6 +24,7 @@ recorded again.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Optional
 
 import numpy as np
@@ -33,7 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sparsebalance.attention.dense import CausalVarlenAttention, causal_local_attention, causal_varlen_attention
-from sparsebalance.attention.packed import AttentionRecord, budget_of, record
+from sparsebalance.attention.packed import AttentionRecord, budget_of, record, tau_of
 from sparsebalance.attention.spec import get_gpt_layer_spec
 from sparsebalance.ops import BACKENDS, sparse_attention
 from sparsebalance.ops.kept import KeptPairs
@@ -98,9 +100,21 @@ class SparseAttention(CausalVarlenAttention):
         topk, microbatch = budget_of(packed_seq_params, self.topk)
         return (None if self.layer_number in self.dense_layers else topk), microbatch
 
+    def rule_of(self, packed_seq_params) -> Optional[RoutingRule]:
+        """The routing rule of this layer for the micro-batch: the module's, at the TAU the
+        packed params carry (DST's level under threshold routing); None: top-k routing."""
+        tau = tau_of(packed_seq_params, None)
+        if self.rule is None:
+            if tau is not None:
+                raise ValueError(f"the micro-batch carries TAU {tau}, but layer {self.layer_number} routes "
+                                 "by top-k (a TAU level needs threshold routing)")
+            return None
+        return self.rule if tau is None or tau == self.rule.threshold else replace(self.rule, threshold=tau)
+
     def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None) -> torch.Tensor:
         """``[T, H, D]`` attention over documents of ``cu_seqlens``; records what it did."""
         topk, microbatch = self.budget_of(packed_seq_params)
+        rule = self.rule_of(packed_seq_params)
         host = getattr(packed_seq_params, "cu_seqlens_host", None)
         if host is None:
             host = cu_seqlens  # copied to the host once per micro-batch (plan.host_cu)
@@ -120,14 +134,15 @@ class SparseAttention(CausalVarlenAttention):
                 out, kept = sparse_attention(
                     q, k, v, host, topk=topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
                     backend=self.backend, return_kept=True,
-                    threshold=None if self.rule is None else self.rule.threshold,
-                    topk_min=0 if self.rule is None else self.rule.topk_min,
-                    per_head=True if self.rule is None else self.rule.per_head)
+                    threshold=None if rule is None else rule.threshold,
+                    topk_min=0 if rule is None else rule.topk_min,
+                    per_head=True if rule is None else rule.per_head)
         if _recomputing():  # the original forward of this call was recorded already
             return out
         record(packed_seq_params, AttentionRecord(
             layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=0,
-            causal_pairs=causal, doc_lengths=tuple(lens.tolist()), kept=kept))
+            causal_pairs=causal, doc_lengths=tuple(lens.tolist()), kept=kept,
+            tau=None if rule is None or topk is None else rule.threshold))
         return out
 
     def _attend_cp(self, q, query, k_full, v_full, layout, group, packed_seq_params=None
@@ -139,6 +154,7 @@ class SparseAttention(CausalVarlenAttention):
         from sparsebalance.attention.context_parallel import sparse_attention_local
 
         topk, microbatch = self.budget_of(packed_seq_params)
+        rule = self.rule_of(packed_seq_params)
         H = q.shape[1]
         causal = layout.causal_pairs * H
         if topk is None:
@@ -146,7 +162,7 @@ class SparseAttention(CausalVarlenAttention):
             head_kept = [causal // H] * H
         else:
             scale = default_scale(q.shape[2], self.softmax_scale)
-            with routing_rule(self.rule):
+            with routing_rule(rule):
                 out, kept, head_kept = sparse_attention_local(
                     q, query, k_full, v_full, layout, group, topk=topk, block_size=self.block_size,
                     scale=scale, backend=self.backend, return_head_kept=True)
@@ -155,7 +171,8 @@ class SparseAttention(CausalVarlenAttention):
             record(packed_seq_params, AttentionRecord(
                 layer_number=self.layer_number, microbatch=microbatch, topk=topk, kept_pairs=kept,
                 causal_pairs=causal, doc_lengths=tuple(lens.tolist()),
-                head_kept_pairs=() if head_kept is None else tuple(int(x) for x in head_kept)))
+                head_kept_pairs=() if head_kept is None else tuple(int(x) for x in head_kept),
+                tau=None if rule is None or topk is None else rule.threshold))
         return out
 
 

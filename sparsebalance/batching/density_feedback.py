@@ -19,6 +19,12 @@ after, so every rank and every resume packs alike. :meth:`state_dict` holds the
 estimator's sums and the queued observations; the checkpoint saves it live with the
 sampler's state (``sparsebalance.balancer.StepPlanner.state_dict``).
 
+DST's TAU levels (``--sb-dst`` under threshold routing): the estimator learns densities at
+the run's TAU (``tau0``); :meth:`ThresholdDensity.densities` with ``tau`` moves them to another
+TAU along the measured :class:`~sparsebalance.batching.tau_curve.TauCurve`, and
+:meth:`ThresholdDensity.at_tau0` moves pairs measured at a planned TAU back before they are
+observed, so the estimator keeps learning one quantity.
+
 Cost: one vectorised prediction per packing call (grouped by (source, bucket)) and one
 grouped update per step; ``seconds`` accumulates the time spent in this object.
 """
@@ -31,6 +37,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from sparsebalance.batching.sparsity_estimator import SourceCodes, SparsityEstimator
+from sparsebalance.batching.tau_curve import MEASURED, TauCurve
 from sparsebalance.pairs import causal_pairs, kept_pairs, threshold_kept_pairs
 
 
@@ -46,11 +53,15 @@ class ThresholdDensity:
         compression: [N] compression ratio of each document's text (NaN: unknown; None: none).
         lag: observations of step ``s`` are used from the packing of step ``s + lag`` on
             (module docstring; >= 1).
+        tau0: the run's TAU, at which the estimator learns (None: densities at other TAUs
+            are not asked for).
+        curve: density as a function of TAU (default :data:`~sparsebalance.batching.tau_curve.MEASURED`).
     """
 
     def __init__(self, estimator: Optional[SparsityEstimator] = None, *, block_size: int,
                  topk_min: int = 0, sources: Optional[Sequence] = None,
-                 compression: Optional[Sequence[float]] = None, lag: int = 2) -> None:
+                 compression: Optional[Sequence[float]] = None, lag: int = 2,
+                 tau0: Optional[float] = None, curve: Optional[TauCurve] = None) -> None:
         if int(block_size) < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size!r}")
         if int(lag) < 1:
@@ -63,6 +74,10 @@ class ThresholdDensity:
         if self.sources is not None and self.compression is not None \
                 and len(self.sources) != self.compression.size:
             raise ValueError(f"{len(self.sources)} sources but {self.compression.size} compression ratios")
+        if tau0 is not None and not 0.0 < float(tau0) <= 1.0:
+            raise ValueError(f"tau0 must be in (0, 1], got {tau0!r}")
+        self.tau0 = None if tau0 is None else float(tau0)
+        self.curve = MEASURED if curve is None else curve
         self._queue: list = []  # [step, doc ids, lengths, kept, causal] not yet folded in
         self.seconds = 0.0
         """CPU time this thread spent predicting and learning so far (s)."""
@@ -76,22 +91,42 @@ class ThresholdDensity:
         comp = self.compression[d] if self.compression is not None else None
         return src, comp
 
-    def densities(self, lengths, doc_ids=None) -> np.ndarray:
+    def densities(self, lengths, doc_ids=None, tau: Optional[float] = None) -> np.ndarray:
         """[n] predicted density (kept / causal pairs) of each item (a chunk of a document
-        counts as a document of its own length, with the document's tags)."""
+        counts as a document of its own length, with the document's tags) at the run's TAU, or
+        at ``tau`` (moved along :attr:`curve`; needs ``tau0``)."""
         t0 = time.thread_time()
         L = np.asarray(lengths, dtype=np.int64).reshape(-1)
         src, comp = self._features(doc_ids, L.size)
         out = self.estimator.predict_many(src, L, comp)
+        if tau is not None and float(tau) != self.tau0:
+            out = self.curve.scale(out, L, self._tau0(), tau)
         self.seconds += time.thread_time() - t0
         return out
 
-    def kept(self, lengths, topk: Optional[int], doc_ids=None) -> np.ndarray:
-        """[n] predicted kept pairs per head of each item at cap ``topk`` (None: dense)."""
+    def _tau0(self) -> float:
+        if self.tau0 is None:
+            raise ValueError("densities at another TAU need the run's TAU (ThresholdDensity(tau0=...))")
+        return self.tau0
+
+    def at_tau0(self, kept, lengths, tau: Optional[float]) -> np.ndarray:
+        """[n] pairs ``kept`` by items of ``lengths`` routed at ``tau`` (a DST level), moved to
+        the run's TAU along :attr:`curve` (the quantity the estimator learns); as they are when
+        ``tau`` is None or the run's."""
+        k = np.asarray(kept, dtype=np.float64).reshape(-1)
+        if tau is None or float(tau) == self.tau0:
+            return k.copy()
+        L = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        lr = self.curve.log_ratio(self._tau0(), L) - self.curve.log_ratio(tau, L)
+        return k * np.exp(lr)
+
+    def kept(self, lengths, topk: Optional[int], doc_ids=None, tau: Optional[float] = None) -> np.ndarray:
+        """[n] predicted kept pairs per head of each item at cap ``topk`` (None: dense), at the
+        run's TAU or at ``tau``."""
         L = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if topk is None:
             return causal_pairs(L).astype(np.float64)
-        return threshold_kept_pairs(L, self.densities(L, doc_ids), topk, self.block_size, self.topk_min)
+        return threshold_kept_pairs(L, self.densities(L, doc_ids, tau), topk, self.block_size, self.topk_min)
 
     def ratio(self, lengths, topk: Optional[int], doc_ids=None) -> np.ndarray:
         """[n] predicted kept pairs over top-k's (``CostModel``'s density hook); 1 for dense."""

@@ -12,11 +12,16 @@ kept pairs are ``sparsebalance.pairs.threshold_kept_pairs`` and its attention ti
 the predictor's ``pair_ms`` per pair away from the top-k count. Under context parallelism
 (``predictor.set_context_parallel``) the op times are those of the slowest rank of
 a CP group, K/V exchange included; retained attention stays the whole model's.
+
+TAU levels (:func:`build_tau_instance`): under threshold routing DST's lever is TAU, not the
+cap. Each level is a TAU with its own per-document densities (SAB's estimator's prediction
+moved to that TAU, :meth:`sparsebalance.batching.density_feedback.ThresholdDensity.densities`);
+the cap (the run's top-k) is the same at every level and stays a guard.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -63,8 +68,16 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
     through one ``layer_doc_ms`` call per (phase, level). ``densities`` (nested like
     ``lengths``): threshold routing's per-document densities (module docstring).
     """
-    D, M, docs, flat, starts = _step_docs(lengths)
+    flat = _step_docs(lengths)[3]
     dens = _flat_densities(densities, flat)
+    return _tables(predictor, lengths, [(k, dens) for k in levels], stages, topk_min)
+
+
+def _tables(predictor, lengths, levels: Sequence[Tuple[Optional[int], Optional[np.ndarray]]], stages: int,
+            topk_min: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """:func:`op_ms_tables` for levels given as (top-k or cap, flat densities or None) pairs."""
+    D, M, docs, flat, starts = _step_docs(lengths)
+    threshold = any(d is not None for _, d in levels)
     layers = np.array([predictor.shape.layers_of(j, stages) for j in range(stages)], dtype=float)
     sp = predictor.sequence_parallel > 1  # padding costs nothing without it
     out = []
@@ -76,7 +89,7 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
         corr = np.array([predictor.correction(j, phase) for j in range(stages)])
         const = predictor.layer_const_ms(phase)
         tab = np.empty((len(levels), D, M, stages))
-        for li, k in enumerate(levels):
+        for li, (k, dens) in enumerate(levels):
             pad = (np.array([predictor.layer_pad_ms(x, k, phase) for x in docs])  # sequence parallelism's
                    if sp else 0.0)
             doc = predictor.layer_doc_ms(flat, k, phase)
@@ -85,7 +98,7 @@ def op_ms_tables(predictor, lengths: Sequence[Sequence[Sequence[int]]], levels: 
                     kept_at(predictor, flat, k, dens, topk_min) - kept_pairs(flat, k, predictor.block_size))
             per_layer = np.add.reduceat(doc, starts) + pad + const
             tab[li] = ((per_layer[:, None] * layers + extras) * corr).reshape(D, M, stages)
-        if dens is not None:  # the swapped pair terms leave rounding noise across levels
+        if threshold:  # the swapped pair terms leave rounding noise across levels
             tab = np.maximum.accumulate(tab, axis=0)
         out.append(tab)
     return out[0], out[1]
@@ -120,3 +133,37 @@ def build_instance(predictor, lengths: Sequence[Sequence[Sequence[int]]], *, pp:
     return Instance(schedule=schedule, pp=pp, vpp=vpp, dp=D, microbatches=M, k0=int(k0),
                     kmin=kmin, kmax=kmax, levels=np.array(lv, dtype=np.int64), p2p_ms=p2p_ms,
                     group=group, fwd=fwd, bwd=bwd, attn=attn, weight=weight)
+
+
+def build_tau_instance(predictor, lengths: Sequence[Sequence[Sequence[int]]], *, pp: int, cap: int,
+                       tau0: float, densities: Mapping[float, object], schedule: str = "1f1b", vpp: int = 1,
+                       p2p_ms: float = 0.0, group: Optional[int] = None, weight: Optional[np.ndarray] = None,
+                       topk_min: int = 0) -> Instance:
+    """Instance whose budget levels are threshold routing's TAUs (module docstring).
+
+    Args:
+        densities: TAU level -> per-document densities at that TAU (nested like ``lengths``);
+            its keys are the levels and must include ``tau0`` (the static plan's TAU).
+        cap: the top-k cap of every level (the run's ``--sb-topk``); ``topk_min`` its floor.
+
+    A level's kept pairs are :func:`sparsebalance.pairs.threshold_kept_pairs` of its densities
+    within the cap; a TAU whose densities are not above a lower TAU's (all clipped at the cap,
+    say) costs and keeps what the lower one does, so the tables stay non-decreasing.
+    """
+    D, M, docs, flat, starts = _step_docs(lengths)
+    taus = sorted(float(t) for t in densities)
+    if float(tau0) not in taus:
+        raise ValueError(f"the TAU levels {taus} must include the run's TAU {tau0}")
+    dens = {t: _flat_densities(densities[t], flat) for t in densities}
+    lv = [(int(cap), dens[t]) for t in sorted(dens, key=float)]
+    S = pp * vpp
+    layers = np.array([predictor.shape.layers_of(j, S) for j in range(S)], dtype=float)
+    fwd, bwd = _tables(predictor, lengths, lv, S, topk_min)
+    attn = np.empty((len(lv), D, M, S))
+    for li, (k, d) in enumerate(lv):
+        pairs = np.add.reduceat(kept_at(predictor, flat, k, d, topk_min), starts)
+        attn[li] = (pairs[:, None] * layers).reshape(D, M, S)
+    attn = np.maximum.accumulate(attn, axis=0)  # densities not monotone in TAU: held at the lower level's
+    return Instance(schedule=schedule, pp=pp, vpp=vpp, dp=D, microbatches=M, k0=float(tau0), kmin=taus[0],
+                    kmax=taus[-1], levels=np.array(taus, dtype=np.float64), p2p_ms=p2p_ms, group=group,
+                    fwd=fwd, bwd=bwd, attn=attn, weight=weight, unit="tau")

@@ -14,6 +14,11 @@ ends; values must be non-decreasing. For the interleaved schedule, stage means
 virtual stage ``v * P + rank`` (``P * V`` stages). Budgets are chosen from the
 allowed set ``levels`` (default: every integer in ``[kmin, kmax]``); ``k0`` is
 always allowed so that the static plan is a valid plan.
+
+Under threshold routing the levels may be TAUs instead (``"unit": "tau"``; ``k0``, ``kmin``,
+``kmax`` and ``levels`` then TAUs in (0, 1], the run's top-k the cap of every level:
+``from_predictor.build_tau_instance``); the planners only see level indices and the curves,
+so they plan TAU exactly as they plan top-k.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from ..pipeline.schedule import check_schedule
 
 MAX_LEVELS = 4096
 CURVES = ("fwd", "bwd", "attn")
+UNITS = ("topk", "tau")
+"""What a budget level is: a top-k (key blocks) or a threshold routing TAU."""
 
 
 @dataclass(frozen=True)
@@ -43,14 +50,14 @@ class Instance:
     """Data-parallel replicas D."""
     microbatches: int
     """Micro-batches per replica M."""
-    k0: int
-    """Static budget (top-k) of the baseline."""
-    kmin: int
+    k0: float
+    """Static budget of the baseline (a top-k, or under ``unit="tau"`` the run's TAU)."""
+    kmin: float
     """Smallest allowed budget."""
-    kmax: int
+    kmax: float
     """Largest allowed budget."""
     levels: np.ndarray
-    """[L] allowed budgets, sorted, unique, including k0."""
+    """[L] allowed budgets, sorted, unique, including k0 (int top-k, or float TAU)."""
     fwd: np.ndarray
     """[L, D, M, S] forward ms of each op at each level."""
     bwd: np.ndarray
@@ -65,11 +72,17 @@ class Instance:
     """[D, M] sensitivity of each micro-batch: estimated loss per dropped kept pair
     (``sparsebalance.tuning.sensitivity``), or [D, M, S] of each op (a stage's layers pay
     differently: ``sparsebalance.tuning.stage_sensitivity``); None: every pair counts alike."""
+    unit: str = "topk"
+    """What a level is (:data:`UNITS`): "topk" or threshold routing's "tau"."""
     k0_index: int = field(init=False)
     """Index of k0 in ``levels``."""
 
     def __post_init__(self) -> None:
         g = check_schedule(self.schedule, self.pp, self.microbatches, self.vpp, self.group)
+        if self.unit not in UNITS:
+            raise ValueError(f"unit must be one of {UNITS}, got {self.unit!r}")
+        if self.unit == "tau" and not 0.0 < float(np.min(self.levels)) <= float(np.max(self.levels)) <= 1.0:
+            raise ValueError("TAU levels must lie in (0, 1]")
         if self.dp < 1:
             raise ValueError(f"dp must be >= 1, got {self.dp}")
         if not self.kmin <= self.k0 <= self.kmax:
@@ -115,12 +128,13 @@ class Instance:
         return tuple(np.take_along_axis(getattr(self, n), ix, 0)[0] for n in CURVES)
 
     def budgets(self, idx: np.ndarray) -> np.ndarray:
-        """Budgets (top-k values) [D, M, S] for level indices."""
-        return self.levels[np.asarray(idx)]
+        """Budgets [D, M, S] for level indices: int64 top-k values, or float TAUs."""
+        b = self.levels[np.asarray(idx)]
+        return b.astype(np.int64) if self.unit == "topk" else b.astype(np.float64)
 
     def indices(self, budget: Sequence) -> np.ndarray:
         """Level indices [D, M, S] of a budget table; raises if a budget is not allowed."""
-        b = np.asarray(budget, dtype=np.int64)
+        b = np.asarray(budget, dtype=np.int64 if self.unit == "topk" else np.float64)
         pos = np.searchsorted(self.levels, b)
         pos = np.minimum(pos, len(self.levels) - 1)
         if b.shape != self.fwd.shape[1:] or np.any(self.levels[pos] != b):
@@ -162,24 +176,13 @@ def instance_from_json(d: Any) -> Instance:
             raise ValueError(f"instance is missing '{key}'")
     schedule = d.get("schedule", "1f1b")
     P, V, D, M = _int(d, "pp"), _int(d, "vpp", 1), _int(d, "dp"), _int(d, "microbatches")
-    k0, kmin, kmax = _int(d, "k0"), _int(d, "kmin"), _int(d, "kmax")
-    if not kmin <= k0 <= kmax:
-        raise ValueError(f"k0={k0} outside [kmin={kmin}, kmax={kmax}]")
-    if kmin < 0:
-        raise ValueError(f"kmin must be >= 0, got {kmin}")
-    if d.get("levels") is not None:
-        raw = d["levels"]
-        if not isinstance(raw, list) or not raw or any(
-                isinstance(x, bool) or not isinstance(x, (int, float)) or int(x) != x
-                for x in raw):
-            raise ValueError("'levels' must be a non-empty list of integers")
-        lv = sorted(set(int(x) for x in raw) | {k0})
-        if lv[0] < kmin or lv[-1] > kmax:
-            raise ValueError(f"levels must lie in [kmin={kmin}, kmax={kmax}]")
+    unit = d.get("unit", "topk")
+    if unit not in UNITS:
+        raise ValueError(f"'unit' must be one of {UNITS}, got {unit!r}")
+    if unit == "tau":
+        k0, kmin, kmax, lv = _tau_levels(d)
     else:
-        if kmax - kmin + 1 > MAX_LEVELS:
-            raise ValueError(f"[kmin, kmax] spans more than {MAX_LEVELS} budgets: give 'levels'")
-        lv = list(range(kmin, kmax + 1))
+        k0, kmin, kmax, lv = _topk_levels(d)
     try:
         p2p = float(d.get("p2p_ms", 0.0))
     except (TypeError, ValueError):
@@ -214,19 +217,66 @@ def instance_from_json(d: Any) -> Instance:
     except (TypeError, ValueError):
         raise ValueError("'weight' must be a [dp][microbatch] or [dp][microbatch][stage] table of numbers")
     return Instance(schedule=schedule, pp=P, vpp=V, dp=D, microbatches=M, k0=k0, kmin=kmin,
-                    kmax=kmax, levels=np.asarray(lv, dtype=np.int64), p2p_ms=p2p,
-                    group=None if group is None else int(group), weight=weight, **tabs)
+                    kmax=kmax, levels=np.asarray(lv, dtype=np.int64 if unit == "topk" else np.float64),
+                    p2p_ms=p2p, group=None if group is None else int(group), weight=weight, unit=unit, **tabs)
+
+
+def _topk_levels(d: Mapping):
+    """(k0, kmin, kmax, levels) of a top-k instance."""
+    k0, kmin, kmax = _int(d, "k0"), _int(d, "kmin"), _int(d, "kmax")
+    if not kmin <= k0 <= kmax:
+        raise ValueError(f"k0={k0} outside [kmin={kmin}, kmax={kmax}]")
+    if kmin < 0:
+        raise ValueError(f"kmin must be >= 0, got {kmin}")
+    if d.get("levels") is not None:
+        raw = d["levels"]
+        if not isinstance(raw, list) or not raw or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or int(x) != x
+                for x in raw):
+            raise ValueError("'levels' must be a non-empty list of integers")
+        lv = sorted(set(int(x) for x in raw) | {k0})
+        if lv[0] < kmin or lv[-1] > kmax:
+            raise ValueError(f"levels must lie in [kmin={kmin}, kmax={kmax}]")
+    else:
+        if kmax - kmin + 1 > MAX_LEVELS:
+            raise ValueError(f"[kmin, kmax] spans more than {MAX_LEVELS} budgets: give 'levels'")
+        lv = list(range(kmin, kmax + 1))
+    return k0, kmin, kmax, lv
+
+
+def _tau_levels(d: Mapping):
+    """(k0, kmin, kmax, levels) of a TAU instance: 'levels' required, each in (0, 1]."""
+    raw = d.get("levels")
+    if not isinstance(raw, list) or not raw or any(
+            isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 < float(x) <= 1.0 for x in raw):
+        raise ValueError("a TAU instance needs 'levels': a non-empty list of TAUs in (0, 1]")
+    vals = []
+    for key in ("k0", "kmin", "kmax"):
+        v = d[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < float(v) <= 1.0:
+            raise ValueError(f"'{key}' must be a TAU in (0, 1], got {v!r}")
+        vals.append(float(v))
+    k0, kmin, kmax = vals
+    if not kmin <= k0 <= kmax:
+        raise ValueError(f"k0={k0} outside [kmin={kmin}, kmax={kmax}]")
+    lv = sorted(set(float(x) for x in raw) | {k0})
+    if lv[0] < kmin or lv[-1] > kmax:
+        raise ValueError(f"levels must lie in [kmin={kmin}, kmax={kmax}]")
+    return k0, kmin, kmax, lv
 
 
 def instance_to_json(inst: Instance) -> dict:
     """JSON form of an instance (curves given at the allowed levels)."""
-    lv = [int(x) for x in inst.levels]
+    cast = int if inst.unit == "topk" else float
+    lv = [cast(x) for x in inst.levels]
     D, M, S = inst.dp, inst.microbatches, inst.stages
     ops = [[[{n: [[k, float(getattr(inst, n)[i, r, m, s])] for i, k in enumerate(lv)]
               for n in CURVES} for s in range(S)] for m in range(M)] for r in range(D)]
     out = {"schedule": inst.schedule, "pp": inst.pp, "vpp": inst.vpp, "dp": D,
-           "microbatches": M, "k0": inst.k0, "kmin": inst.kmin, "kmax": inst.kmax,
+           "microbatches": M, "k0": cast(inst.k0), "kmin": cast(inst.kmin), "kmax": cast(inst.kmax),
            "levels": lv, "p2p_ms": inst.p2p_ms, "ops": ops}
+    if inst.unit != "topk":
+        out["unit"] = inst.unit
     if inst.schedule == "interleaved":
         out["group"] = inst.group
     if inst.weight is not None:

@@ -18,7 +18,8 @@ class Plan:
     policy: str
     """Policy that produced the plan ('static', 'anchor', 'critical-path')."""
     budget: np.ndarray
-    """[D, M, S] int top-k per op (stage = virtual stage v * P + rank)."""
+    """[D, M, S] budget per op (stage = virtual stage v * P + rank): int top-k, or under
+    threshold routing's TAU levels (``Instance.unit == "tau"``) float TAU."""
     step_ms: float
     """Predicted step time of the plan, ms."""
     baseline_step_ms: float
@@ -56,7 +57,7 @@ def make_plan(inst: Instance, idx: np.ndarray, policy: str) -> Plan:
     base = np.full_like(idx, inst.k0_index)
     res = timeline_at(inst, idx)
     b_res = timeline_at(inst, base)
-    return Plan(policy=policy, budget=inst.budgets(idx).astype(np.int64),
+    return Plan(policy=policy, budget=inst.budgets(idx),
                 step_ms=res.step_ms, baseline_step_ms=b_res.step_ms,
                 attn=float(inst.at(idx)[2].sum()), baseline_attn=float(inst.at(base)[2].sum()),
                 critical_path=res.critical_path)

@@ -245,5 +245,5 @@ def budget_tables(inst: Instance, weight: np.ndarray, eps: float = 0.0) -> Dict[
 
     base = critical_path_indices(inst, eps)
     sens = sensitivity_indices(inst, base, weight)
-    return {"static": np.full_like(base, inst.k0), "slack-only": inst.budgets(base),
+    return {"static": inst.budgets(np.full_like(base, inst.k0_index)), "slack-only": inst.budgets(base),
             "sensitivity": inst.budgets(sens)}

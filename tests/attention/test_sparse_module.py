@@ -241,3 +241,35 @@ def test_sequence_parallel_padding_rows_are_left_out(mp, sparse):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # padding rows: zero in both
         assert (a[T:] == 0).all()
     assert [r.doc_lengths for r in recs[1]] == [r.doc_lengths for r in recs[0]] == ([tuple(lens)] if sparse else [])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "flex"])
+def test_micro_batch_tau_reaches_the_kernel(mp, backend):
+    """Under threshold routing a TAU the micro-batch's packed params carry (DST's level) is the
+    TAU the layer routes at: a lower one keeps fewer pairs in the real kernel, the cap (the
+    module's top-k) stays, and the record says which TAU ran. No TAU: the module's own."""
+    import dataclasses
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from sparsebalance.attention import SparseAttention
+
+    cfg = _config()
+    layer = _layer(cfg, 1, block_size=16, topk=6, backend=backend, threshold=0.7, topk_min=0)
+    lens = [300, 40, 200]
+    kept, outs = {}, {}
+    for tau in (None, 0.5, 0.7, 0.95):
+        records = []
+        x, psp = _thd(cfg, lens, records=records)
+        with torch.no_grad():  # flex has no CPU backward
+            outs[tau] = layer(x, attention_mask=None, packed_seq_params=dataclasses.replace(psp, tau=tau))[0]
+        (rec,) = records
+        assert rec.tau == (0.7 if tau is None else tau) and rec.topk == 6
+        kept[tau] = rec.kept_pairs
+    assert kept[0.5] < kept[0.7] < kept[0.95] and kept[None] == kept[0.7]
+    torch.testing.assert_close(outs[None], outs[0.7])
+    assert not torch.allclose(outs[0.5], outs[0.7])
+    topk_only = SparseAttention(cfg, 1, AttnMaskType.causal, "self", block_size=16, topk=6, backend=backend)
+    x, psp = _thd(cfg, lens, records=[])
+    with pytest.raises(ValueError, match="needs threshold routing"):
+        topk_only.rule_of(dataclasses.replace(psp, tau=0.8))

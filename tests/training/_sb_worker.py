@@ -1,6 +1,6 @@
 """Run ``pretrain()`` as pretrain_gpt.py does and dump, per rank, what the SparseBalance
-tests compare: every step's DST budget table, the budget each attention call used
-(the attention records) and the sampler state after the step.
+tests compare: every step's DST budget table (under threshold routing its TAU table), the
+budget each attention call used (the attention records) and the sampler state after the step.
 
 Writes ``$SB_TEST_DUMP/rank<r>.json`` (a test-only env var, not a driver flag).
 """
@@ -34,6 +34,10 @@ def main() -> None:
             "budget": None if result.budget is None else [[list(map(int, s)) for s in m]
                                                           for m in result.budget],
             "records": [[r.layer_number, r.microbatch, r.topk] for r in result.attention_records],
+            # threshold routing: DST's TAU table and the TAU and kept pairs of every attention call
+            "tau": None if result.tau is None else [[list(map(float, s)) for s in m] for m in result.tau],
+            "record_taus": [[r.layer_number, r.microbatch, r.tau, r.kept_pairs, r.causal_pairs]
+                            for r in result.attention_records],
             "sampler": state.loader.state_dict(),
         })
 

@@ -135,6 +135,26 @@ def test_each_pull_carries_its_index_records_and_budget():
                     next(its[0])
 
 
+def test_each_pull_carries_its_tau_under_threshold_routing():
+    """DST's TAU table (threshold routing) rides the same way: chunk c of pipeline rank r hands
+    micro-batch m the TAU [dp_rank, m, c * pp + r], and no top-k (the cap stays static)."""
+    from megatron.training.data import StepBatches
+
+    D, M, pp, vpp = 2, 3, 2, 2
+    taus = np.round(0.8 + 0.01 * np.arange(D * M * pp * vpp).reshape(D, M, pp * vpp), 2)
+    for d in range(D):
+        for r in range(pp):
+            b = StepBatches(microbatches=[{"x": m} for m in range(M)], global_tokens=0, global_docs=M,
+                            planned=PlannedStep(None, [], forecast=SimpleNamespace(budget=None, tau=taus)),
+                            dp_rank=d, pp_rank=r, pp=pp, records=[])
+            its = b.iterators(vpp)
+            for m in range(M):
+                for c in range(vpp):
+                    got = next(its[c])
+                    assert "budget" not in got and got["tau"] == taus[d, m, c * pp + r]
+                    assert type(got["tau"]) is float
+
+
 def test_the_budget_table_is_checked_once_where_it_is_planned():
     lengths = [[[10], [20]], [[30], [40]]]  # dp 2, M 2
     assert check_budget([[[1, 2], [3, 4]], [[5, 6], [7, 8]]], lengths, 2).dtype == np.int64

@@ -12,6 +12,13 @@ wires ``sparsebalance.batching``, ``sparsebalance.tuning`` and
 Arms fit different numbers of tokens into a step, so they are compared by
 throughput (real tokens per predicted ms), not step time.
 
+Threshold routing (``SimConfig.routing``): the static arms run every op at the study's TAU
+under the cap (the budget); the DST arms plan a TAU per (micro-batch, stage) from the ladder
+``SimConfig.taus`` (``from_predictor.build_tau_instance``: the planner prices each TAU with SAB's
+estimator's densities moved along the fit half's TAU curve, the step is timed with the
+documents' true densities at the chosen TAUs; ``density_study.py``, rule 5). Dynamic CP at
+``cp > 1`` keeps planning caps.
+
 Context parallelism (``SimConfig.cp``, the paper's SP2 at ``cp=2``): the same packing
 and planning code runs on the CP-aware predictor, so SAB packs and DST budgets by the
 slowest CP rank's time (its share of every document's attention plus the K/V
@@ -27,11 +34,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from sparsebalance.batching import PackingSampler
+from sparsebalance.config import check_ladder, default_ladder
 from sparsebalance.pairs import causal_pairs, threshold_kept_pairs
 from sparsebalance.pipeline import PipelineTimeline, simulate
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning import anchor_indices, critical_path_indices
-from sparsebalance.tuning.from_predictor import build_instance
+from sparsebalance.tuning.from_predictor import build_instance, build_tau_instance
 from sparsebalance.tuning.instance import Instance
 from sparsebalance.tuning.plan import timeline_at
 
@@ -108,6 +116,9 @@ class SimConfig:
     """``measured`` or ``bucket-mean`` (every density replaced by its length bucket's mean)."""
     topk_min: int = 0
     """Threshold routing's floor of chosen blocks."""
+    taus: Optional[Tuple[float, ...]] = None
+    """Threshold routing: DST's TAU levels (None: ``sparsebalance.config.default_ladder`` of the
+    study's TAU; the study's TAU is always a level)."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "micro_batches", "steps", "block_size", "topk", "cp"):
@@ -123,6 +134,10 @@ class SimConfig:
             raise ValueError(f"density_mode must be one of {MODES}, got {self.density_mode!r}")
         if not 0 <= self.topk_min <= self.topk:
             raise ValueError(f"topk_min must be in [0, topk], got {self.topk_min}")
+        if self.taus is not None:
+            why = check_ladder(self.taus, min(self.taus))  # the study's TAU is checked with the study
+            if why:
+                raise ValueError(f"taus: {why}")
 
     def predictor(self):
         """The cost model of the simulation."""
@@ -190,6 +205,7 @@ def _packed_steps(lengths: np.ndarray, strategy: str, seq_length: int, cfg: SimC
                              max_carry_steps=cfg.max_carry_steps, predictor=predictor,
                              pp=cfg.pp, density=td if strategy == "sab" else None)
     steps = []
+    taus = () if content is None else tau_levels(cfg, content.docs.tau0)
     for t in range(cfg.steps):
         packed = sampler.next_step()
         if packed.epoch != 0 or any(len(mb) == 0 for r in packed.ranks for mb in r):
@@ -201,12 +217,24 @@ def _packed_steps(lengths: np.ndarray, strategy: str, seq_length: int, cfg: SimC
             true = content.docs.density_at(doc, seg)
             packed.true_density = _renest(packed, true)
             packed.predicted_density = _renest(packed, td.densities(seg, doc))
+            # DST's TAU levels: the truth at each, and what the planner prices each with
+            packed.true_at = {x: _renest(packed, content.docs.density_at(doc, seg, x)) for x in taus}
+            packed.predicted_at = {x: _renest(packed, td.densities(seg, doc, x)) for x in taus}
             kept = threshold_kept_pairs(seg, true, cfg.topk, cfg.block_size, cfg.topk_min)
             td.observe(t, doc, seg, kept, causal_pairs(seg))
         steps.append(packed)
     if td is not None:
         steps[0].estimator_seconds = td.seconds
     return steps
+
+
+def tau_levels(cfg: SimConfig, tau0: float) -> Tuple[float, ...]:
+    """DST's TAU levels of a threshold cell whose study measured at ``tau0``."""
+    taus = default_ladder(tau0) if cfg.taus is None else tuple(cfg.taus)
+    why = check_ladder(taus, tau0)
+    if why:
+        raise ValueError(f"taus: {why}")
+    return tuple(sorted(set(taus) | {float(tau0)}))
 
 
 def _indices(inst: Instance, arm: Arm) -> np.ndarray:
@@ -287,6 +315,14 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
                                                         for m in r])).sum()) * layers
             lb = lower_bound_ms(inst)
             insts = {False: (inst, static, plan_inst)}
+            if true is not None:  # DST plans TAU levels (module docstring); static arms keep inst
+                tau_kw = dict(pp=cfg.pp, cap=cfg.topk, tau0=content.docs.tau0, **thr)
+                tinst = build_tau_instance(predictor, nested, densities=packed.true_at, **tau_kw)
+                tplan = build_tau_instance(predictor, nested, densities=packed.predicted_at, **tau_kw)
+                tstatic = timeline_at(tinst, np.full_like(k0, tinst.k0_index))
+                if abs(tstatic.step_ms - static.step_ms) > 1e-6 * static.step_ms:
+                    raise AssertionError("the TAU instance's static plan must time as the cap instance's")
+                insts["tau"] = (tinst, tstatic, tplan)
             if any(a.dynamic_cp and a.batching == s for a in todo.values()):
                 def dcp(keep, dens=true, base=inst):
                     return dynamic_cp_instance(cp_predictors, nested, seq_length, cfg.cp, pp=cfg.pp,
@@ -305,12 +341,15 @@ def simulate_cell(lengths: Sequence[int], seq_length: int, cfg: SimConfig,
                     dinst = min((dcp(True), dcp(False)), key=lambda x: timeline_at(x, k0).step_ms)
                     dplan = dinst
                 insts[True] = (dinst, timeline_at(dinst, k0), dplan)
-            cache: Dict[Tuple[bool, str, float], Tuple[np.ndarray, float]] = {}
+            cache: Dict[Tuple[object, str, float], Tuple[np.ndarray, float]] = {}
             for name, arm in todo.items():
                 if arm.batching != s:
                     continue
-                ainst, astatic, aplan = insts[arm.dynamic_cp]
-                key = (arm.dynamic_cp, arm.dst, arm.param)
+                which = arm.dynamic_cp
+                if "tau" in insts and arm.dst != "off" and (not arm.dynamic_cp or cfg.cp == 1):
+                    which = "tau"
+                ainst, astatic, aplan = insts[which]
+                key = (which, arm.dst, arm.param)
                 if key not in cache:
                     t0 = time.process_time()
                     idx = _indices(aplan, arm)

@@ -28,6 +28,16 @@ study's documents are 1K-8K tokens; the cells' documents reach 256K), so:
 4. ``mode="bucket-mean"``: every study document's density is first replaced by the mean
    of its length bucket (all sources), so density follows length alone; the same cells
    then show what sparsity-awareness itself buys.
+5. Other TAUs (DST's TAU levels, ``sparsebalance.batching.tau_curve``). A study whose documents
+   carry ``densities`` at several TAUs (``results/real_study.json``: 0.8, 0.9, 0.95) gives each
+   simulated document its study document's own measured curve: the log ratio to the study's TAU,
+   linear in ``-log(1 - TAU)`` between the measured TAUs and extended with the end slopes, moved
+   to the simulated length by the length term of a :class:`TauCurve` fitted on every study
+   document (the same least squares as ``b``, per TAU). The planner does not see this truth: SAB's
+   estimator predicts the density at the study's TAU and moves it with a :class:`TauCurve`
+   fitted on the fit half only (:meth:`CellContent.estimator`). A study measured at one TAU only
+   (the synthetic one) takes :data:`~sparsebalance.batching.tau_curve.MEASURED` for both, so
+   there the planner's relation is exact by construction.
 
 :func:`synthetic_study` is the stand-in used until a real study exists (its docstring
 says what it assumes).
@@ -43,6 +53,7 @@ from typing import Optional
 import numpy as np
 
 from sparsebalance.batching.sparsity_estimator import length_bucket
+from sparsebalance.batching.tau_curve import MEASURED, TauCurve
 
 MODES = ("measured", "bucket-mean")
 """``--density-mode`` choices (module docstring, rule 4)."""
@@ -76,25 +87,66 @@ class StudyDocs:
     density: np.ndarray
     compression: np.ndarray
     """NaN where the study has no ratio."""
+    tau0: float = 0.9
+    """The study's TAU (what ``density`` was measured at)."""
+    taus: tuple = ()
+    """TAUs the documents' ``densities`` were measured at (empty: the study's TAU only)."""
+    at_taus: Optional[np.ndarray] = None
+    """[n, len(taus)] per-head densities at ``taus`` (NaN: not measured); None without."""
 
     @classmethod
     def of(cls, study: dict, mode: str = "measured") -> "StudyDocs":
         if mode not in MODES:
             raise ValueError(f"density mode must be one of {MODES}, got {mode!r}")
         docs = study["documents"]
+        tau0 = float(study.get("tau", 0.9))
+        taus = tuple(sorted({float(k) for d in docs for k in (d.get("densities") or {})} | {tau0}))
+        at = None
+        if len(taus) > 1:
+            at = np.full((len(docs), len(taus)), np.nan)
+            for i, d in enumerate(docs):
+                for k, v in (d.get("densities") or {}).items():
+                    at[i, taus.index(float(k))] = float(v["per_head"] if isinstance(v, dict) else v)
+                at[i, taus.index(tau0)] = float(d["density"])
         out = cls(source=np.array([d["source"] for d in docs], dtype=object),
                   length=np.array([d["length"] for d in docs], dtype=np.int64),
                   density=np.array([d["density"] for d in docs], dtype=np.float64),
                   compression=np.array([np.nan if d.get("compression_ratio") is None
-                                        else d["compression_ratio"] for d in docs], dtype=np.float64))
+                                        else d["compression_ratio"] for d in docs], dtype=np.float64),
+                  tau0=tau0, taus=taus if at is not None else (), at_taus=at)
         if mode == "bucket-mean":
             b = np.array([length_bucket(x) for x in out.length])
             mean = {k: out.density[b == k].mean() for k in np.unique(b)}
-            out = cls(out.source, out.length, np.array([mean[k] for k in b]), out.compression)
+            if at is not None:  # the curves too: a bucket's mean log ratio
+                lr = np.log(at / at[:, [taus.index(tau0)]])
+                lr = np.stack([np.nanmean(lr[b == k], axis=0) for k in b])
+                at = np.array([mean[k] for k in b])[:, None] * np.exp(lr)
+            out = cls(out.source, out.length, np.array([mean[k] for k in b]), out.compression, tau0, out.taus, at)
         return out
 
     def take(self, idx: np.ndarray) -> "StudyDocs":
-        return StudyDocs(self.source[idx], self.length[idx], self.density[idx], self.compression[idx])
+        return StudyDocs(self.source[idx], self.length[idx], self.density[idx], self.compression[idx], self.tau0,
+                         self.taus, None if self.at_taus is None else self.at_taus[idx])
+
+    def tau_curve(self) -> TauCurve:
+        """The pooled density-vs-TAU relation of these documents (rule 5);
+        :data:`MEASURED` for a study measured at one TAU."""
+        if self.at_taus is None:
+            return MEASURED
+        return TauCurve.fit(self.length, self.taus, self.at_taus, self.tau0,
+                            origin=f"{self.length.size} study documents")
+
+    def own_curves(self) -> Optional[list]:
+        """Per document its own measured relation (a :class:`TauCurve` of that document alone, None
+        for one measured at the study's TAU only); None for a study measured at one TAU."""
+        if self.at_taus is None:
+            return None
+        out = []
+        for i in range(self.length.size):  # a document measured at the study's TAU only: the pooled one
+            ok = np.isfinite(self.at_taus[i])
+            out.append(TauCurve.fit(self.length[i:i + 1], np.asarray(self.taus)[ok], self.at_taus[i:i + 1, ok],
+                                    self.tau0) if ok.sum() > 1 else None)
+        return out
 
     def length_exponent(self) -> float:
         """Least-squares slope of log density on log length (0 for a single length)."""
@@ -114,17 +166,42 @@ class Assigned:
     base_length: np.ndarray
     compression: np.ndarray
     exponent: float
+    tau0: float = 0.9
+    """The study's TAU (``base_density``'s)."""
+    study_doc: Optional[np.ndarray] = None
+    """Per document, the pool document it drew (index into ``curves``)."""
+    curves: Optional[list] = None
+    """Per pool document its own measured relation to TAU (rule 5; None for one measured at the
+    study's TAU only); None: ``length_curve`` alone."""
+    length_curve: TauCurve = MEASURED
+    """The pooled relation (rule 5): its length term moves ``curves`` to the document's length
+    (or, without ``curves``, the whole relation)."""
 
-    def density_at(self, docs, lengths) -> np.ndarray:
+    def density_at(self, docs, lengths, tau: Optional[float] = None) -> np.ndarray:
         """Density of segments of ``lengths`` tokens of documents ``docs`` (a document, or a
-        chunk of one that attends within itself): the drawn density moved along the trend."""
+        chunk of one that attends within itself): the drawn density moved along the trend, at the
+        study's TAU or at ``tau`` (rule 5)."""
         d = np.asarray(docs, dtype=np.int64)
         n = np.asarray(lengths, dtype=np.float64)
-        return np.clip(self.base_density[d] * (n / self.base_length[d]) ** self.exponent, 1e-6, 1.0)
+        base = np.clip(self.base_density[d] * (n / self.base_length[d]) ** self.exponent, 1e-6, 1.0)
+        if tau is None or float(tau) == self.tau0:
+            return base
+        lr = self.length_curve.log_ratio(tau, n) - self.length_curve.log_ratio(self.tau0, n)
+        if self.curves is not None:  # the drawn document's own curve, moved to this length
+            own = self.base_length[d]
+            lr = lr - (self.length_curve.log_ratio(tau, own) - self.length_curve.log_ratio(self.tau0, own))
+            s = self.study_doc[d]
+            for j in np.unique(s).tolist():
+                at = s == j
+                c = self.curves[j] or self.length_curve
+                lr[at] += c.log_ratio(tau, own[at]) - c.log_ratio(self.tau0, own[at])
+        return np.clip(base * np.exp(lr), 1e-6, 1.0)
 
 
-def assign(lengths: np.ndarray, pool: StudyDocs, exponent: float, seed: int) -> Assigned:
-    """Rule 2 of the module docstring for documents of ``lengths`` drawing from ``pool``."""
+def assign(lengths: np.ndarray, pool: StudyDocs, exponent: float, seed: int,
+           length_curve: Optional[TauCurve] = None) -> Assigned:
+    """Rules 2 and 5 of the module docstring for documents of ``lengths`` drawing from ``pool``
+    (``length_curve``: rule 5's pooled relation, default the pool's own)."""
     L = np.asarray(lengths, dtype=np.int64)
     rng = np.random.default_rng(seed)
     pb = np.array([length_bucket(x) for x in pool.length])
@@ -137,7 +214,9 @@ def assign(lengths: np.ndarray, pool: StudyDocs, exponent: float, seed: int) -> 
         members = np.flatnonzero(pb == b)
         pick[rows] = members[rng.integers(0, members.size, rows.size)]
     return Assigned(source=pool.source[pick], base_density=pool.density[pick],
-                    base_length=pool.length[pick], compression=pool.compression[pick], exponent=exponent)
+                    base_length=pool.length[pick], compression=pool.compression[pick], exponent=exponent,
+                    tau0=pool.tau0, study_doc=pick, curves=pool.own_curves(),
+                    length_curve=pool.tau_curve() if length_curve is None else length_curve)
 
 
 @dataclass
@@ -152,15 +231,19 @@ class CellContent:
     """Warm-up documents' content (fit half)."""
     exponent: float
     """The length trend ``b`` (rule 2)."""
+    tau_curve: TauCurve = MEASURED
+    """The relation to TAU the planner prices DST's TAU levels with: fitted on the fit half
+    (rule 5)."""
 
     def estimator(self, block_size: int, topk_min: int, item_length: int):
         """A :class:`~sparsebalance.batching.density_feedback.ThresholdDensity` over the
         simulated stream's documents that has seen the warm-up documents (chunked at
-        ``item_length`` tokens as the sampler chunks them)."""
+        ``item_length`` tokens as the sampler chunks them), at the study's TAU, moving its
+        densities to other TAUs by :attr:`tau_curve`."""
         from sparsebalance.batching.density_feedback import ThresholdDensity
 
         td = ThresholdDensity(block_size=block_size, topk_min=topk_min, sources=self.docs.source,
-                              compression=self.docs.compression)
+                              compression=self.docs.compression, tau0=self.docs.tau0, curve=self.tau_curve)
         doc = np.repeat(np.arange(self.warm_lengths.size), -(-self.warm_lengths // item_length))
         first = np.concatenate([[0], np.cumsum(-(-self.warm_lengths // item_length))[:-1]])
         off = (np.arange(doc.size) - first[doc]) * item_length
@@ -183,8 +266,10 @@ def cell_content(study: dict, mode: str, lengths: np.ndarray, warm_tokens: int, 
     while sum(warm_L) < warm_tokens:
         warm_L.extend(rng.permutation(L)[: 4096].tolist())
     warm = np.array(warm_L, dtype=np.int64)
-    return CellContent(docs=assign(L, draw, exponent, seed), warm_lengths=warm,
-                       warm=assign(warm, fit, exponent, seed + 1), exponent=exponent)
+    pooled = docs.tau_curve()
+    return CellContent(docs=assign(L, draw, exponent, seed, pooled), warm_lengths=warm,
+                       warm=assign(warm, fit, exponent, seed + 1, pooled), exponent=exponent,
+                       tau_curve=fit.tau_curve())
 
 
 # Stand-in for the real study (module docstring of synthetic_study).

@@ -2,6 +2,7 @@
 the estimator's held-out error on the synthetic study, and one tiny cell end to end."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -113,3 +114,37 @@ def test_threshold_summary_pairs_the_two_modes():
     assert s["median_sb_vs_best"] == {"measured": pytest.approx(1.05 / 1.02), "bucket_mean": pytest.approx(1.03 / 1.02)}
     assert s["cells"][0]["measured"]["sab_vs_wlb"] == pytest.approx(1.05 / 1.02)
     assert s["cells"][0]["estimator_mape"] == 0.03 and "| smollm2 | 32K |" in markdown(s)
+
+
+REAL_STUDY = os.path.join(os.path.dirname(__file__), "..", "..", "..", "results", "real_study.json")
+
+
+def test_documents_follow_their_own_measured_curve_across_tau():
+    """Rule 5: at its study document's length a simulated document's density at a measured TAU
+    is that document's measured one; between and beyond, it is monotone in TAU."""
+    study = load_study(REAL_STUDY)
+    docs = StudyDocs.of(study)
+    assert docs.taus == (0.8, 0.9, 0.95) and docs.at_taus.shape == (len(study["documents"]), 3)
+    got = assign(docs.length, docs, docs.length_exponent(), seed=0)
+    ids = np.arange(docs.length.size)
+    for j, tau in enumerate(docs.taus):
+        np.testing.assert_allclose(got.density_at(ids, got.base_length, tau), docs.at_taus[got.study_doc, j])
+    grid = np.stack([got.density_at(ids, 4 * got.base_length, t) for t in np.arange(0.7, 0.99, 0.01)])
+    assert np.all(np.diff(grid, axis=0) >= 0)
+    one_tau = StudyDocs.of(synthetic_study(n=20, seed=0))
+    assert one_tau.at_taus is None and one_tau.own_curves() is None  # the measured relation stands in
+
+
+def test_tiny_threshold_cell_plans_tau_levels(tmp_path):
+    """The DST arms of a threshold cell plan TAU levels (not caps): at attention slack 0 the
+    critical-path plan moves TAUs (retained attention differs from static's) and, planned on the
+    estimator's densities, is timed on the true ones."""
+    rng = np.random.default_rng(0)
+    L = np.clip(rng.lognormal(7.5, 1.0, 3000), 64, 16000).astype(np.int64)
+    cfg = SimConfig(pp=2, dp=2, micro_batches=2, steps=2, block_size=64, topk=64, routing="threshold",
+                    density_study=REAL_STUDY)
+    arms = simulate_cell(L, 8192, cfg, arms=("megatron", "dst", "sab", "sparsebalance"), frontier=False).table["arms"]
+    assert arms["megatron"]["retained_vs_static"] == 1.0
+    assert arms["dst"]["retained_vs_static"] != 1.0 and arms["sparsebalance"]["retained_vs_static"] != 1.0
+    with pytest.raises(ValueError, match="strictly increasing"):
+        SimConfig(routing="threshold", density_study=REAL_STUDY, taus=(0.9, 0.8))
