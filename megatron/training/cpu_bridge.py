@@ -20,6 +20,8 @@ module                                      why
 ``distributed.param_and_grad_buffer``       DDP grad/param buffers on the current device
 ``models.common.embeddings.``               RoPE moves ``inv_freq`` to the current device
 ``rotary_pos_embedding``                    at the first forward
+``models.common.embeddings.``               YaRN moves its two ``inv_freq`` tables there
+``yarn_rotary_pos_embedding``               at its first (and every later) frequency build
 ``optimizer.optimizer``                     FP32 optimizer scalars on ``"cuda"``
 ``optimizer.distrib_optimizer``             distributed optimizer: the per-bucket
                                             scratch of its checkpoint code on the
@@ -254,6 +256,7 @@ def install_cpu_bridge(force_cpu: bool = False) -> bool:
         "megatron.core.pipeline_parallel.schedules",
         "megatron.core.distributed.param_and_grad_buffer",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
         "megatron.core.optimizer.optimizer",
         "megatron.core.optimizer.distrib_optimizer",
         "megatron.core.optimizer.clip_grads",

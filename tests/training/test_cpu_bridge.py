@@ -24,6 +24,7 @@ def test_install_patches_exactly_the_documented_modules():
         "megatron.core.pipeline_parallel.schedules",
         "megatron.core.distributed.param_and_grad_buffer",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
         "megatron.core.optimizer.optimizer",
         "megatron.core.optimizer.distrib_optimizer",
         "megatron.core.optimizer.clip_grads",
