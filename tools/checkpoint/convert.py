@@ -20,6 +20,8 @@ source ``config.json`` and tokenizer files (``--tokenizer-type HuggingFaceTokeni
 --tokenizer-model DIR/hf/tokenizer.json``). Tensors are read one at a time
 (``safe_open``); the model itself is held once in fp32. Output appears only when
 complete (temp directory, then rename). Bad input: one ``error:`` line, exit 2.
+A YaRN ``rope_scaling`` becomes ``--position-embedding-type yarn`` and its flags; the export
+writes the YaRN the checkpoint was trained with into ``config.json`` (docs/usage.md's table).
 """
 
 from __future__ import annotations
