@@ -120,6 +120,12 @@ def validate(args, original_max_position_embeddings: Optional[str] = None) -> Li
                              "(every head dim rotated, frequencies set by the --yarn-* flags, "
                              "--rotary-scaling-factor, --mscale and --mscale-all-dim); drop it")
     v = of_args(args)
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp > 1 and v["yarn_original_max_position_embeddings"] % (2 * cp):
+        # its constructor caches cos/sin over the original context, cut in 2 x CP equal chunks
+        raise ValueError(f"--yarn-original-max-position-embeddings {v['yarn_original_max_position_embeddings']} "
+                         f"with --context-parallel-size {cp}: megatron-core's YaRN needs it divisible by "
+                         f"2 x CP = {2 * cp}")
     if original_max_position_embeddings is not None and \
             _number(original_max_position_embeddings) != v["yarn_original_max_position_embeddings"]:
         raise ValueError(f"--original-max-position-embeddings {original_max_position_embeddings} with "

@@ -120,6 +120,15 @@ def test_yarn_bad_combinations_are_one_line(capsys, flags, says):
     assert says in line, line
 
 
+def test_yarn_context_parallel_needs_an_original_context_divisible_by_2cp(capsys):
+    # megatron-core's YaRN caches cos/sin over the original context, cut in 2 x CP chunks
+    line = refused(capsys, "--position-embedding-type", "yarn", "--yarn-original-max-position-embeddings", "30",
+                   "--context-parallel-size", "2", world_size=2)
+    assert "needs it divisible by 2 x CP = 4" in line
+    assert resolve("--position-embedding-type", "yarn", "--context-parallel-size", "2",
+                   world_size=2).yarn_original_max_position_embeddings == 4096
+
+
 def test_original_max_position_embeddings_with_yarn():
     # branch dev's flag is multi-latent attention's: GPT YaRN takes it only where it agrees
     args = resolve("--position-embedding-type", "yarn", "--original-max-position-embeddings", "8192",

@@ -10,13 +10,18 @@ libraries, the positions a checkpoint records and exports, and a resume that cha
   (either transformers layout), and drops a source yarn a run trained without.
 * Resume: a tiny yarn run saves; resuming with another ``--rotary-scaling-factor`` (or plain RoPE)
   is one error line, resuming with its own flags continues.
+* Context parallelism: a yarn run (sparse attention) at CP=2 trains as at CP=1 (losses, gradients).
 """
 
+import glob
+import json
 import math
+import os
 
+import numpy as np
 import pytest
 import torch
-from conftest import PRETRAIN, TINY, summary_of
+from conftest import HARNESS, PRETRAIN, TINY, summary_of
 
 from megatron.training import yarn
 
@@ -220,3 +225,26 @@ def test_resume_with_other_positions_is_one_line(world, corpus, tmp_path):
     # --finetune takes only the weights: another YaRN is a context extension, not a resume
     s = summary_of(world.launch(PRETRAIN, [*base, "--rotary-scaling-factor", "8", "--load", save, "--finetune"]))
     assert s["iterations"] == 2 and all(math.isfinite(x) for x in s["losses"])
+
+
+def test_context_parallel_equals_cp1(world, corpus, tmp_path):
+    """megatron-core's THD RoPE takes each CP rank's positions per document under YaRN as under
+    RoPE; the CPU bridge's share of YaRN's cos/sin cache keeps its constructor running."""
+    runs = {}
+    for name, nproc, extra in (("cp1", 1, []), ("cp2", 2, ["--context-parallel-size", "2"])):
+        dump = str(tmp_path / name)
+        proc = world.launch(HARNESS, [*TINY, *YARN, "--data-path", corpus, "--train-iters", "2", "--sparse-attention",
+                                      "--sb-block-size", "16", "--sb-topk", "4", *extra], nproc=nproc,
+                            extra_env={"SB_TEST_DUMP": dump})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        grads = {}
+        for f in sorted(glob.glob(os.path.join(dump, "rank*.npz"))):
+            with np.load(f) as z:
+                grads.update({k: z[k] for k in z.files if k not in grads})
+        runs[name] = (json.load(open(os.path.join(dump, "rank0.json"))), grads)
+    (ref, ref_grads), (got, got_grads) = runs["cp1"], runs["cp2"]
+    assert ref["losses"][0] != ref["losses"][1] and len(ref_grads) > 20
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
+    assert sorted(got_grads) == sorted(ref_grads)
+    for k, g in ref_grads.items():
+        assert np.linalg.norm(got_grads[k] - g) <= 1e-5 * max(np.linalg.norm(g), 1e-30), k
