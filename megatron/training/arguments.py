@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
-from megatron.training import arg_checks
+from megatron.training import arg_checks, yarn
 from megatron.training.arg_checks import UsageError, has_cuda
 from sparsebalance.batching.strategies import STRATEGIES
 from sparsebalance.tuning.policies import DST_POLICIES as DST_POLICY_REGISTRY
@@ -147,10 +147,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per micro-batch (packed documents, THD)")
     g.add_argument("--max-position-embeddings", type=pos(int), default=None,
                    help="longest position (default: --seq-length)")
-    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
+    g.add_argument("--position-embedding-type", choices=("rope", "yarn", "learned_absolute", "none"),
                    default="learned_absolute",
-                   help="learned_absolute (Megatron-LM's default), rope, or none (no position signal "
-                        "besides the causal mask)")
+                   help="learned_absolute (Megatron-LM's default), rope, yarn (RoPE with YaRN context extension, "
+                        "megatron-core's YarnRotaryEmbedding), or none (no position signal besides the causal mask)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron-LM's older spelling of --position-embedding-type rope")
     g.add_argument("--no-position-embedding", action="store_true",
@@ -165,6 +165,24 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.1 RoPE frequency scaling (low/high frequency factors 1/4, original context 8192)")
     g.add_argument("--rope-scaling-factor", type=pos(float), default=8.0, help="with --use-rope-scaling")
+    # YaRN (megatron/training/yarn.py): Megatron-LM main's names and defaults; the three without the
+    # yarn- prefix are declared with its multi-latent attention, which reads them too
+    g.add_argument("--rotary-scaling-factor", type=pos(float), default=1.0,
+                   help="YaRN: the context extension factor s (frequencies below the correction range are "
+                        "divided by s)")
+    g.add_argument("--yarn-original-max-position-embeddings", type=pos(int), default=None,
+                   help="YaRN: the context the model was pretrained at (default 4096, as in Megatron-LM)")
+    g.add_argument("--yarn-beta-fast", type=pos(float), default=None,
+                   help="YaRN: rotations over the original context where interpolation stops (default 32)")
+    g.add_argument("--yarn-beta-slow", type=pos(float), default=None,
+                   help="YaRN: rotations over the original context where interpolation is full (default 1)")
+    g.add_argument("--mscale", type=float, default=1.0,
+                   help="YaRN: the attention factor is m(s, mscale) / m(s, mscale-all-dim), m(s, x) = 0.1 x ln s + 1")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN: see --mscale")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="YaRN: round the correction range's ends to whole dims (the default)")
+    g.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_false", default=None, help="YaRN: keep the correction range's ends fractional")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=pos(float), default=1e-5, help="LayerNorm/RMSNorm epsilon")
     g.add_argument("--add-qkv-bias", action="store_true",
@@ -690,7 +708,8 @@ def derive_model_fields(args: argparse.Namespace) -> None:
     counts only with ``--group-query-attention`` (1 group by default then; else a group per
     head, megatron-core's None); the MLP is 4h, with ``--swiglu`` int(8h/3/64) x 64 (SwiGLU's
     two input projections keep about 4h's parameters); positions up to ``--seq-length``;
-    ``--split`` its legacy default; the tokenizer as :func:`arg_checks.resolve_tokenizer_default`."""
+    ``--split`` its legacy default; the tokenizer as :func:`arg_checks.resolve_tokenizer_default`;
+    under ``--position-embedding-type yarn`` the YaRN flags left out (:func:`yarn.fill_defaults`)."""
     if not args.group_query_attention:
         args.num_query_groups = None
     elif args.num_query_groups is None:
@@ -699,6 +718,7 @@ def derive_model_fields(args: argparse.Namespace) -> None:
         args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    yarn.fill_defaults(args)
     if args.split is None:
         args.split = LEGACY_SPLIT
     if getattr(args, "tokenizer_type", None) is None:
@@ -795,6 +815,13 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     if args.position_embedding_type == "rope" and (rotated == 0 or rotated % 2):
         raise UsageError(f"--rotary-percent {args.rotary_percent} rotates {rotated} of {head_dim} "
                          f"head dims; RoPE needs an even number, at least 2")
+    try:
+        from megatron.training.compat import DEST_PREFIX
+
+        args.compat_warnings += yarn.validate(args, getattr(args, DEST_PREFIX + "original_max_position_embeddings",
+                                                            None))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
     from megatron.training.lr_schedule import validate_schedule

@@ -18,6 +18,10 @@ of :data:`MODEL_ARGS` the same way (a plain dict) and reads either kind:
   line. The dropout probabilities are the checkpoint's even when given (Megatron-LM forces
   them); a given value that differs gets one warning line.
 
+A resume without ``--use-checkpoint-args`` (and without ``--finetune``) is checked too, where
+either side has YaRN positions (:func:`changed_positions`): another position type or other
+YaRN settings than the checkpoint's is one line (the weights would load and mean another model).
+
 No checkpoint under ``--load``: the command line's flags with one warning (Megatron-LM
 prints the same), or the ``--exit-on-missing-checkpoint`` error.
 """
@@ -28,13 +32,16 @@ import argparse
 import os
 from typing import Dict, List, Optional, Sequence
 
+from megatron.training import yarn
+
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
               "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
               "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "norm_epsilon",
               "swiglu", "squared_relu", "apply_layernorm_1p", "qk_layernorm", "attention_output_gate",
               "rotary_interleaved", "add_qkv_bias", "disable_bias_linear", "untie_embeddings_and_output_weights",
-              "padded_vocab_size", "hidden_dropout", "attention_dropout")
-"""Flags (argparse dests) saved as the checkpoint's ``args`` and read back."""
+              "padded_vocab_size", "hidden_dropout", "attention_dropout", *yarn.DEFAULTS)
+"""Flags (argparse dests) saved as the checkpoint's ``args`` and read back (the YaRN ones
+resolved under yarn, None otherwise for those with a ``yarn_`` prefix)."""
 COMMAND_LINE_WINS = ("seq_length", "max_position_embeddings")
 """Read from the checkpoint only when the command line leaves them out."""
 CHECKPOINT_WINS = ("hidden_dropout", "attention_dropout")
@@ -138,3 +145,26 @@ def apply_checkpoint_args(args: argparse.Namespace, given: Sequence[str], warn) 
             raise ValueError(f"--use-checkpoint-args: {flag} {getattr(args, name)} on the command line, but the "
                              f"checkpoint in {args.load} was trained with {value!r}: drop the flag or make it match")
         setattr(args, name, value)
+
+
+def _positions(values: Dict[str, object]) -> Dict[str, object]:
+    kind = values.get("position_embedding_type")
+    return {"position_embedding_type": kind, **(yarn.resolved(values) if kind == "yarn" else {})}
+
+
+def changed_positions(saved: object, now: Dict[str, object]) -> Optional[str]:
+    """What a resume changes in the positions when the checkpoint's (``saved``: its ``args``,
+    this driver's dict or Megatron-LM's namespace; None: not recorded) or the run's (``now``:
+    :func:`saved_args`) are YaRN: ``--flag value (the checkpoint's: value)`` for each
+    difference, or None (nothing changed, nothing recorded, or neither is YaRN)."""
+    if isinstance(saved, argparse.Namespace):
+        saved = _from_megatron_lm(saved)
+    if not isinstance(saved, dict) or saved.get("position_embedding_type") is None:
+        return None
+    was, is_ = _positions(saved), _positions(now)
+    if "yarn" not in (was["position_embedding_type"], is_["position_embedding_type"]):
+        return None
+    keys = ["position_embedding_type"] if was.keys() != is_.keys() else [k for k in was if was[k] != is_[k]]
+    if not keys:
+        return None
+    return ", ".join(f"--{k.replace('_', '-')} {is_.get(k)} (the checkpoint's: {was.get(k)})" for k in keys)

@@ -509,7 +509,7 @@ def _load(state: dict, path: str, what: str) -> dict:
 
 def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn = None,
                     balancer=None, load_optim: bool = True, settings: Optional[dict] = None,
-                    split: Optional[dict] = None) -> int:
+                    split: Optional[dict] = None, model_args: Optional[dict] = None) -> int:
     """Load the newest intact checkpoint under ``root`` (:func:`choose_checkpoint`) into
     everything (``balancer``: the SparseBalance predictor state, when the run has one);
     returns its iteration. ``load_optim`` False (``--no-load-optim``): the optimizer state
@@ -518,7 +518,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
     that differs from the checkpoint's. ``split``: this run's pipeline-split flags
     (:func:`megatron.training.pipeline_layout.record`), which must be the checkpoint's: each
     stage's layers set its predictor corrections and DST plans (``--finetune`` takes the
-    weights under any split).
+    weights under any split). ``model_args``: this run's model flags
+    (:func:`megatron.training.checkpoint_args.saved_args`), whose YaRN positions must be the
+    checkpoint's (:func:`~megatron.training.checkpoint_args.changed_positions`).
 
     The LR schedule follows Megatron-LM's resume rule
     (:func:`megatron.training.lr_schedule.resume_schedule`, with the scheduler's
@@ -546,6 +548,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, loader, warn: Warn =
         if changed is not None:
             raise ValueError(f"--load: checkpoint {path} was trained with another pipeline split: resuming with "
                              f"{changed}; give the checkpoint's split flags, or --finetune to take only the weights")
+    if model_args is not None:
+        from megatron.training.checkpoint_args import changed_positions
+
+        changed = changed_positions(common.get("args"), model_args)
+        if changed is not None:
+            raise ValueError(f"--load: checkpoint {path} was trained with other positions: resuming with {changed}; "
+                             "give the checkpoint's position flags, or --finetune to take only the weights")
     if warn is not None and settings is not None:
         from megatron.training.preflight import changed_settings
 

@@ -86,10 +86,9 @@ NOOP = {
     INFERENCE: "--decode-only-cuda-graphs --enable-chunked-prefill --flash-decode --mlp-chunks-for-prefill "
                "--use-legacy-static-engine --num-speculative-tokens --nccl-all-reduce-for-prefill "
                "--disable-chunked-prefill --max-tokens-to-oom",
-    "read only by YaRN / multi-latent attention positions, which this driver never builds "
-    "(--position-embedding-type is rope, learned_absolute or none)":
-        "--original-max-position-embeddings --yarn-original-max-position-embeddings --yarn-beta-fast "
-        "--yarn-beta-slow --yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int",
+    "read only by multi-latent attention's YaRN in Megatron-LM (branch dev); GPT YaRN reads "
+    "--yarn-original-max-position-embeddings (with --position-embedding-type yarn another value is refused)":
+        "--original-max-position-embeddings",
     "no telemetry service is contacted": "--no-one-logger --one-logger-project --one-logger-run-name "
                                          "--one-logger-async --app-tag-run-name --app-tag-run-version "
                                          "--disable-msc --otel-enabled --otel-service-name --otel-span-groups",
@@ -146,10 +145,12 @@ REFUSED = {
         "--activation-func-clamp-value --apply-residual-connection-post-layernorm "
         "--glu-linear-offset --openai-gelu --quick-geglu "
         "--use-te-activation-func --qk-l2-norm --softmax-type --window-size "
-        "--window-attn-skip-freq --no-rope-freq --rope-type --mrope-section "
+        "--window-attn-skip-freq --no-rope-freq --mrope-section "
         "--relative-attention-max-distance --relative-attention-num-buckets --fp32-residual-connection "
         "--csa-compress-ratios --o-groups --o-lora-rank "
         "--embedding-init-method-std --init-method-xavier-uniform --spec --onnx-safe",
+    "--rope-type picks multi-latent attention's RoPE (Megatron-LM asserts rope without it); YaRN on the GPT "
+    "layers is --position-embedding-type yarn": "--rope-type",
     "encoder-decoder and retrieval models are not supported: this driver trains decoder-only GPT models":
         "--encoder-num-layers --decoder-num-layers --encoder-seq-length --decoder-seq-length "
         "--block-data-path --evidence-data-path --titles-data-path --embedding-path --indexer-batch-size "
@@ -239,10 +240,8 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--qk-head-dim", "multi-latent attention (MLA) is not supported"),
     ("--qk-pos-emb-head-dim", "multi-latent attention (MLA) is not supported"),
     ("--v-head-dim", "multi-latent attention (MLA) is not supported"),
-    ("--mscale", "multi-latent attention (MLA) is not supported"),
     ("--cache-mla-latents", "multi-latent attention (MLA) is not supported"),
     ("--mla-", "multi-latent attention (MLA) is not supported"),
-    ("--rotary-scaling-factor", "multi-latent attention (MLA) is not supported"),
     ("--mamba-", "Mamba / hybrid models are not supported"),
     ("--hybrid-layer-pattern", "Mamba / hybrid models are not supported"),
     ("--gdp-", "Gated Delta Product layers are not supported: this driver trains dense GPT models"),
@@ -348,6 +347,7 @@ NEUTRAL: Dict[str, str] = {
     "--timing-log-level": "0",
     "--eval-micro-batch-size": "1",
     "--exit-signal": "SIGTERM",
+    "--rope-type": "rope",
 }
 """Flags whose given value means "the feature is off"; honoured (Megatron-LM does the same)."""
 

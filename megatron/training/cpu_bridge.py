@@ -20,6 +20,11 @@ module                                      why
 ``distributed.param_and_grad_buffer``       DDP grad/param buffers on the current device
 ``models.common.embeddings.``               RoPE moves ``inv_freq`` to the current device
 ``rotary_pos_embedding``                    at the first forward
+``models.common.embeddings.``               YaRN moves its two ``inv_freq`` tables there
+``yarn_rotary_pos_embedding``               at its first (and every later) frequency build;
+                                            its constructor's cos/sin cache takes this CP
+                                            rank's share with a pinned index sent to CUDA:
+                                            :func:`cpu_pos_emb_on_this_cp_rank` instead
 ``optimizer.optimizer``                     FP32 optimizer scalars on ``"cuda"``
 ``optimizer.distrib_optimizer``             distributed optimizer: the per-bucket
                                             scratch of its checkpoint code on the
@@ -233,6 +238,16 @@ def _distributed_optimizer_on_cpu(optimizer, *args, **kwargs):
         return DistributedOptimizer(optimizer, *args, **kwargs)
 
 
+def cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """megatron-core's ``get_pos_emb_on_this_cp_rank`` on CPU: the sequence cut into 2 x CP
+    chunks, this rank keeping chunk ``r`` and chunk ``2 CP - 1 - r`` (the load-balanced split)."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    size, rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.chunk(2 * size, dim=seq_dim)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=seq_dim)
+
+
 def cuda_bridge_needed(force_cpu: bool = False) -> bool:
     """True when megatron must run on CPU: ``--cpu`` or no usable CUDA device."""
     return force_cpu or not torch.cuda.is_available()
@@ -254,6 +269,7 @@ def install_cpu_bridge(force_cpu: bool = False) -> bool:
         "megatron.core.pipeline_parallel.schedules",
         "megatron.core.distributed.param_and_grad_buffer",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
         "megatron.core.optimizer.optimizer",
         "megatron.core.optimizer.distrib_optimizer",
         "megatron.core.optimizer.clip_grads",
@@ -264,6 +280,8 @@ def install_cpu_bridge(force_cpu: bool = False) -> bool:
         module = importlib.import_module(name)
         module.torch = view
         _PATCHED.append(name)
+    yarn = importlib.import_module("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+    yarn.get_pos_emb_on_this_cp_rank = cpu_pos_emb_on_this_cp_rank
     opt = importlib.import_module("megatron.core.optimizer.optimizer")
     opt.get_grad_norm_fp32 = cpu_get_grad_norm_fp32
     opt.clip_grad_by_total_norm_fp32 = cpu_clip_grad_by_total_norm_fp32

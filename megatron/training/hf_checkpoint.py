@@ -4,7 +4,10 @@ Pure mapping, no I/O of our checkpoint format (``tools/checkpoint/convert.py``
 does that through megatron's own sharded state dict):
 
 * :func:`flags_from_hf_config` — ``config.json`` -> ``pretrain_gpt.py`` flags of the
-  same architecture; anything this model cannot express is a :class:`ConversionError`.
+  same architecture (RoPE scaling: yarn, :mod:`megatron.training.yarn`, and Llama 3.1's);
+  anything this model cannot express is a :class:`ConversionError`.
+* :func:`hf_config_positions` — the other way for positions: a checkpoint's recorded YaRN
+  back into ``config.json``.
 * :func:`megatron_from_hf` / :func:`hf_from_megatron` — per-tensor name and layout
   mapping. Megatron fuses the attention input projection per query group:
   ``linear_qkv`` rows are, for each of the G groups, the ``N/G`` query heads of
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
+
+from megatron.training import yarn
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 """``config.json`` architectures this converter knows -> their ``model_type``."""
@@ -108,11 +113,12 @@ def flags_from_hf_config(cfg: dict) -> List[str]:
     theta, scaling = _rope(cfg)
     if theta != int(theta):
         raise ConversionError(f"config.json: rope_theta {theta} is not an integer (--rotary-base takes one)")
+    kind = scaling.get("rope_type", scaling.get("type"))
     flags = ["--num-layers", str(s.layers), "--hidden-size", str(s.hidden), "--ffn-hidden-size", str(s.ffn),
              "--num-attention-heads", str(s.heads), "--group-query-attention", "--num-query-groups", str(s.groups),
              "--normalization", "RMSNorm", "--norm-epsilon", repr(float(cfg.get("rms_norm_eps", 1e-6))),
-             "--swiglu", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-             "--rotary-base", str(int(theta)),
+             "--swiglu", "--position-embedding-type", "yarn" if kind == "yarn" else "rope",
+             "--untie-embeddings-and-output-weights", "--rotary-base", str(int(theta)),
              "--disable-bias-linear", "--vocab-size", str(s.vocab), "--make-vocab-size-divisible-by", "1",
              "--init-method-std", repr(float(cfg.get("initializer_range", 0.02))),
              "--max-position-embeddings", str(int(cfg.get("max_position_embeddings", 4096))),
@@ -120,14 +126,43 @@ def flags_from_hf_config(cfg: dict) -> List[str]:
              "--hidden-dropout", "0", "--attention-dropout", repr(float(cfg.get("attention_dropout", 0.0)))]
     if s.qkv_bias:
         flags.append("--add-qkv-bias")
-    if scaling:
+    if kind == "yarn":  # megatron-core's YarnRotaryEmbedding (yarn.flags_from_hf says what maps to what)
+        try:
+            flags += yarn.flags_from_hf(scaling, cfg)
+        except ValueError as e:
+            raise ConversionError(f"config.json: {e}") from None
+    elif scaling:
         want = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-        kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "llama3" or any(float(scaling.get(k, -1)) != v for k, v in want.items()):
-            raise ConversionError(f"config.json: rope scaling {scaling} is not supported (only llama3 with "
-                                  "low/high frequency factors 1/4 and original context 8192)")
+            raise ConversionError(f"config.json: rope scaling {scaling} is not supported (only yarn, and llama3 "
+                                  "with low/high frequency factors 1/4 and original context 8192)")
         flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(float(scaling["factor"]))]
     return flags
+
+
+def hf_config_positions(cfg: dict, saved: dict) -> dict:
+    """``config.json`` ``cfg`` with the RoPE scaling a checkpoint's saved model flags ``saved``
+    were trained with: yarn written from them (:func:`yarn.to_hf`; into ``rope_parameters``
+    where ``cfg`` has them, transformers 5's place, else into ``rope_scaling``), a source yarn
+    dropped when the run trained plain RoPE; otherwise ``cfg`` as it is (older checkpoints record
+    no positions; the Llama 3.1 scaling is not recorded)."""
+    kind = saved.get("position_embedding_type")
+    theta, scaling = _rope(cfg)
+    source_yarn = scaling.get("rope_type", scaling.get("type")) == "yarn"
+    if kind != "yarn" and not (kind == "rope" and source_yarn):
+        return cfg
+    out = dict(cfg)
+    rope = yarn.to_hf(saved) if kind == "yarn" else {"rope_type": "default"}
+    if kind == "yarn" and "original_max_position_embeddings" in cfg:  # transformers prefers the top-level one
+        out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if "rope_parameters" in cfg:
+        params = cfg.get("rope_parameters") or {}
+        keep = {k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params}
+        out["rope_parameters"] = {**rope, "rope_theta": theta, **keep}
+        out.pop("rope_scaling", None)
+    else:
+        out["rope_scaling"] = rope if kind == "yarn" else None
+    return out
 
 
 def _layer(i: int) -> Tuple[str, str]:

@@ -74,8 +74,12 @@ def judge(argv: Sequence[str], world_size: int, target: Target) -> Verdict:
 def trains_as(args) -> str:
     """One line describing what a validated ``args`` trains."""
     groups = f", {args.num_query_groups} KV groups" if args.num_query_groups else ""
+    positions = args.position_embedding_type
+    if positions == "yarn":
+        positions += (f" (factor {args.rotary_scaling_factor:g} over an original "
+                      f"{args.yarn_original_max_position_embeddings} tokens)")
     model = (f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads{groups}, "
-             f"seq {args.seq_length}, {args.position_embedding_type} positions")
+             f"seq {args.seq_length}, {positions} positions")
     layout = (f"TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
               f"CP {args.context_parallel_size} DP {args.data_parallel_size}")
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"

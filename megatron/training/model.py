@@ -33,7 +33,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron.training import pipeline_layout
+from megatron.training import pipeline_layout, yarn
 
 
 def layer_spec(args, attention=None):
@@ -92,7 +92,10 @@ def transformer_config(args, use_cpu: bool):
         # Selective recompute warns that TE's fused core attention needs no recompute;
         # our core_attention slot never holds TE's module (see layer_spec).
         warnings.filterwarnings("ignore", message=r".*no need to set 'core_attn' to recompute.*")
-        return _transformer_config(args, use_cpu, dtype, interleaved)
+        config = _transformer_config(args, use_cpu, dtype, interleaved)
+    # YaRN's settings are attributes megatron-core reads off the config, not dataclass fields
+    yarn.apply_to_config(config, args)
+    return config
 
 
 def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bool):
@@ -162,6 +165,7 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        # unfused RoPE: it multiplies cos/sin by YaRN's attention factor, which TE's fused one refuses
         apply_rope_fusion=False,
         # Activation recomputation (Megatron-LM's flags; checked in arguments.py). Selective
         # recomputes the module in the core_attention slot, i.e. ours (dense or sparse).

@@ -210,6 +210,7 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             :class:`~megatron.training.step.StepResult`); for tests and tools.
     """
     from megatron.training import checkpointing as ckpt
+    from megatron.training.checkpoint_args import saved_args
     from megatron.training.watchdog import start_watchdog
 
     state = setup(args)
@@ -222,7 +223,8 @@ def pretrain(args, on_step: Optional[Callable] = None) -> dict:
             state.iteration = ckpt.load_checkpoint(args.load, state.model, state.optimizer, state.scheduler,
                                                    state.loader, warn=warn, balancer=state.balancer,
                                                    load_optim=not args.no_load_optim,
-                                                   settings=run_settings(args), split=pipeline_layout.record(args))
+                                                   settings=run_settings(args), split=pipeline_layout.record(args),
+                                                   model_args=saved_args(args))
     log = RunLogger(args, rank, state.sb, start=state.iteration)
     if state.sb.attention.sparse:
         choice = log.attention_backend()

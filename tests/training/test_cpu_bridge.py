@@ -24,6 +24,7 @@ def test_install_patches_exactly_the_documented_modules():
         "megatron.core.pipeline_parallel.schedules",
         "megatron.core.distributed.param_and_grad_buffer",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
         "megatron.core.optimizer.optimizer",
         "megatron.core.optimizer.distrib_optimizer",
         "megatron.core.optimizer.clip_grads",
@@ -39,7 +40,20 @@ def test_install_patches_exactly_the_documented_modules():
     import megatron.core.optimizer as optim
 
     assert optim.DistributedOptimizer is cpu_bridge._distributed_optimizer_on_cpu
+    import megatron.core.models.common.embeddings.yarn_rotary_pos_embedding as yarn
+
+    assert yarn.get_pos_emb_on_this_cp_rank is cpu_bridge.cpu_pos_emb_on_this_cp_rank
     assert cpu_bridge.install_cpu_bridge() is True and cpu_bridge.bridged_modules() == names  # idempotent
+
+
+@pytest.mark.parametrize("cp,rank", [(1, 0), (2, 0), (2, 1), (4, 3)])
+def test_pos_emb_on_this_cp_rank(cp, rank):
+    """Chunks r and 2 CP - 1 - r of 2 CP along the sequence, as megatron-core's index_select takes them."""
+    group = type("G", (), {"size": lambda self: cp, "rank": lambda self: rank})()
+    emb = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 1, 1, 3)
+    per = 16 // (2 * cp)
+    want = [*range(rank * per, (rank + 1) * per), *range((2 * cp - 1 - rank) * per, (2 * cp - rank) * per)]
+    assert torch.equal(cpu_bridge.cpu_pos_emb_on_this_cp_rank(emb, 0, group), emb[want])
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0])

@@ -7,6 +7,8 @@ The expected values are written from Megatron-LM's source: ``megatron/training/a
 table lists each rule beside this driver's behaviour.
 """
 
+import math
+
 import pytest
 
 from megatron.training.arg_checks import assume_hardware
@@ -55,6 +57,90 @@ def test_no_position_embedding_without_rope_is_refused(capsys, extra):
 def test_use_rotary_position_embeddings_is_rope():
     assert resolve("--use-rotary-position-embeddings").position_embedding_type == "rope"
     assert resolve().position_embedding_type == "learned_absolute"
+
+
+YARN_CONFIG = {"yarn_rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddings": 4096,
+               "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0,
+               "yarn_correction_range_round_to_int": True}
+"""Megatron-LM main's config attributes for ``--position-embedding-type yarn`` alone
+(argument_utils._apply_yarn_config_from_args: the flags' defaults, YarnRotaryEmbedding's)."""
+
+
+def test_yarn_defaults_reach_the_config():
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config,
+    )
+
+    from megatron.training.checkpoint_args import saved_args
+    from megatron.training.model import transformer_config
+
+    args = resolve("--position-embedding-type", "yarn")
+    config = transformer_config(args, use_cpu=True)
+    assert {k: getattr(config, k) for k in YARN_CONFIG} == YARN_CONFIG
+    assert not args.compat_warnings
+    saved = saved_args(args)  # the resolved values are what the checkpoint records
+    assert (saved["position_embedding_type"], saved["yarn_beta_fast"], saved["yarn_original_max_position_embeddings"],
+            saved["yarn_correction_range_round_to_int"]) == ("yarn", 32.0, 4096, True)
+    given = resolve("--position-embedding-type", "yarn", "--rotary-scaling-factor", "4", "--yarn-beta-fast", "16",
+                    "--yarn-beta-slow", "2", "--yarn-original-max-position-embeddings", "32768", "--mscale", "0.8",
+                    "--mscale-all-dim", "0.5", "--no-yarn-correction-range-round-to-int")
+    config = transformer_config(given, use_cpu=True)
+    assert {k: getattr(config, k) for k in YARN_CONFIG} == {
+        "yarn_rotary_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 32768, "yarn_beta_fast": 16.0,
+        "yarn_beta_slow": 2.0, "yarn_mscale": 0.8, "yarn_mscale_all_dim": 0.5,
+        "yarn_correction_range_round_to_int": False}
+    # the factor every attention layer multiplies cos/sin by: m(s, mscale) / m(s, mscale_all_dim)
+    want = (0.1 * 0.8 * math.log(4) + 1) / (0.1 * 0.5 * math.log(4) + 1)
+    assert _yarn_get_concentration_factor_from_config(config) == pytest.approx(want, rel=1e-15)
+    # other positions carry none of the attributes: the attention layers apply no factor
+    assert not hasattr(transformer_config(resolve("--position-embedding-type", "rope"), use_cpu=True),
+                       "yarn_rotary_scaling_factor")
+
+
+def test_yarn_flags_without_yarn_warn_once():
+    args = resolve("--position-embedding-type", "rope", "--yarn-beta-fast", "16", "--rotary-scaling-factor", "4")
+    assert len(warned(args, "accepted without effect: --yarn-beta-fast --rotary-scaling-factor")) == 1
+    assert args.yarn_beta_fast == 16.0 and args.yarn_beta_slow is None  # not resolved: no YaRN
+    assert not resolve("--mscale", "1.0").compat_warnings  # Megatron-LM's default value
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--rotary-interleaved"], "--rotary-interleaved: megatron-core's YaRN rotates the two halves"),
+    (["--rotary-percent", "0.5"], "--rotary-percent 0.5: megatron-core's YaRN ignores it"),
+    (["--rotary-seq-len-interpolation-factor", "2"], "--rotary-seq-len-interpolation-factor 2: megatron-core"),
+    (["--use-rope-scaling"], "--use-rope-scaling: megatron-core's YaRN ignores it"),
+    (["--original-max-position-embeddings", "8192"], "GPT YaRN's original context is "
+                                                      "--yarn-original-max-position-embeddings (now 4096)"),
+    (["--rotary-scaling-factor", "2.718281828459045", "--mscale", "-20"], "attention factor of -1; it must be > 0"),
+    (["--rotary-scaling-factor", "0"], "--rotary-scaling-factor: must be > 0"),
+    (["--yarn-beta-slow", "-1"], "--yarn-beta-slow: must be > 0"),
+])
+def test_yarn_bad_combinations_are_one_line(capsys, flags, says):
+    line = refused(capsys, "--position-embedding-type", "yarn", *flags)
+    assert says in line, line
+
+
+def test_yarn_context_parallel_needs_an_original_context_divisible_by_2cp(capsys):
+    # megatron-core's YaRN caches cos/sin over the original context, cut in 2 x CP chunks
+    line = refused(capsys, "--position-embedding-type", "yarn", "--yarn-original-max-position-embeddings", "30",
+                   "--context-parallel-size", "2", world_size=2)
+    assert "needs it divisible by 2 x CP = 4" in line
+    assert resolve("--position-embedding-type", "yarn", "--context-parallel-size", "2",
+                   world_size=2).yarn_original_max_position_embeddings == 4096
+
+
+def test_original_max_position_embeddings_with_yarn():
+    # branch dev's flag is multi-latent attention's: GPT YaRN takes it only where it agrees
+    args = resolve("--position-embedding-type", "yarn", "--original-max-position-embeddings", "8192",
+                   "--yarn-original-max-position-embeddings", "8192")
+    assert args.yarn_original_max_position_embeddings == 8192 and not args.compat_warnings
+    assert not resolve("--original-max-position-embeddings", "8192").compat_warnings  # a no-op without YaRN
+
+
+def test_rope_type(capsys):
+    # Megatron-LM asserts rope_type "rope" without multi-latent attention
+    assert resolve("--rope-type", "rope").position_embedding_type == "learned_absolute"
+    assert "YaRN on the GPT layers is --position-embedding-type yarn" in refused(capsys, "--rope-type", "yarn")
 
 
 # --- dropout -----------------------------------------------------------------------------

@@ -20,6 +20,8 @@ source ``config.json`` and tokenizer files (``--tokenizer-type HuggingFaceTokeni
 --tokenizer-model DIR/hf/tokenizer.json``). Tensors are read one at a time
 (``safe_open``); the model itself is held once in fp32. Output appears only when
 complete (temp directory, then rename). Bad input: one ``error:`` line, exit 2.
+A YaRN ``rope_scaling`` becomes ``--position-embedding-type yarn`` and its flags; the export
+writes the YaRN the checkpoint was trained with into ``config.json`` (docs/usage.md's table).
 """
 
 from __future__ import annotations
@@ -293,15 +295,20 @@ NOT_IN_HF = ("squared_relu", "apply_layernorm_1p", "qk_layernorm", "attention_ou
 """Model flags of a trained checkpoint that the Llama / Qwen2 HF layout cannot express."""
 
 
-def _refuse_non_hf_model(load: str) -> None:
-    """UsageError when the checkpoint's saved model flags use one of :data:`NOT_IN_HF`
-    (the weights would load, e.g. zero-centred norm weights, and mean another model)."""
+def _saved_model_flags(load: str) -> dict:
+    """The model flags saved in the checkpoint under ``load`` ({}: none recorded)."""
     from megatron.training.checkpoint_args import read_checkpoint_args
 
     try:
-        saved = read_checkpoint_args(load) or {}
-    except ValueError:  # no saved flags (a converted or legacy checkpoint): nothing to check
-        return
+        return read_checkpoint_args(load) or {}
+    except ValueError:  # no saved flags (a legacy checkpoint): nothing to go by
+        return {}
+
+
+def _refuse_non_hf_model(load: str) -> None:
+    """UsageError when the checkpoint's saved model flags use one of :data:`NOT_IN_HF`
+    (the weights would load, e.g. zero-centred norm weights, and mean another model)."""
+    saved = _saved_model_flags(load)
     bad = [name for name in NOT_IN_HF if saved.get(name)]
     if bad:
         raise UsageError(f"--load {load}: trained with --{bad[0].replace('_', '-')}, which the Llama/Qwen2 "
@@ -355,7 +362,8 @@ def megatron_to_hf(a) -> None:
             if os.path.isfile(src) and not fname.endswith(".safetensors") and fname not in (
                     "config.json", WEIGHT_FILES[1]):
                 shutil.copy2(src, os.path.join(tmp, fname))
-        out_cfg = dict(cfg, tie_word_embeddings=tied)
+        # the positions the checkpoint was trained with (YaRN added or dropped by a fine-tune)
+        out_cfg = H.hf_config_positions(dict(cfg, tie_word_embeddings=tied), _saved_model_flags(a.load))
         out_cfg["dtype" if "dtype" in cfg or "torch_dtype" not in cfg else "torch_dtype"] = name
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(out_cfg, f, indent=2)
