@@ -58,8 +58,34 @@ def config_argv(flags: list, scratch: str, data_prefix: str) -> list:
                 [os.path.join(scratch, re.sub(r"[${}]", "", v).strip("/")) for v in values]
         if action is not None and action.nargs is None and len(values) > 1:
             values = [" ".join(values)]
+        if flag in TOKENIZER_FILES and values and values[0].startswith(scratch):
+            _stand_in(flag, values[0])
         argv += [flag, *values]
     return argv
+
+
+TOKENIZER_FILES = ("--vocab-file", "--merge-file")
+"""Files a config names under its data directory that the trainer reads at launch: a tiny
+stand-in is written where the real one would be (the cluster has it; this machine does not)."""
+
+
+FIM_TOKENS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<|endoftext|>")
+"""Megatron-LM's default FIM and end-of-document tokens: a FIM config's vocabulary has them."""
+
+
+def _stand_in(flag: str, path: str) -> None:
+    """A GPT-2 byte-level BPE file of the smallest valid kind at ``path`` (256 byte tokens and
+    the FIM tokens, no merges)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if flag == "--vocab-file":
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        tokens = sorted(ByteLevel.alphabet()) + list(FIM_TOKENS)
+        text = json.dumps({tok: i for i, tok in enumerate(tokens)})
+    else:
+        text = "#version: 0.2\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 @functools.cache

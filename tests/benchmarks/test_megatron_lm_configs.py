@@ -107,3 +107,23 @@ def test_not_a_checkout_is_one_line(tmp_path, capsys):
         main(["--megatron-lm", str(tmp_path)])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert e.value.code == 2 and len(err) == 1 and "no tests/functional_tests there" in err[0], err
+
+
+def test_tokenizer_files_under_the_data_dir_get_stand_ins(tmp_path):
+    """A config's --vocab-file / --merge-file under ${DATA_PATH} are files its cluster has: the
+    harness writes a loadable GPT-2 BPE pair there (with the FIM tokens), so the line is
+    judged on its flags, not on a missing file."""
+    from benchmarks.harness.megatron_lm_configs import FIM_TOKENS, config_argv
+
+    flags = [("--tokenizer-type", ["GPT2BPETokenizer"]),
+             ("--vocab-file", ["${DATA_PATH}/bpe/vocab.json"]), ("--merge-file", ["${DATA_PATH}/bpe/merges.txt"])]
+    argv = config_argv(flags, str(tmp_path), str(tmp_path / "data"))
+    vocab, merges = argv[argv.index("--vocab-file") + 1], argv[argv.index("--merge-file") + 1]
+    assert vocab == str(tmp_path / "DATA_PATH" / "bpe" / "vocab.json")
+    table = json.load(open(vocab))
+    assert len(table) == 256 + len(FIM_TOKENS) and all(t in table for t in FIM_TOKENS)
+    assert sorted(table.values()) == list(range(len(table)))
+    from megatron.training.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    assert tok.vocab_size == len(table)
