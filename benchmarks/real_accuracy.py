@@ -435,6 +435,7 @@ def loss_part(a, model, vocab: int) -> dict:
             sens_plans[f"sparsebalance-pp{pp}{suffix}"] = sp
             sens_arms.append(Arm(f"sparsebalance-pp{pp}{suffix}", stage_budgets=sp["budget"]))
     slack_of = {arm.name: arm.name[:-len(suffix)] for arm in sens_arms}
+    slack_of.update({arm.name: arm.name[:-len("-eqtime")] for arm in eq_arms})  # reuse a forward of equal budgets
     judged = sb_arms + (sens_arms if a.sensitivity == "stage" else [])  # against static at equal pairs
 
     def static_pairs(k):
