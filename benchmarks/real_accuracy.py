@@ -37,6 +37,16 @@ only the attention differs (post-hoc sparsity, no fine-tuning). Arms:
   plan (a 30-layer model is planned as 32). ``stage_minus_slack`` and ``stage_minus_static`` (at
   equal kept pairs, as ``sb_minus_static``) hold the paired intervals.
 
+* ``sparsebalance-ppP-eqtime`` (always, with the loss part): DST at static top-k's planned step
+  time, the paper's "free accuracy": the plan with the most kept pairs whose planned step time (the
+  driver's predictor and pipeline model) is at most that of every op at ``--topk``
+  (``sparsebalance.tuning.equal_time``: the static and critical-path plans, raised into the slack
+  under that deadline). ``equal_step_time`` compares it with ``static-kK`` (K = ``--topk``, k0):
+  ``{"ppP": {"topk": {"loss_minus_static": [2.5%, 50%, 97.5%], "pairs_over_static": ratio},
+  "threshold": null}}`` (paired bootstrap over micro-batches; kept pairs as the forwards count
+  them). Threshold routing is null: DST varies the cap there, not TAU, so no plan holds TAU0's
+  step time with more attention to compare.
+
 Loss (``--loss-tokens``): mean next-token cross entropy over the second half of each
 document (default; its first half is mostly within the dense reach of the sink, diagonal and
 top-k blocks), or over every predicted token. Pairing at equal kept pairs: top-k routing keeps
@@ -53,13 +63,25 @@ of the answer (``benchmarks/harness/longctx/real.py``: the prompt prefilled unde
 routing, the answer decoded with per-token routing from a full KV cache, in one forward).
 The SparseBalance arm takes DST's budgets for a PP=``--retrieval-pp`` pipeline whose
 micro-batches are the prompts (one per micro-batch, steps of ``--num-microbatches``); the static
-arm's top-k is the one whose kept pairs over the prompts are nearest SparseBalance's.
+arm's top-k is the one whose kept pairs over the prompts are nearest SparseBalance's. Each arm's
+accuracy has a Wilson 95% interval (``retrieval_ci95``) and each sparse arm its gap to dense on
+the same prompts with a paired bootstrap over prompts (``retrieval_minus_dense``).
 
 Tiny CPU run (a few minutes; ``make real-model`` first)::
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/real_accuracy.py --load runs/models/smollm2-135m \\
         --data-path runs/real/accuracy --seq-length 1024 --num-microbatches 4 --pp 4 \\
         --tasks niah_single --lengths 1024 --num-samples 1 --json
+
+Equal step time and needle retrieval with intervals (``results/real_accuracy_equal_time.json``,
+``results/real_needle_30.json``; one core each)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_accuracy.py --load runs/models/smollm2-135m \\
+        --data-path runs/real-accuracy/corpus --seq-length 2048 --num-microbatches 16 --pp 4,8 \\
+        --num-samples 0 --threads 1 --out results/real_accuracy_equal_time.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_accuracy.py --load runs/models/smollm2-135m \\
+        --num-microbatches 0 --tasks niah_single --lengths 2048 --num-samples 30 --threads 1 \\
+        --out results/real_needle_30.json
 
 Sensitivity-aware DST against slack-only DST (the reduced run of
 ``results/real_accuracy_sensitivity.json``, ~20 minutes on one busy core)::
