@@ -63,7 +63,9 @@ runs/real/corpus.bin: benchmarks/make_real_corpus.py $(REAL_MODEL).stamp
 		--num-docs 1000
 
 # Accuracy of SparseBalance's budgets vs static top-k on that model (issue 50): held-out loss per
-# micro-batch, retrieval, and the fine-tuning start; <= 45 minutes on 2 threads
+# micro-batch (equal kept pairs, and DST at static top-k's planned step time: equal_step_time), needle
+# retrieval with intervals (30 prompts at 2K), and the fine-tuning start; 45 minutes on 2 threads before
+# the 30 needle prompts, which add about 10 (estimated from their run on one core, not re-timed)
 # (benchmarks/real_accuracy.sh) -> results/real_accuracy.json and one JSON line.
 real-accuracy: real-model
 	PY=$(PY) bash benchmarks/real_accuracy.sh

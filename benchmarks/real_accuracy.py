@@ -37,6 +37,16 @@ only the attention differs (post-hoc sparsity, no fine-tuning). Arms:
   plan (a 30-layer model is planned as 32). ``stage_minus_slack`` and ``stage_minus_static`` (at
   equal kept pairs, as ``sb_minus_static``) hold the paired intervals.
 
+* ``sparsebalance-ppP-eqtime`` (always, with the loss part): DST at static top-k's planned step
+  time, the paper's "free accuracy": the plan with the most kept pairs whose planned step time (the
+  driver's predictor and pipeline model) is at most that of every op at ``--topk``
+  (``sparsebalance.tuning.equal_time``: the static and critical-path plans, raised into the slack
+  under that deadline). ``equal_step_time`` compares it with ``static-kK`` (K = ``--topk``, k0):
+  ``{"ppP": {"topk": {"loss_minus_static": [2.5%, 50%, 97.5%], "pairs_over_static": ratio},
+  "threshold": null}}`` (paired bootstrap over micro-batches; kept pairs as the forwards count
+  them). Threshold routing is null: DST varies the cap there, not TAU, so no plan holds TAU0's
+  step time with more attention to compare.
+
 Loss (``--loss-tokens``): mean next-token cross entropy over the second half of each
 document (default; its first half is mostly within the dense reach of the sink, diagonal and
 top-k blocks), or over every predicted token. Pairing at equal kept pairs: top-k routing keeps
@@ -53,13 +63,25 @@ of the answer (``benchmarks/harness/longctx/real.py``: the prompt prefilled unde
 routing, the answer decoded with per-token routing from a full KV cache, in one forward).
 The SparseBalance arm takes DST's budgets for a PP=``--retrieval-pp`` pipeline whose
 micro-batches are the prompts (one per micro-batch, steps of ``--num-microbatches``); the static
-arm's top-k is the one whose kept pairs over the prompts are nearest SparseBalance's.
+arm's top-k is the one whose kept pairs over the prompts are nearest SparseBalance's. Each arm's
+accuracy has a Wilson 95% interval (``retrieval_ci95``) and each sparse arm its gap to dense on
+the same prompts with a paired bootstrap over prompts (``retrieval_minus_dense``).
 
 Tiny CPU run (a few minutes; ``make real-model`` first)::
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/real_accuracy.py --load runs/models/smollm2-135m \\
         --data-path runs/real/accuracy --seq-length 1024 --num-microbatches 4 --pp 4 \\
         --tasks niah_single --lengths 1024 --num-samples 1 --json
+
+Equal step time and needle retrieval with intervals (``results/real_accuracy_equal_time.json``,
+``results/real_needle_30.json``; one core each)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_accuracy.py --load runs/models/smollm2-135m \\
+        --data-path runs/real-accuracy/corpus --seq-length 2048 --num-microbatches 16 --pp 4,8 \\
+        --num-samples 0 --threads 1 --out results/real_accuracy_equal_time.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_accuracy.py --load runs/models/smollm2-135m \\
+        --num-microbatches 0 --tasks niah_single --lengths 2048 --num-samples 30 --threads 1 \\
+        --out results/real_needle_30.json
 
 Sensitivity-aware DST against slack-only DST (the reduced run of
 ``results/real_accuracy_sensitivity.json``, ~20 minutes on one busy core)::
@@ -298,6 +320,22 @@ def dst_plan(a, vocab: int, mb_lengths: list, pp: int) -> dict:
             "planned_layers": planned_layers, "policy": policy}
 
 
+def equal_time_dst_plan(a, vocab: int, mb_lengths: list, pp: int) -> dict:
+    """DST's plan at the static plan's step time: the most kept pairs whose planned step time
+    (the driver's predictor and pipeline model) is at most that of every op at ``--topk``
+    (:func:`sparsebalance.tuning.equal_time.equal_time_plan`, budgets within the driver's
+    [K/2, 2K]). ``attn``: planned kept pairs x layers, one head."""
+    from sparsebalance.tuning.equal_time import equal_time_plan
+
+    balancer, _, planned_layers = dst_balancer(a, vocab, mb_lengths, pp)
+    plan = equal_time_plan(balancer.instance([mb_lengths]))
+    if plan.step_ms > plan.baseline_step_ms * (1 + 1e-9):
+        raise RuntimeError(f"equal-time plan at PP={pp} is slower than static ({plan.step_ms} ms)")
+    return {"budget": plan.budget[0], "step_ms": plan.step_ms, "static_step_ms": plan.baseline_step_ms,
+            "planned_attn": plan.attn, "static_planned_attn": plan.baseline_attn, "planned_layers": planned_layers,
+            "policy": plan.policy}
+
+
 def sensitivity_dst_plan(a, vocab: int, mb_lengths: list, pp: int, weight) -> dict:
     """DST's plan of :func:`dst_plan` and the same plan refined by the micro-batch weights
     ``weight`` [M] (nats per dropped pair; or [M, stages] per op) at its planned step time and kept pairs (module
@@ -392,7 +430,7 @@ def loss_part(a, model, vocab: int) -> dict:
     import numpy as np
     import torch
 
-    from benchmarks.harness.compare.real_arms import Arm, arm_pairs, bracket, paired_interval
+    from benchmarks.harness.compare.real_arms import Arm, arm_pairs, bracket, equal_time_entry, paired_interval
 
     cores = attention_modules(model)
     L, heads = len(cores), int(model.args.num_attention_heads)
@@ -402,10 +440,14 @@ def loss_part(a, model, vocab: int) -> dict:
     suffix = {"estimate": "-sens", "stage": "-stage"}.get(a.sensitivity)
     if a.sensitivity == "estimate":
         weight, estimate = sensitivity_weights(a, packing, ds, mb_lengths)
+    eq_arms = []  # DST at static-k{topk}'s planned step time (equal_step_time)
     for pp in a.pp:
         plan = dst_plan(a, int(model.gpt.vocab_size), mb_lengths, pp)
         plans[f"sparsebalance-pp{pp}"] = plan
         sb_arms.append(Arm(f"sparsebalance-pp{pp}", stage_budgets=plan["budget"]))
+        eq = equal_time_dst_plan(a, int(model.gpt.vocab_size), mb_lengths, pp)
+        plans[f"sparsebalance-pp{pp}-eqtime"] = eq
+        eq_arms.append(Arm(f"sparsebalance-pp{pp}-eqtime", stage_budgets=eq["budget"]))
         if suffix is not None:
             if a.sensitivity == "stage":
                 weight = np.tile(stage_weight(a, pp, L, plan["planned_layers"]), (len(mb_lengths), 1))
@@ -415,6 +457,7 @@ def loss_part(a, model, vocab: int) -> dict:
             sens_plans[f"sparsebalance-pp{pp}{suffix}"] = sp
             sens_arms.append(Arm(f"sparsebalance-pp{pp}{suffix}", stage_budgets=sp["budget"]))
     slack_of = {arm.name: arm.name[:-len(suffix)] for arm in sens_arms}
+    slack_of.update({arm.name: arm.name[:-len("-eqtime")] for arm in eq_arms})  # reuse a forward of equal budgets
     judged = sb_arms + (sens_arms if a.sensitivity == "stage" else [])  # against static at equal pairs
 
     def static_pairs(k):
@@ -422,10 +465,10 @@ def loss_part(a, model, vocab: int) -> dict:
 
     brackets = {arm.name: bracket(arm_pairs(arm, mb_lengths, a.block_size, L, heads), static_pairs)
                 for arm in judged}
-    ks = sorted({k for lo, hi, _ in brackets.values() for k in (lo, hi)})  # static-k0 itself: not needed
+    ks = sorted({a.topk} | {k for lo, hi, _ in brackets.values() for k in (lo, hi)})  # k0: equal_step_time's
     arms = [Arm("dense"), *[Arm(f"static-k{k}", topk=k) for k in ks],
             Arm("threshold", topk=a.threshold_cap, threshold=a.threshold, topk_min=a.topk // 2), *sb_arms,
-            *sens_arms]
+            *eq_arms, *sens_arms]
     per = {arm.name: {"loss": [], "tokens": [], "kept_pairs": 0, "causal_pairs": 0} for arm in arms}
     by_name = {arm.name: arm for arm in arms}
     t0 = time.time()
@@ -469,7 +512,19 @@ def loss_part(a, model, vocab: int) -> dict:
         if name != "dense":
             d = np.array(per[name]["loss"]) - np.array(per["dense"]["loss"])
             per[name]["minus_dense"] = paired_interval(d, weights, seed=a.seed)
+    static0 = per[f"static-k{a.topk}"]
+    eq_report = {}
+    for arm in eq_arms:
+        pp = arm.name.split("-")[1]
+        cell = equal_time_entry(per[arm.name]["loss"], static0["loss"], weights, per[arm.name]["kept_pairs"],
+                                static0["kept_pairs"], seed=a.seed)
+        p = plans[arm.name]
+        cell.update(planned_step_ms=p["step_ms"], static_planned_step_ms=p["static_step_ms"],
+                    planned_pairs_over_static=p["planned_attn"] / p["static_planned_attn"])
+        # threshold routing: DST varies its cap, not TAU (TAU levels are not in the planner yet)
+        eq_report[pp] = {"topk": cell, "threshold": None}
     out = {"arms": per, "sb_minus_static": {arm.name: diffs[arm.name] for arm in sb_arms},
+           "equal_step_time": eq_report,
            "plans": {n: {**p, "budget": p["budget"].tolist()} for n, p in plans.items()},
            "microbatch_lengths": mb_lengths, "loss_tokens": a.loss_tokens, "seconds": time.time() - t0}
     if a.sensitivity == "estimate":
@@ -568,7 +623,7 @@ def retrieval_part(a, model) -> dict:
     import numpy as np
     import torch
 
-    from benchmarks.harness.compare.real_arms import Arm, arm_pairs, bracket
+    from benchmarks.harness.compare.real_arms import Arm, arm_pairs, bracket, paired_gap, wilson_interval
     from benchmarks.harness.longctx.real import answer_correct, sized_sample
     from megatron.training.tokenizer import HFJsonTokenizer
 
@@ -623,6 +678,9 @@ def retrieval_part(a, model) -> dict:
     finally:
         restore()
     acc = {arm.name: float(np.mean([it["correct"][arm.name] for it in items])) for arm in arms}
+    hits = {arm.name: [bool(it["correct"][arm.name]) for it in items] for arm in arms}
+    ci = {n: wilson_interval(sum(h), len(h)) for n, h in hits.items()}
+    minus_dense = {n: paired_gap(h, hits["dense"], seed=a.seed) for n, h in hits.items() if n != "dense"}
     cells = {}
     for it in items:
         cell = cells.setdefault(it["task"], {}).setdefault(str(it["length"]), {arm.name: 0 for arm in arms})
@@ -630,7 +688,10 @@ def retrieval_part(a, model) -> dict:
             cell[n] += int(c)
     for it in items:
         del it["ids"]
-    return {"accuracy": acc, "prompt_kept_pairs": pairs, "static_topk": k_eq, "correct_per_cell": cells,
+    return {"accuracy": acc, "accuracy_ci95": ci, "minus_dense": minus_dense,
+            "intervals": "accuracy_ci95: Wilson score 95%; minus_dense: arm minus dense on the same prompts, "
+                         "[2.5%, 50%, 97.5%] of a paired bootstrap over prompts",
+            "prompt_kept_pairs": pairs, "static_topk": k_eq, "correct_per_cell": cells,
             "samples_per_cell": a.num_samples, "chat_template": chat,
             "items": items, "seconds": time.time() - t0,
             "decode": "prompt prefilled under the arm's block routing; answer tokens routed one by one "
@@ -653,6 +714,10 @@ def main(argv=None) -> int:
             sb = out["loss"]["sb_minus_static"]
             out["sb_minus_static_loss"] = sb[f"sparsebalance-pp{a.pp[0]}"]["interval"] if sb else None
             out["sb_minus_static_loss_by_pp"] = {n: d["interval"] for n, d in sb.items()}
+            out["equal_step_time"] = {pp: {r: None if c is None else {k: c[k] for k in ("loss_minus_static",
+                                                                                      "pairs_over_static")}
+                                           for r, c in cells.items()}
+                                      for pp, cells in out["loss"]["equal_step_time"].items()}
             if a.sensitivity == "stage":
                 for key in ("stage_minus_slack", "stage_minus_static"):
                     out[f"{key}_loss_by_pp"] = {n: d["interval"] for n, d in out["loss"][key].items()}
@@ -663,6 +728,8 @@ def main(argv=None) -> int:
         if a.num_samples:
             out["retrieval_detail"] = retrieval_part(a, model)
             out["retrieval"] = out["retrieval_detail"]["accuracy"]
+            out["retrieval_ci95"] = out["retrieval_detail"]["accuracy_ci95"]
+            out["retrieval_minus_dense"] = {n: d["interval"] for n, d in out["retrieval_detail"]["minus_dense"].items()}
     finally:
         model.close()
     if a.finetune_check:
@@ -677,8 +744,8 @@ def main(argv=None) -> int:
         from sparsebalance.io import atomic_write_text
 
         atomic_write_text(a.out, json.dumps(out, indent=1) + "\n")
-    keys = ("sb_minus_static_loss", "sb_minus_static_loss_by_pp", "retrieval", "pretrained_loss",
-            "finetune_first_loss_dense")
+    keys = ("equal_step_time", "sb_minus_static_loss", "sb_minus_static_loss_by_pp", "retrieval", "retrieval_ci95",
+            "retrieval_minus_dense", "pretrained_loss", "finetune_first_loss_dense")
     if a.sensitivity == "estimate":
         keys += ("sens_minus_slack_loss", "sens_minus_slack_loss_by_pp")
     if a.sensitivity == "stage":

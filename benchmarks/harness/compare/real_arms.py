@@ -111,3 +111,38 @@ def paired_interval(diff: Sequence[float], weight: Sequence[float], seed: int = 
         half = t_quantile(0.975, n - 1) * float(d.std(ddof=1)) / math.sqrt(n)
         t_ci = [float(d.mean() - half), float(d.mean() + half)]
     return {"mean": mean, "interval": [float(lo), float(med), float(hi)], "t_ci95": t_ci, "n": int(n)}
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.959964) -> list:
+    """[low, high] Wilson score interval (95% by default) of a proportion ``correct / n``."""
+    if n < 1:
+        raise ValueError("a proportion of no trials")
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def paired_gap(a: Sequence[bool], b: Sequence[bool], seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES) -> dict:
+    """Accuracy of ``a`` minus accuracy of ``b`` on the same prompts: ``{"gap", "interval": [2.5%, 50%,
+    97.5%] of a paired bootstrap over prompts, "a_only", "b_only"}`` (prompts only one arm got right)."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.shape != y.shape or x.size == 0:
+        raise ValueError("paired_gap needs two equal, non-empty lists")
+    d = x - y
+    idx = np.random.default_rng(seed).integers(d.size, size=(resamples, d.size))
+    lo, med, hi = np.percentile(d[idx].mean(1), [2.5, 50, 97.5])
+    return {"gap": float(d.mean()), "interval": [float(lo), float(med), float(hi)],
+            "a_only": int((d > 0).sum()), "b_only": int((d < 0).sum()), "n": int(d.size)}
+
+
+def equal_time_entry(loss: Sequence[float], static_loss: Sequence[float], tokens: Sequence[float], pairs: float,
+                     static_pairs: float, seed: int = 0) -> dict:
+    """One ``equal_step_time`` cell: ``loss_minus_static`` ([2.5%, 50%, 97.5%] of the paired
+    bootstrap over micro-batches of the token-weighted loss difference, nats) and
+    ``pairs_over_static`` (kept pairs, measured in the forwards), with the mean, t-interval and
+    per-micro-batch differences."""
+    d = np.asarray(loss, dtype=float) - np.asarray(static_loss, dtype=float)
+    iv = paired_interval(d, tokens, seed=seed)
+    return {"loss_minus_static": iv["interval"], "pairs_over_static": float(pairs / static_pairs),
+            "mean": iv["mean"], "t_ci95": iv["t_ci95"], "n": iv["n"], "per_microbatch": d.tolist()}
