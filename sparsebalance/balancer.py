@@ -59,7 +59,7 @@ from typing import Hashable, List, Optional, Tuple
 import numpy as np
 
 from sparsebalance.config import AttentionConfig, ModelShape, ParallelConfig, SparseBalanceConfig
-from sparsebalance.pairs import density
+from sparsebalance.pairs import density, kept_pairs
 
 Lengths = List[List[List[int]]]
 """Segment token counts ``[dp][microbatch][segment]`` of one step."""
@@ -222,7 +222,13 @@ class Balancer:
         t0 = time.perf_counter()
         dst, pred = self.config.dst, self.predictor
         budget = tau = None
-        if dst.enabled:
+        if dst.enabled and self._nothing_to_trade(lengths):
+            # Static top-k already keeps every pair of every document: no raise adds attention,
+            # and at attention slack 0 no cut may lose any, so the plan is the static one.
+            budget = np.full((len(lengths), len(lengths[0]), self.stages), self.topk, dtype=np.int64)
+            fwd, bwd = stage_tables(pred, lengths, self.topk, self.stages)
+            step_ms = base_ms = simulate(fwd, bwd, schedule=self.schedule, vpp=self.vpp, group=self.group).step_ms
+        elif dst.enabled:
             weight = weight if dst.sensitivity != "off" else None
             if dst.stage_weight is not None:  # per op: the stage's weight (x the micro-batch's)
                 from sparsebalance.tuning.stage_sensitivity import op_weights
@@ -251,6 +257,21 @@ class Balancer:
                             step_ms=float(step_ms), baseline_step_ms=float(base_ms), plan_ms=ms,
                             model=(np.asarray(fwd) / corr[0], np.asarray(bwd) / corr[1]),
                             wait_ms=ms, tau=tau)
+
+    def _nothing_to_trade(self, lengths: Lengths) -> bool:
+        """Whether critical-path DST at attention slack 0 under top-k routing has nothing to
+        plan for this step: static top-k keeps every (query, key) pair of every document (each
+        is at most ``topk + 2`` blocks long), so its plan is the static one, made without the
+        planner (on a CPU whose cores the ranks use, the planner's thread would slow the step)."""
+        dst = self.config.dst
+        if dst.policy != "critical-path" or dst.attn_slack != 0 or self.taus is not None or self.topk is None:
+            return False
+        docs = [np.asarray(mb, dtype=np.int64).ravel() for r in lengths for mb in r]
+        if not docs or any(d.size == 0 for d in docs):
+            return False  # the planner names what is wrong with the step
+        flat = np.concatenate(docs)
+        B = self.config.attention.block_size
+        return bool(np.array_equal(kept_pairs(flat, self.topk, B), kept_pairs(flat, None, B)))
 
     def instance(self, lengths: Lengths, weight: Optional[np.ndarray] = None, densities: Optional[dict] = None):
         """The planning :class:`~sparsebalance.tuning.instance.Instance` of a step of document

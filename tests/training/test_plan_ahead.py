@@ -164,3 +164,30 @@ def test_the_budget_table_is_checked_once_where_it_is_planned():
         check_budget(np.ones((1, 2, 2)), lengths, 2)
     with pytest.raises(ValueError, match=">= 0"):
         check_budget(-np.ones((2, 2, 2)), lengths, 2)
+
+
+def test_a_step_static_top_k_keeps_whole_is_planned_static_without_the_planner(monkeypatch):
+    """Critical-path DST at slack 0: when static top-k already keeps every pair of every
+    document (each at most topk + 2 blocks), the plan is the static one and the policy is not
+    called; one longer document brings the planner back."""
+    from sparsebalance.balancer import stage_tables
+    from sparsebalance.pairs import kept_pairs
+    from sparsebalance.pipeline import simulate
+
+    b = Balancer(_config(), _predictor())
+    calls = []
+    policy = b._policy
+    b._policy = lambda inst, dst: calls.append(1) or policy(inst, dst)
+    short = [[[300, 64], [384], [100, 200, 50], [383]]]  # <= (4 + 2) x 64 tokens each
+    assert (kept_pairs([300, 64, 384, 100, 200, 50, 383], 4, 64)
+            == kept_pairs([300, 64, 384, 100, 200, 50, 383], None, 64)).all()
+    f = b.plan(short)
+    assert calls == [] and f.budget.shape == (1, 4, 2) and (f.budget == 4).all()
+    fwd, bwd = stage_tables(b.predictor, short, 4, 2)
+    assert np.array_equal(f.fwd_ms, fwd) and np.array_equal(f.bwd_ms, bwd)
+    assert f.step_ms == f.baseline_step_ms == simulate(fwd, bwd).step_ms
+    long_ = [[[300, 64], [900], [100, 200, 50], [383]]]  # 900 tokens: 15 blocks > 6
+    b.plan(long_)
+    assert calls == [1]
+    slack = Balancer(_config(attn_slack=0.1), _predictor())  # slack > 0 may cut dense documents
+    assert not slack._nothing_to_trade(short)
