@@ -99,12 +99,10 @@ def dataset_vocab(prefix: str) -> int:
 def _user_corpus(cfg: RealConfig, work: str):
     """The user's indexed dataset as it is: its document lengths (clipped to the context, as
     the packers cut them) are the length file of the profile, at scale 1."""
-    from megatron.training.indexed_io import open_dataset
+    from tools.dataset_lengths import dataset_lengths
 
     r = cfg.recipe
-    ds = open_dataset(cfg.data_path)
-    lengths = np.clip(np.array(ds.sequence_lengths, dtype=np.int64), 1, r.seq_length)
-    del ds
+    lengths = np.clip(np.asarray(dataset_lengths([cfg.data_path]), dtype=np.int64), 1, r.seq_length)
     text = json.dumps(lengths.tolist())
     # named by content: a cached profile is reused only for the same lengths
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
