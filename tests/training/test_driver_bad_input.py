@@ -142,7 +142,6 @@ PARSE_CASES = {
                                                         "the sparse attention kernels apply no dropout"),
     "ckpt format other than torch_dist or torch refused": (["--ckpt-format", "torch_dcp"], None,
                                                            "--ckpt-format torch_dcp"),
-    "rampup batch size refused": (["--rampup-batch-size", "16", "16", "1000"], None, "batch-size ramp-up"),
     "legacy models refused": (["--use-legacy-models"], None, "only megatron-core models"),
     "train iters and samples exclusive": (["--train-iters", "4", "--train-samples", "8"], None,
                                           "--train-iters or --train-samples, not both"),
@@ -228,7 +227,7 @@ def test_megatron_lm_flag_refused_in_one_line(name, corpus, capsys):
 NO_GBS = [a for i, a in enumerate(TINY) if "--global-batch-size" not in TINY[max(i - 1, 0):i + 1]]
 
 
-SCHEDULES = {"0:4 100M:8": "a global batch size that changes during the run is not supported",
+SCHEDULES = {"0:4 256:8": "a batch that changes during the run is not supported",  # 1 sample: iteration 2
              "1K:4": "the first entry must start at 0", "0:four": "'0:four' is not THRESHOLD:BATCH",
              "0-4": "'0-4' is not THRESHOLD:BATCH"}
 
