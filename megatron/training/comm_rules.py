@@ -10,6 +10,9 @@ no-ops (``compat_table.NOOP``: same results here, whatever they say).
   gradient is computed in each micro-batch's backward here instead of at the pipeline flush
   (the same sum). megatron-core's rules: a pipeline, gradient-accumulation fusion (not
   ``--no-gradient-accumulation-fusion``), a limit >= 0.
+* ``--tp-comm-overlap`` (accepted without effect, one warning line: Transformer Engine's
+  userbuffers are not set up here, the same results without the overlap): Megatron-LM's rule,
+  it needs ``--sequence-parallel`` (which TP = 1 turns off).
 * ``--num-distributed-optimizer-instances N``: the distributed optimizer shards its state over
   all DP x CP ranks (one instance), so gradients and updates are the same and each rank holds
   less optimizer state than with N instances (said in one warning line). Megatron-LM's rules:
@@ -50,6 +53,9 @@ def validate(args: argparse.Namespace, usage_error: Callable[[str], Exception]) 
     ``usage_error(one line)``."""
     _context_parallel(args, usage_error)
     _deferred_wgrad(args, usage_error)
+    if _given(args, "tp_comm_overlap") and not args.sequence_parallel:
+        raise usage_error("--tp-comm-overlap needs --sequence-parallel (with TP > 1): Megatron-LM overlaps TP "
+                          "communication with the GEMMs only under sequence parallelism")
     return _optimizer_instances(args, usage_error)
 
 

@@ -112,6 +112,13 @@ IGNORED = {
         "--disable-flight-recorder-dump-on-timeout --no-flight-recorder-dump-on-timeout "
         "--disable-flight-recorder-extra-dump-on-exec --no-flight-recorder-extra-dump-on-exec "
         "--disable-flight-recorder-include-only-active --no-flight-recorder-include-only-active",
+    "TP communication is not overlapped with the GEMMs here (Transformer Engine userbuffers are not set up): "
+    "the same results without the overlap's speed-up; --tp-comm-overlap needs --sequence-parallel, as in "
+    "Megatron-LM":
+        "--tp-comm-overlap --tp-comm-overlap-cfg --no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad "
+        "--no-tp-comm-bulk-dgrad --disable-tp-comm-bulk-dgrad --no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag "
+        "--no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs --tp-comm-overlap-rs-dgrad --no-tp-comm-split-ag "
+        "--disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs --use-nccl-ub",
     "deprecated in Megatron-LM main, which ignores it too: the global batch stays --global-batch-size (a "
     "batch that grows is --step-batch-size-schedule there)": "--rampup-batch-size",
     "not wired (--profile with --use-pytorch-profiler records a trace; memory snapshots, Chakra "
@@ -127,11 +134,6 @@ HARDWARE = {
                  "--reuse-grad-buf-for-mxfp8-param-ag --fp8-output-proj",
     "needs Transformer Engine with FP4 support on a Blackwell GPU":
         "--fp4-format --fp4-recipe --fp4-param-gather --fp4-quantizer-factory",
-    "needs Transformer Engine userbuffers on CUDA GPUs with TP > 1, not driven by this driver":
-        "--tp-comm-overlap --tp-comm-overlap-cfg --no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad "
-        "--no-tp-comm-bulk-dgrad --disable-tp-comm-bulk-dgrad --no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag "
-        "--no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs --tp-comm-overlap-rs-dgrad --no-tp-comm-split-ag "
-        "--disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs --use-nccl-ub",
     "needs CUDA graphs on a GPU, not driven by this driver":
         "--enable-cuda-graph --cuda-graph-warmup-steps --external-cuda-graph --cuda-graph-impl --cuda-graph-scope "
         "--cuda-graph-modules",

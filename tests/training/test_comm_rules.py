@@ -1,7 +1,7 @@
 """Megatron-LM flags accepted here as no-ops (the same results; megatron/training/comm_rules.py):
 their Megatron-LM rules refuse in one line what Megatron-LM refuses, and what it accepts
 parses here (parse only). Rules read from Megatron-LM main's ``validate_args``
-(hierarchical CP), megatron-core's ``ModelParallelConfig.__post_init__`` (embedding wgrad
+(hierarchical CP, TP communication overlap), megatron-core's ``ModelParallelConfig.__post_init__`` (embedding wgrad
 deferral), ``TransformerConfig`` (per-layer CP types) and ``parallel_state`` /
 ``DistributedDataParallel`` (partial distributed optimizer)."""
 
@@ -90,3 +90,19 @@ def test_distributed_optimizer_instances_accepted_with_one_warning():
 def test_distributed_optimizer_instances_refused(capsys, flags, world, says):
     line = refused(capsys, *flags, world_size=world)
     assert says in line, line
+
+
+TP2 = ["--tensor-model-parallel-size", "2"]
+
+
+def test_tp_comm_overlap_accepted_without_effect_with_sequence_parallelism():
+    args = resolve(*TP2, "--sequence-parallel", "--tp-comm-overlap", world_size=2)
+    lines = [w for w in args.compat_warnings if "--tp-comm-overlap" in w]
+    assert len(lines) == 1 and "accepted without effect" in lines[0] and "userbuffers are not set up" in lines[0]
+
+
+@pytest.mark.parametrize("flags", [[*TP2, "--tp-comm-overlap"], ["--sequence-parallel", "--tp-comm-overlap"]])
+def test_tp_comm_overlap_needs_sequence_parallelism(capsys, flags):
+    # TP = 1 turns --sequence-parallel off first, as in Megatron-LM
+    line = refused(capsys, *flags, world_size=2)
+    assert "--tp-comm-overlap needs --sequence-parallel" in line, line
