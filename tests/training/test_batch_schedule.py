@@ -74,7 +74,8 @@ def test_accepted_schedules_train_upstreams_batches(schedule, seq, iters):
 def test_a_run_reaching_the_next_threshold_is_refused_where_upstream_changes_the_batch(capsys, schedule, seq, iters):
     want = upstream_batches(schedule, seq, train_iters=iters)
     change = next(i for i, b in enumerate(want) if b != want[0]) + 1
-    line = refused(capsys, "--step-batch-size-schedule", schedule, "--seq-length", str(seq), "--train-iters", str(iters))
+    line = refused(capsys, "--step-batch-size-schedule", schedule, "--seq-length", str(seq),
+                   "--train-iters", str(iters))
     assert f"would change from {want[0]} to {want[change - 1]} at iteration {change} " in line, line
     assert "a batch that changes during the run is not supported" in line
 

@@ -66,7 +66,8 @@ def test_embedding_wgrad_deferral_accepted_with_a_pipeline():
     (["--defer-embedding-wgrad-compute"], "needs --pipeline-model-parallel-size > 1"),
     ([*PP2, "--defer-embedding-wgrad-compute", "--no-gradient-accumulation-fusion"],
      "defers the weight gradient only with gradient-accumulation fusion"),
-    ([*PP2, "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "-1"], "--wgrad-deferral-limit -1 must be >= 0"),
+    ([*PP2, "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "-1"],
+     "--wgrad-deferral-limit -1 must be >= 0"),
 ])
 def test_embedding_wgrad_deferral_refused(capsys, flags, says):
     line = refused(capsys, *flags, world_size=2)
