@@ -34,12 +34,17 @@ NOT_TRAINING = ("--prompts", "--temperature", "--incoming-requests-per-sec", "--
 
 
 def config_flags(model_args: dict) -> list:
-    """``[(flag, values)]`` of a config's ``MODEL_ARGS`` (``true``: a switch; ``false``: absent)."""
+    """``[(flag, values)]`` of a config's ``MODEL_ARGS`` (``true``: a switch; ``false``: absent;
+    a value in square brackets loses them, as Megatron-LM's launcher ``_run_training.sh`` strips
+    them: ``"[2 2]"`` is the two values 2 2)."""
     out = []
     for key, value in model_args.items():
         if not str(key).startswith("--") or value is False or value == "false":
             continue
-        out.append((str(key), [] if value is True or value is None or value == "true" else str(value).split()))
+        text = str(value).strip()
+        if re.fullmatch(r"\[[^\]]+\]", text):
+            text = text[1:-1]
+        out.append((str(key), [] if value is True or value is None or value == "true" else text.split()))
     return out
 
 

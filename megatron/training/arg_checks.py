@@ -100,6 +100,9 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if value > 1:  # torch's Dropout takes [0, 1]
             raise UsageError(f"{flag} {value:g}: a dropout probability is at most 1")
+    if args.ckpt_format == "fsdp_dtensor":
+        raise UsageError("--ckpt-format fsdp_dtensor: Megatron FSDP's checkpoint format; FSDP is not supported "
+                         "(use --use-distributed-optimizer, with torch_dist checkpoints)")
     if args.ckpt_format not in ("torch_dist", "torch"):
         raise UsageError(f"--ckpt-format {args.ckpt_format}: this driver writes torch_dist checkpoints "
                          "(Megatron-LM's default) and reads those and legacy --ckpt-format torch ones")
@@ -163,33 +166,72 @@ def validate_tokenizer(args: argparse.Namespace) -> None:
 _SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
 
 
+def _schedule_number(word: str) -> Optional[int]:
+    """Megatron-LM's number in a schedule entry: an optional K/M/B/T suffix, ``int(float(x) * unit)``
+    (None: not a number)."""
+    word = word.strip().upper()
+    unit = word[-1:] if word[-1:] in "KMBT" and word[-1:] else ""
+    try:
+        return int(float(word[:len(word) - len(unit)]) * _SUFFIX[unit])
+    except ValueError:
+        return None
+
+
 def validate_batch_schedule(args: argparse.Namespace) -> None:
-    """Megatron-LM's ``--step-batch-size-schedule "THRESHOLD:BS ..."``: a constant schedule
-    (one entry from 0) is ``--global-batch-size BS``; one that changes the batch is refused.
-    ``--no-pad-vocab-size`` is resolved here too (it sets the padding multiple to 1)."""
+    """Megatron-LM's ``--step-batch-size-schedule "THRESHOLD:BS ..."`` (megatron-core's
+    ``StepBatchsizeNumMicroBatchesCalculator``): entries split at spaces or commas, sorted by
+    threshold; thresholds are tokens (``pretrain_gpt.py`` always has a ``--seq-length``), turned
+    into samples by ``// --seq-length``; the first must be 0, the rest strictly increasing, every
+    batch positive. Each iteration trains the batch of the last entry whose threshold the samples
+    consumed before it reach. Sets ``args.batch_schedule`` (``[(samples, batch)]``) and
+    ``args.global_batch_size`` to the first entry's batch; :func:`check_batch_schedule_run`
+    refuses a run that would reach a later entry. ``--no-pad-vocab-size`` is resolved here too
+    (it sets the padding multiple to 1)."""
     if not args.pad_vocab_size:
         args.make_vocab_size_divisible_by = 1
+    args.batch_schedule = None
     text = args.step_batch_size_schedule
     if text is None:
         return
     if args.global_batch_size is not None:
         raise UsageError("give --step-batch-size-schedule or --global-batch-size, not both (as in Megatron-LM)")
     entries = []
-    for word in text.split():
+    for word in text.replace(",", " ").split():
         at, colon, size = word.partition(":")
-        unit = at[-1:].upper() if at[-1:].isalpha() else ""
-        try:
-            entries.append((float(at[:len(at) - len(unit)]) * _SUFFIX[unit], int(size)))
-        except (KeyError, ValueError):
-            colon = ""
-        if not colon or entries[-1][1] <= 0:
+        at, size = _schedule_number(at), _schedule_number(size)
+        if not colon or at is None or size is None:
             raise UsageError(f"--step-batch-size-schedule: {word!r} is not THRESHOLD:BATCH (e.g. 0:256 or 250B:512)")
+        entries.append((at // args.seq_length, size))
+    entries.sort(key=lambda e: e[0])
     if not entries or entries[0][0] != 0:
-        raise UsageError(f"--step-batch-size-schedule {text!r}: the first entry must start at 0")
-    if len({bs for _, bs in entries}) > 1:
-        raise UsageError(f"--step-batch-size-schedule {text!r}: a global batch size that changes during the run "
-                         "is not supported; give one size (0:N or --global-batch-size N)")
+        raise UsageError(f"--step-batch-size-schedule {text!r}: the first entry must start at 0 (thresholds are "
+                         f"tokens; below one --seq-length {args.seq_length} they are 0 samples)")
+    for (before, _), (after, _) in zip(entries, entries[1:]):
+        if after <= before:
+            raise UsageError(f"--step-batch-size-schedule {text!r}: thresholds must be strictly increasing "
+                             f"({before} then {after} samples of --seq-length {args.seq_length})")
+    bad = [bs for _, bs in entries if bs <= 0]
+    if bad:
+        raise UsageError(f"--step-batch-size-schedule {text!r}: batch size {bad[0]} is not positive")
+    args.batch_schedule = entries
     args.global_batch_size = entries[0][1]
+
+
+def check_batch_schedule_run(args: argparse.Namespace) -> None:
+    """After ``args.train_iters`` is resolved: the run of ``--step-batch-size-schedule`` trains
+    the first entry's batch B at every iteration when the samples consumed before its last
+    iteration, (train_iters - 1) x B, stay below the next threshold; otherwise the batch would
+    change during the run, which this driver does not do (one line naming where)."""
+    schedule = getattr(args, "batch_schedule", None)
+    if not schedule or len(schedule) == 1:
+        return
+    first, (threshold, size) = schedule[0][1], schedule[1]
+    if (args.train_iters - 1) * first >= threshold:
+        at = -(-threshold // first) + 1  # the first iteration whose consumed samples reach it
+        raise UsageError(f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: the global batch would "
+                         f"change from {first} to {size} at iteration {at} ({threshold} samples consumed) of the "
+                         f"run's {args.train_iters}; a batch that changes during the run is not supported here "
+                         "(train to that iteration, or give one size)")
 
 
 def validate_balance(args: argparse.Namespace) -> None:
@@ -348,7 +390,7 @@ def stage_weight(args: argparse.Namespace):
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1  # set by validate() first
     stages = args.pipeline_model_parallel_size * vpp
     try:
-        layers = stage_layers(args) if vpp == 1 else [args.num_layers // stages] * stages
+        layers = chunk_layers(args)
         return tuple(float(x) for x in read_stage_profile(path).weights(stages, args.num_layers, layers))
     except ValueError as e:
         raise UsageError(f"--sb-stage-sensitivity {e}") from None
@@ -363,6 +405,18 @@ def stage_layers(args: argparse.Namespace) -> list:
     if not pipeline_layout.given(args):
         return [args.num_layers // pp] * pp
     return pipeline_layout.stage_layers(args)
+
+
+def chunk_layers(args: argparse.Namespace) -> list:
+    """Transformer layers of each model chunk, virtual stage ``c * PP + r`` (PP entries without
+    the interleaved schedule; :func:`megatron.training.pipeline_layout.chunk_layers`)."""
+    from megatron.training import pipeline_layout
+
+    if not pipeline_layout.given(args):
+        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        stages = args.pipeline_model_parallel_size * vpp
+        return [args.num_layers // stages] * stages
+    return pipeline_layout.chunk_layers(args)
 
 
 def validate_pipeline_layout(args: argparse.Namespace) -> None:
@@ -400,10 +454,10 @@ def validate_recompute(args: argparse.Namespace) -> None:
         return
     if method is None:
         raise UsageError("--recompute-granularity full needs --recompute-method uniform or block")
-    # megatron-core applies the method to each model chunk's layers (one chunk per virtual stage)
-    vpp = args.virtual_pipeline_model_parallel_size or 1
-    # uneven stages; a layout's stage may hold no layer (nothing to recompute there)
-    chunks = sorted({layers // vpp for layers in stage_layers(args)} - {0})
+    # megatron-core applies the method to each model chunk's layers (one chunk per virtual stage);
+    # uneven stages; a layout's stage or a counted embedding / loss chunk may hold no layer
+    # (nothing to recompute there)
+    chunks = sorted(set(chunk_layers(args)) - {0})
     chunk = chunks[0]
     if n is None:
         raise UsageError(f"--recompute-granularity full needs --recompute-num-layers (1 .. {chunk}, "

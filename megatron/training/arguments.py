@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
-from megatron.training import arg_checks, yarn
+from megatron.training import arg_checks, comm_rules, pipeline_layout, yarn
 from megatron.training.arg_checks import UsageError, has_cuda
 from sparsebalance.batching.strategies import STRATEGIES
 from sparsebalance.tuning.policies import DST_POLICIES as DST_POLICY_REGISTRY
@@ -370,9 +370,9 @@ def _batching_flags(p: argparse.ArgumentParser) -> None:
                    help="packed sequences per micro-batch (THD packing requires 1)")
     g.add_argument("--global-batch-size", type=pos(int), default=None,
                    help="micro-batches x DP per step (default: micro-batch size x DP)")
-    g.add_argument("--step-batch-size-schedule", default=None, metavar="'0:N'",
-                   help="Megatron-LM's batch-size schedule; only a constant one ('0:N' = --global-batch-size "
-                        "N) is accepted")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="'0:N T:M ...'",
+                   help="Megatron-LM's batch-size schedule (thresholds in tokens, K/M/B/T suffixes): the run "
+                        "trains its first batch; refused where the run would reach the next threshold")
     g.add_argument("--sb-batching", choices=BATCHING, default=None,
                    help="packing strategy (sparsebalance.batching): megatron = whole documents in "
                         "order; sab = sparsity-aware (needs a predictor). Default: megatron, or sab "
@@ -748,6 +748,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     if pp > args.num_layers:
         raise UsageError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {args.num_layers}")
     arg_checks.validate_pipeline_layout(args)
+    # Megatron-LM's split counts the embedding / loss as layers with these flags (validate_args)
+    units = pipeline_layout.split_units(args)
     vstages = args.num_virtual_stages_per_pipeline_rank
     if vstages is not None:
         if pp < 2:
@@ -755,19 +757,19 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         if args.num_layers_per_virtual_pipeline_stage is not None:
             raise UsageError("give --num-layers-per-virtual-pipeline-stage or "
                              "--num-virtual-stages-per-pipeline-rank, not both")
-        if (args.num_layers // pp) % vstages:
-            raise UsageError(f"layers per stage ({args.num_layers // pp}) not divisible by "
+        if (units // pp) % vstages:
+            raise UsageError(f"layers per stage ({units // pp}) not divisible by "
                              f"--num-virtual-stages-per-pipeline-rank {vstages}")
-        args.num_layers_per_virtual_pipeline_stage = args.num_layers // pp // vstages
     vpl = args.num_layers_per_virtual_pipeline_stage
-    args.virtual_pipeline_model_parallel_size = None
     if vpl is not None:
         if pp < 2:
             raise UsageError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
-        if (args.num_layers // pp) % vpl:
-            raise UsageError(f"layers per stage ({args.num_layers // pp}) not divisible by "
+        if (units // pp) % vpl:
+            raise UsageError(f"layers per stage ({units // pp}) not divisible by "
                              f"--num-layers-per-virtual-pipeline-stage {vpl}")
-        args.virtual_pipeline_model_parallel_size = args.num_layers // pp // vpl
+    args.virtual_pipeline_model_parallel_size = pipeline_layout.virtual_stages(args)
+    if args.virtual_pipeline_model_parallel_size is not None:
+        args.num_layers_per_virtual_pipeline_stage = units // pp // args.virtual_pipeline_model_parallel_size
         if cp > 1:
             # That schedule needs padded micro-batches of --seq-length (see data.py); the
             # CP split pads documents itself, so the two paddings would have to agree.
@@ -784,7 +786,9 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
                          f"micro-batch size x DP = {args.micro_batch_size} x {dp}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     if args.eval_global_batch_size is None:
-        args.eval_global_batch_size = args.global_batch_size
+        # Megatron-LM's default is its args.global_batch_size, which under a batch schedule it
+        # sets to micro-batch size x DP (the flag cannot be given with one)
+        args.eval_global_batch_size = args.micro_batch_size * dp if args.batch_schedule else args.global_batch_size
     if args.eval_global_batch_size % (args.micro_batch_size * dp):  # Megatron-LM asserts the same
         raise UsageError(f"--eval-global-batch-size {args.eval_global_batch_size} is not divisible by "
                          f"micro-batch size x DP = {args.micro_batch_size} x {dp}")
@@ -827,6 +831,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     from megatron.training.lr_schedule import validate_schedule
 
     validate_schedule(args, UsageError)
+    arg_checks.check_batch_schedule_run(args)
     bad = [n for n in args.sb_dense_layers if n > args.num_layers]
     if bad:
         raise UsageError(f"--sb-dense-layers {bad[0]} is beyond --num-layers {args.num_layers}")
@@ -837,6 +842,7 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     arg_checks.validate_recompute(args)
     arg_checks.validate_loss_chunks(args)
     arg_checks.validate_distributed_optimizer(args)
+    args.compat_warnings += comm_rules.validate(args, UsageError)
     from megatron.training.data_sources import resolve_data
 
     resolve_data(args, UsageError)

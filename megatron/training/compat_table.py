@@ -59,7 +59,13 @@ NOOP = {
         "--ckpt-fully-parallel-save-process-group --ckpt-pg-tensors-cache-create --ckpt-pg-tensors-cache-path "
         "--ckpt-drop-redundant-extra-state --disable-ckpt-load-validate-sharding-integrity "
         "--no-ckpt-load-validate-sharding-integrity",
-    "context parallelism always all-gathers keys/values (same results as p2p/a2a)": "--cp-comm-type",
+    "context parallelism always all-gathers keys/values (same results as p2p, a2a and hierarchical a2a+p2p; "
+    "Megatron-LM's rules for them are checked)": "--cp-comm-type --hierarchical-context-parallel-sizes",
+    "the output layer's weight gradient is computed in each micro-batch's backward, not deferred to the "
+    "pipeline flush (the same sum; megatron-core's rules for the flags are checked)":
+        "--defer-embedding-wgrad-compute --wgrad-deferral-limit",
+    "the distributed optimizer shards its state over all data-parallel ranks here, one instance (the same "
+    "gradients and updates, less state per rank; a warning line says so)": "--num-distributed-optimizer-instances",
     "the tokenizers package runs no remote code and loads the fast tokenizer":
         "--trust-remote-code --tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens --legacy-tokenizer",
     "text is tokenized by tools/preprocess_data.py before training; a run reads only the vocabulary size":
@@ -106,6 +112,15 @@ IGNORED = {
         "--disable-flight-recorder-dump-on-timeout --no-flight-recorder-dump-on-timeout "
         "--disable-flight-recorder-extra-dump-on-exec --no-flight-recorder-extra-dump-on-exec "
         "--disable-flight-recorder-include-only-active --no-flight-recorder-include-only-active",
+    "TP communication is not overlapped with the GEMMs here (Transformer Engine userbuffers are not set up): "
+    "the same results without the overlap's speed-up; --tp-comm-overlap needs --sequence-parallel, as in "
+    "Megatron-LM":
+        "--tp-comm-overlap --tp-comm-overlap-cfg --no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad "
+        "--no-tp-comm-bulk-dgrad --disable-tp-comm-bulk-dgrad --no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag "
+        "--no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs --tp-comm-overlap-rs-dgrad --no-tp-comm-split-ag "
+        "--disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs --use-nccl-ub",
+    "deprecated in Megatron-LM main, which ignores it too: the global batch stays --global-batch-size (a "
+    "batch that grows is --step-batch-size-schedule there)": "--rampup-batch-size",
     "not wired (--profile with --use-pytorch-profiler records a trace; memory snapshots, Chakra "
     "traces and NVTX ranges are not produced)":
         "--record-memory-history --memory-snapshot-path --pytorch-profiler-collect-chakra --nvtx-ranges",
@@ -119,11 +134,6 @@ HARDWARE = {
                  "--reuse-grad-buf-for-mxfp8-param-ag --fp8-output-proj",
     "needs Transformer Engine with FP4 support on a Blackwell GPU":
         "--fp4-format --fp4-recipe --fp4-param-gather --fp4-quantizer-factory",
-    "needs Transformer Engine userbuffers on CUDA GPUs with TP > 1, not driven by this driver":
-        "--tp-comm-overlap --tp-comm-overlap-cfg --no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad "
-        "--no-tp-comm-bulk-dgrad --disable-tp-comm-bulk-dgrad --no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag "
-        "--no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs --tp-comm-overlap-rs-dgrad --no-tp-comm-split-ag "
-        "--disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs --use-nccl-ub",
     "needs CUDA graphs on a GPU, not driven by this driver":
         "--enable-cuda-graph --cuda-graph-warmup-steps --external-cuda-graph --cuda-graph-impl --cuda-graph-scope "
         "--cuda-graph-modules",
@@ -163,7 +173,7 @@ REFUSED = {
         "--head-lr-mult --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype "
         "--main-params-dtype --use-precision-aware-optimizer --grad-reduce-in-bf16 --no-weight-decay-cond-type "
         "--ddp-reduce-scatter-with-fp32-accumulation "
-        "--ddp-param-name-patterns-for-fp32-local-accumulation --num-distributed-optimizer-instances "
+        "--ddp-param-name-patterns-for-fp32-local-accumulation "
         "--optimizer-cuda-graph "
         "--load-main-params-from-ckpt --freeze-all-layers --qk-clip --qk-clip-alpha --qk-clip-threshold "
         "--disable-bf16-reduced-precision-matmul --fp16-lm-cross-entropy --output-logit-dtype",
@@ -172,10 +182,10 @@ REFUSED = {
                                               "--disable-param-buffers-cpu-backup",
     "pipeline / context-parallel communication options not implemented (p2p and all-gathers over the "
     "default backend)": "--pipeline-model-parallel-comm-backend --use-ring-exchange-p2p "
-                        "--hierarchical-context-parallel-sizes --symmetric-ar-type --disable-symmetric-registration "
+                        "--symmetric-ar-type --disable-symmetric-registration "
                         "--suggested-communication-unit-size",
-    "weight-gradient deferral is not supported": "--defer-embedding-wgrad-compute --delay-wgrad-compute "
-                                                 "--wgrad-deferral-limit",
+    "weight-gradient deferral of the layers (megatron-core's --delay-wgrad-compute, for overlapping MoE "
+    "communication) is not supported": "--delay-wgrad-compute",
     "activation memory options not implemented: use --recompute-granularity (full or selective)":
         "--distribute-saved-activations --recompute-modules --offload-modules --min-offloaded-tensor-size",
     "data given by config files is not supported: give --data-path (a prefix or a blend) and --split":
@@ -321,7 +331,6 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--eval-micro-batch-size", "evaluation packs its micro-batches as training does (--micro-batch-size x "
                                 "--seq-length tokens): only 1 is accepted"),
     ("--non-persistent-", "non-persistent (local) checkpoints are not supported"),
-    ("--rampup-batch-size", "batch-size ramp-up is not supported"),
     ("--decrease-batch-size-if-needed", "the global batch size is never changed here"),
     ("--logits-", "logit distillation is not supported"),
     ("--heterogeneous-", "heterogeneous layer configurations are not supported"),

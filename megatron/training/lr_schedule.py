@@ -52,7 +52,13 @@ def validate_schedule(args: argparse.Namespace, usage_error: Callable[[str], Exc
             flag = "--" + name.replace("_", "-")
             raise usage_error(f"{flag}-{other} goes with --train-{other}; with --train-{unit} use "
                               f"{flag}-{unit}")
-    if by_samples:
+    schedule = getattr(args, "batch_schedule", None)
+    if by_samples and schedule:
+        # Megatron-LM's update_train_iters under --step-batch-size-schedule: iterations until the
+        # consumed samples reach --train-samples (the last one may pass it); the batch is the
+        # first entry's while the run stays below the next threshold (checked after this)
+        args.train_iters = -(-args.train_samples // gbs)
+    elif by_samples:
         if args.train_samples < gbs:
             raise usage_error(f"--train-samples {args.train_samples} is less than one global batch "
                               f"({gbs} samples)")
@@ -79,6 +85,14 @@ def validate_schedule(args: argparse.Namespace, usage_error: Callable[[str], Exc
     if end < start:
         raise usage_error(f"--end-weight-decay {end} is smaller than --start-weight-decay {start}")
     steps = schedule_steps(args)
+    unit = _iteration_samples(args)
+    if unit != gbs:
+        args.compat_warnings = [*getattr(args, "compat_warnings", []),
+                                f"--step-batch-size-schedule with --train-iters: Megatron-LM counts the --lr-*-iters "
+                                f"lengths and the weight-decay length in batches of micro-batch size x DP = {unit} "
+                                f"samples while each iteration trains {gbs}: the LR decays over "
+                                f"{steps['lr_decay_steps']:g} iterations (as in Megatron-LM; --train-samples with "
+                                f"--lr-*-samples counts in the schedule's batches)"]
     if steps["lr_warmup_steps"] > args.train_iters:  # Megatron-LM runs it: the run ends in warmup
         args.compat_warnings = [*getattr(args, "compat_warnings", []),
                                 f"the LR warmup ({steps['lr_warmup_steps']:g} iterations) is longer than the "
@@ -94,16 +108,30 @@ def schedule_steps(args: argparse.Namespace) -> Dict[str, Optional[float]]:
         decay = (args.lr_decay_samples or args.train_samples) / gbs
         warmup = args.lr_warmup_samples / gbs
         wsd = args.lr_wsd_decay_samples / gbs if args.lr_wsd_decay_samples else None
+        wd = args.train_samples / gbs  # Megatron-LM: over --train-samples
     else:
-        decay = float(args.lr_decay_iters or args.train_iters)
-        warmup = float(args.lr_warmup_iters)
-        wsd = float(args.lr_wsd_decay_iters) if args.lr_wsd_decay_iters else None
+        # Megatron-LM multiplies the --lr-*-iters lengths by its args.global_batch_size and steps
+        # its scheduler by the samples of each iteration: in iterations here, x unit / gbs (1
+        # unless a batch schedule makes its args.global_batch_size micro-batch size x DP)
+        scale = _iteration_samples(args) / gbs
+        decay = float(args.lr_decay_iters or args.train_iters) * scale
+        warmup = float(args.lr_warmup_iters) * scale
+        wsd = float(args.lr_wsd_decay_iters) * scale if args.lr_wsd_decay_iters else None
+        wd = float(args.train_iters) * scale
     if args.lr_warmup_fraction is not None:
         warmup = args.lr_warmup_fraction * decay
     # megatron-core needs decay > warmup; a run that is all warmup decays over one more step
     decay = max(decay, warmup + 1)
-    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wsd_decay_steps": wsd,
-            "wd_incr_steps": float(args.train_iters)}
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wsd_decay_steps": wsd, "wd_incr_steps": wd}
+
+
+def _iteration_samples(args: argparse.Namespace) -> int:
+    """Samples Megatron-LM's scheduler counts per ``--lr-*-iters`` iteration: its
+    ``args.global_batch_size``, which is micro-batch size x DP under ``--step-batch-size-schedule``
+    (validate_args' default; the schedule excludes the flag) and the global batch otherwise."""
+    if getattr(args, "batch_schedule", None) and getattr(args, "train_samples", None) is None:
+        return args.micro_batch_size * args.data_parallel_size
+    return args.global_batch_size
 
 
 def scheduler_kwargs(args: argparse.Namespace) -> dict:

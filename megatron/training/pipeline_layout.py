@@ -10,9 +10,11 @@ Megatron-LM's rules are ``validate_args`` (which flags go together, divisibility
 megatron-core's ``TransformerConfig`` (the rest); megatron-core places the layers
 (``get_num_layers_to_build``, ``PipelineParallelLayerLayout``). This module asks megatron-core
 for the counts, so the cost model and the model builder cannot disagree, and refuses in one
-line what this driver does not build: these flags with the interleaved schedule (its chunks
-are kept equal here), a layout whose embedding is not on the first stage or whose loss is
-not on the last one, and multi-token prediction (``m``).
+line what this driver does not build: the uneven first / last stage and a layout with the
+interleaved schedule, a layout whose embedding is not on the first stage or whose loss is
+not on the last one, and multi-token prediction (``m``). The counted embedding / loss do
+go with the interleaved schedule, as in Megatron-LM: they are a layer of the first / last
+model chunk's share, so those chunks build one layer fewer (:func:`chunk_layers`).
 """
 
 from __future__ import annotations
@@ -42,25 +44,69 @@ def config_fields(args: argparse.Namespace) -> Dict[str, object]:
             "pipeline_model_parallel_layout": args.pipeline_model_parallel_layout}
 
 
-def stage_layers(args: argparse.Namespace) -> List[int]:
-    """Transformer layers of each pipeline stage, as megatron-core places them for these
-    flags; ValueError (one line, megatron-core's reason) for a split it rejects."""
+def split_units(args: argparse.Namespace) -> int:
+    """``--num-layers`` plus the embedding / loss where the split counts them (Megatron-LM's
+    ``validate_args``: the units spread over the pipeline and its virtual stages)."""
+    return args.num_layers + int(bool(args.account_for_embedding_in_pipeline_split)) \
+        + int(bool(args.account_for_loss_in_pipeline_split))
+
+
+def virtual_stages(args: argparse.Namespace) -> Optional[int]:
+    """Model chunks per pipeline rank as Megatron-LM's ``validate_args`` sets
+    ``virtual_pipeline_model_parallel_size``: ``--num-virtual-stages-per-pipeline-rank``, or a
+    stage's units (:func:`split_units` / PP) over ``--num-layers-per-virtual-pipeline-stage``;
+    None for one chunk per rank (a result of 1 included: plain 1F1B there)."""
+    vstages, vpl = args.num_virtual_stages_per_pipeline_rank, args.num_layers_per_virtual_pipeline_stage
+    if args.pipeline_model_parallel_size < 2:  # refused with either flag (arguments.validate)
+        return None
+    if vstages is not None:
+        vpp = vstages
+    elif vpl is not None:
+        vpp = split_units(args) // args.pipeline_model_parallel_size // vpl
+    else:
+        return None
+    return vpp if vpp > 1 else None
+
+
+def _config(args: argparse.Namespace):
+    """A ``TransformerConfig`` holding only the split (a one-head width keeps megatron-core's
+    other checks quiet); ValueError (one line, megatron-core's reason) for a split it rejects."""
     import torch
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    pp = args.pipeline_model_parallel_size
     try:
-        # Only the split matters here: a one-head width keeps megatron-core's other checks quiet.
-        config = TransformerConfig(num_layers=args.num_layers, hidden_size=8, num_attention_heads=1,
-                                   pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-                                   **config_fields(args))
+        return TransformerConfig(num_layers=args.num_layers, hidden_size=8, num_attention_heads=1,
+                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                 virtual_pipeline_model_parallel_size=virtual_stages(args),
+                                 pipeline_dtype=torch.float32, **config_fields(args))
+    except (AssertionError, ValueError) as e:
+        raise ValueError(" ".join(str(e).split())) from None
+
+
+def chunk_layers(args: argparse.Namespace) -> List[int]:
+    """Transformer layers of each model chunk in model order (virtual stage ``c * PP + r`` is
+    chunk ``c`` of pipeline rank ``r``; PP entries without the interleaved schedule), as
+    megatron-core builds them for these flags; ValueError (one line) for a split it rejects."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    pp, vpp = args.pipeline_model_parallel_size, virtual_stages(args)
+    config = _config(args)
+    try:
         layout = config.pipeline_model_parallel_layout
         if layout is not None:  # its counts need no process group when the rank is given
             return [layout.get_num_layers_to_build(pp_rank=r, vp_stage=0) for r in range(pp)]
-        return [get_num_layers_to_build(config, vp_stage=None, pp_rank=r) for r in range(pp)]
+        return [get_num_layers_to_build(config, vp_stage=c if vpp else None, pp_rank=r)
+                for c in range(vpp or 1) for r in range(pp)]
     except (AssertionError, ValueError) as e:
         raise ValueError(" ".join(str(e).split())) from None
+
+
+def stage_layers(args: argparse.Namespace) -> List[int]:
+    """Transformer layers of each pipeline stage (all its model chunks), as megatron-core
+    places them for these flags; ValueError (one line, megatron-core's reason) for a split it
+    rejects."""
+    chunks, pp = chunk_layers(args), args.pipeline_model_parallel_size
+    return [sum(chunks[r::pp]) for r in range(pp)]
 
 
 def _check_layout_string(text: str, pp: int, num_layers: int) -> None:
@@ -104,6 +150,18 @@ def _check_counts(args: argparse.Namespace, uneven: List[str], counted: List[str
                          f"other {stages} stage(s)")
 
 
+def _check_virtual(args: argparse.Namespace, counted: List[str]) -> None:
+    """Megatron-LM's rule for the counted split with the interleaved schedule: a stage's units
+    (layers plus the counted ones) divide into its model chunks (ValueError)."""
+    per_stage = split_units(args) // args.pipeline_model_parallel_size
+    vstages, vpl = args.num_virtual_stages_per_pipeline_rank, args.num_layers_per_virtual_pipeline_stage
+    by, flag = (vstages, "--num-virtual-stages-per-pipeline-rank") if vstages is not None else \
+        (vpl, "--num-layers-per-virtual-pipeline-stage")
+    if per_stage % by:
+        raise ValueError(f"the {per_stage} layers per stage ({len(counted)} of them counted) are not divisible "
+                         f"by {flag} {by}")
+
+
 def validate(args: argparse.Namespace) -> Optional[str]:
     """Megatron-LM's rules for the pipeline-split flags and this driver's refusals; returns
     None, or the one-line reason the command line is refused."""
@@ -123,13 +181,16 @@ def validate(args: argparse.Namespace) -> Optional[str]:
         return None
     if pp < 2 and uneven:  # counted layers and a one-stage layout are no-ops at PP=1 upstream too
         return f"{uneven[0]} needs --pipeline-model-parallel-size >= 2"
-    if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank:
+    interleaved = args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank
+    if interleaved and not counted:
         return f"{flags[0]} with the interleaved schedule is not supported here (uneven virtual stages)"
     try:
         if layout is not None:
             _check_layout_string(layout, pp, args.num_layers)
         else:
             _check_counts(args, uneven, counted)
+        if interleaved and pp > 1:
+            _check_virtual(args, counted)
         stage_layers(args)
     except ValueError as e:
         return f"{flags[0]}: {e}"

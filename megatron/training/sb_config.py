@@ -57,12 +57,13 @@ def model_config(args, vocab_size: int) -> ModelShape:
 
 
 def _stage_layers(args) -> Optional[tuple]:
-    """Each pipeline stage's layers where a pipeline-split flag moves them (megatron-core's
-    placement, so the cost model prices the stages the model builds); None: the even split."""
+    """Each (virtual) pipeline stage's layers where a pipeline-split flag moves them
+    (megatron-core's placement, so the cost model prices the stages the model builds: PP x VPP
+    entries, virtual stage ``c * PP + r``, with the interleaved schedule); None: the even split."""
     from megatron.training import pipeline_layout
-    from megatron.training.arg_checks import stage_layers
+    from megatron.training.arg_checks import chunk_layers
 
-    return tuple(stage_layers(args)) if pipeline_layout.given(args) else None
+    return tuple(chunk_layers(args)) if pipeline_layout.given(args) else None
 
 
 def predictor_config(args) -> PredictorConfig:

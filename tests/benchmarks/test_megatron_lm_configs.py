@@ -127,3 +127,14 @@ def test_tokenizer_files_under_the_data_dir_get_stand_ins(tmp_path):
 
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     assert tok.vocab_size == len(table)
+
+
+def test_square_brackets_are_stripped_as_megatron_lms_launcher_does():
+    """_run_training.sh strips a value's [ ]: ``"[2 2]"`` is the two values 2 2 (Megatron-LM's
+    resume_torch_dist_cp4_a2a_p2p config spells --hierarchical-context-parallel-sizes so)."""
+    from benchmarks.harness.megatron_lm_configs import config_flags
+
+    flags = config_flags({"--hierarchical-context-parallel-sizes": "[2 2]", "--cp-comm-type": "a2a+p2p",
+                          "--step-batch-size-schedule": "0:384 200B:768", "--bf16": True})
+    assert flags == [("--hierarchical-context-parallel-sizes", ["2", "2"]), ("--cp-comm-type", ["a2a+p2p"]),
+                     ("--step-batch-size-schedule", ["0:384", "200B:768"]), ("--bf16", [])]

@@ -132,7 +132,8 @@ PARSE_CASES = {
     "mla family refused with the reason": (["--multi-latent-attention"], None, "multi-latent attention"),
     "fp8 needs transformer engine on a gpu": (["--fp8-format", "hybrid"], None,
                                               "--fp8-format: needs Transformer Engine"),
-    "tp comm overlap needs userbuffers": (["--tp-comm-overlap"], None, "--tp-comm-overlap: needs Transformer Engine"),
+    "tp comm overlap needs sequence parallelism": (["--tp-comm-overlap"], None,
+                                                   "--tp-comm-overlap needs --sequence-parallel"),
     "bf16 on cpu names cuda": (["--bf16", "--cpu"], None, "--bf16 needs CUDA"),
     "fp16 on cpu names cuda": (["--fp16", "--cpu"], None, "--fp16 needs CUDA"),
     "nccl on cpu names cuda": (["--distributed-backend", "nccl", "--cpu"], None, "nccl needs CUDA"),
@@ -142,7 +143,9 @@ PARSE_CASES = {
                                                         "the sparse attention kernels apply no dropout"),
     "ckpt format other than torch_dist or torch refused": (["--ckpt-format", "torch_dcp"], None,
                                                            "--ckpt-format torch_dcp"),
-    "rampup batch size refused": (["--rampup-batch-size", "16", "16", "1000"], None, "batch-size ramp-up"),
+    "fsdp checkpoint format names fsdp": (["--ckpt-format", "fsdp_dtensor"], None,
+                                          "--ckpt-format fsdp_dtensor: Megatron FSDP's checkpoint format; FSDP is "
+                                          "not supported"),
     "legacy models refused": (["--use-legacy-models"], None, "only megatron-core models"),
     "train iters and samples exclusive": (["--train-iters", "4", "--train-samples", "8"], None,
                                           "--train-iters or --train-samples, not both"),
@@ -228,7 +231,7 @@ def test_megatron_lm_flag_refused_in_one_line(name, corpus, capsys):
 NO_GBS = [a for i, a in enumerate(TINY) if "--global-batch-size" not in TINY[max(i - 1, 0):i + 1]]
 
 
-SCHEDULES = {"0:4 100M:8": "a global batch size that changes during the run is not supported",
+SCHEDULES = {"0:4 256:8": "a batch that changes during the run is not supported",  # 1 sample: iteration 2
              "1K:4": "the first entry must start at 0", "0:four": "'0:four' is not THRESHOLD:BATCH",
              "0-4": "'0-4' is not THRESHOLD:BATCH"}
 
@@ -254,7 +257,8 @@ def test_flags_of_megatron_lm_main_are_honoured(corpus):
                        "--inference-max-seq-length", "256", "--max-tokens-to-oom", "100"], world_size=2)
     assert args.global_batch_size == 8 and args.num_microbatches == 4 and args.eval_num_microbatches == 8
     assert args.make_vocab_size_divisible_by == 1 and args.start_eval_at_iter == 3
-    assert args.compat_warnings == []
+    # under a schedule Megatron-LM counts --lr-*-iters in micro-batch x DP samples: the one warning
+    assert [w.split(":")[0] for w in args.compat_warnings] == ["--step-batch-size-schedule with --train-iters"]
     from megatron.training import compat
 
     # --deterministic-mode: the CPU path is deterministic already; on CUDA the sparse kernels are not

@@ -15,12 +15,12 @@ from megatron.training import pipeline_layout
 from megatron.training.arg_checks import stage_layers
 
 
-def _args(num_layers, pp, first=None, last=None, embedding=False, loss=False, layout=None):
+def _args(num_layers, pp, first=None, last=None, embedding=False, loss=False, layout=None, vpl=None, vstages=None):
     return argparse.Namespace(num_layers=num_layers, pipeline_model_parallel_size=pp,
                               decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
                               account_for_embedding_in_pipeline_split=embedding,
                               account_for_loss_in_pipeline_split=loss, pipeline_model_parallel_layout=layout,
-                              num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None)
+                              num_layers_per_virtual_pipeline_stage=vpl, num_virtual_stages_per_pipeline_rank=vstages)
 
 
 def _upstream_counts(a):
@@ -75,6 +75,40 @@ def test_stage_layers_follow_upstreams_rule(name):
     assert sum(got) == a.num_layers and len(got) == a.pipeline_model_parallel_size
 
 
+def _upstream_chunks(a):
+    """Megatron-LM's placement of the counted split under the interleaved schedule, written out
+    from validate_args and get_num_layers_to_build's documentation: the units (layers plus the
+    counted embedding / loss) spread evenly over PP x VPP chunks, virtual stage c * PP + r; the
+    first chunk builds one layer fewer for the embedding, the last one fewer for the loss."""
+    pp, counted = a.pipeline_model_parallel_size, [a.account_for_embedding_in_pipeline_split,
+                                                   a.account_for_loss_in_pipeline_split]
+    units = a.num_layers + sum(counted)
+    vpp = a.num_virtual_stages_per_pipeline_rank or units // pp // a.num_layers_per_virtual_pipeline_stage
+    chunks = [units // (pp * vpp)] * (pp * vpp)
+    chunks[0] -= int(counted[0])
+    chunks[-1] -= int(counted[1])
+    return chunks
+
+
+INTERLEAVED = {
+    # Megatron-LM's functional test gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split
+    "functional-test config": _args(6, 4, embedding=True, loss=True, vstages=2),
+    "both counted, PP=2": _args(6, 2, embedding=True, loss=True, vstages=2),
+    "embedding counted, layers per chunk": _args(7, 2, embedding=True, vpl=2),
+    "loss counted, three chunks": _args(5, 2, loss=True, vpl=1),
+}
+
+
+@pytest.mark.parametrize("name", list(INTERLEAVED))
+def test_counted_split_with_the_interleaved_schedule_follows_upstream(name):
+    a = INTERLEAVED[name]
+    assert pipeline_layout.validate(a) is None
+    chunks = pipeline_layout.chunk_layers(a)
+    assert chunks == _upstream_chunks(a)
+    pp = a.pipeline_model_parallel_size
+    assert stage_layers(a) == [sum(chunks[r::pp]) for r in range(pp)] and sum(chunks) == a.num_layers
+
+
 REFUSED = {
     "counted layers must split evenly": (_args(30, 4, embedding=True), "(31) is not divisible by"),
     "uneven and counted together": (_args(30, 4, first=6, loss=True),
@@ -89,6 +123,12 @@ REFUSED = {
     "layout grammar": (_args(4, 2, layout="Ett|ttX"), "Invalid layer character: X"),
     "uneven needs a pipeline": (_args(4, 1, last=2), "needs --pipeline-model-parallel-size >= 2"),
     "middle stages hold a layer": (_args(4, 3, first=2, last=2), "leaves 0 layer(s) for the other 1 stage(s)"),
+    "counted units per stage into chunks": (_args(6, 4, embedding=True, loss=True, vstages=4),
+                                            "the 2 layers per stage (2 of them counted) are not divisible by "
+                                            "--num-virtual-stages-per-pipeline-rank 4"),
+    "uneven stages with the interleaved schedule": (_args(6, 2, first=2, vstages=2),
+                                                    "--decoder-first-pipeline-num-layers with the interleaved "
+                                                    "schedule is not supported here"),
 }
 
 
@@ -99,21 +139,48 @@ def test_refused_in_one_line(name):
     assert error is not None and expect in error and "\n" not in error, error
 
 
-def test_interleaved_schedule_refused(capsys):
+def test_uneven_stages_with_the_interleaved_schedule_refused(capsys):
     from megatron.training.arguments import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args([*TINY, "--mock-data", "--pipeline-model-parallel-size", "2",
-                    "--num-layers-per-virtual-pipeline-stage", "1", "--account-for-loss-in-pipeline-split",
-                    "--num-layers", "5"], world_size=2)
+                    "--num-virtual-stages-per-pipeline-rank", "2", "--decoder-last-pipeline-num-layers", "2",
+                    "--num-layers", "6"], world_size=2)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert e.value.code == 2 and len(lines) == 1 and "with the interleaved schedule is not supported" in lines[0]
+
+
+def test_functional_test_config_resolves_as_upstream():
+    """Megatron-LM's PP=4 x VP=2 config with the embedding and the loss counted: 2 chunks per
+    rank, chunks of 0 and 1 layers as megatron-core builds them, priced so by the predictor and
+    accepted by the recompute rule (a chunk of no layer has nothing to recompute)."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.sb_config import sparsebalance_config
+    from sparsebalance.balancer import build_predictor
+
+    flags = ["--mock-data", "--num-layers", "6", "--pipeline-model-parallel-size", "4",
+             "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+             "--sb-cost-model", "h100-analytic",
+             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    args = parse_args([*TINY, *flags, "--num-virtual-stages-per-pipeline-rank", "2"], world_size=4)
+    want = _upstream_chunks(_args(6, 4, embedding=True, loss=True, vstages=2))
+    assert args.virtual_pipeline_model_parallel_size == 2 and want == [0, 1, 1, 1, 1, 1, 1, 0]
+    assert stage_layers(args) == [1, 2, 2, 1]
+    predictor = build_predictor(sparsebalance_config(args, 1024))
+    assert [predictor.shape.layers_of(j, 8) for j in range(8)] == want
+    # --num-layers-per-virtual-pipeline-stage counts the units per stage as Megatron-LM does: 2 / 1
+    same = parse_args([*TINY, *flags, "--num-layers-per-virtual-pipeline-stage", "1"], world_size=4)
+    assert same.virtual_pipeline_model_parallel_size == 2 and stage_layers(same) == [1, 2, 2, 1]
 
 
 RUNS = {  # flags at PP=2 -> global layer indices each rank trains
     "embedding counted": (["--num-layers", "3", "--account-for-embedding-in-pipeline-split"], [[0], [1, 2]]),
     "loss counted": (["--num-layers", "3", "--account-for-loss-in-pipeline-split"], [[0, 1], [2]]),
     "layout": (["--pipeline-model-parallel-layout", "Ettt|tL"], [[0, 1, 2], [3]]),
+    # 8 units over 2 ranks x 2 chunks: chunks [embedding + 0], [1, 2], [3, 4], [5 + loss]
+    "interleaved, both counted": (["--num-layers", "6", "--num-virtual-stages-per-pipeline-rank", "2",
+                                   "--account-for-embedding-in-pipeline-split",
+                                   "--account-for-loss-in-pipeline-split"], [[0, 3, 4], [1, 2, 5]]),
     # 3 layers over 2 stages: the predictor decides which stage takes the extra layer
     "auto layout": (["--num-layers", "3", "--sb-auto-layout", "--sb-cost-model", "h100-analytic"], [[0, 1], [2]]),
 }
