@@ -43,9 +43,17 @@ only the attention differs (post-hoc sparsity, no fine-tuning). Arms:
   (``sparsebalance.tuning.equal_time``: the static and critical-path plans, raised into the slack
   under that deadline). ``equal_step_time`` compares it with ``static-kK`` (K = ``--topk``, k0):
   ``{"ppP": {"topk": {"loss_minus_static": [2.5%, 50%, 97.5%], "pairs_over_static": ratio},
-  "threshold": null}}`` (paired bootstrap over micro-batches; kept pairs as the forwards count
-  them). Threshold routing is null: DST varies the cap there, not TAU, so no plan holds TAU0's
-  step time with more attention to compare.
+  "threshold": {...}}}`` (paired bootstrap over micro-batches; kept pairs as the forwards count
+  them).
+* ``sparsebalance-ppP-tau-eqtime`` (always, with the loss part): the same under threshold routing,
+  DST's lever being TAU: the plan with the most kept pairs whose planned step time is at most that of
+  every op at TAU0 (``--threshold``), over the driver's default TAU ladder around TAU0 (0.8 to 0.97 at
+  0.9), each level priced by SAB's density estimator at that TAU
+  (``sparsebalance.tuning.from_predictor.build_tau_instance``); the cap ``--threshold-cap`` stays
+  a guard at every level. The estimator is the driver's ``ThresholdDensity`` (corpus sidecars:
+  source, compression ratio) after seeing ``--density-study``'s documents measured at TAU0 (another
+  corpus: nothing of the scored micro-batches). ``equal_step_time[ppP]["threshold"]`` compares it
+  with the ``threshold`` arm (static threshold routing at TAU0, same cap and least count).
 
 Loss (``--loss-tokens``): mean next-token cross entropy over the second half of each
 document (default; its first half is mostly within the dense reach of the sink, diagonal and
@@ -168,6 +176,10 @@ def build_parser():
     p.add_argument("--sensitivity-study", default=DEFAULT_STUDY, metavar="JSON",
                    help="sensitivity study whose documents the estimator is fitted on (benchmarks/sparsity_study.py "
                         "--real); default results/real_study.json")
+    p.add_argument("--density-study", default=DEFAULT_STUDY, metavar="JSON",
+                   help="sparsity study (benchmarks/sparsity_study.py --real) whose documents SAB's density "
+                        "estimator has seen: prices the TAU levels of equal_step_time's threshold arm; default "
+                        "results/real_study.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--finetune-check", default=None, metavar="JSON",
                    help="check_real_model.py's output: adds pretrained_loss and finetune_first_loss_dense")
@@ -208,8 +220,37 @@ def check_args(a) -> None:
     a.lengths = _ints(a.lengths)
     a.tasks = [t for t in a.tasks.split(",") if t]
     a.threshold_cap = a.threshold_cap or 2 * a.topk
+    a.density_docs = read_density_study(a.density_study, a.threshold, a.block_size) if a.num_microbatches else None
     a.predictor = ["--sb-profile", a.sb_profile] if a.sb_profile else ["--sb-cost-model",
                                                                        a.sb_cost_model or "h100-analytic"]
+
+
+def read_density_study(path: str, tau0: float, block_size: int) -> list:
+    """The documents of the sparsity study at ``path`` measured at ``tau0`` (per-head counts, each
+    with ``_density``), or one usage error line naming what is wrong with it."""
+    try:
+        with open(path) as f:
+            study = json.load(f)
+    except OSError as e:
+        fail(f"--density-study: cannot read {path} ({e.strerror})")
+    except ValueError as e:
+        fail(f"--density-study: {path} is not JSON ({e})")
+    if not isinstance(study, dict) or not isinstance(study.get("documents"), list):
+        fail(f"--density-study: {path} is not a sparsity study (no documents)")
+    block = (study.get("config") or {}).get("block_size")
+    if block is not None and int(block) != block_size:
+        fail(f"--density-study: {path} was measured with blocks of {block} tokens, not --block-size {block_size}")
+    docs = []
+    for d in study["documents"]:
+        got = {float(k): v for k, v in ((d.get("densities") or {}) if isinstance(d, dict) else {}).items()}
+        v = got.get(float(tau0))
+        v = v.get("per_head") if isinstance(v, dict) else v
+        if isinstance(v, (int, float)) and 0 < v <= 1 and "length" in d:
+            docs.append({**d, "_density": float(v)})
+    if not docs:
+        fail(f"--density-study: {path} has no documents with a length and a per-head density at TAU {tau0:g} "
+             f"(benchmarks/sparsity_study.py --real --taus ...)")
+    return docs
 
 
 def read_study(path: str) -> dict:
@@ -256,14 +297,14 @@ def attention_modules(model) -> list:
 
 
 def set_arm(cores, arm, microbatch: int) -> None:
-    """Point every attention module at ``arm``'s budget for ``microbatch`` (the modules read
-    their static ``topk`` and routing rule per call; the packed params carry no budget)."""
+    """Point every attention module at ``arm``'s budget (and TAU) for ``microbatch`` (the modules
+    read their static ``topk`` and routing rule per call; the packed params carry no budget)."""
     from sparsebalance.ops.plan import RoutingRule
 
-    rule = None if arm.threshold is None else RoutingRule(threshold=arm.threshold, topk_min=arm.topk_min)
     for m in cores:
         m.topk = arm.budget(microbatch, m.layer_number, len(cores))
-        m.rule = rule
+        tau = arm.tau(microbatch, m.layer_number, len(cores))
+        m.rule = None if tau is None else RoutingRule(threshold=tau, topk_min=arm.topk_min)
 
 
 def forward(model, tokens, cu, records=None):
@@ -284,11 +325,14 @@ def forward(model, tokens, cu, records=None):
 # --- DST's budgets, as the driver plans them ------------------------------------------------
 
 
-def dst_balancer(a, vocab: int, mb_lengths: list, pp: int) -> tuple:
+def dst_balancer(a, vocab: int, mb_lengths: list, pp: int, threshold: bool = False) -> tuple:
     """(``Balancer``, policy name, planned layers) of a PP=``pp`` pipeline (dp 1) of
     micro-batches ``mb_lengths``: the driver's flags -> config. A model whose layers do not
     split over ``pp`` stages is planned with the next multiple of ``pp`` layers (the driver
-    needs an even split; per-stage times then scale alike)."""
+    needs an even split; per-stage times then scale alike). ``threshold``: the threshold arm's
+    routing (``--sb-routing threshold --sb-threshold TAU0``, cap ``--threshold-cap`` as
+    ``--sb-topk``, least count ``--topk // 2`` as ``--sb-topk-min``): DST's levels are then
+    the driver's default TAU ladder around TAU0 (``Balancer.taus``)."""
     import shlex
 
     from benchmarks.harness.longctx.model import EvalModelError, parse_train_args
@@ -299,8 +343,10 @@ def dst_balancer(a, vocab: int, mb_lengths: list, pp: int) -> tuple:
     flags = model_flags(a.load)
     layers = int(flags[flags.index("--num-layers") + 1])
     planned_layers = math.ceil(layers / pp) * pp
+    routing = (["--sb-routing", "threshold", "--sb-threshold", str(a.threshold), "--sb-topk", str(a.threshold_cap),
+                "--sb-topk-min", str(a.topk // 2)] if threshold else ["--sb-topk", str(a.topk)])
     flags += ["--num-layers", str(planned_layers), "--sparse-balance", *a.predictor,
-              "--pipeline-model-parallel-size", str(pp), "--sb-topk", str(a.topk), "--sb-block-size",
+              "--pipeline-model-parallel-size", str(pp), *routing, "--sb-block-size",
               str(a.block_size), "--seq-length", str(max(sum(x) for x in mb_lengths))]
     try:
         args = parse_train_args(" ".join(shlex.quote(x) for x in flags))
@@ -333,6 +379,32 @@ def equal_time_dst_plan(a, vocab: int, mb_lengths: list, pp: int) -> dict:
         raise RuntimeError(f"equal-time plan at PP={pp} is slower than static ({plan.step_ms} ms)")
     return {"budget": plan.budget[0], "step_ms": plan.step_ms, "static_step_ms": plan.baseline_step_ms,
             "planned_attn": plan.attn, "static_planned_attn": plan.baseline_attn, "planned_layers": planned_layers,
+            "policy": plan.policy}
+
+
+def equal_time_tau_plan(a, vocab: int, mb_lengths: list, pp: int, density, packing) -> dict:
+    """DST's TAU plan at static threshold routing's step time: the most kept pairs whose planned
+    step time (the driver's predictor and pipeline model) is at most that of every op at TAU0
+    (``--threshold``), the levels the driver's TAU ladder around TAU0, each priced by SAB's
+    estimator ``density`` (``ThresholdDensity``, :func:`sab_density`) at that TAU for the
+    documents of ``packing`` (``sparsebalance.balancer.level_densities``, as
+    ``StepPlanner`` prices them), the cap ``--threshold-cap`` a guard at every level.
+    ``tau``: the ``[M, stages]`` TAU table; ``attn``: planned kept pairs x layers, one head."""
+    from sparsebalance.balancer import level_densities
+    from sparsebalance.tuning.equal_time import equal_time_plan
+
+    segs = [[s[2] for s in mb] for mb in packing.ranks[0]]
+    if len(segs) != len(mb_lengths) or any(list(x[:len(s)]) != s for s, x in zip(segs, mb_lengths)):
+        raise RuntimeError("the packing's segments are not the micro-batches' documents")
+    balancer, _, planned_layers = dst_balancer(a, vocab, mb_lengths, pp, threshold=True)
+    densities = level_densities(density, packing, [mb_lengths], balancer.taus)
+    plan = equal_time_plan(balancer.instance([mb_lengths], densities=densities))
+    if plan.step_ms > plan.baseline_step_ms * (1 + 1e-9):
+        raise RuntimeError(f"equal-time TAU plan at PP={pp} is slower than static ({plan.step_ms} ms)")
+    return {"tau": plan.budget[0], "step_ms": plan.step_ms, "static_step_ms": plan.baseline_step_ms,
+            "planned_attn": plan.attn, "static_planned_attn": plan.baseline_attn, "planned_layers": planned_layers,
+            "taus": list(balancer.taus), "tau0": a.threshold, "cap": a.threshold_cap, "topk_min": a.topk // 2,
+            "predicted_density_tau0": [float(x) for mb in densities[float(a.threshold)][0] for x in mb],
             "policy": plan.policy}
 
 
@@ -410,6 +482,31 @@ def sensitivity_weights(a, packing, ds, mb_lengths: list) -> tuple:
                "microbatch_weight": np.asarray(w).tolist()}
 
 
+def sab_density(a, ds):
+    """(SAB's ``ThresholdDensity`` over the corpus ``ds``, what it has seen): the driver's estimator
+    (``megatron.training.doc_features.threshold_density``: each document read by its source and
+    compression sidecars, learning at TAU0, moved to other TAUs along the measured
+    ``sparsebalance.batching.tau_curve.MEASURED``) after seeing ``--density-study``'s documents at
+    TAU0 (per-head counts; another corpus than the scored one), as a run's estimator has seen earlier
+    steps' documents; nothing of the scored micro-batches."""
+    import numpy as np
+
+    from megatron.training.doc_features import document_features
+    from sparsebalance.batching.density_feedback import ThresholdDensity
+
+    src, comp = document_features([(1.0, a.data_path)], ds)
+    td = ThresholdDensity(block_size=a.block_size, topk_min=a.topk // 2, sources=src, compression=comp,
+                          tau0=a.threshold)
+    docs = a.density_docs
+    c = [d.get("compression_ratio") for d in docs]
+    td.estimator.update_many([d.get("source") for d in docs], [int(d["length"]) for d in docs],
+                             [d["_density"] for d in docs], None,
+                             [np.nan if x is None else float(x) for x in c] if any(x is not None for x in c) else None)
+    return td, {"study": a.density_study, "documents": len(docs), "tau0": a.threshold, "counts": "per_head",
+                "block_size": a.block_size, "features": "source (corpus sidecar), compression ratio, length",
+                "tau_curve": td.curve.as_dict()}
+
+
 def scored_loss(logits, tokens, cu, which: str) -> tuple:
     """(summed cross entropy, scored tokens) of each document's targets: its second half
     (targets at positions >= len/2) or all."""
@@ -441,6 +538,8 @@ def loss_part(a, model, vocab: int) -> dict:
     if a.sensitivity == "estimate":
         weight, estimate = sensitivity_weights(a, packing, ds, mb_lengths)
     eq_arms = []  # DST at static-k{topk}'s planned step time (equal_step_time)
+    tau_arms = []  # DST's TAU levels at static threshold routing's planned step time (equal_step_time)
+    density, density_info = sab_density(a, ds)
     for pp in a.pp:
         plan = dst_plan(a, int(model.gpt.vocab_size), mb_lengths, pp)
         plans[f"sparsebalance-pp{pp}"] = plan
@@ -448,6 +547,10 @@ def loss_part(a, model, vocab: int) -> dict:
         eq = equal_time_dst_plan(a, int(model.gpt.vocab_size), mb_lengths, pp)
         plans[f"sparsebalance-pp{pp}-eqtime"] = eq
         eq_arms.append(Arm(f"sparsebalance-pp{pp}-eqtime", stage_budgets=eq["budget"]))
+        teq = equal_time_tau_plan(a, int(model.gpt.vocab_size), mb_lengths, pp, density, packing)
+        plans[f"sparsebalance-pp{pp}-tau-eqtime"] = teq
+        tau_arms.append(Arm(f"sparsebalance-pp{pp}-tau-eqtime", topk=a.threshold_cap, stage_taus=teq["tau"],
+                            topk_min=a.topk // 2))
         if suffix is not None:
             if a.sensitivity == "stage":
                 weight = np.tile(stage_weight(a, pp, L, plan["planned_layers"]), (len(mb_lengths), 1))
@@ -458,6 +561,7 @@ def loss_part(a, model, vocab: int) -> dict:
             sens_arms.append(Arm(f"sparsebalance-pp{pp}{suffix}", stage_budgets=sp["budget"]))
     slack_of = {arm.name: arm.name[:-len(suffix)] for arm in sens_arms}
     slack_of.update({arm.name: arm.name[:-len("-eqtime")] for arm in eq_arms})  # reuse a forward of equal budgets
+    slack_of.update({arm.name: "threshold" for arm in tau_arms})
     judged = sb_arms + (sens_arms if a.sensitivity == "stage" else [])  # against static at equal pairs
 
     def static_pairs(k):
@@ -468,7 +572,7 @@ def loss_part(a, model, vocab: int) -> dict:
     ks = sorted({a.topk} | {k for lo, hi, _ in brackets.values() for k in (lo, hi)})  # k0: equal_step_time's
     arms = [Arm("dense"), *[Arm(f"static-k{k}", topk=k) for k in ks],
             Arm("threshold", topk=a.threshold_cap, threshold=a.threshold, topk_min=a.topk // 2), *sb_arms,
-            *eq_arms, *sens_arms]
+            *eq_arms, *tau_arms, *sens_arms]
     per = {arm.name: {"loss": [], "tokens": [], "kept_pairs": 0, "causal_pairs": 0} for arm in arms}
     by_name = {arm.name: arm for arm in arms}
     t0 = time.time()
@@ -478,8 +582,8 @@ def loss_part(a, model, vocab: int) -> dict:
             last = {}
             for arm in arms:
                 ref = slack_of.get(arm.name)
-                if ref is not None and np.array_equal(arm.stage_budgets[i], by_name[ref].stage_budgets[i]):
-                    last[arm.name] = last[ref]  # the same budgets: the same forward
+                if ref is not None and arm.routing(i, L) == by_name[ref].routing(i, L):
+                    last[arm.name] = last[ref]  # the same budgets (and TAUs): the same forward
                 else:
                     set_arm(cores, arm, i)
                     recs = []
@@ -521,11 +625,20 @@ def loss_part(a, model, vocab: int) -> dict:
         p = plans[arm.name]
         cell.update(planned_step_ms=p["step_ms"], static_planned_step_ms=p["static_step_ms"],
                     planned_pairs_over_static=p["planned_attn"] / p["static_planned_attn"])
-        # threshold routing: DST varies its cap, not TAU (TAU levels are not in the planner yet)
-        eq_report[pp] = {"topk": cell, "threshold": None}
+        eq_report[pp] = {"topk": cell}
+    static_tau = per["threshold"]
+    for arm in tau_arms:
+        pp = arm.name.split("-")[1]
+        cell = equal_time_entry(per[arm.name]["loss"], static_tau["loss"], weights, per[arm.name]["kept_pairs"],
+                                static_tau["kept_pairs"], seed=a.seed)
+        p = plans[arm.name]
+        cell.update(planned_step_ms=p["step_ms"], static_planned_step_ms=p["static_step_ms"],
+                    planned_pairs_over_static=p["planned_attn"] / p["static_planned_attn"])
+        eq_report[pp]["threshold"] = cell
     out = {"arms": per, "sb_minus_static": {arm.name: diffs[arm.name] for arm in sb_arms},
-           "equal_step_time": eq_report,
-           "plans": {n: {**p, "budget": p["budget"].tolist()} for n, p in plans.items()},
+           "equal_step_time": eq_report, "threshold_density": density_info,
+           "plans": {n: {k: np.asarray(v).tolist() if k in ("budget", "tau") else v for k, v in p.items()}
+                     for n, p in plans.items()},
            "microbatch_lengths": mb_lengths, "loss_tokens": a.loss_tokens, "seconds": time.time() - t0}
     if a.sensitivity == "estimate":
         out["sens_minus_slack"] = sensitivity_report(per, sens_plans, seed=a.seed)
@@ -705,7 +818,8 @@ def main(argv=None) -> int:
     model = open_model(a)
     try:
         vocab = int(model.gpt.vocab_size)
-        hide = ("json", "out", "study", "stage_profile") + (("sensitivity",) if a.sensitivity == "off" else ()) + (
+        hide = ("json", "out", "study", "stage_profile", "density_docs") + (
+            ("sensitivity",) if a.sensitivity == "off" else ()) + (
             ("sensitivity_study",) if a.sensitivity != "estimate" else ()) + (
             ("stage_sensitivity",) if a.sensitivity != "stage" else ())
         out = {"config": {k: v for k, v in vars(a).items() if k not in hide}, "iteration": model.iteration}

@@ -10,7 +10,7 @@
 #   3. benchmarks/real_accuracy.py: loss of 8 packed 4,096-token micro-batches (second half of each
 #      document) under dense, static top-k (the budgets bracketing SparseBalance's kept pairs),
 #      threshold routing and DST's budgets for PP=4 and PP=8, and DST at static top-8's planned step
-#      time against static top-8 (equal_step_time); needle retrieval (niah_single) at 2,048 tokens,
+#      time against static top-8, DST's TAU levels at static threshold routing's against it (equal_step_time); needle retrieval (niah_single) at 2,048 tokens,
 #      30 prompts, under dense, static, threshold and DST, with Wilson intervals and paired gaps to dense.
 # Ends by printing one JSON object (equal_step_time, sb_minus_static_loss, retrieval, retrieval_ci95,
 # retrieval_minus_dense, pretrained_loss, finetune_first_loss_dense, ...); the whole report goes to

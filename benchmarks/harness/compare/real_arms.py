@@ -30,12 +30,30 @@ class Arm:
     """Threshold routing's TAU (None: top-k routing)."""
     topk_min: int = 0
     """Threshold routing's least count."""
+    stage_taus: Optional[np.ndarray] = None
+    """DST's ``[micro-batch, stage]`` TAUs under threshold routing (the driver's ``tau[0]``);
+    overrides ``threshold``; ``topk`` stays the cap."""
 
     def budget(self, microbatch: int, layer: int, num_layers: int) -> Optional[int]:
-        """Top-k of 1-based ``layer`` in ``microbatch`` (None: dense)."""
+        """Top-k of 1-based ``layer`` in ``microbatch`` (threshold routing: the cap; None: dense)."""
         if self.stage_budgets is None:
             return self.topk
         return int(self.stage_budgets[microbatch, stage_of(layer, num_layers, self.stage_budgets.shape[1])])
+
+    def tau(self, microbatch: int, layer: int, num_layers: int) -> Optional[float]:
+        """Threshold routing's TAU of 1-based ``layer`` in ``microbatch`` (None: top-k routing)."""
+        if self.stage_taus is None:
+            return self.threshold
+        return float(self.stage_taus[microbatch, stage_of(layer, num_layers, self.stage_taus.shape[1])])
+
+    def routing(self, microbatch: int, num_layers: int) -> tuple:
+        """Per layer (budget, TAU, least count) in ``microbatch``: two arms with equal routings
+        run the same forward."""
+        out = []
+        for layer in range(1, num_layers + 1):
+            tau = self.tau(microbatch, layer, num_layers)
+            out.append((self.budget(microbatch, layer, num_layers), tau, 0 if tau is None else self.topk_min))
+        return tuple(out)
 
 
 def stage_of(layer: int, num_layers: int, stages: int) -> int:
@@ -59,7 +77,7 @@ def topk_pairs(lengths: Sequence[int], topk: Optional[int], block_size: int) -> 
 def arm_pairs(arm: Arm, mb_lengths: Sequence[Sequence[int]], block_size: int, num_layers: int,
               heads: int) -> int:
     """Kept pairs of a top-k arm over micro-batches of document ``mb_lengths`` (all layers and heads)."""
-    if arm.threshold is not None:
+    if arm.threshold is not None or arm.stage_taus is not None:
         raise ValueError("threshold routing's pairs depend on content: count them in the forward")
     return heads * sum(topk_pairs(lens, arm.budget(m, layer, num_layers), block_size)
                        for m, lens in enumerate(mb_lengths) for layer in range(1, num_layers + 1))
