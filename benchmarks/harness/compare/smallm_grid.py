@@ -99,7 +99,10 @@ def render(cells: list) -> str:
         w = arms["sab"]["waits"]["items_by_steps_waited"]
         sab = arms["sab"]
         if "pack_wall_ms" in sab:
-            shares.append((sab["pack_wall_share_of_step"], sab["pack_share_of_step"], c))
+            # median wall x steps / predicted epoch (as the CPU share): less swayed than the
+            # sum by the moments another job holds the core
+            wall_med = sab["pack_wall_ms"] / sab["pack_ms"] * sab["pack_share_of_step"]
+            shares.append((sab["pack_wall_share_of_step"], sab["pack_share_of_step"], wall_med, c))
             plan = (f"{sab['pack_wall_ms']:.0f} / {sab['pack_wall_ms_max']:.0f}, {sab['pack_ms']:.0f} "
                     f"({100 * sab['pack_wall_share_of_step']:.2f}%)")
         else:  # a cell from before the wall time was kept
@@ -117,15 +120,19 @@ def render(cells: list) -> str:
                 "dense M = PP at 128K: "
                 + ", ".join(f"{x:.3f}x megatron (imbalance {i:.2f})" for x, i in dense_ppm) + "\n")
     if shares:
-        wmax, cmax, c = max(shares, key=lambda x: x[0])
-        load = sorted({round(x, 1) for _, _, cc in shares for x in cc.get("load_avg", [])})
-        threads = sorted({str(cc.get("omp_num_threads")) for _, _, cc in shares})
-        out += (f"\nSAB's planning, share of the predicted step (wall, summed over the epoch): max "
-                f"{100 * wmax:.2f}% ({c['file']} PP {c['pp']} {c['seq_length'] // 1024}K M {c['M']} "
-                f"{c['attention']}) over {len(shares)} cells; thread CPU (median x steps): max "
-                f"{100 * max(x[1] for x in shares):.2f}%; OMP_NUM_THREADS {', '.join(threads)}; "
-                f"1-minute load average during the cells {load[0]}-{load[-1]} "
-                "(shared machine: the wall times include waiting for a core).\n")
+        def worst(i):
+            x = max(shares, key=lambda t: t[i])
+            c = x[-1]
+            return (f"{100 * x[i]:.2f}% ({c['file']} PP {c['pp']} {c['seq_length'] // 1024}K M {c['M']} "
+                    f"{c['attention']})")
+
+        load = sorted({round(x, 1) for *_, cc in shares for x in cc.get("load_avg", [])})
+        threads = sorted({str(cc.get("omp_num_threads")) for *_, cc in shares})
+        out += (f"\nSAB's planning, share of the predicted step over {len(shares)} cells, largest: "
+                f"wall time summed over the epoch {worst(0)}; median wall x steps {worst(2)}; thread "
+                f"CPU time, median x steps {worst(1)}. OMP_NUM_THREADS {', '.join(threads)}; 1-minute "
+                f"load average during the cells {load[0]}-{load[-1]} (shared machine: the wall times "
+                "include waiting for a core).\n")
     return out
 
 

@@ -23,5 +23,7 @@ def test_epoch_run_keeps_wall_and_cpu_planning_time():
                       "arms": {"sab": sab, "wlb": sab, "megatron": sab}}}
     md = render([cell])
     share = f"{100 * sab['pack_wall_share_of_step']:.2f}%"
-    assert f"max {share} (f PP 2 8K M 2 sparse) over 1 cells" in md
+    assert f"wall time summed over the epoch {share} (f PP 2 8K M 2 sparse)" in md
+    cpu = f"{100 * sab['pack_share_of_step']:.2f}%"
+    assert f"CPU time, median x steps {cpu} (f PP 2 8K M 2 sparse)" in md
     assert "OMP_NUM_THREADS 1" in md and "load average during the cells 0.5-0.7" in md
