@@ -102,6 +102,10 @@ class StepPacking:
     """CPU time of the packing thread for this step, predictions included (ms); on
     an idle core this is the wall time, and unlike wall time it is not inflated when
     the machine is shared."""
+    pack_wall_ms: float = 0.0
+    """Wall time of the same call (ms): what a training step waits for when the plan is
+    made on its critical path; on a shared machine it includes time the thread waited
+    for a core."""
 
     @property
     def tokens(self) -> int:

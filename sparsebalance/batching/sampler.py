@@ -141,7 +141,7 @@ class PackingSampler:
     # -- stepping ------------------------------------------------------------------------
     def next_step(self) -> StepPacking:
         """Pack the next global step (identical on every rank)."""
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         if hasattr(self.density, "advance"):
             self.density.advance(self._step)
         cursor = StreamCursor(self._epoch_items(self._epoch), self._pos, self._head)
@@ -168,6 +168,7 @@ class PackingSampler:
             for key, val in self.cost.packing_times(bins, self.dp, self.micro_batches).items():
                 setattr(step, key, val)
         step.pack_ms = (time.thread_time() - t0) * 1e3
+        step.pack_wall_ms = (time.perf_counter() - w0) * 1e3
         return step
 
     def __iter__(self) -> Iterator[StepPacking]:

@@ -199,5 +199,101 @@ def step_ms(fwd_ms, bwd_ms, *, schedule: str = "1f1b", vpp: int = 1, p2p_ms: flo
     batch = f.shape[:-2]
     g = build_graph(schedule, S // vpp, M, vpp, group)
     n = int(np.prod(batch, dtype=np.int64))
-    _, ef = earliest(g, durations_to_nodes(g, f.reshape(n, M, S), b.reshape(n, M, S)), p2p_ms)
-    return ef[:-1].max(axis=0).reshape(batch)
+    at = _level_rows(g)
+    nodes = np.empty((g.num_nodes, n))
+    nodes[at[0].ravel()] = f.reshape(n, M * S).T
+    nodes[at[1].ravel()] = b.reshape(n, M * S).T
+    return _finish_ms(g, nodes, p2p_ms).reshape(batch)
+
+
+def step_ms_rows(fwd_rows, bwd_rows, seq, *, schedule: str = "1f1b", vpp: int = 1,
+                 p2p_ms: float = 0.0, group: Optional[int] = None) -> np.ndarray:
+    """:func:`step_ms` of instances assembled from a table of micro-batches.
+
+    Instance i runs micro-batch ``seq[i, m]`` of the table at position m, so the result
+    is ``step_ms(fwd_rows[seq], bwd_rows[seq])``, the same floats, without building the
+    ``[B, M, S]`` arrays (the packers score thousands of candidate orders and moves that
+    differ from each other in one or two micro-batches).
+
+    Args:
+        fwd_rows, bwd_rows: ``[R, S]`` forward / backward ms of R micro-batches per stage.
+        seq: ``[B, M]`` int, table row of each position of each instance.
+
+    Returns:
+        ``[B]`` step time of each instance (ms).
+    """
+    fr = np.asarray(fwd_rows, dtype=np.float64)
+    br = np.asarray(bwd_rows, dtype=np.float64)
+    seq = np.asarray(seq)
+    if fr.ndim != 2 or fr.shape != br.shape or seq.ndim != 2:
+        raise ValueError(f"fwd_rows/bwd_rows must be equal [R, S] arrays and seq [B, M], got "
+                         f"{fr.shape}, {br.shape}, {seq.shape}")
+    S = fr.shape[1]
+    B, M = seq.shape
+    g = build_graph(schedule, S // vpp, M, vpp, group)
+    at = _level_rows(g)
+    seq_t = np.ascontiguousarray(seq.T)  # [M, B]
+    nodes = np.empty((g.num_nodes, B))
+    for p, rows in enumerate((fr, br)):
+        cols = np.ascontiguousarray(rows.T)  # [S, R]: one gather of [M, B] per stage
+        for j in range(S):
+            nodes[at[p, :, j]] = cols[j].take(seq_t)
+    return _finish_ms(g, nodes, p2p_ms)
+
+
+def step_ms_scaled(x, fwd, bwd, *, schedule: str = "1f1b", vpp: int = 1, p2p_ms: float = 0.0,
+                   group: Optional[int] = None) -> np.ndarray:
+    """:func:`step_ms` of instances whose micro-batch m takes ``x[i, m]`` times the stage
+    times ``fwd``, ``bwd``: ``step_ms(x[:, :, None] * fwd, x[:, :, None] * bwd)``, the same
+    floats (SAB's pipeline-profile search scores hundreds of such shapes at a time).
+
+    Args:
+        x: ``[B, M]`` scale of each micro-batch of each instance.
+        fwd, bwd: ``[S]`` stage times (ms) of a micro-batch of scale 1.
+
+    Returns:
+        ``[B]`` step time of each instance (ms).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    f0 = np.asarray(fwd, dtype=np.float64)
+    b0 = np.asarray(bwd, dtype=np.float64)
+    if x.ndim != 2 or f0.ndim != 1 or f0.shape != b0.shape:
+        raise ValueError(f"x must be [B, M] and fwd/bwd equal [S] arrays, got {x.shape}, "
+                         f"{f0.shape}, {b0.shape}")
+    B, M = x.shape
+    S = f0.size
+    g = build_graph(schedule, S // vpp, M, vpp, group)
+    at = _level_rows(g)
+    x_t = np.ascontiguousarray(x.T)  # [M, B]
+    nodes = np.empty((g.num_nodes, B))
+    for p, base in enumerate((f0, b0)):
+        for j in range(S):
+            nodes[at[p, :, j]] = x_t * base[j]
+    return _finish_ms(g, nodes, p2p_ms)
+
+
+def _level_rows(g: Graph) -> np.ndarray:
+    """``[2, M, S]`` row of each op (phase, micro-batch, stage) in the engine's level order."""
+    at = np.empty(g.num_nodes, dtype=np.int64)
+    at[g.perm] = np.arange(g.num_nodes)
+    return at.reshape(2, g.num_microbatches, g.num_stages)
+
+
+def _finish_ms(g: Graph, nodes: np.ndarray, p2p_ms: float) -> np.ndarray:
+    """Latest finish ``[B]`` of op durations ``nodes`` ``[N, B]`` (rows in the engine's
+    level order, :func:`_level_rows`): the step time of
+    :func:`~sparsebalance.pipeline.graph.earliest`, with the same sums and maxima in the
+    same order (so the same floats), without the start times and the copies back to node
+    order that :func:`simulate` needs and ``step_ms`` does not."""
+    N, B = nodes.shape
+    ef = np.empty((N + 1, B))
+    ef[N] = 0.0
+    p0, p1 = g.ppred[:, 0], g.ppred[:, 1]
+    lag = g.hop[g.perm] * float(p2p_ms)
+    for a, b in g.bounds:
+        x = ef[p1[a:b]]
+        if p2p_ms:  # x + 0.0 is x for the times here (>= +0): skip the add
+            x += lag[a:b, None]
+        np.maximum(ef[p0[a:b]], x, out=ef[a:b])
+        ef[a:b] += nodes[a:b]
+    return ef[:N].max(axis=0)

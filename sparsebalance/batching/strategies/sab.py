@@ -62,7 +62,7 @@ from sparsebalance.batching.strategies.common import (
 )
 from sparsebalance.batching.strategies.outlier_queue import choose_holds, hold_candidates
 from sparsebalance.batching.stream import StreamCursor
-from sparsebalance.pipeline import step_ms
+from sparsebalance.pipeline import simulate, step_ms_rows, step_ms_scaled
 
 
 @lru_cache(maxsize=64)
@@ -82,18 +82,19 @@ def pipeline_profile(M: int, fwd: tuple, bwd: tuple) -> np.ndarray:
     if M < 2:  # one micro-batch per step: nothing to shape
         return x
 
-    def t(xs):
-        return step_ms(xs[..., :, None] * f0, xs[..., :, None] * b0)
+    def t(xs):  # [C, M] shapes -> [C] 1F1B times
+        return step_ms_scaled(xs, f0, b0)
 
-    best = float(t(x))
-    pairs = [(i, j) for i in range(M) for j in range(M) if i != j]
+    best = float(t(x[None, :])[0])
+    ii, jj = np.nonzero(~np.eye(M, dtype=bool))  # every ordered pair i != j
+    rows = np.arange(ii.size)
     step = 0.2
     while step > 0.005:
-        cand = np.repeat(x[None, :], len(pairs), axis=0)
-        for c, (i, j) in enumerate(pairs):
-            d = max(min(step, cand[c, j] - 0.05), 0.0)
-            cand[c, i] += d
-            cand[c, j] -= d
+        # Candidate (i, j) moves d of j's share to i, keeping j's share >= 0.05.
+        cand = np.repeat(x[None, :], ii.size, axis=0)
+        d = np.maximum(np.minimum(step, x[jj] - 0.05), 0.0)
+        cand[rows, ii] += d
+        cand[rows, jj] -= d
         tt = t(cand)
         k = int(np.argmin(tt))
         if tt[k] < best - 1e-9:
@@ -122,14 +123,25 @@ def _proportional_lpt(c: np.ndarray, length: np.ndarray, forced: np.ndarray,
     assign = np.full(c.size, -1, dtype=np.int64)
     tok = np.zeros(K, dtype=np.int64)
     load = np.full(K, const)
-    for i in order[:exact].tolist():
-        room = tok <= S - length[i]
-        if not room.any():
-            continue
-        b = int(np.argmin(np.where(room, (load + c[i]) / share, np.inf)))
+    length_l, c_l = length.tolist(), c.tolist()
+
+    def place(i: int) -> None:
+        # The least (load + c) / share among the bins with room. The least overall is
+        # that bin whenever it has room (first index on ties either way); only when
+        # it has none is the room of every bin needed.
+        v = (load + c_l[i]) / share
+        b = int(v.argmin())
+        if tok[b] > S - length_l[i]:
+            room = tok <= S - length_l[i]
+            if not room.any():
+                return
+            b = int(np.argmin(np.where(room, v, np.inf)))
         assign[i] = b
-        tok[b] += length[i]
-        load[b] += c[i]
+        tok[b] += length_l[i]
+        load[b] += c_l[i]
+
+    for i in order[:exact].tolist():
+        place(i)
     # Small items in rounds of K: the round's i-th largest item goes to the bin with
     # the i-th smallest load / share if it has room; misfits wait for the next round.
     # A round that places nothing ends the rounds; the exact rule takes what is left.
@@ -146,12 +158,7 @@ def _proportional_lpt(c: np.ndarray, length: np.ndarray, forced: np.ndarray,
         load[b] += c[it]
         pending = np.concatenate([chunk[~fits], pending[K:]])
     for i in pending.tolist():
-        room = tok <= S - length[i]
-        if room.any():
-            bi = int(np.argmin(np.where(room, (load + c[i]) / share, np.inf)))
-            assign[i] = bi
-            tok[bi] += length[i]
-            load[bi] += c[i]
+        place(i)
     return assign
 
 
@@ -174,8 +181,9 @@ def order_ranks(fwd: np.ndarray, bwd: np.ndarray, prof: np.ndarray, rounds: int 
     orders[:, np.argsort(prof, kind="stable")] = np.argsort(w, axis=1, kind="stable")
     if init is not None:
         orders = np.array(init, dtype=np.int64)
-    rr = np.arange(R)[:, None]
-    best = step_ms(fwd[rr, orders], bwd[rr, orders])
+    # One table of every rank's bins: candidates are rows of it, not copies of times.
+    fr, br = fwd.reshape(R * M, -1), bwd.reshape(R * M, -1)
+    best = step_ms_rows(fr, br, np.arange(R)[:, None] * M + orders)
     if M < 2:
         return orders, best
     iu, ju = np.triu_indices(M, 1)
@@ -187,8 +195,8 @@ def order_ranks(fwd: np.ndarray, bwd: np.ndarray, prof: np.ndarray, rounds: int 
             break
         cand = np.repeat(orders[idx][:, None, :], iu.size, axis=1)  # [r, C, M]
         cand[:, c, iu], cand[:, c, ju] = orders[idx][:, ju], orders[idx][:, iu]
-        r3 = idx[:, None, None]
-        tt = step_ms(fwd[r3, cand], bwd[r3, cand])  # [r, C]
+        tt = step_ms_rows(fr, br, (idx[:, None, None] * M + cand).reshape(-1, M)
+                          ).reshape(idx.size, iu.size)  # [r, C]
         k = np.argmin(tt, axis=1)
         t_new = tt[np.arange(idx.size), k]
         better = t_new < best[idx] - 1e-9
@@ -281,7 +289,8 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
     batched 1F1B model, keeping the bins' positions; the best move is applied if it
     improves, and the touched ranks are re-ordered at the end. Moves inside the
     slowest rank reshape its micro-batches for the pipeline; moves to other ranks
-    balance ranks. Returns ``[dp, M]`` bin (rank-local) per position.
+    balance ranks. Moves that cannot be the best one are not timed (:func:`_score_moves`).
+    Returns ``[dp, M]`` bin (rank-local) per position.
     """
     K, M, dp, S = ctx.num_bins, ctx.micro_batches, ctx.dp, ctx.seq_length
     placed = assign >= 0
@@ -305,12 +314,13 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
         pos = np.empty(K, dtype=np.int64)
         for q in range(dp):
             pos[q * M + orders[q]] = np.arange(M)
-        # Source rank's [item, M, pp] times without each item.
+        # Each source bin's [n, pp] stage times without its item.
         fa, ba = cost.stage_times(layer[a] - li[:, items].T, tok[a] - length[items])
-        src_fwd = np.repeat(fwd[r * M + orders[r]][None], items.size, axis=0)
-        src_bwd = np.repeat(bwd[r * M + orders[r]][None], items.size, axis=0)
-        src_fwd[np.arange(items.size), pos[a]] = fa
-        src_bwd[np.arange(items.size), pos[a]] = ba
+        # Candidates are sequences of rows of one table: the K bins, then each source bin
+        # without its item (K + i), then each destination bin with it (K + n + candidate).
+        n1 = np.arange(items.size)
+        src_seq = np.repeat((r * M + orders[r])[None], items.size, axis=0)  # [n, M]
+        src_seq[n1, pos[a]] = K + n1
         # Destination bins (any other bin) with token room.
         cand_item, dst_bin = np.meshgrid(np.arange(items.size), np.arange(K), indexing="ij")
         cand_item, dst_bin = cand_item.ravel(), dst_bin.ravel()
@@ -323,17 +333,29 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
                                                     tok[dst_bin] + length[items[cand_item]])
         q = dst_bin // M
         same = q == r
-        # Destination rank's [candidate, M, pp] times; for a move inside rank r both bins change.
-        dst_fwd = fwd[(q * M)[:, None] + orders[q]]
-        dst_bwd = bwd[(q * M)[:, None] + orders[q]]
+        # Destination rank's [candidate, M] rows; for a move inside rank r both bins change.
+        dst_seq = (q * M)[:, None] + orders[q]
         n2 = np.arange(cand_item.size)
-        dst_fwd[same] = src_fwd[cand_item[same]]
-        dst_bwd[same] = src_bwd[cand_item[same]]
-        dst_fwd[n2, pos[dst_bin]] = dst_bin_fwd
-        dst_bwd[n2, pos[dst_bin]] = dst_bin_bwd
-        # One batched pipeline-model call for the source and destination candidates.
-        t_all = step_ms(np.concatenate([src_fwd, dst_fwd]), np.concatenate([src_bwd, dst_bwd]))
-        t_src, t_dst = t_all[:items.size], t_all[items.size:]
+        dst_seq[same] = src_seq[cand_item[same]]
+        dst_seq[n2, pos[dst_bin]] = K + items.size + n2
+        # A move to another rank only adds work there (no stage gets faster): its rank's
+        # new time is at least the longest old path through any op of the destination
+        # bin plus that op's growth (and at least T[q]).
+        df, db = dst_bin_fwd - fwd[dst_bin], dst_bin_bwd - bwd[dst_bin]
+        bounded = ~same & np.all((df >= 0) & (db >= 0), axis=1)
+        if bounded.any():
+            rank_bins = (np.arange(dp) * M)[:, None] + orders
+            tl = simulate(fwd[rank_bins], bwd[rank_bins])
+            path = tl.step_ms - tl.slack_ms  # [dp, 2, M, pp] longest path through each op
+            p_dst = pos[dst_bin]
+            grow = np.maximum(path[q, 0, p_dst] + df, path[q, 1, p_dst] + db).max(axis=1)
+            # Computed otherwise than the engine's sums: a margin far above their rounding.
+            lb_dst = np.maximum(T[q], grow * (1 - 1e-9))
+        else:
+            lb_dst = T[q]
+        t_src, t_dst = _score_moves(np.concatenate([fwd, fa, dst_bin_fwd]),
+                                    np.concatenate([bwd, ba, dst_bin_bwd]), src_seq, dst_seq,
+                                    cand_item, q, r, T, bounded, lb_dst)
         t_src_m = np.where(same, t_dst, t_src[cand_item])
         # New step time (max over ranks) and, to break ties, the new sum of rank times.
         others = np.repeat(T[None, :], cand_item.size, axis=0)
@@ -364,3 +386,60 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
         orders[t], _ = order_ranks(fwd.reshape(dp, M, -1)[t], bwd.reshape(dp, M, -1)[t], prof,
                                    init=orders[t])
     return orders
+
+
+def _score_moves(fwd_rows, bwd_rows, src_seq, dst_seq, cand_item, q, r, T, bounded, lb_dst):
+    """1F1B times of the moves of :func:`_rebalance`: ``(t_src [n], t_dst [c])``, where
+    ``t_dst`` is +inf for the candidates that cannot be the best move.
+
+    The best move is the least (new step time, new sum of rank times), first candidate on
+    ties. A move to another rank ``q`` that only adds work there (``bounded``) has a lower
+    bound ``lb_dst`` of its rank's new time; with it in place of that time, both keys are
+    lower bounds too (the same arithmetic on smaller inputs: sums and maxima are monotone,
+    rounding included). Candidates are timed in chunks in the order of those bounds; a candidate
+    whose bounds exceed a timed candidate's keys cannot win and is not timed. The winner
+    and its times are those of timing every candidate (``tests/batching/test_sab_pinned.py``).
+
+    Args:
+        fwd_rows, bwd_rows: table of micro-batch stage times (:func:`step_ms_rows`).
+        src_seq: [n, M] the slowest rank ``r`` without each item; dst_seq: [c, M] the
+            destination rank of each candidate with its item (both bins changed for a
+            move inside rank r); cand_item: [c] item of each candidate; q: [c] its
+            destination rank; T: [dp] current rank times; bounded: [c] bool, the
+            candidates that ``lb_dst`` [c] bounds (the others are all timed).
+    """
+    t_src = step_ms_rows(fwd_rows, bwd_rows, src_seq)
+    c = cand_item.size
+    n2 = np.arange(c)
+    t_dst = np.full(c, np.inf)
+    same = q == r
+    lb = np.repeat(T[None, :], c, axis=0)
+    lb[n2, r] = t_src[cand_item]
+    lb[n2, q] = np.where(bounded, lb_dst, lb[n2, q])
+    lb_step, lb_sum = lb.max(axis=1), lb.sum(axis=1)
+    timed = ~bounded  # e.g. moves inside rank r: one bin gets lighter
+    todo = np.flatnonzero(bounded)
+    todo = todo[np.lexsort((todo, lb_sum[todo], lb_step[todo]))]
+    first = todo[:max(T.size, 32)]
+    timed[first] = True
+    todo = todo[first.size:]
+    while True:
+        new = np.flatnonzero(timed & np.isinf(t_dst))
+        if new.size:
+            t_dst[new] = step_ms_rows(fwd_rows, bwd_rows, dst_seq[new])
+        done = np.flatnonzero(timed)
+        o = np.repeat(T[None, :], done.size, axis=0)
+        o[np.arange(done.size), r] = np.where(same[done], t_dst[done], t_src[cand_item[done]])
+        o[np.arange(done.size), q[done]] = t_dst[done]
+        st, su = o.max(axis=1), o.sum(axis=1)
+        j = int(np.lexsort((su, st))[0])
+        b_step, b_sum = st[j], su[j]
+        # Sums of [c, dp] and [timed, dp] rows: allow for a different summation order.
+        keep = (lb_step[todo] < b_step) | ((lb_step[todo] == b_step)
+                                           & (lb_sum[todo] <= b_sum * (1 + 1e-12)))
+        todo = todo[keep]
+        if todo.size == 0:
+            return t_src, t_dst
+        nxt = todo[:max(todo.size // 4, 64)]
+        timed[nxt] = True
+        todo = todo[nxt.size:]
