@@ -31,8 +31,14 @@ demo: build
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The suite on every core: pytest-xdist workers take whole test files, the slowest first
+# (tests/conftest.py), one thread each. The repository's modules are byte-compiled once
+# first: with PYTHONDONTWRITEBYTECODE set, each of the suite's few hundred Python
+# processes would otherwise compile them again (~0.6 s a process).
+TEST_WORKERS ?= auto
 test: build lint
-	$(PY) -m pytest -q tests
+	$(PY) -m compileall -q -j 0 megatron sparsebalance tools benchmarks tests examples > /dev/null
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # On a CUDA machine whose python3 has torch + triton (no venv, no internet): the evidence
 # chain of benchmarks/gpu_check.py; wheels from .whl/ (made by gpu-prep) installed offline.

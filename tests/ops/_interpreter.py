@@ -4,9 +4,10 @@ TRITON_INTERPRET must be set before triton is imported, so a module that tests k
 under the interpreter re-runs itself in a child pytest with the variable set. Each such
 module calls :func:`register` when it is collected; the first :func:`run` starts every
 registered child at once (each is one busy core, mostly Python), so two modules cost
-the longer of the two instead of their sum. Output goes to files, not pipes, so a child
-never blocks on a full pipe while another is awaited; children nobody awaited are ended
-at exit."""
+the longer of the two instead of their sum; under pytest-xdist each worker starts only its
+own module's child, and the workers run the modules side by side. Output goes to files,
+not pipes, so a child never blocks on a full pipe while another is awaited; children
+nobody awaited are ended at exit."""
 
 from __future__ import annotations
 
@@ -28,11 +29,16 @@ def register(path: str, **extra_env: str) -> None:
     _env[os.path.abspath(path)] = {"TRITON_INTERPRET": "1", **extra_env}
 
 
+def _child_env(path: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    return dict(env, **_env[path])
+
+
 def _start(path: str) -> None:
     fd, _logs[path] = tempfile.mkstemp(prefix="interp-", suffix=".log")
     with os.fdopen(fd, "w") as out:
         _procs[path] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
-                                        env=dict(os.environ, **_env[path]), cwd=REPO, stdout=out,
+                                        env=_child_env(path), cwd=REPO, stdout=out,
                                         stderr=subprocess.STDOUT)
 
 
@@ -40,7 +46,9 @@ def run(path: str, timeout: float = 900) -> Tuple[int, str]:
     """(exit status, output) of ``path``'s child pytest; starts every registered child not
     yet started."""
     path = os.path.abspath(path)
-    for other in _env:
+    # Under pytest-xdist each worker takes whole files, so another worker runs the other
+    # modules' children: start only this one.
+    for other in ([path] if os.environ.get("PYTEST_XDIST_WORKER") else _env):
         if other not in _procs:
             _start(other)
     p = _procs[path]
