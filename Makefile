@@ -38,7 +38,7 @@ lint: $(STAMP)
 TEST_WORKERS ?= auto
 test: build lint
 	$(PY) -m compileall -q -j 0 megatron sparsebalance tools benchmarks tests examples > /dev/null
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # On a CUDA machine whose python3 has torch + triton (no venv, no internet): the evidence
 # chain of benchmarks/gpu_check.py; wheels from .whl/ (made by gpu-prep) installed offline.
