@@ -225,16 +225,21 @@ def check_args(a) -> None:
                                                                        a.sb_cost_model or "h100-analytic"]
 
 
+def _read_json(path: str, flag: str):
+    """The JSON file ``path`` given to ``flag``, or one usage error line."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        fail(f"{flag}: cannot read {path} ({e.strerror})")
+    except ValueError as e:
+        fail(f"{flag}: {path} is not JSON ({e})")
+
+
 def read_density_study(path: str, tau0: float, block_size: int) -> list:
     """The documents of the sparsity study at ``path`` measured at ``tau0`` (per-head counts, each
     with ``_density``), or one usage error line naming what is wrong with it."""
-    try:
-        with open(path) as f:
-            study = json.load(f)
-    except OSError as e:
-        fail(f"--density-study: cannot read {path} ({e.strerror})")
-    except ValueError as e:
-        fail(f"--density-study: {path} is not JSON ({e})")
+    study = _read_json(path, "--density-study")
     if not isinstance(study, dict) or not isinstance(study.get("documents"), list):
         fail(f"--density-study: {path} is not a sparsity study (no documents)")
     block = (study.get("config") or {}).get("block_size")
@@ -255,13 +260,7 @@ def read_density_study(path: str, tau0: float, block_size: int) -> list:
 
 def read_study(path: str) -> dict:
     """The sensitivity study, or one usage error line naming what is wrong with it."""
-    try:
-        with open(path) as f:
-            study = json.load(f)
-    except OSError as e:
-        fail(f"--sensitivity-study: cannot read {path} ({e.strerror})")
-    except ValueError as e:
-        fail(f"--sensitivity-study: {path} is not JSON ({e})")
+    study = _read_json(path, "--sensitivity-study")
     docs = study.get("documents") if isinstance(study, dict) else None
     if not isinstance(docs, list) or not any(isinstance(d, dict) and d.get("loss_delta") is not None
                                              and "length" in d for d in docs):
@@ -616,25 +615,16 @@ def loss_part(a, model, vocab: int) -> dict:
         if name != "dense":
             d = np.array(per[name]["loss"]) - np.array(per["dense"]["loss"])
             per[name]["minus_dense"] = paired_interval(d, weights, seed=a.seed)
-    static0 = per[f"static-k{a.topk}"]
     eq_report = {}
-    for arm in eq_arms:
-        pp = arm.name.split("-")[1]
-        cell = equal_time_entry(per[arm.name]["loss"], static0["loss"], weights, per[arm.name]["kept_pairs"],
-                                static0["kept_pairs"], seed=a.seed)
-        p = plans[arm.name]
-        cell.update(planned_step_ms=p["step_ms"], static_planned_step_ms=p["static_step_ms"],
-                    planned_pairs_over_static=p["planned_attn"] / p["static_planned_attn"])
-        eq_report[pp] = {"topk": cell}
-    static_tau = per["threshold"]
-    for arm in tau_arms:
-        pp = arm.name.split("-")[1]
-        cell = equal_time_entry(per[arm.name]["loss"], static_tau["loss"], weights, per[arm.name]["kept_pairs"],
-                                static_tau["kept_pairs"], seed=a.seed)
-        p = plans[arm.name]
-        cell.update(planned_step_ms=p["step_ms"], static_planned_step_ms=p["static_step_ms"],
-                    planned_pairs_over_static=p["planned_attn"] / p["static_planned_attn"])
-        eq_report[pp]["threshold"] = cell
+    statics = (("topk", eq_arms, per[f"static-k{a.topk}"]), ("threshold", tau_arms, per["threshold"]))
+    for routing, arms, static in statics:
+        for arm in arms:  # DST at the static arm's planned step time, against that arm
+            cell = equal_time_entry(per[arm.name]["loss"], static["loss"], weights, per[arm.name]["kept_pairs"],
+                                    static["kept_pairs"], seed=a.seed)
+            p = plans[arm.name]
+            cell.update(planned_step_ms=p["step_ms"], static_planned_step_ms=p["static_step_ms"],
+                        planned_pairs_over_static=p["planned_attn"] / p["static_planned_attn"])
+            eq_report.setdefault(arm.name.split("-")[1], {})[routing] = cell
     out = {"arms": per, "sb_minus_static": {arm.name: diffs[arm.name] for arm in sb_arms},
            "equal_step_time": eq_report, "threshold_density": density_info,
            "plans": {n: {k: np.asarray(v).tolist() if k in ("budget", "tau") else v for k, v in p.items()}

@@ -99,3 +99,21 @@ def balancer_config(pp=2, policy="critical-path", plan_ahead=True, topk=4, topk_
                                dst=DSTConfig(policy=policy, topk_min=topk_min, topk_max=topk_max,
                                              plan_ahead=plan_ahead, **dst),
                                parallel=ParallelConfig(pp=pp))
+
+
+def parsed(quiet, *flags, world_size=1):
+    """The driver's resolved arguments for ``quiet`` + ``flags``."""
+    from megatron.training.arguments import parse_args
+
+    return parse_args([*quiet, *flags], world_size=world_size)
+
+
+def refused_line(capsys, quiet, *flags, world_size=1) -> str:
+    """The one error line (exit 2) the driver's parse gives ``quiet`` + ``flags``."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        parsed(quiet, *flags, world_size=world_size)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    return lines[0]

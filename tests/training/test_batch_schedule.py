@@ -8,8 +8,7 @@ equal Megatron-LM's (parse only). The reference below is written from Megatron-L
 
 import pytest
 import torch
-
-from megatron.training.arguments import parse_args
+from conftest import parsed, refused_line
 
 QUIET = ["--mock-data", "--tokenizer-type", "ByteTokenizer", "--transformer-impl", "local", "--lr", "1e-3",
          "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--weight-decay-incr-style", "linear",
@@ -36,15 +35,11 @@ def upstream_batches(schedule, seq_length, train_iters=None, train_samples=None)
 
 
 def resolve(*flags, world_size=1):
-    return parse_args([*QUIET, *flags], world_size=world_size)
+    return parsed(QUIET, *flags, world_size=world_size)
 
 
 def refused(capsys, *flags, world_size=1):
-    with pytest.raises(SystemExit) as e:
-        parse_args([*QUIET, *flags], world_size=world_size)
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert e.value.code == 2 and len(lines) == 1, lines
-    return lines[0]
+    return refused_line(capsys, QUIET, *flags, world_size=world_size)
 
 
 def test_release_config_trains_its_first_batch_throughout():

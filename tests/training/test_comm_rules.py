@@ -6,23 +6,18 @@ deferral), ``TransformerConfig`` (per-layer CP types) and ``parallel_state`` /
 ``DistributedDataParallel`` (partial distributed optimizer)."""
 
 import pytest
-
-from megatron.training.arguments import parse_args
+from conftest import parsed, refused_line
 
 QUIET = ["--mock-data", "--tokenizer-type", "ByteTokenizer", "--transformer-impl", "local", "--num-layers", "4",
          "--untie-embeddings-and-output-weights"]
 
 
 def resolve(*flags, world_size=1):
-    return parse_args([*QUIET, *flags], world_size=world_size)
+    return parsed(QUIET, *flags, world_size=world_size)
 
 
 def refused(capsys, *flags, world_size=1):
-    with pytest.raises(SystemExit) as e:
-        parse_args([*QUIET, *flags], world_size=world_size)
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert e.value.code == 2 and len(lines) == 1, lines
-    return lines[0]
+    return refused_line(capsys, QUIET, *flags, world_size=world_size)
 
 
 CP4 = ["--context-parallel-size", "4"]

@@ -5,7 +5,7 @@ interval and ratio; retrieval's Wilson interval and paired gap. Planning only (n
 
 import numpy as np
 import pytest
-from test_real_accuracy_sens import LENGTHS, SMOLLM2_FLAGS, VOCAB
+from test_real_accuracy_sens import LENGTHS, VOCAB
 
 from benchmarks import real_accuracy as R
 from benchmarks.harness.compare.real_arms import Arm, arm_pairs, equal_time_entry, paired_gap, wilson_interval
@@ -13,15 +13,6 @@ from benchmarks.harness.compare.real_arms import Arm, arm_pairs, equal_time_entr
 # `make real-accuracy`'s 4,096-token packing: one 3,949-token document is the straggler.
 LENGTHS_4K = [[3949], [1200, 1800, 1000], [2500, 1500], [4096], [900, 1100, 1300, 700], [3000, 1000],
               [2000, 2000], [1024, 1024, 1024, 1024]]
-
-
-@pytest.fixture(scope="module")
-def args(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckpt")
-    (d / "model_flags.txt").write_text(SMOLLM2_FLAGS)
-    a = R.build_parser().parse_args(["--load", str(d), "--num-microbatches", "0", "--num-samples", "0"])
-    R.check_args(a)
-    return a
 
 
 @pytest.mark.parametrize("lengths", [LENGTHS, LENGTHS_4K], ids=["2k", "4k"])

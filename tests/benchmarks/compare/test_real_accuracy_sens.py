@@ -19,15 +19,6 @@ VOCAB = 49152
 LENGTHS = [[2048], [1901], [2048], [2048], [2048], [1542], [1503], [559, 715], [1017, 553], [760], [2023], [2048]]
 
 
-@pytest.fixture(scope="module")
-def args(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckpt")
-    (d / "model_flags.txt").write_text(SMOLLM2_FLAGS)
-    a = R.build_parser().parse_args(["--load", str(d), "--num-microbatches", "0", "--num-samples", "0"])
-    R.check_args(a)
-    return a
-
-
 def _weights(seed):
     return np.exp(np.random.default_rng(seed).normal(0.0, 1.5, len(LENGTHS)))
 

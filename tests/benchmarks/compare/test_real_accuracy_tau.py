@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_real_accuracy_sens import LENGTHS, SMOLLM2_FLAGS, VOCAB
+from test_real_accuracy_sens import LENGTHS, VOCAB
 
 from benchmarks import real_accuracy as R
 from benchmarks.harness.compare.real_arms import Arm, arm_pairs
@@ -22,15 +22,6 @@ from sparsebalance.config import default_ladder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path[:0] = [os.path.join(REPO, "benchmarks"), os.path.join(REPO, "tests", "checkpoint")]
-
-
-@pytest.fixture(scope="module")
-def args(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckpt")
-    (d / "model_flags.txt").write_text(SMOLLM2_FLAGS)
-    a = R.build_parser().parse_args(["--load", str(d), "--num-microbatches", "0", "--num-samples", "0"])
-    R.check_args(a)
-    return a
 
 
 def test_arm_takes_its_stage_tau_per_layer_and_routing_tells_equal_forwards():
