@@ -132,6 +132,24 @@ def _levels(pred: np.ndarray, N: int) -> Tuple[np.ndarray, ...]:
     return tuple(out)
 
 
+def finish_in_levels(g: Graph, d: np.ndarray, p2p_ms: float) -> np.ndarray:
+    """Earliest finish ``[N + 1, B]`` of durations ``d`` ``[N, B]``, both with rows in the
+    graph's level order (``dur[g.perm]``); row N is the zero sentinel. The forward pass of
+    :func:`earliest`, which ``step_ms`` uses alone (it needs no start times)."""
+    N, B = d.shape
+    ef = np.empty((N + 1, B))
+    ef[N] = 0.0
+    p0, p1 = g.ppred[:, 0], g.ppred[:, 1]
+    lag = g.hop[g.perm] * float(p2p_ms)
+    for a, b in g.bounds:
+        x = ef[p1[a:b]]
+        if p2p_ms:  # x + 0.0 is x for the times here (>= +0): skip the add
+            x += lag[a:b, None]
+        np.maximum(ef[p0[a:b]], x, out=ef[a:b])
+        ef[a:b] += d[a:b]
+    return ef
+
+
 def earliest(g: Graph, dur: np.ndarray, p2p_ms: float) -> Tuple[np.ndarray, np.ndarray]:
     """Earliest start and finish, each ``[N + 1, B]`` (row N is a zero sentinel).
 
@@ -140,12 +158,7 @@ def earliest(g: Graph, dur: np.ndarray, p2p_ms: float) -> Tuple[np.ndarray, np.n
         p2p_ms: latency of one hop between ranks, in ms.
     """
     N, B = dur.shape
-    d = dur[g.perm]
-    lag = (g.hop[g.perm] * float(p2p_ms))[:, None]
-    ef = np.zeros((N + 1, B))
-    p0, p1 = g.ppred[:, 0], g.ppred[:, 1]
-    for a, b in g.bounds:
-        ef[a:b] = np.maximum(ef[p0[a:b]], ef[p1[a:b]] + lag[a:b]) + d[a:b]
+    ef = finish_in_levels(g, dur[g.perm], p2p_ms)
     out_f = np.zeros((N + 1, B))
     out_f[g.perm] = ef[:N]
     out_s = out_f.copy()

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .graph import Graph, build_graph, earliest, latest
+from .graph import Graph, build_graph, earliest, finish_in_levels, latest
 
 PHASES = ("F", "B")
 _TOL = 1e-9
@@ -281,19 +281,6 @@ def _level_rows(g: Graph) -> np.ndarray:
 
 def _finish_ms(g: Graph, nodes: np.ndarray, p2p_ms: float) -> np.ndarray:
     """Latest finish ``[B]`` of op durations ``nodes`` ``[N, B]`` (rows in the engine's
-    level order, :func:`_level_rows`): the step time of
-    :func:`~sparsebalance.pipeline.graph.earliest`, with the same sums and maxima in the
-    same order (so the same floats), without the start times and the copies back to node
-    order that :func:`simulate` needs and ``step_ms`` does not."""
-    N, B = nodes.shape
-    ef = np.empty((N + 1, B))
-    ef[N] = 0.0
-    p0, p1 = g.ppred[:, 0], g.ppred[:, 1]
-    lag = g.hop[g.perm] * float(p2p_ms)
-    for a, b in g.bounds:
-        x = ef[p1[a:b]]
-        if p2p_ms:  # x + 0.0 is x for the times here (>= +0): skip the add
-            x += lag[a:b, None]
-        np.maximum(ef[p0[a:b]], x, out=ef[a:b])
-        ef[a:b] += nodes[a:b]
-    return ef[:N].max(axis=0)
+    level order, :func:`_level_rows`): the step time of :func:`earliest`, without the start
+    times and the copies back to node order that :func:`simulate` needs."""
+    return finish_in_levels(g, nodes, p2p_ms)[:-1].max(axis=0)
