@@ -7,3 +7,5 @@ The scripts are run as files; they put the repository root (and tools/, for the 
 tools they reuse) on ``sys.path``. The harness sits above the driver and the tools: nothing
 in sparsebalance/, megatron/training/ or tools/ imports it (tests/test_layers.py).
 """
+
+import megatron.training  # noqa: E402,F401  (first: megatron-core's fusion compiles are deferred, see its __init__)

@@ -27,7 +27,7 @@ import sys
 import traceback
 import warnings
 
-PRELOAD = ("numpy", "torch", "megatron.core")
+PRELOAD = ("megatron.training", "numpy", "torch", "megatron.core")
 
 
 def _exit_code(code) -> int:
@@ -113,10 +113,13 @@ class WarmRunner:
 
 def main() -> None:
     pristine = warnings.filters[:]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.append(root)  # for megatron.training only: each child sets its own sys.path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in PRELOAD:
             __import__(name)
+    sys.path.remove(root)
     warnings.filters[:] = pristine
     replies = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:

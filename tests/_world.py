@@ -46,9 +46,10 @@ from _warm_runner import _exit_code, redirect_output  # this file's directory is
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCOPES = ("sparsebalance", "megatron", "pretrain_gpt")
 """Modules whose globals (and classes' attributes) are put back after every job."""
-PRELOAD = ("numpy", "torch", "megatron.core", "megatron.core.pipeline_parallel.schedules",
+PRELOAD = ("megatron.training", "numpy", "torch", "megatron.core", "megatron.core.pipeline_parallel.schedules",
            "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.models.gpt", "pretrain_gpt")
-"""Imported at a worker's start, with every module of ``sparsebalance`` and ``megatron.training``."""
+"""Imported at a worker's start, with every module of ``sparsebalance`` and ``megatron.training``
+(``megatron.training`` first: megatron-core's fusion compiles are then deferred, see its ``__init__``)."""
 FAILED_GRACE_S = 30
 """How long the other ranks of a job get to finish after one rank failed."""
 OWN = ("sparsebalance", "megatron.training", "pretrain_gpt")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-
+import megatron.training  # noqa: E402,F401  (before megatron-core: its fusion compiles are deferred)
 
 # The slowest test files (``pytest --durations`` on the 2-core machine, docs/results.md "Test
 # suite timing"), slowest first. ``make test`` runs two pytest workers, each taking whole files

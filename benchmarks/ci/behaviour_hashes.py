@@ -30,7 +30,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 PY = sys.executable
 WORKER = os.path.join(REPO, "tests", "training", "_fault_worker.py")
-FAST_START = os.path.join(REPO, "tests", "training", "_fast_start.py")
 # test_exact_resume.py's FLAGS over tests/training/conftest.py's TINY
 RUN_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
              "--num-attention-heads", "4", "--seq-length", "256", "--lr", "1e-3", "--log-interval", "1",
@@ -67,7 +66,7 @@ def training_run(tmp: str, corpus: str, name: str, flags) -> dict:
     from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS
 
     dump, summary = os.path.join(tmp, f"dump_{name}"), os.path.join(tmp, f"summary_{name}.json")
-    _run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", FAST_START, WORKER,
+    _run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", WORKER,
           *PROJECT_RUN_FLAGS, *RUN_FLAGS, *flags, "--data-path", corpus, "--summary-json", summary],
          env={**_env(), "SB_TEST_DET_TIMES": "1", "SB_TEST_DUMP": dump})
     steps = {}
@@ -86,7 +85,7 @@ def training_run(tmp: str, corpus: str, name: str, flags) -> dict:
 def training_hashes(tmp: str) -> dict:
     """The sparse-balance run's hashes, and the dense arms' packing and loss hashes."""
     corpus = os.path.join(tmp, "tiny")
-    _run([PY, FAST_START, os.path.join(REPO, "tools", "make_corpus.py"), "--output-prefix", corpus,
+    _run([PY, os.path.join(REPO, "tools", "make_corpus.py"), "--output-prefix", corpus,
           "--num-docs", "300", "--max-length", "384", "--quantile", "0.99"])
     out = training_run(tmp, corpus, "sparse-balance", SPARSE_FLAGS)
     for name, flags in DENSE_ARMS.items():

@@ -91,15 +91,15 @@ def worker() -> None:
 
 
 def main() -> int:
-    from benchmarks.ci.behaviour_hashes import FAST_START, PY, RUN_FLAGS, SPARSE_FLAGS, _env, _run
+    from benchmarks.ci.behaviour_hashes import PY, RUN_FLAGS, SPARSE_FLAGS, _env, _run
     from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS
 
     with tempfile.TemporaryDirectory(prefix="step_route_") as tmp:
         corpus = os.path.join(tmp, "tiny")
-        _run([PY, FAST_START, os.path.join(REPO, "tools", "make_corpus.py"), "--output-prefix", corpus,
+        _run([PY, os.path.join(REPO, "tools", "make_corpus.py"), "--output-prefix", corpus,
               "--num-docs", "300", "--max-length", "384", "--quantile", "0.99"])
         flags = [f for f in SPARSE_FLAGS if f not in ("--train-iters", "5")]
-        _run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", FAST_START,
+        _run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
               os.path.abspath(__file__), *PROJECT_RUN_FLAGS, *RUN_FLAGS, *flags, "--data-path", corpus,
               "--train-iters", str(TRACED_STEP + 1)],
              env={**_env(), "SB_ROUTE_OUT": tmp, "SB_ROUTE_WORKER": "1"})

@@ -1,6 +1,6 @@
 """Run a script as ``__main__`` with the real wandb's ``Run.log`` recording its calls.
 
-Usage: ``python _fast_start.py _wandb_calls.py SCRIPT ARGS...``; each ``Run.log(data,
+Usage: ``python _wandb_calls.py SCRIPT ARGS...``; each ``Run.log(data,
 step=...)`` appends ``{"step": ..., "data": ...}`` as one JSON line to ``$SB_TEST_WANDB_CALLS``
 and then logs as usual. Why: wandb offers no reader of an offline run's ``.wandb`` file
 (its Python one was removed; only ``wandb sync`` / the Go core read it), so the tests

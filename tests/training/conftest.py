@@ -1,8 +1,6 @@
 """Fixtures for the driver tests: a tiny corpus and launch helpers.
 
-Every launch uses OMP_NUM_THREADS=1 and the tiny GPT of :data:`TINY`, and runs its
-script through ``_fast_start.py`` (:func:`command`: the script runs unchanged, with
-megatron-core's import-time ``torch.compile`` wrappers built on first use).
+Every launch uses OMP_NUM_THREADS=1 and the tiny GPT of :data:`TINY`.
 """
 
 import json
@@ -20,7 +18,6 @@ from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 PY = sys.executable
 HARNESS = os.path.join(ROOT, "tests", "training", "_harness.py")
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
-FAST_START = os.path.join(ROOT, "tests", "training", "_fast_start.py")
 
 TINY = [*PROJECT_RUN_FLAGS, "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
         "--num-attention-heads", "4", "--seq-length", "256", "--global-batch-size", "4",
@@ -35,8 +32,8 @@ def env():
 
 
 def command(script, args=()):
-    """``python SCRIPT ARGS`` through ``_fast_start.py`` (same run, cheaper start-up)."""
-    return [PY, FAST_START, script, *args]
+    """``python SCRIPT ARGS``."""
+    return [PY, script, *args]
 
 
 def torchrun(script, args=(), nproc=2):

@@ -217,8 +217,7 @@ def measure_configs(tokens: int, docs: int = 1, configs=("none", "full"), model=
 
     ``MALLOC_MMAP_THRESHOLD_`` makes glibc hand every allocation above 128 KiB back to
     the system when freed, so the peak RSS follows the live tensors instead of what
-    malloc's arenas kept from earlier ones. The processes start through
-    ``_fast_start.py`` (same run, cheaper megatron-core import; see that file).
+    malloc's arenas kept from earlier ones.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -227,7 +226,7 @@ def measure_configs(tokens: int, docs: int = 1, configs=("none", "full"), model=
         env.pop(k, None)
 
     def measure(name):
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "_fast_start.py"), os.path.abspath(__file__),
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__),
                                "measure", *model, *MEMORY_CONFIGS[name], "--tokens", str(tokens),
                                "--docs", str(docs)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -361,6 +360,8 @@ if __name__ != "__main__":
 
 
 if __name__ == "__main__":
+    import megatron.training  # noqa: F401  (before megatron-core: its fusion compiles deferred)
+
     mode, rest = sys.argv[1], sys.argv[2:]
     if mode == "worker":
         _worker(rest)
