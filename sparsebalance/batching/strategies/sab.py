@@ -273,16 +273,24 @@ def pack_sab(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packin
             win, assign, extra = settle(win, stream, ctx, assign_fn)
     win, assign, (li, prof) = occupy_empty_bins(win, assign, extra, stream, ctx, assign_fn)
     orders = _rebalance(cost, li, win.length, assign, ctx, prof,
-                        int(ctx.options.get("sab_moves", 8)))
+                        int(ctx.options.get("sab_moves", 8)),
+                        int(ctx.options.get("sab_moves_uneven", 56)))
     mb_order = [r * M + int(j) for r in range(dp) for j in orders[r]]
     return finish(win, assign, ctx, mb_order)
 
 
 def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
-               ctx: PackContext, prof: np.ndarray, max_moves: int,
+               ctx: PackContext, prof: np.ndarray, max_moves: int, uneven_moves: int = 0,
                max_items: int = 24) -> np.ndarray:
     """Order every rank, then move single items off the slowest rank while that lowers
     (step time, sum of rank times) lexicographically. Updates ``assign`` in place.
+
+    ``max_moves`` moves at most, plus up to ``uneven_moves`` more while the slowest rank is
+    more than 10% above the fastest rank: a step whose time is set by a long document
+    (dense attention, M close to PP: the outlier queue could not give every replica one)
+    leaves the other replicas idle, and each move shifts a short document off the slow
+    replicas into that idle room. Balanced steps (most steps, and every step at large M)
+    stop at ``max_moves``, so their planning time is unchanged.
 
     Each round evaluates every (item of the slowest rank, other bin with token room)
     move (at most ``max_items`` items, spread over the cost order) at once with the
@@ -302,7 +310,9 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
     fwd, bwd = cost.stage_times(layer, tok)
     orders, T = order_ranks(fwd.reshape(dp, M, -1), bwd.reshape(dp, M, -1), prof)
     touched: set = set()
-    for _ in range(max_moves):
+    for it in range(max_moves + uneven_moves):
+        if it >= max_moves and T.max() <= 1.1 * T.min():
+            break
         r = int(np.argmax(T))
         items = np.flatnonzero((assign >= 0) & (assign // M == r))
         if items.size == 0:
