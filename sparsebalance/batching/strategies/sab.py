@@ -61,6 +61,7 @@ from sparsebalance.batching.strategies.common import (
     settle,
 )
 from sparsebalance.batching.strategies.outlier_queue import choose_holds, hold_candidates
+from sparsebalance.batching.strategies.slack_fill import fill_slack
 from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.pipeline import simulate, step_ms_rows, step_ms_scaled
 
@@ -275,6 +276,7 @@ def pack_sab(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packin
     orders = _rebalance(cost, li, win.length, assign, ctx, prof,
                         int(ctx.options.get("sab_moves", 8)),
                         int(ctx.options.get("sab_moves_uneven", 56)))
+    win, assign, li = fill_slack(win, assign, orders, li, cost, ctx, stream)
     mb_order = [r * M + int(j) for r in range(dp) for j in orders[r]]
     return finish(win, assign, ctx, mb_order)
 
