@@ -35,6 +35,12 @@ Steps of one plan:
    1F1B model while they lower (step time, sum of rank times); re-order touched ranks.
    A move never takes a micro-batch's last item: emptying the first micro-batch
    shortens the 1F1B fill, but wastes a slot of the step that a waiting item could use.
+   While the slowest rank is more than 10% above the fastest (a step set by a long
+   document), up to ``sab_moves_uneven`` (default 56) further moves shift short documents
+   off the slow replicas into the idle ones.
+6. Fill: in such an uneven step the next stream items go into the idle replicas' token
+   room while none raises the step time
+   (:mod:`~sparsebalance.batching.strategies.slack_fill`).
 
 Held items and items that fit nowhere are carried, bounded by ``max_carry_steps`` (no
 item waits more steps; once the epoch's stream is exhausted every carried item is
