@@ -146,6 +146,9 @@ def main(argv=None) -> None:
     p.add_argument("--sparse-topk", type=int, default=32)
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--sim-steps", type=int, default=6)
+    p.add_argument("--max-carry-steps", type=int, default=2,
+                   help="longest wait of a deferred document, steps, for every arm (default 2)")
+    p.add_argument("--ms", default="pp,2pp,32", help="micro-batches per replica: any of pp, 2pp, 32")
     p.add_argument("--out", required=True, help="JSON list of cells (cells already in it are kept)")
     p.add_argument("--markdown", default=None, help="only write the table of --out's cells to this file")
     a = p.parse_args(argv)
@@ -153,6 +156,11 @@ def main(argv=None) -> None:
         with open(a.markdown, "w") as fh:
             fh.write(render(json.load(open(a.out))))
         return
+    ms_set = a.ms.split(",")
+    if not ms_set or any(m not in ("pp", "2pp", "32") for m in ms_set):
+        raise SystemExit(f"smallm_grid: --ms takes pp, 2pp, 32, got {a.ms!r}")
+    if a.max_carry_steps < 0:
+        raise SystemExit(f"smallm_grid: --max-carry-steps must be >= 0, got {a.max_carry_steps}")
     files = a.lengths or sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), *[".."] * 3,
                                                        "data", "lengths", "*.json")))
     if not files:
@@ -164,7 +172,7 @@ def main(argv=None) -> None:
     print(f"smallm_grid: OMP_NUM_THREADS={threads}, load average {os.getloadavg()[0]:.2f}", flush=True)
     done = {(c["file"], c["pp"], c["seq_length"], c["M"], c["attention"]) for c in cells}
     pps = [int(x) for x in a.pp.split(",")]
-    todo = [(pp, M, seq, name, att) for ms in ("pp", "2pp", "32") for pp in pps
+    todo = [(pp, M, seq, name, att) for ms in ms_set for pp in pps
             for M in [{"pp": pp, "2pp": 2 * pp, "32": 32}[ms]] if ms != "32" or M > 2 * pp
             for seq in map(int, a.seq_lengths.split(",")) for name in data for att in ("dense", "sparse")]
     for pp, M, seq, name, attention in todo:  # M = PP first: the regime of the issue
@@ -172,11 +180,13 @@ def main(argv=None) -> None:
             continue
         k = -(-seq // a.block_size) if attention == "dense" else a.sparse_topk
         cfg = SimConfig(pp=pp, dp=a.dp, micro_batches=M, steps=a.sim_steps, topk=k,
-                        block_size=a.block_size, model=tuple(MODELS[a.model].items()))
+                        block_size=a.block_size, model=tuple(MODELS[a.model].items()),
+                        max_carry_steps=a.max_carry_steps)
         t0, load0 = time.time(), os.getloadavg()[0]
         ep = {s: epoch_run(data[name], seq, cfg, s) for s in PACKERS}
         row = {"file": name, "model": a.model, "pp": pp, "dp": a.dp, "seq_length": seq, "M": M,
                "attention": attention, "topk": k, "block_size": a.block_size,
+               "max_carry_steps": a.max_carry_steps,
                "epoch": {"speedup_vs_megatron": {s: ep[s]["tokens_per_ms"] / ep["megatron"]["tokens_per_ms"]
                                                  for s in PACKERS}, "arms": ep}}
         if attention == "sparse":

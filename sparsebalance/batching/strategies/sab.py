@@ -35,6 +35,12 @@ Steps of one plan:
    1F1B model while they lower (step time, sum of rank times); re-order touched ranks.
    A move never takes a micro-batch's last item: emptying the first micro-batch
    shortens the 1F1B fill, but wastes a slot of the step that a waiting item could use.
+   While the slowest rank is more than 10% above the fastest (a step set by a long
+   document), up to ``sab_moves_uneven`` (default 56) further moves shift short documents
+   off the slow replicas into the idle ones.
+6. Fill: in such an uneven step the next stream items go into the idle replicas' token
+   room while none raises the step time
+   (:mod:`~sparsebalance.batching.strategies.slack_fill`).
 
 Held items and items that fit nowhere are carried, bounded by ``max_carry_steps`` (no
 item waits more steps; once the epoch's stream is exhausted every carried item is
@@ -61,6 +67,7 @@ from sparsebalance.batching.strategies.common import (
     settle,
 )
 from sparsebalance.batching.strategies.outlier_queue import choose_holds, hold_candidates
+from sparsebalance.batching.strategies.slack_fill import fill_slack
 from sparsebalance.batching.stream import StreamCursor
 from sparsebalance.pipeline import simulate, step_ms_rows, step_ms_scaled
 
@@ -273,16 +280,25 @@ def pack_sab(carried: Carried, stream: StreamCursor, ctx: PackContext) -> Packin
             win, assign, extra = settle(win, stream, ctx, assign_fn)
     win, assign, (li, prof) = occupy_empty_bins(win, assign, extra, stream, ctx, assign_fn)
     orders = _rebalance(cost, li, win.length, assign, ctx, prof,
-                        int(ctx.options.get("sab_moves", 8)))
+                        int(ctx.options.get("sab_moves", 8)),
+                        int(ctx.options.get("sab_moves_uneven", 56)))
+    win, assign, li = fill_slack(win, assign, orders, li, cost, ctx, stream)
     mb_order = [r * M + int(j) for r in range(dp) for j in orders[r]]
     return finish(win, assign, ctx, mb_order)
 
 
 def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
-               ctx: PackContext, prof: np.ndarray, max_moves: int,
+               ctx: PackContext, prof: np.ndarray, max_moves: int, uneven_moves: int = 0,
                max_items: int = 24) -> np.ndarray:
     """Order every rank, then move single items off the slowest rank while that lowers
     (step time, sum of rank times) lexicographically. Updates ``assign`` in place.
+
+    ``max_moves`` moves at most, plus up to ``uneven_moves`` more while the slowest rank is
+    more than 10% above the fastest rank: a step whose time is set by a long document
+    (dense attention, M close to PP: the outlier queue could not give every replica one)
+    leaves the other replicas idle, and each move shifts a short document off the slow
+    replicas into that idle room. Balanced steps (most steps, and every step at large M)
+    stop at ``max_moves``, so their planning time is unchanged.
 
     Each round evaluates every (item of the slowest rank, other bin with token room)
     move (at most ``max_items`` items, spread over the cost order) at once with the
@@ -302,7 +318,9 @@ def _rebalance(cost, li: np.ndarray, length: np.ndarray, assign: np.ndarray,
     fwd, bwd = cost.stage_times(layer, tok)
     orders, T = order_ranks(fwd.reshape(dp, M, -1), bwd.reshape(dp, M, -1), prof)
     touched: set = set()
-    for _ in range(max_moves):
+    for it in range(max_moves + uneven_moves):
+        if it >= max_moves and T.max() <= 1.1 * T.min():
+            break
         r = int(np.argmax(T))
         items = np.flatnonzero((assign >= 0) & (assign // M == r))
         if items.size == 0:
