@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
-from megatron.training import arg_checks, comm_rules, pipeline_layout, yarn
+from megatron.training import arg_checks, comm_rules, families, pipeline_layout, yarn
 from megatron.training.arg_checks import UsageError, has_cuda
 from sparsebalance.batching.strategies import STRATEGIES
 from sparsebalance.tuning.policies import DST_POLICIES as DST_POLICY_REGISTRY
@@ -672,6 +672,7 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False,
     _model_flags(p)
     _sparse_attention_flags(p)
     _parallel_flags(p)
+    families.add_flags(p)
     _recompute_flags(p)
     _loss_flags(p)
     _batching_flags(p)
@@ -730,6 +731,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     """Check cross-flag consistency and fill derived fields; raises :class:`UsageError`."""
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     split_given = args.split is not None
+    args.compat_warnings = list(getattr(args, "compat_warnings", None) or [])
+    families.validate(args, ws)
     arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
     arg_checks.validate_wandb(args)

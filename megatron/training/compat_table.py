@@ -350,7 +350,6 @@ FAMILIES: List[Tuple[str, str]] = [
 ]
 NEUTRAL: Dict[str, str] = {
     "--expert-model-parallel-size": "1",
-    "--expert-tensor-parallel-size": "1",
     "--num-experts": "0",
     "--mtp-num-layers": "0",
     "--timing-log-level": "0",
