@@ -15,7 +15,7 @@ import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
 from megatron.training import arg_checks, comm_rules, families, pipeline_layout, yarn
-from megatron.training.arg_checks import UsageError, has_cuda
+from megatron.training.arg_checks import UsageError
 from sparsebalance.batching.strategies import STRATEGIES
 from sparsebalance.tuning.policies import DST_POLICIES as DST_POLICY_REGISTRY
 
@@ -744,10 +744,6 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"world size {ws} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}")
     args.world_size = ws
     args.data_parallel_size = dp = ws // (tp * pp * cp)
-    if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not has_cuda()):
-        raise UsageError("tied embeddings (Megatron-LM's default) with --pipeline-model-parallel-size > 1 "
-                         "need CUDA (megatron-core syncs them across stages on the GPU); add "
-                         "--untie-embeddings-and-output-weights or use PP=1")
     if pp > args.num_layers:
         raise UsageError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {args.num_layers}")
     arg_checks.validate_pipeline_layout(args)

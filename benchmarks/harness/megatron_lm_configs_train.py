@@ -1,0 +1,216 @@
+"""Train every Megatron-LM GPT functional-test config ``pretrain_gpt.py`` accepts, 2 iterations on CPU.
+
+The configs harness (:mod:`benchmarks.harness.megatron_lm_configs`) judges each config's whole
+line; this one runs it: each config accepted with ``--cuda`` (as on the target), minus the flags
+refused here for missing hardware (``--bf16``, ``--fp16``, ``nccl``: the CPU trains in fp32),
+with its sizes shrunk (:func:`shrink`: hidden size 8 per head and at least 64, sequence 128,
+micro-batch 1 with the same number of micro-batches per step, 2 iterations, 1 evaluation
+batch; layers, heads, parallel layout and every other flag as the config gives them), is
+launched as ``torchrun --nproc-per-node N pretrain_gpt.py ...`` on the config's world of ranks
+(:func:`~benchmarks.harness.megatron_lm_configs.world_size`), on a small indexed dataset and
+the stand-in GPT-2 vocabulary of the configs harness. A config passes when every rank exits 0
+and rank 0's summary has 2 iterations of finite loss; else its one-line reason (the last error
+line). Configs whose shrunk lines are identical (``_1node`` twins, logging-only differences)
+run once and share the verdict. The ranks are warm processes (``tests/_world.py``: each job
+runs the script as torchrun runs it, with torch and megatron-core imported once, not per
+rank per config); ``--cold`` starts real torchrun processes instead. Prints JSON (and writes
+it to ``--out``)::
+
+    .venv/bin/python -m benchmarks.harness.megatron_lm_configs_train --megatron-lm /tmp/Megatron-LM \\
+        --out results/megatron_lm_configs_train.json          # ~1 h on 2 CPU cores
+    .venv/bin/python -m benchmarks.harness.megatron_lm_configs_train --megatron-lm /tmp/Megatron-LM \\
+        --only gpt3_mcore_te_tp2_pp2_mla                       # one config
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.harness.megatron_lm_configs import NOT_TRAINING, _dataset, config_argv, config_flags, world_size
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEQ = 128
+"""Shrunk --seq-length (and --max-position-embeddings)."""
+ITERS = 2
+
+
+def shrink(flags: list, iters: int = ITERS) -> list:
+    """The config's ``[(flag, values)]`` at CPU sizes (module docstring); other flags unchanged."""
+    given = dict(flags)
+
+    def num(flag, default):
+        try:
+            return int(float((given.get(flag) or [default])[0]))
+        except ValueError:
+            return int(default)
+
+    heads = num("--num-attention-heads", 8)
+    hidden = heads * max(8, math.ceil(64 / heads))
+    mbs, gbs = num("--micro-batch-size", 1), given.get("--global-batch-size")
+    new = {
+        "--hidden-size": [str(hidden)],
+        "--seq-length": [str(SEQ)],
+        "--micro-batch-size": ["1"],
+        "--eval-iters": ["1"],
+    }
+    if gbs is not None and "$" not in gbs[0]:
+        new["--global-batch-size"] = [str(max(1, int(gbs[0]) // mbs))]
+    for flag, value in (("--ffn-hidden-size", 2 * hidden), ("--kv-channels", hidden // heads),
+                        ("--max-position-embeddings", SEQ), ("--decoder-seq-length", SEQ)):
+        if flag in given:
+            new[flag] = [str(value)]
+    if "--train-samples" in given:
+        new["--train-samples"] = [str(iters * int(new.get("--global-batch-size", ["1"])[0]))]
+    else:
+        new["--train-iters"] = [str(iters)]
+    out = [(f, new.pop(f, v)) for f, v in flags]
+    return out + sorted(new.items())
+
+
+def accepted_configs(root: str) -> list:
+    """``[(name, runnable flags)]`` of the training configs accepted whole with ``--cuda``."""
+    import yaml
+
+    from megatron.training.launch_check import classify, judge_line
+
+    scratch = tempfile.mkdtemp(prefix="megatron_lm_configs_judge_")
+    data_prefix = _dataset(scratch)
+    out = []
+    for path in sorted(glob.glob(os.path.join(root, "tests", "functional_tests", "test_cases", "gpt", "*",
+                                              "model_config.yaml"))):
+        with open(path, encoding="utf-8") as f:
+            model_args = (yaml.safe_load(f) or {}).get("MODEL_ARGS") or {}
+        if not model_args or any(k in model_args for k in NOT_TRAINING):
+            continue
+        flags = config_flags(model_args)
+        if judge_line(config_argv(flags, scratch, data_prefix), cuda=True, te=True,
+                      world_size=world_size(flags)) is not None:
+            continue
+        runnable = [(r["flag"], r["values"]) for r in classify(flags, cuda=False, te=False)
+                    if r["status"] != "hardware"]
+        out.append((os.path.basename(os.path.dirname(path)), flags, runnable))
+    shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+def _verdict(returncode: int, stdout: str, stderr: str, iters: int) -> tuple:
+    """(passed, reason) of one run."""
+    if returncode:
+        lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+        errors = [ln for ln in lines if re.search(r"error|Error|refused|Traceback", ln)]
+        return False, (errors[-1] if errors else lines[-1] if lines else f"exit {returncode}")[:300]
+    found = [ln for ln in stdout.splitlines() if "SUMMARY_JSON " in ln]
+    if not found:
+        return False, "no SUMMARY_JSON line from rank 0"
+    summary = json.loads(found[-1].split("SUMMARY_JSON ", 1)[1])
+    losses = [x for x in summary.get("losses") or [] if x is not None]
+    if len(losses) != iters or not all(math.isfinite(x) for x in losses):
+        return False, f"losses {summary.get('losses')} (want {iters} finite)"
+    return True, "losses " + ", ".join(f"{x:.4f}" for x in losses)
+
+
+class _Launcher:
+    """Runs one job: warm ranks (tests/_world.py) or a cold torchrun."""
+
+    def __init__(self, cold: bool, io_dir: str, timeout: float):
+        self.cold, self.timeout, self.world = cold, timeout, None
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        self.env = env
+        if not cold:
+            sys.path.insert(0, os.path.join(ROOT, "tests"))
+            from _world import World
+
+            self.world = World(io_dir, env)
+
+    def run(self, argv: list, nproc: int) -> tuple:
+        script = os.path.join(ROOT, "pretrain_gpt.py")
+        try:
+            if self.world is not None:
+                job = self.world.launch(script, argv, nproc=nproc, timeout=self.timeout)
+                return job.returncode, job.stdout, job.stderr
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+                   script, *argv]
+            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=self.timeout)
+            return proc.returncode, proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired:
+            return 124, "", f"timed out after {self.timeout:.0f} s"
+
+    def close(self):
+        if self.world is not None:
+            self.world.close(kill=True)
+
+
+def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iters: int = ITERS,
+            log=None) -> dict:
+    configs = accepted_configs(root)
+    if only:
+        configs = [c for c in configs if c[0] in only]
+    scratch = tempfile.mkdtemp(prefix="megatron_lm_configs_train_")
+    data_prefix = _dataset(scratch)
+    launcher = _Launcher(cold, scratch, timeout)
+    runs, rows = {}, []
+    try:
+        for name, flags, runnable in configs:
+            nproc = world_size(flags)
+            key = (nproc, tuple((f, tuple(v)) for f, v in shrink(runnable, iters)))
+            if key not in runs:
+                run_dir = os.path.join(scratch, f"run{len(runs)}")
+                argv = config_argv(shrink(runnable, iters), run_dir, data_prefix)
+                start = time.monotonic()
+                passed, reason = _verdict(*launcher.run(argv, nproc), iters)
+                runs[key] = {"passed": passed, "reason": reason, "wall_s": round(time.monotonic() - start, 1),
+                             "first": name}
+                shutil.rmtree(run_dir, ignore_errors=True)
+            r = runs[key]
+            rows.append({"config": name, "world_size": nproc, "passed": r["passed"], "reason": r["reason"],
+                         "same_line_as": None if r["first"] == name else r["first"], "wall_s": r["wall_s"]})
+            if log:
+                log(f"{'PASS' if r['passed'] else 'FAIL'} {name} (x{nproc}, {r['wall_s']} s): {r['reason']}")
+    finally:
+        launcher.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    passed = sum(r["passed"] for r in rows)
+    return {"accepted_configs": len(rows), "trained": passed, "failed": len(rows) - passed,
+            "distinct_lines": len(runs), "iterations": iters, "seq_length": SEQ,
+            "launcher": "torchrun" if cold else "warm ranks (tests/_world.py)",
+            "failures": [{"config": r["config"], "reason": r["reason"]} for r in rows if not r["passed"]],
+            "configs": rows}
+
+
+def main(argv=None) -> None:
+    from megatron.training.arguments import OneLineParser
+
+    p = OneLineParser(prog="megatron_lm_configs_train.py", description=__doc__.splitlines()[0])
+    p.add_argument("--megatron-lm", required=True, metavar="DIR", help="a Megatron-LM checkout")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="these configs (directory names) only")
+    p.add_argument("--train-iters", type=int, default=ITERS, metavar="N", help="iterations per config (default 2)")
+    p.add_argument("--timeout-s", type=float, default=300, help="per run (default 300)")
+    p.add_argument("--cold", action="store_true", help="real torchrun processes instead of warm ranks")
+    p.add_argument("--out", default=None, metavar="JSON", help="also write the JSON here")
+    a = p.parse_args(argv)
+    if not os.path.isdir(os.path.join(a.megatron_lm, "tests", "functional_tests")):
+        p.error(f"--megatron-lm {a.megatron_lm}: no tests/functional_tests there (not a Megatron-LM checkout)")
+    if a.train_iters < 1:
+        p.error(f"--train-iters must be >= 1, got {a.train_iters}")
+    result = measure(a.megatron_lm, a.only, a.cold, a.timeout_s, a.train_iters,
+                     log=lambda line: print(line, file=sys.stderr, flush=True))
+    text = json.dumps(result, indent=1)
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
