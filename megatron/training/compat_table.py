@@ -159,8 +159,6 @@ REFUSED = {
         "--relative-attention-max-distance --relative-attention-num-buckets --fp32-residual-connection "
         "--csa-compress-ratios --o-groups --o-lora-rank "
         "--embedding-init-method-std --init-method-xavier-uniform --spec --onnx-safe",
-    "--rope-type picks multi-latent attention's RoPE (Megatron-LM asserts rope without it); YaRN on the GPT "
-    "layers is --position-embedding-type yarn": "--rope-type",
     "encoder-decoder and retrieval models are not supported: this driver trains decoder-only GPT models":
         "--encoder-num-layers --decoder-num-layers --encoder-seq-length --decoder-seq-length "
         "--block-data-path --evidence-data-path --titles-data-path --embedding-path --indexer-batch-size "
@@ -244,12 +242,6 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--expert-", "mixture of experts is not supported: this driver trains dense GPT models"),
     ("--overlap-moe-", "mixture of experts is not supported: this driver trains dense GPT models"),
     ("--mtp-", "multi-token prediction is not supported"),
-    ("--multi-latent-attention", "multi-latent attention (MLA) is not supported"),
-    ("--q-lora-rank", "multi-latent attention (MLA) is not supported"),
-    ("--kv-lora-rank", "multi-latent attention (MLA) is not supported"),
-    ("--qk-head-dim", "multi-latent attention (MLA) is not supported"),
-    ("--qk-pos-emb-head-dim", "multi-latent attention (MLA) is not supported"),
-    ("--v-head-dim", "multi-latent attention (MLA) is not supported"),
     ("--cache-mla-latents", "multi-latent attention (MLA) is not supported"),
     ("--mla-", "multi-latent attention (MLA) is not supported"),
     ("--mamba-", "Mamba / hybrid models are not supported"),
@@ -355,7 +347,6 @@ NEUTRAL: Dict[str, str] = {
     "--timing-log-level": "0",
     "--eval-micro-batch-size": "1",
     "--exit-signal": "SIGTERM",
-    "--rope-type": "rope",
 }
 """Flags whose given value means "the feature is off"; honoured (Megatron-LM does the same)."""
 

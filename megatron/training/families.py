@@ -12,6 +12,13 @@
   FSDP's ``--ckpt-format fsdp_dtensor`` is written as ``torch_dist``. Megatron-LM's rules
   for these flags (``validate_args``) are kept; a dtype that would change the numerics is
   refused.
+* Multi-latent attention (``--multi-latent-attention`` and its ranks and head sizes):
+  megatron-core's ``MLASelfAttention`` (its layer spec, its ``MLATransformerConfig`` with
+  Megatron-LM's defaults: ``--rope-type`` yarn unless given, ``--rotary-scaling-factor``,
+  ``--mscale``, ``--mscale-all-dim``, ``--rotary-base``), with this project's dense attention
+  in its core-attention slot (query/key heads of ``qk-head-dim + qk-pos-emb-head-dim``,
+  value heads of ``v-head-dim``); on a GPU with ``--transformer-impl transformer_engine``,
+  megatron-core's TE spec for MLA. Sparse attention with MLA is refused (one line).
 """
 
 from __future__ import annotations
@@ -47,6 +54,47 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="with --use-megatron-fsdp: only fp32 (gradients are reduced in fp32 here)")
 
 
+    m = p.add_argument_group("multi-latent attention (Megatron-LM's flags and defaults; see families.py)")
+    m.add_argument("--multi-latent-attention", action="store_true",
+                   help="megatron-core's multi-latent attention (MLASelfAttention) in every layer")
+    m.add_argument("--q-lora-rank", type=_positive_int, default=None,
+                   help="rank of the query's low-rank projection (default: none, a full query projection)")
+    m.add_argument("--kv-lora-rank", type=_positive_int, default=32, help="rank of the keys' and values' latent")
+    m.add_argument("--qk-head-dim", type=_positive_int, default=128,
+                   help="query/key head dims without position (q head = this + --qk-pos-emb-head-dim)")
+    m.add_argument("--qk-pos-emb-head-dim", type=_positive_int, default=64, help="query/key head dims RoPE rotates")
+    m.add_argument("--v-head-dim", type=_positive_int, default=128, help="value head dims")
+    m.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
+                   help="MLA's RoPE (default yarn, as in Megatron-LM); without MLA only rope (the GPT "
+                        "layers' YaRN is --position-embedding-type yarn)")
+
+
+def mla_config_fields(args: argparse.Namespace) -> dict:
+    """``MLATransformerConfig``'s fields from the flags (Megatron-LM's ``core_transformer_config_from_args``:
+    the fields named like a flag; ``rope_type`` left to the class's default, yarn, when not given)."""
+    fields = {name: getattr(args, name) for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                                       "qk_pos_emb_head_dim", "v_head_dim", "rotary_base",
+                                                       "rotary_percent", "rotary_scaling_factor", "mscale",
+                                                       "mscale_all_dim")}
+    if args.rope_type is not None:
+        fields["rope_type"] = args.rope_type
+    return fields
+
+
+def mla_without_te() -> None:
+    """megatron-core 0.16.1's ``multi_latent_attention`` imports its Transformer Engine classes
+    from ``megatron.core.extensions.transformer_engine``, which without TE defines them over a
+    ``MagicMock`` instead of failing; so the module sets its ``HAVE_TE`` and then calls
+    ``isinstance(linear_proj, TELinear)`` with a mock (TypeError). Where the
+    ``transformer_engine`` package is absent its ``HAVE_TE`` is set to what is true."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -61,6 +109,24 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     """Megatron-LM's rules for these families and what each resolves to here."""
     _validate_expert_groups(args, world_size)
     _validate_fsdp(args)
+    _validate_mla(args)
+
+
+def _validate_mla(args: argparse.Namespace) -> None:
+    if not args.multi_latent_attention:
+        if args.rope_type == "yarn":
+            raise UsageError("--rope-type yarn picks multi-latent attention's RoPE (Megatron-LM asserts rope "
+                             "without it); YaRN on the GPT layers is --position-embedding-type yarn")
+        return
+    if args.group_query_attention:  # Megatron-LM's validate_args
+        raise UsageError("--group-query-attention and --multi-latent-attention exclude each other "
+                         "(Megatron-LM asserts the same)")
+    if args.context_parallel_size > 1:
+        raise UsageError("--multi-latent-attention with --context-parallel-size > 1 is not supported (this driver's "
+                         "context-parallel attention takes query, key and value heads of one size)")
+    if args.sparse_attention or args.sparse_balance:
+        raise UsageError("--multi-latent-attention with sparse attention is not supported (the sparse kernels "
+                         "take query, key and value heads of one size)")
 
 
 def _validate_expert_groups(args: argparse.Namespace, world_size: int) -> None:

@@ -68,13 +68,15 @@ def layer_spec(args, attention=None):
             qk_layernorm=args.qk_layernorm,
             use_te=use_te,
         )
+    mla = bool(getattr(args, "multi_latent_attention", False))
     if use_te:  # Megatron-LM's dense path: TE's core attention, --attention-backend picks its kernel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
-    return get_gpt_layer_dense_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm, use_te=False)
+    return get_gpt_layer_dense_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm, use_te=False,
+                                    multi_latent_attention=mla)
 
 
 def _te_runs(args) -> bool:
@@ -100,9 +102,15 @@ def transformer_config(args, use_cpu: bool):
 
 def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bool):
     from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if getattr(args, "multi_latent_attention", False):  # megatron-core's MLA (families.py)
+        from megatron.training.families import mla_config_fields
+
+        config_class, mla = MLATransformerConfig, mla_config_fields(args)
+    return config_class(
+        **mla,
         kv_channels=getattr(args, "kv_channels", None),
         fp16=getattr(args, "fp16", False),
         attention_backend=AttnBackend[getattr(args, "attention_backend", "auto")],
@@ -227,6 +235,10 @@ def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torc
         from megatron.training.sb_config import attention_config
 
         attention = attention_config(args)
+    if getattr(args, "multi_latent_attention", False):
+        from megatron.training.families import mla_without_te
+
+        mla_without_te()
     spec = layer_spec(args, attention)
     if attention.sparse:  # one compiled gate for every micro-batch up to --seq-length
         from sparsebalance.ops.plan import set_route_width
