@@ -7,7 +7,8 @@ with its sizes shrunk (:func:`shrink`: hidden size 8 per head and at least 64, s
 micro-batch 1 with the same number of micro-batches per step, 2 iterations, 1 evaluation
 batch; layers, heads, parallel layout and every other flag as the config gives them), is
 launched as ``torchrun --nproc-per-node N pretrain_gpt.py ...`` on the config's world of ranks
-(:func:`~benchmarks.harness.megatron_lm_configs.world_size`), on a small indexed dataset and
+(:func:`~benchmarks.harness.megatron_lm_configs.world_size`; ``--max-data-parallel`` caps its
+data-parallel part), on a small indexed dataset and
 the stand-in GPT-2 vocabulary of the configs harness. A config passes when every rank exits 0
 and rank 0's summary has 2 iterations of finite loss; else its one-line reason (the last error
 line). Configs whose shrunk lines are identical (``_1node`` twins, logging-only differences)
@@ -111,6 +112,21 @@ def tokenizer_stand_in(flags: list) -> Optional[str]:
     return None
 
 
+def cpu_world(flags: list, max_dp: int) -> int:
+    """The config's world (:func:`~benchmarks.harness.megatron_lm_configs.world_size`) with at
+    most ``max_dp`` data-parallel ranks: the model-parallel layout (TP x PP x CP) as given; DP
+    is a size like the batch (data-parallel training equals one rank's on the same data)."""
+    given = dict(flags)
+    model = 1
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
+        try:
+            model *= int((given.get(flag) or ["1"])[0])
+        except ValueError:
+            pass
+    dp = world_size(flags) // model
+    return model * max(d for d in range(1, min(dp, max_dp) + 1) if dp % d == 0)
+
+
 def accepted_configs(root: str) -> list:
     """``[(name, runnable flags)]`` of the training configs accepted whole with ``--cuda``."""
     import yaml
@@ -187,7 +203,7 @@ class _Launcher:
 
 
 def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iters: int = ITERS,
-            log=None) -> dict:
+            log=None, max_dp: int = 8, budget_s: Optional[float] = None) -> dict:
     from megatron.training.compat import split_script_flags
     from megatron.training.launch_check import judge_line
 
@@ -197,11 +213,21 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
     scratch = tempfile.mkdtemp(prefix="megatron_lm_configs_train_")
     data_prefix = _dataset(scratch)
     launcher = _Launcher(cold, scratch, timeout)
-    runs, rows = {}, []
+    runs, rows, began = {}, [], time.monotonic()
+    keyed = []
+    for name, flags, runnable in configs:
+        nproc = cpu_world(flags, max_dp)
+        keyed.append((name, nproc, runnable, (nproc, tuple((f, tuple(v)) for f, v in shrink(runnable, iters)))))
+    # the lines most configs share first, then the smaller worlds (a --budget-s run covers most)
+    share = {}
+    for *_, key in keyed:
+        share[key] = share.get(key, 0) + 1
+    keyed.sort(key=lambda c: (-share[c[3]], c[1], c[0]))
     try:
-        for name, flags, runnable in configs:
-            nproc = world_size(flags)
-            key = (nproc, tuple((f, tuple(v)) for f, v in shrink(runnable, iters)))
+        for name, nproc, runnable, key in keyed:
+            if key not in runs and budget_s is not None and time.monotonic() - began > budget_s:
+                runs[key] = {"passed": None, "reason": f"not run: --budget-s {budget_s:.0f} spent", "wall_s": 0.0,
+                             "first": name}
             if key not in runs:
                 run_dir = os.path.join(scratch, f"run{len(runs)}")
                 argv = config_argv(shrink(runnable, iters), run_dir, data_prefix)
@@ -221,15 +247,18 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
             rows.append({"config": name, "world_size": nproc, "passed": r["passed"], "reason": r["reason"],
                          "same_line_as": None if r["first"] == name else r["first"], "wall_s": r["wall_s"]})
             if log:
-                log(f"{'PASS' if r['passed'] else 'FAIL'} {name} (x{nproc}, {r['wall_s']} s): {r['reason']}")
+                word = {True: "PASS", False: "FAIL", None: "SKIP"}[r["passed"]]
+                log(f"{word} {name} (x{nproc}, {r['wall_s']} s): {r['reason']}")
     finally:
         launcher.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    passed = sum(r["passed"] for r in rows)
-    return {"accepted_configs": len(rows), "trained": passed, "failed": len(rows) - passed,
-            "distinct_lines": len(runs), "iterations": iters, "seq_length": SEQ,
+    passed = sum(r["passed"] is True for r in rows)
+    not_run = sum(r["passed"] is None for r in rows)
+    return {"accepted_configs": len(rows), "trained": passed, "failed": len(rows) - passed - not_run,
+            "not_run": not_run, "distinct_lines": len(runs), "iterations": iters, "seq_length": SEQ,
+            "max_data_parallel": max_dp, "wall_s": round(time.monotonic() - began),
             "launcher": "torchrun" if cold else "warm ranks (tests/_world.py)",
-            "failures": [{"config": r["config"], "reason": r["reason"]} for r in rows if not r["passed"]],
+            "failures": [{"config": r["config"], "reason": r["reason"]} for r in rows if r["passed"] is False],
             "configs": rows}
 
 
@@ -242,14 +271,20 @@ def main(argv=None) -> None:
     p.add_argument("--train-iters", type=int, default=ITERS, metavar="N", help="iterations per config (default 2)")
     p.add_argument("--timeout-s", type=float, default=300, help="per run (default 300)")
     p.add_argument("--cold", action="store_true", help="real torchrun processes instead of warm ranks")
+    p.add_argument("--max-data-parallel", type=int, default=8, metavar="N",
+                   help="at most N data-parallel ranks per config (default 8: the configs' node of 8 ranks)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="launch no new run after this many seconds (the rest: not run)")
     p.add_argument("--out", default=None, metavar="JSON", help="also write the JSON here")
     a = p.parse_args(argv)
     if not os.path.isdir(os.path.join(a.megatron_lm, "tests", "functional_tests")):
         p.error(f"--megatron-lm {a.megatron_lm}: no tests/functional_tests there (not a Megatron-LM checkout)")
-    if a.train_iters < 1:
-        p.error(f"--train-iters must be >= 1, got {a.train_iters}")
+    for flag, value in (("--train-iters", a.train_iters), ("--max-data-parallel", a.max_data_parallel)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
     result = measure(a.megatron_lm, a.only, a.cold, a.timeout_s, a.train_iters,
-                     log=lambda line: print(line, file=sys.stderr, flush=True))
+                     log=lambda line: print(line, file=sys.stderr, flush=True), max_dp=a.max_data_parallel,
+                     budget_s=a.budget_s)
     text = json.dumps(result, indent=1)
     if a.out:
         with open(a.out, "w", encoding="utf-8") as f:
