@@ -4,8 +4,8 @@ The configs harness (:mod:`benchmarks.harness.megatron_lm_configs`) judges each 
 line; this one runs it: each config accepted with ``--cuda`` (as on the target), minus the flags
 refused here for missing hardware (``--bf16``, ``--fp16``, ``nccl``: the CPU trains in fp32),
 with its sizes shrunk (:func:`shrink`: hidden size 8 per head and at least 64, sequence 128,
-micro-batch 1 with the same number of micro-batches per step, 2 iterations, 1 evaluation
-batch; layers, heads, parallel layout and every other flag as the config gives them), is
+micro-batches of one sequence, as many per data-parallel rank as the config has up to 2 x PP,
+2 iterations, 1 evaluation batch; layers, heads, parallel layout and every other flag as the config gives them), is
 launched as ``torchrun --nproc-per-node N pretrain_gpt.py ...`` on the config's world of ranks
 (:func:`~benchmarks.harness.megatron_lm_configs.world_size`; ``--max-data-parallel`` caps its
 data-parallel part), on a small indexed dataset and
@@ -45,8 +45,11 @@ SEQ = 128
 ITERS = 2
 
 
-def shrink(flags: list, iters: int = ITERS) -> list:
-    """The config's ``[(flag, values)]`` at CPU sizes (module docstring); other flags unchanged."""
+def shrink(flags: list, iters: int = ITERS, dp: int = 1, dp_given: int = 1) -> list:
+    """The config's ``[(flag, values)]`` at CPU sizes (module docstring) for ``dp`` data-parallel
+    ranks where it was given ``dp_given``; other flags unchanged. Micro-batches of one sequence;
+    per data-parallel rank as many micro-batches as the config has, at most 2 x PP (what the
+    pipeline schedules need to fill and drain)."""
     given = dict(flags)
 
     def num(flag, default):
@@ -65,7 +68,9 @@ def shrink(flags: list, iters: int = ITERS) -> list:
         "--eval-iters": ["1"],
     }
     if gbs is not None and "$" not in gbs[0]:
-        new["--global-batch-size"] = [str(max(1, int(gbs[0]) // mbs))]
+        per_rank = max(1, int(gbs[0]) // (mbs * dp_given))
+        pp = num("--pipeline-model-parallel-size", 1)
+        new["--global-batch-size"] = [str(dp * (min(per_rank, 2 * pp) if per_rank > 2 * pp else per_rank))]
     for flag, value in (("--ffn-hidden-size", 2 * hidden), ("--kv-channels", hidden // heads),
                         ("--max-position-embeddings", SEQ), ("--decoder-seq-length", SEQ)):
         if flag in given:
@@ -112,10 +117,8 @@ def tokenizer_stand_in(flags: list) -> Optional[str]:
     return None
 
 
-def cpu_world(flags: list, max_dp: int) -> int:
-    """The config's world (:func:`~benchmarks.harness.megatron_lm_configs.world_size`) with at
-    most ``max_dp`` data-parallel ranks: the model-parallel layout (TP x PP x CP) as given; DP
-    is a size like the batch (data-parallel training equals one rank's on the same data)."""
+def _data_parallel(flags: list, world: int) -> int:
+    """``world`` / the config's TP x PP x CP."""
     given = dict(flags)
     model = 1
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
@@ -123,8 +126,15 @@ def cpu_world(flags: list, max_dp: int) -> int:
             model *= int((given.get(flag) or ["1"])[0])
         except ValueError:
             pass
-    dp = world_size(flags) // model
-    return model * max(d for d in range(1, min(dp, max_dp) + 1) if dp % d == 0)
+    return world // model
+
+
+def cpu_world(flags: list, max_dp: int) -> int:
+    """The config's world (:func:`~benchmarks.harness.megatron_lm_configs.world_size`) with at
+    most ``max_dp`` data-parallel ranks: the model-parallel layout (TP x PP x CP) as given; DP
+    is a size like the batch (data-parallel training equals one rank's on the same data)."""
+    dp = _data_parallel(flags, world_size(flags))
+    return world_size(flags) // dp * max(d for d in range(1, min(dp, max_dp) + 1) if dp % d == 0)
 
 
 def accepted_configs(root: str) -> list:
@@ -216,21 +226,23 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
     runs, rows, began = {}, [], time.monotonic()
     keyed = []
     for name, flags, runnable in configs:
-        nproc = cpu_world(flags, max_dp)
-        keyed.append((name, nproc, runnable, (nproc, tuple((f, tuple(v)) for f, v in shrink(runnable, iters)))))
+        nproc, full = cpu_world(flags, max_dp), world_size(flags)
+        model = full // _data_parallel(flags, full)
+        small = shrink(runnable, iters, nproc // model, full // model)
+        keyed.append((name, nproc, small, (nproc, tuple((f, tuple(v)) for f, v in small))))
     # the lines most configs share first, then the smaller worlds (a --budget-s run covers most)
     share = {}
     for *_, key in keyed:
         share[key] = share.get(key, 0) + 1
     keyed.sort(key=lambda c: (-share[c[3]], c[1], c[0]))
     try:
-        for name, nproc, runnable, key in keyed:
+        for name, nproc, small, key in keyed:
             if key not in runs and budget_s is not None and time.monotonic() - began > budget_s:
                 runs[key] = {"passed": None, "reason": f"not run: --budget-s {budget_s:.0f} spent", "wall_s": 0.0,
                              "first": name}
             if key not in runs:
                 run_dir = os.path.join(scratch, f"run{len(runs)}")
-                argv = config_argv(shrink(runnable, iters), run_dir, data_prefix)
+                argv = config_argv(small, run_dir, data_prefix)
                 start = time.monotonic()
                 # the trainer's own parse and validation first, as on this machine (no launch
                 # for a line it refuses: a failed job restarts every warm rank)
