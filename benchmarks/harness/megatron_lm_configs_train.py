@@ -117,6 +117,13 @@ def tokenizer_stand_in(flags: list) -> Optional[str]:
     return None
 
 
+def _sized(flags: list, runnable: list, iters: int, max_dp: int) -> tuple:
+    """(ranks, shrunk flags) of a config with at most ``max_dp`` data-parallel ranks."""
+    nproc, full = cpu_world(flags, max_dp), world_size(flags)
+    model = full // _data_parallel(flags, full)
+    return nproc, shrink(runnable, iters, nproc // model, full // model)
+
+
 def _data_parallel(flags: list, world: int) -> int:
     """``world`` / the config's TP x PP x CP."""
     given = dict(flags)
@@ -161,6 +168,14 @@ def accepted_configs(root: str) -> list:
         out.append((os.path.basename(os.path.dirname(path)), flags, runnable))
     shutil.rmtree(scratch, ignore_errors=True)
     return out
+
+
+def _stops_by_design(flags: list, reason: str) -> bool:
+    """A config that injects a persistent error (``--error-injection-type persistent_error``
+    under ``--rerun-mode validate_results``) is meant to stop when a re-run reproduces it
+    (Megatron-LM saves and exits for a resume elsewhere; this driver stops in one line)."""
+    given = dict(flags)
+    return (given.get("--error-injection-type") or [None])[0] == "persistent_error" and "reproduced" in reason
 
 
 def _verdict(returncode: int, stdout: str, stderr: str, iters: int) -> tuple:
@@ -213,7 +228,10 @@ class _Launcher:
 
 
 def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iters: int = ITERS,
-            log=None, max_dp: int = 8, budget_s: Optional[float] = None) -> dict:
+            log=None, max_dp: int = 8, budget_s: Optional[float] = None, previous: Optional[dict] = None) -> dict:
+    """The check over the accepted configs (module docstring); ``previous``: config -> its row of
+    an earlier run, whose verdict is kept (not run again) unless it was not run."""
+    previous = previous or {}
     from megatron.training.compat import split_script_flags
     from megatron.training.launch_check import judge_line
 
@@ -226,9 +244,11 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
     runs, rows, began = {}, [], time.monotonic()
     keyed = []
     for name, flags, runnable in configs:
-        nproc, full = cpu_world(flags, max_dp), world_size(flags)
-        model = full // _data_parallel(flags, full)
-        small = shrink(runnable, iters, nproc // model, full // model)
+        nproc, small = _sized(flags, runnable, iters, max_dp)
+        if max_dp < world_size(flags) and judge_line(config_argv(small, os.path.join(scratch, "judge"), data_prefix),
+                                                     cuda=False, te=False, world_size=nproc) is not None:
+            # a rule needs the config's own DP (e.g. --num-distributed-optimizer-instances)
+            nproc, small = _sized(flags, runnable, iters, world_size(flags))
         keyed.append((name, nproc, small, (nproc, tuple((f, tuple(v)) for f, v in small))))
     # the lines most configs share first, then the smaller worlds (a --budget-s run covers most)
     share = {}
@@ -240,6 +260,8 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
             if key not in runs and budget_s is not None and time.monotonic() - began > budget_s:
                 runs[key] = {"passed": None, "reason": f"not run: --budget-s {budget_s:.0f} spent", "wall_s": 0.0,
                              "first": name}
+            if key not in runs and name in previous and previous[name]["passed"] in (True, "stopped"):
+                runs[key] = dict(previous[name], first=name, reason=previous[name]["reason"] + " (--resume)")
             if key not in runs:
                 run_dir = os.path.join(scratch, f"run{len(runs)}")
                 argv = config_argv(small, run_dir, data_prefix)
@@ -250,6 +272,8 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
                     judge_line(argv, cuda=False, te=False, world_size=nproc)
                 if reason is None:
                     passed, reason = _verdict(*launcher.run(argv, nproc), iters)
+                    if not passed and _stops_by_design(small, reason):
+                        passed, reason = "stopped", "stopped as the config means: " + reason
                 else:
                     passed = False
                 runs[key] = {"passed": passed, "reason": reason, "wall_s": round(time.monotonic() - start, 1),
@@ -259,15 +283,17 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
             rows.append({"config": name, "world_size": nproc, "passed": r["passed"], "reason": r["reason"],
                          "same_line_as": None if r["first"] == name else r["first"], "wall_s": r["wall_s"]})
             if log:
-                word = {True: "PASS", False: "FAIL", None: "SKIP"}[r["passed"]]
+                word = {True: "PASS", False: "FAIL", None: "SKIP", "stopped": "STOP"}[r["passed"]]
                 log(f"{word} {name} (x{nproc}, {r['wall_s']} s): {r['reason']}")
     finally:
         launcher.close()
         shutil.rmtree(scratch, ignore_errors=True)
     passed = sum(r["passed"] is True for r in rows)
     not_run = sum(r["passed"] is None for r in rows)
-    return {"accepted_configs": len(rows), "trained": passed, "failed": len(rows) - passed - not_run,
-            "not_run": not_run, "distinct_lines": len(runs), "iterations": iters, "seq_length": SEQ,
+    stopped = sum(r["passed"] == "stopped" for r in rows)
+    return {"accepted_configs": len(rows), "trained": passed, "failed": len(rows) - passed - not_run - stopped,
+            "stopped_as_the_config_means": stopped, "not_run": not_run, "distinct_lines": len(runs),
+            "iterations": iters, "seq_length": SEQ,
             "max_data_parallel": max_dp, "wall_s": round(time.monotonic() - began),
             "launcher": "torchrun" if cold else "warm ranks (tests/_world.py)",
             "failures": [{"config": r["config"], "reason": r["reason"]} for r in rows if r["passed"] is False],
@@ -288,15 +314,24 @@ def main(argv=None) -> None:
     p.add_argument("--budget-s", type=float, default=None,
                    help="launch no new run after this many seconds (the rest: not run)")
     p.add_argument("--out", default=None, metavar="JSON", help="also write the JSON here")
+    p.add_argument("--resume", default=None, metavar="JSON",
+                   help="an earlier run's JSON: keep its passes (and intended stops), run the other configs")
     a = p.parse_args(argv)
     if not os.path.isdir(os.path.join(a.megatron_lm, "tests", "functional_tests")):
         p.error(f"--megatron-lm {a.megatron_lm}: no tests/functional_tests there (not a Megatron-LM checkout)")
     for flag, value in (("--train-iters", a.train_iters), ("--max-data-parallel", a.max_data_parallel)):
         if value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
+    previous = None
+    if a.resume:
+        try:
+            with open(a.resume, encoding="utf-8") as f:
+                previous = {r["config"]: r for r in json.load(f)["configs"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--resume {a.resume}: not a JSON this harness wrote ({e})")
     result = measure(a.megatron_lm, a.only, a.cold, a.timeout_s, a.train_iters,
                      log=lambda line: print(line, file=sys.stderr, flush=True), max_dp=a.max_data_parallel,
-                     budget_s=a.budget_s)
+                     budget_s=a.budget_s, previous=previous)
     text = json.dumps(result, indent=1)
     if a.out:
         with open(a.out, "w", encoding="utf-8") as f:
