@@ -228,9 +228,11 @@ class _Launcher:
 
 
 def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iters: int = ITERS,
-            log=None, max_dp: int = 8, budget_s: Optional[float] = None, previous: Optional[dict] = None) -> dict:
+            log=None, max_dp: int = 8, budget_s: Optional[float] = None, previous: Optional[dict] = None,
+            on_row=None) -> dict:
     """The check over the accepted configs (module docstring); ``previous``: config -> its row of
-    an earlier run, whose verdict is kept (not run again) unless it was not run."""
+    an earlier run, whose verdict is kept (not run again) unless it was not run; ``on_row(rows)``
+    after each config (a long run's partial result)."""
     previous = previous or {}
     from megatron.training.compat import split_script_flags
     from megatron.training.launch_check import judge_line
@@ -282,6 +284,8 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
             r = runs[key]
             rows.append({"config": name, "world_size": nproc, "passed": r["passed"], "reason": r["reason"],
                          "same_line_as": None if r["first"] == name else r["first"], "wall_s": r["wall_s"]})
+            if on_row:
+                on_row(rows)
             if log:
                 word = {True: "PASS", False: "FAIL", None: "SKIP", "stopped": "STOP"}[r["passed"]]
                 log(f"{word} {name} (x{nproc}, {r['wall_s']} s): {r['reason']}")
@@ -329,14 +333,18 @@ def main(argv=None) -> None:
                 previous = {r["config"]: r for r in json.load(f)["configs"]}
         except (OSError, ValueError, KeyError, TypeError) as e:
             p.error(f"--resume {a.resume}: not a JSON this harness wrote ({e})")
+    def write(result):
+        if a.out:
+            with open(a.out + ".tmp", "w", encoding="utf-8") as f:
+                f.write(json.dumps(result, indent=1) + "\n")
+            os.replace(a.out + ".tmp", a.out)
+
     result = measure(a.megatron_lm, a.only, a.cold, a.timeout_s, a.train_iters,
                      log=lambda line: print(line, file=sys.stderr, flush=True), max_dp=a.max_data_parallel,
-                     budget_s=a.budget_s, previous=previous)
-    text = json.dumps(result, indent=1)
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    print(text)
+                     budget_s=a.budget_s, previous=previous,
+                     on_row=lambda rows: write({"partial": True, "configs": rows}))
+    write(result)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
