@@ -100,9 +100,6 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if value > 1:  # torch's Dropout takes [0, 1]
             raise UsageError(f"{flag} {value:g}: a dropout probability is at most 1")
-    if args.ckpt_format == "fsdp_dtensor":
-        raise UsageError("--ckpt-format fsdp_dtensor: Megatron FSDP's checkpoint format; FSDP is not supported "
-                         "(use --use-distributed-optimizer, with torch_dist checkpoints)")
     if args.ckpt_format not in ("torch_dist", "torch"):
         raise UsageError(f"--ckpt-format {args.ckpt_format}: this driver writes torch_dist checkpoints "
                          "(Megatron-LM's default) and reads those and legacy --ckpt-format torch ones")

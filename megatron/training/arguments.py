@@ -14,8 +14,8 @@ import os
 import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
-from megatron.training import arg_checks, comm_rules, pipeline_layout, yarn
-from megatron.training.arg_checks import UsageError, has_cuda
+from megatron.training import arg_checks, comm_rules, families, pipeline_layout, yarn
+from megatron.training.arg_checks import UsageError
 from sparsebalance.batching.strategies import STRATEGIES
 from sparsebalance.tuning.policies import DST_POLICIES as DST_POLICY_REGISTRY
 
@@ -672,6 +672,7 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron_lm_flags: bool = False,
     _model_flags(p)
     _sparse_attention_flags(p)
     _parallel_flags(p)
+    families.add_flags(p)
     _recompute_flags(p)
     _loss_flags(p)
     _batching_flags(p)
@@ -730,6 +731,8 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
     """Check cross-flag consistency and fill derived fields; raises :class:`UsageError`."""
     ws = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     split_given = args.split is not None
+    args.compat_warnings = list(getattr(args, "compat_warnings", None) or [])
+    families.validate(args, ws)
     arg_checks.validate_batch_schedule(args)
     arg_checks.validate_megatron_lm(args)
     arg_checks.validate_wandb(args)
@@ -741,10 +744,6 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError(f"world size {ws} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}")
     args.world_size = ws
     args.data_parallel_size = dp = ws // (tp * pp * cp)
-    if not args.untie_embeddings_and_output_weights and pp > 1 and (args.cpu or not has_cuda()):
-        raise UsageError("tied embeddings (Megatron-LM's default) with --pipeline-model-parallel-size > 1 "
-                         "need CUDA (megatron-core syncs them across stages on the GPU); add "
-                         "--untie-embeddings-and-output-weights or use PP=1")
     if pp > args.num_layers:
         raise UsageError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {args.num_layers}")
     arg_checks.validate_pipeline_layout(args)

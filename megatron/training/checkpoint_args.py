@@ -39,15 +39,15 @@ MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "norm_epsilon",
               "swiglu", "squared_relu", "apply_layernorm_1p", "qk_layernorm", "attention_output_gate",
               "rotary_interleaved", "add_qkv_bias", "disable_bias_linear", "untie_embeddings_and_output_weights",
-              "padded_vocab_size", "hidden_dropout", "attention_dropout", *yarn.DEFAULTS)
+              "padded_vocab_size", "hidden_dropout", "attention_dropout", "multi_latent_attention", "q_lora_rank",
+              "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", *yarn.DEFAULTS)
 """Flags (argparse dests) saved as the checkpoint's ``args`` and read back (the YaRN ones
 resolved under yarn, None otherwise for those with a ``yarn_`` prefix)."""
 COMMAND_LINE_WINS = ("seq_length", "max_position_embeddings")
 """Read from the checkpoint only when the command line leaves them out."""
 CHECKPOINT_WINS = ("hidden_dropout", "attention_dropout")
 """The checkpoint's value replaces a given one (Megatron-LM's ``_set_arg(..., force=True)``)."""
-UNSUPPORTED = {"num_experts": "mixture of experts", "multi_latent_attention": "multi-latent attention",
-               "mtp_num_layers": "multi-token prediction"}
+UNSUPPORTED = {"num_experts": "mixture of experts", "mtp_num_layers": "multi-token prediction"}
 """Megatron-LM namespace entries (truthy) naming a model this driver does not build."""
 
 

@@ -159,8 +159,6 @@ REFUSED = {
         "--relative-attention-max-distance --relative-attention-num-buckets --fp32-residual-connection "
         "--csa-compress-ratios --o-groups --o-lora-rank "
         "--embedding-init-method-std --init-method-xavier-uniform --spec --onnx-safe",
-    "--rope-type picks multi-latent attention's RoPE (Megatron-LM asserts rope without it); YaRN on the GPT "
-    "layers is --position-embedding-type yarn": "--rope-type",
     "encoder-decoder and retrieval models are not supported: this driver trains decoder-only GPT models":
         "--encoder-num-layers --decoder-num-layers --encoder-seq-length --decoder-seq-length "
         "--block-data-path --evidence-data-path --titles-data-path --embedding-path --indexer-batch-size "
@@ -244,14 +242,8 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--expert-", "mixture of experts is not supported: this driver trains dense GPT models"),
     ("--overlap-moe-", "mixture of experts is not supported: this driver trains dense GPT models"),
     ("--mtp-", "multi-token prediction is not supported"),
-    ("--multi-latent-attention", "multi-latent attention (MLA) is not supported"),
-    ("--q-lora-rank", "multi-latent attention (MLA) is not supported"),
-    ("--kv-lora-rank", "multi-latent attention (MLA) is not supported"),
-    ("--qk-head-dim", "multi-latent attention (MLA) is not supported"),
-    ("--qk-pos-emb-head-dim", "multi-latent attention (MLA) is not supported"),
-    ("--v-head-dim", "multi-latent attention (MLA) is not supported"),
-    ("--cache-mla-latents", "multi-latent attention (MLA) is not supported"),
-    ("--mla-", "multi-latent attention (MLA) is not supported"),
+    ("--cache-mla-latents", "this multi-latent attention option is not implemented (--multi-latent-attention is)"),
+    ("--mla-", "this multi-latent attention option is not implemented (--multi-latent-attention is)"),
     ("--mamba-", "Mamba / hybrid models are not supported"),
     ("--hybrid-layer-pattern", "Mamba / hybrid models are not supported"),
     ("--gdp-", "Gated Delta Product layers are not supported: this driver trains dense GPT models"),
@@ -350,13 +342,11 @@ FAMILIES: List[Tuple[str, str]] = [
 ]
 NEUTRAL: Dict[str, str] = {
     "--expert-model-parallel-size": "1",
-    "--expert-tensor-parallel-size": "1",
     "--num-experts": "0",
     "--mtp-num-layers": "0",
     "--timing-log-level": "0",
     "--eval-micro-batch-size": "1",
     "--exit-signal": "SIGTERM",
-    "--rope-type": "rope",
 }
 """Flags whose given value means "the feature is off"; honoured (Megatron-LM does the same)."""
 

@@ -89,10 +89,11 @@ is idempotent. :func:`bridged_modules` lists what was patched (tests assert it).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import types
-from typing import Any, List, Optional, Union
+from typing import Any, Iterator, List, Optional, Union
 
 import torch
 
@@ -287,6 +288,24 @@ def install_cpu_bridge(force_cpu: bool = False) -> bool:
     opt.clip_grad_by_total_norm_fp32 = cpu_clip_grad_by_total_norm_fp32
     importlib.import_module("megatron.core.optimizer").DistributedOptimizer = _distributed_optimizer_on_cpu
     return True
+
+
+@contextlib.contextmanager
+def tied_embedding_sync_on_cpu() -> Iterator[None]:
+    """Build a GPTModel with tied embeddings over pipeline stages on CPU.
+
+    ``LanguageModule.setup_embeddings_and_output_layer`` (megatron-core 0.16.1) makes the last
+    stage's output weight equal the first stage's word embeddings by an all-reduce over the
+    embedding group, after moving the weight with ``Tensor.cuda()`` (a tensor method, out of
+    reach of the module views above). While the chunks are built, ``Tensor.cuda`` leaves a
+    tensor where it is (gloo reduces CPU tensors); it is put back at once. The gradients'
+    all-reduce over the same group (``finalize_model_grads``) needs no CUDA."""
+    real = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = real
 
 
 def bridged_modules() -> tuple[str, ...]:

@@ -53,6 +53,8 @@ def initialize(args) -> None:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
+        # no layer of the dense models trained here uses the expert groups (families.py)
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         distributed_timeout_minutes=max(1, int(round(args.distributed_timeout_minutes))),
     )
     set_seeds(args.seed, cpu)

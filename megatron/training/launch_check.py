@@ -141,7 +141,8 @@ def _own(flag: str, values: List[str], action, parser, cuda: bool, te: bool, tp:
         return "honoured", "value is a shell variable (not checked)"
     rules = {
         "--transformer-impl": (v == "inference_optimized", "inference layers do not apply to training"),
-        "--ckpt-format": (v not in ("", "torch_dist", "torch"),
+        "--ckpt-format": (v not in ("", "torch_dist", "torch") and
+                          not (v == "fsdp_dtensor" and "--use-megatron-fsdp" in given),
                           "torch_dist checkpoints are written; torch_dist and legacy torch ones are read"),
         "--attention-dropout": ((_number(v) or 0) > 0 and "--sparse-attention" in given,
                                 "the sparse attention kernels apply no dropout"),

@@ -68,13 +68,15 @@ def layer_spec(args, attention=None):
             qk_layernorm=args.qk_layernorm,
             use_te=use_te,
         )
+    mla = bool(getattr(args, "multi_latent_attention", False))
     if use_te:  # Megatron-LM's dense path: TE's core attention, --attention-backend picks its kernel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
     from sparsebalance.attention.spec import get_gpt_layer_dense_spec
 
-    return get_gpt_layer_dense_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm, use_te=False)
+    return get_gpt_layer_dense_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm, use_te=False,
+                                    multi_latent_attention=mla)
 
 
 def _te_runs(args) -> bool:
@@ -100,9 +102,15 @@ def transformer_config(args, use_cpu: bool):
 
 def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bool):
     from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if getattr(args, "multi_latent_attention", False):  # megatron-core's MLA (families.py)
+        from megatron.training.families import mla_config_fields
+
+        config_class, mla = MLATransformerConfig, mla_config_fields(args)
+    return config_class(
+        **mla,
         kv_channels=getattr(args, "kv_channels", None),
         fp16=getattr(args, "fp16", False),
         attention_backend=AttnBackend[getattr(args, "attention_backend", "auto")],
@@ -217,19 +225,20 @@ def install_cpu_recompute_rng() -> bool:
 def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torch.nn.Module]:
     """``GPTModel`` chunks of this pipeline rank (one per virtual stage), unwrapped
     (``attention``: as :func:`layer_spec`)."""
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     from megatron.training.initialize import use_cpu
 
     if config.recompute_granularity is not None and use_cpu(args):
         install_cpu_recompute_rng()
-    from sparsebalance.attention.spec import get_gpt_decoder_spec
-
     if attention is None:
         from megatron.training.sb_config import attention_config
 
         attention = attention_config(args)
+    if getattr(args, "multi_latent_attention", False):
+        from megatron.training.families import mla_without_te
+
+        mla_without_te()
     spec = layer_spec(args, attention)
     if attention.sparse:  # one compiled gate for every micro-batch up to --seq-length
         from sparsebalance.ops.plan import set_route_width
@@ -242,31 +251,53 @@ def build_gpt_chunks(args, config, vocab_size: int, attention=None) -> List[torc
         model_class, extra = ChunkedLossGPTModel, {"loss_chunk_tokens": args.loss_chunk_tokens}
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        chunk = model_class(
-            config=config,
-            transformer_layer_spec=get_gpt_decoder_spec(spec, config, stage),
-            vocab_size=vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            rotary_base=args.rotary_base,
-            seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
-            rope_scaling=args.use_rope_scaling,
-            rope_scaling_factor=args.rope_scaling_factor,
-            vp_stage=stage,
-            **extra,
-        )
-        if use_cpu(args):
-            chunk = chunk.cpu()
-        else:
-            chunk = chunk.cuda(torch.cuda.current_device())
-        chunks.append(chunk)
+    with _tied_embedding_sync(args):
+        for vp_stage in range(vpp or 1):
+            chunks.append(_gpt_chunk(args, config, spec, vocab_size, model_class, extra, vp_stage if vpp else None))
     return chunks
+
+
+def _tied_embedding_sync(args):
+    """On CPU, megatron-core's first sync of tied embeddings over pipeline stages
+    (:func:`~megatron.training.cpu_bridge.tied_embedding_sync_on_cpu`); else nothing."""
+    import contextlib
+
+    from megatron.training.initialize import use_cpu
+
+    if use_cpu(args) and args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        from megatron.training.cpu_bridge import tied_embedding_sync_on_cpu
+
+        return tied_embedding_sync_on_cpu()
+    return contextlib.nullcontext()
+
+
+def _gpt_chunk(args, config, spec, vocab_size, model_class, extra, stage):
+    """One pipeline chunk (virtual stage ``stage``), on its device."""
+    from megatron.core import parallel_state as ps
+
+    from megatron.training.initialize import use_cpu
+    from sparsebalance.attention.spec import get_gpt_decoder_spec
+
+    chunk = model_class(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_spec(spec, config, stage),
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        vp_stage=stage,
+        **extra,
+    )
+    if use_cpu(args):
+        return chunk.cpu()
+    return chunk.cuda(torch.cuda.current_device())
 
 
 def build_model(args, config, vocab_size: int, attention=None) -> List[torch.nn.Module]:

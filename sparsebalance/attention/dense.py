@@ -90,7 +90,8 @@ def causal_varlen_attention(
     """Causal attention per document of a packed batch.
 
     Args:
-        q: ``[T, H, D]``; k, v: ``[T, Hkv, D]`` with ``H % Hkv == 0``.
+        q: ``[T, H, D]``; k: ``[T, Hkv, D]``, v: ``[T, Hkv, Dv]`` with ``H % Hkv == 0`` (``Dv``: D, or
+            multi-latent attention's value head size).
         cu_seqlens: int ``[n_docs + 1]`` document boundaries (0 .. T).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         backend: :data:`DENSE_BACKENDS` name (default: :func:`dense_backend`'s choice).
@@ -98,17 +99,17 @@ def causal_varlen_attention(
             path, fa4 has no dropout).
 
     Returns:
-        ``[T, H, D]``.
+        ``[T, H, Dv]``.
     """
     T, H, D = q.shape
     hkv = k.shape[1]
     if H % hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({hkv})")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    if dropout_p == 0 and not _deterministic(q) and dense_backend(q, backend) == "fa4":
+    if dropout_p == 0 and not _deterministic(q) and v.shape[-1] == D and dense_backend(q, backend) == "fa4":
         return _fa4_varlen(q, k, v, cu_seqlens, scale)
     bounds = cu_seqlens.tolist()
-    out = torch.empty_like(q)
+    out = q.new_empty((T, H, v.shape[-1]))
     for s, e in zip(bounds[:-1], bounds[1:]):
         if e <= s:
             continue
@@ -202,7 +203,11 @@ class CausalVarlenAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
+        # k_channels / v_channels: multi-latent attention's head sizes (megatron-core passes them);
+        # the heads' sizes are read off the tensors
         super().__init__(config=config)
         name = type(self).__name__
         self.cp_size = config.context_parallel_size
@@ -247,7 +252,7 @@ class CausalVarlenAttention(MegatronModule):
         o = self._attend_cp(q, query, k_full, v_full, layout, group, packed_seq_params)
         o = depend_on_gathered(o, k_full, v_full)  # every CP rank enters the gather's backward
         # padding rows attend to nothing: zero output, no gradient
-        out = torch.zeros_like(query).index_copy(0, layout.local_rows, o.to(query.dtype))
+        out = query.new_zeros((*query.shape[:2], value.shape[-1])).index_copy(0, layout.local_rows, o.to(query.dtype))
         return out.reshape(out.shape[0], -1)
 
     def forward(
@@ -276,8 +281,8 @@ class CausalVarlenAttention(MegatronModule):
         if self.cp_size > 1:
             raise ValueError(f"{type(self).__name__}: context parallelism needs packed THD input")
         # SBHD: every sequence of the batch is one document of length S.
-        S, B, H, D = query.shape
-        to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], D)
+        S, B, H, _ = query.shape
+        to_thd = lambda t: t.transpose(0, 1).reshape(B * S, t.shape[2], t.shape[3])
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
         out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu)
-        return out.reshape(B, S, H * D).transpose(0, 1).contiguous()
+        return out.reshape(B, S, -1).transpose(0, 1).contiguous()

@@ -32,6 +32,7 @@ def get_gpt_layer_spec(
     use_te: Optional[bool] = None,
     normalization: str = "LayerNorm",
     qk_layernorm: bool = False,
+    multi_latent_attention: bool = False,
 ) -> ModuleSpec:
     """megatron-core's GPT layer spec with ``core_attention`` replaced.
 
@@ -42,14 +43,18 @@ def get_gpt_layer_spec(
         normalization: "LayerNorm" or "RMSNorm".
         qk_layernorm: normalise each head's query and key before attention (Megatron-LM's
             ``--qk-layernorm``; megatron-core's ``q_layernorm`` / ``k_layernorm`` slots).
+        multi_latent_attention: megatron-core's multi-latent attention (``MLASelfAttention``;
+            its core attention gets query/key and value heads of different sizes).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     use_te = HAS_TE if use_te is None else use_te
     if use_te:  # TE's norms read config.normalization: its spec takes no normalization argument
-        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm,
+                                                               multi_latent_attention=multi_latent_attention)
     else:
-        spec = specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+        spec = specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm,
+                                              multi_latent_attention=multi_latent_attention)
     # Copy the path to the slots changed below, not the whole spec: megatron-core's own spec
     # objects are shared by every caller (and without TE its TE classes are mocks, which
     # deepcopy refuses).
@@ -66,8 +71,8 @@ def get_gpt_layer_spec(
         if getattr(spec.submodules, name) is WrappedTorchNorm:
             setattr(spec.submodules, name, TorchNorm)
     attention = spec.submodules.self_attention.submodules
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attention, name) is WrappedTorchNorm:
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # kv_layernorm: MLA's latent
+        if getattr(attention, name, None) is WrappedTorchNorm:
             setattr(attention, name, TorchQKNorm)
     return spec
 

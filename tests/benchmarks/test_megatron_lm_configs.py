@@ -91,9 +91,9 @@ def test_whole_configs_judged_by_the_trainer(tmp_path, capsys):
         (d / "model_config.yaml").write_text(text)
     main(["--megatron-lm", str(tmp_path)])
     cpu = json.loads(capsys.readouterr().out)
-    # on CPU --bf16 and, without it, tied embeddings over PP 2 need CUDA
-    assert cpu["whole_configs_accepted"] == cpu["whole_configs_accepted_without_hardware_flags"] == 1
-    assert any("tied embeddings" in r for r, _ in cpu["whole_configs_refused_by"])
+    # on CPU --bf16 needs CUDA; without it tied embeddings over PP 2 run here too
+    assert cpu["whole_configs_accepted"] == 1 and cpu["whole_configs_accepted_without_hardware_flags"] == 2
+    assert not any("tied embeddings" in r for r, _ in cpu["whole_configs_refused_by"])
     main(["--megatron-lm", str(tmp_path), "--cuda"])
     gpu = json.loads(capsys.readouterr().out)
     assert gpu["training_configs"] == 3 and gpu["whole_configs_accepted"] == 2
@@ -138,3 +138,45 @@ def test_square_brackets_are_stripped_as_megatron_lms_launcher_does():
                           "--step-batch-size-schedule": "0:384 200B:768", "--bf16": True})
     assert flags == [("--hierarchical-context-parallel-sizes", ["2", "2"]), ("--cp-comm-type", ["a2a+p2p"]),
                      ("--step-batch-size-schedule", ["0:384", "200B:768"]), ("--bf16", [])]
+
+
+def test_train_check_shrinks_sizes_and_keeps_the_layout():
+    """The 2-iteration CPU check (megatron_lm_configs_train) changes sizes only: hidden 8 per
+    head (at least 64), sequence 128, micro-batches of one sequence, as many per data-parallel
+    rank as the config has (at most 2 x PP), 2 iterations; layers, heads and the parallel layout
+    stay; DP is capped (a size like the batch)."""
+    from benchmarks.harness.megatron_lm_configs_train import cpu_world, shrink
+
+    flags = [("--num-layers", ["12"]), ("--hidden-size", ["512"]), ("--num-attention-heads", ["8"]),
+             ("--ffn-hidden-size", ["2048"]), ("--seq-length", ["1024"]), ("--max-position-embeddings", ["1024"]),
+             ("--micro-batch-size", ["4"]), ("--global-batch-size", ["32"]), ("--train-iters", ["50"]),
+             ("--tensor-model-parallel-size", ["2"]), ("--pipeline-model-parallel-size", ["2"]),
+             ("--eval-iters", ["10"]), ("--lr", ["1e-4"])]
+    # 8 ranks: TP 2 x PP 2 x DP 2; 32 / (4 x 2) = 4 micro-batches per DP rank = 2 x PP
+    assert cpu_world(flags, 8) == 8 and cpu_world(flags, 1) == 4
+    got = dict(shrink(flags, 2, dp=1, dp_given=2))
+    assert got["--hidden-size"] == ["64"] and got["--ffn-hidden-size"] == ["128"]
+    assert got["--seq-length"] == got["--max-position-embeddings"] == ["128"]
+    assert (got["--micro-batch-size"], got["--global-batch-size"]) == (["1"], ["4"])
+    assert (got["--train-iters"], got["--eval-iters"]) == (["2"], ["1"])
+    for kept in ("--num-layers", "--num-attention-heads", "--tensor-model-parallel-size",
+                 "--pipeline-model-parallel-size", "--lr"):
+        assert got[kept] == dict(flags)[kept]
+    many = dict(shrink([*flags[:6], ("--micro-batch-size", ["1"]), ("--global-batch-size", ["256"]),
+                        ("--pipeline-model-parallel-size", ["2"])], 2, dp=2, dp_given=2))
+    assert many["--global-batch-size"] == ["8"]  # 128 a rank -> 2 x PP = 4, times DP 2
+    assert dict(shrink([("--num-attention-heads", ["12"]), ("--train-samples", ["1000"]),
+                        ("--global-batch-size", ["6"])]))["--train-samples"] == ["4"]  # 2 x 2 micro-batches
+
+
+def test_train_check_writes_a_loadable_hf_tokenizer(tmp_path):
+    from benchmarks.harness.megatron_lm_configs import FIM_TOKENS
+    from benchmarks.harness.megatron_lm_configs_train import tokenizer_stand_in
+    from megatron.training.tokenizer import build_tokenizer
+
+    folder = str(tmp_path / "CHECKPOINT_LOAD_PATH" / "tokenizer")
+    assert tokenizer_stand_in([("--tokenizer-type", ["HuggingFaceTokenizer"]),
+                               ("--tokenizer-model", [folder])]) is None
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder)
+    assert tok.vocab_size == 256 + len(FIM_TOKENS)
+    assert tok.decode(tok.encode("héllo wörld")) == "héllo wörld"

@@ -129,7 +129,9 @@ def test_tools_bad_input(tmp_path):
 # single error line must contain). Each states the behaviour: one line naming the flag and why.
 PARSE_CASES = {
     "moe family refused with the reason": (["--num-experts", "8"], None, "--num-experts: mixture of experts"),
-    "mla family refused with the reason": (["--multi-latent-attention"], None, "multi-latent attention"),
+    "mla option refused with the reason": (["--multi-latent-attention", "--cache-mla-latents"], None,
+                                           "--cache-mla-latents: this multi-latent attention option is not "
+                                           "implemented"),
     "fp8 needs transformer engine on a gpu": (["--fp8-format", "hybrid"], None,
                                               "--fp8-format: needs Transformer Engine"),
     "tp comm overlap needs sequence parallelism": (["--tp-comm-overlap"], None,
@@ -144,8 +146,8 @@ PARSE_CASES = {
     "ckpt format other than torch_dist or torch refused": (["--ckpt-format", "torch_dcp"], None,
                                                            "--ckpt-format torch_dcp"),
     "fsdp checkpoint format names fsdp": (["--ckpt-format", "fsdp_dtensor"], None,
-                                          "--ckpt-format fsdp_dtensor: Megatron FSDP's checkpoint format; FSDP is "
-                                          "not supported"),
+                                          "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron-LM "
+                                          "asserts the same)"),
     "legacy models refused": (["--use-legacy-models"], None, "only megatron-core models"),
     "train iters and samples exclusive": (["--train-iters", "4", "--train-samples", "8"], None,
                                           "--train-iters or --train-samples, not both"),

@@ -212,3 +212,6 @@ def test_checkpoint_flags_of_continued_pretraining_are_honoured():
     status = [r["status"] for r in rows]
     assert status == ["honoured"] * 7 + ["unsupported"] * 2, rows
     assert "ModelOpt" in rows[-1]["reason"] and "torch_dist" in rows[-2]["reason"]
+    # Megatron FSDP's format is its own: honoured (written as torch_dist, one warning) only with it
+    with_fsdp = classify([("--use-megatron-fsdp", []), ("--ckpt-format", ["fsdp_dtensor"])], cuda=False, te=False)
+    assert [r["status"] for r in with_fsdp] == ["honoured", "honoured"], with_fsdp
