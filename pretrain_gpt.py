@@ -89,9 +89,8 @@ def _check_inputs(args) -> None:
                 raise ValueError(f"--sb-profile {args.sb_profile}: not UTF-8 text ({e.reason} at byte "
                                  f"{e.start})") from None
         fresh = args.load is not None and read_tracker(args.load) is None
-        if fresh and (args.finetune or args.exit_on_missing_checkpoint):
-            why = "--finetune" if args.finetune else "--exit-on-missing-checkpoint"
-            raise ValueError(f"--load: no checkpoint in {args.load} ({why} needs one)")
+        if fresh and args.exit_on_missing_checkpoint:
+            raise ValueError(f"--load: no checkpoint in {args.load} (--exit-on-missing-checkpoint needs one)")
         if args.save and os.environ.get("LOCAL_RANK", "0") == "0":  # each node's view of the file system
             check_save_dir(args.save, checkpoint_bytes(args, vocab))
         if args.save and os.environ.get("RANK", "0") == "0":
@@ -100,8 +99,9 @@ def _check_inputs(args) -> None:
         _fail(" ".join(str(e).split()), 2)
     for line in args.compat_warnings:
         _warn(line)
-    if fresh:
-        _warn(f"--load {args.load}: no checkpoint there; training starts from scratch (as in Megatron-LM; "
+    if fresh:  # with --finetune too: Megatron-LM then starts from random weights
+        also = " (--finetune has no weights to take)" if args.finetune else ""
+        _warn(f"--load {args.load}: no checkpoint there; training starts from scratch{also} (as in Megatron-LM; "
               "--exit-on-missing-checkpoint makes this an error)")
     if args.eval_interval and args.eval_iters > 0 and not len(split_documents(documents, args.split_fractions)[1]):
         _warn(f"--eval-interval {args.eval_interval}: the validation split of --split {args.split} holds no "

@@ -870,8 +870,9 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> argp
         raise UsageError("--continue-on-save-failure needs --save")
     if args.exit_signal_handler and not args.save:
         raise UsageError("--exit-signal-handler needs --save (it saves a checkpoint before exiting)")
-    if args.finetune and args.load is None:
-        raise UsageError("--finetune needs --load")
+    if args.finetune and args.load is None:  # Megatron-LM loads nothing then
+        args.compat_warnings.append("--finetune without --load: no checkpoint to take weights from, training "
+                                    "starts from scratch (as in Megatron-LM)")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise UsageError(f"--load: {args.load} is not a directory")
     # Megatron-LM ignores these without --load (recipes pass them for their resumes): training

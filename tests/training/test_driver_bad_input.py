@@ -79,8 +79,6 @@ CASES = {
     "odd rotary dims": (lambda c, k: ["--data-path", c, "--rotary-percent", "0.1875"], None, "even number"),
     "unknown flag": (lambda c, k: ["--data-path", c, "--no-such-flag", "3"], None, "--no-such-flag"),
     "abbreviated flag": (lambda c, k: ["--data-path", c, "--train-it", "3"], None, "--train-it"),
-    "finetune without checkpoint": (lambda c, k: ["--data-path", c, "--load", k["no_ckpt"], "--finetune"], None,
-                                    "no checkpoint"),
     "prompt mask without loss starts": (lambda c, k: ["--data-path", c, "--mask-prompt-loss"], None,
                                         "_loss_start.npy"),
     "cp not dividing world": (lambda c, k: ["--data-path", c, "--context-parallel-size", "2"], 3,
@@ -353,6 +351,23 @@ def test_exit_on_missing_checkpoint(corpus, tmp_path, capsys, monkeypatch):
     line = _check_inputs_error([*TINY, "--data-path", corpus, "--save", d, "--load", d,
                                 "--exit-on-missing-checkpoint"], capsys, monkeypatch)
     assert "no checkpoint in" in line, line
+
+
+def test_finetune_without_a_checkpoint_trains_from_scratch_with_one_warning(corpus, tmp_path, capsys, monkeypatch):
+    """As in Megatron-LM (no tracker: random weights), --finetune with an empty --load is no error."""
+    import importlib.util
+
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setenv("RANK", "0")
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", PRETRAIN)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    empty = tmp_path / "no_ckpt"
+    empty.mkdir()
+    driver._check_inputs(parse_args([*TINY, "--data-path", corpus, "--load", str(empty), "--finetune"], world_size=1))
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "training starts from scratch (--finetune has no weights to take)" in lines[0], lines
 
 
 def test_save_dir_in_use_by_a_live_run_is_refused(corpus, tmp_path, capsys, monkeypatch):

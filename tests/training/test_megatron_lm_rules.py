@@ -269,6 +269,12 @@ def test_load_flags_without_load_are_ignored(flag):
     assert len(warned(args, "training starts from scratch")) == (flag == "--exit-on-missing-checkpoint")
 
 
+def test_finetune_without_load_is_ignored_with_one_warning():
+    args = resolve("--finetune")
+    assert args.finetune and args.load is None
+    assert len(warned(args, "--finetune without --load")) == 1
+
+
 def test_save_retain_interval_is_a_multiple_of_save_interval(capsys, tmp_path):
     line = refused(capsys, "--save", str(tmp_path), "--save-interval", "4", "--save-retain-interval", "6")
     assert "not a multiple of --save-interval 4" in line
