@@ -21,8 +21,7 @@ once with the same model flags and thread count (``--quick``: a small grid, < 1 
         --sparse-balance --sb-block-size 32 --sb-topk 4 --sb-profile results/cpu_profile.json \
         --summary-json runs/sb_cpu/summary.json --sb-timeline runs/sb_cpu/timeline
 
-(Untied embeddings: tied ones, Megatron-LM's default, need CUDA with PP > 1. A
-Megatron-LM launch script runs unchanged; ``tools/check_launch_script.py SCRIPT`` says
+(A Megatron-LM launch script runs unchanged; ``tools/check_launch_script.py SCRIPT`` says
 what each of its flags does here. ``--sb-cost-model h100-analytic`` instead of
 ``--sb-profile`` plans with the analytic H100 model; ``--sb-dst anchor --sb-anchor mean
 --sb-p 0.1`` is the paper's policy.)
