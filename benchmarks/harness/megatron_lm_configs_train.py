@@ -110,10 +110,17 @@ def tokenizer_stand_in(flags: list) -> Optional[str]:
             import sentencepiece
         except ImportError:
             return f"not run here: --tokenizer-type {kind} needs the sentencepiece package, not installed here"
+        import random
+
         os.makedirs(os.path.dirname(model), exist_ok=True)
-        text = [" ".join(f"w{i % 97} x{i % 13}" for i in range(j, j + 40)) for j in range(400)]
-        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=model[:-len(".model")]
-                                                 if model.endswith(".model") else model, vocab_size=200)
+        rng = random.Random(0)  # words of 26 letters: enough distinct pieces for a 200-piece vocabulary
+        words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+                 for _ in range(500)]
+        text = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(400)]
+        prefix = model + ".stand_in"  # the trainer writes PREFIX.model / .vocab; the config names the file
+        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=prefix, vocab_size=200)
+        os.replace(prefix + ".model", model)
+        os.remove(prefix + ".vocab")
     return None
 
 
@@ -199,7 +206,9 @@ class _Launcher:
 
     def __init__(self, cold: bool, io_dir: str, timeout: float):
         self.cold, self.timeout, self.world = cold, timeout, None
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        # W&B offline: the configs' --wandb-project logs where their cluster has a key; here the
+        # run's files are written locally (the stand-in, as for their tokenizers)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", WANDB_MODE="offline")
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
         self.env = env

@@ -180,3 +180,17 @@ def test_train_check_writes_a_loadable_hf_tokenizer(tmp_path):
     tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder)
     assert tok.vocab_size == 256 + len(FIM_TOKENS)
     assert tok.decode(tok.encode("héllo wörld")) == "héllo wörld"
+
+
+def test_train_check_writes_a_loadable_sentencepiece_model(tmp_path):
+    """At the exact path the config names (the trainer writes PREFIX.model; the stand-in is renamed)."""
+    from benchmarks.harness.megatron_lm_configs_train import tokenizer_stand_in
+    from megatron.training.tokenizer import build_tokenizer
+
+    model = str(tmp_path / "DATA_PATH" / "utils" / "nemotron_2_256k.model")
+    assert tokenizer_stand_in([("--tokenizer-type", ["GPTSentencePieceTokenizer"]),
+                               ("--tokenizer-model", [model])]) is None
+    assert sorted(p.name for p in (tmp_path / "DATA_PATH" / "utils").iterdir()) == ["nemotron_2_256k.model"]
+    tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
+    assert tok.vocab_size == 200
+    assert tok.decode(tok.encode("hello world")) == "hello world"

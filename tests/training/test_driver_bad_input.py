@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 from conftest import PRETRAIN, PY, ROOT, TINY, env
@@ -326,11 +327,8 @@ def test_corrupt_tokenizer_json_names_the_file(corpus, tmp_path, capsys, monkeyp
 
 def test_sentencepiece_model_without_the_package(corpus, tmp_path, capsys, monkeypatch):
     """Llama2Tokenizer reads tokenizer.model with the sentencepiece package; without it, one
-    line names the package (it is not installed in this project's environment)."""
-    import importlib.util
-
-    if importlib.util.find_spec("sentencepiece") is not None:
-        pytest.skip("sentencepiece is installed here")
+    line names the package (here it is installed: its import is made to fail)."""
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # `import sentencepiece` raises ImportError
     (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x00")
     line = _check_inputs_error([*TINY, "--data-path", corpus, "--tokenizer-type", "Llama2Tokenizer",
                                 "--tokenizer-model", str(tmp_path)], capsys, monkeypatch)
