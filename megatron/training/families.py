@@ -33,6 +33,9 @@ FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the families above (Megatron-LM's names, types and defaults)."""
+    from megatron.training.arguments import _positive  # at call time: arguments imports this module
+
+    _positive_int = _positive(int)
     g = p.add_argument_group("expert parallel groups and FSDP (Megatron-LM's flags; see families.py)")
     g.add_argument("--expert-tensor-parallel-size", type=_positive_int, default=None, metavar="N",
                    help="size of megatron-core's expert tensor-parallel groups (default: TP); no layer "
@@ -93,16 +96,6 @@ def mla_without_te() -> None:
         from megatron.core.transformer import multi_latent_attention
 
         multi_latent_attention.HAVE_TE = False
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
