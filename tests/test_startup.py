@@ -59,18 +59,25 @@ def test_decorator_form_and_modules_pass_through():
     assert calls[-1] == (m, {})
 
 
-def test_a_fresh_process_imports_megatron_core_without_torchs_compiler():
+def test_a_fresh_process_imports_megatron_core_without_torchs_compiler_or_wandb():
     probe = (
         "import sys, json\n"
         "import megatron.training\n"
         "import megatron.core.models.gpt, megatron.core.fusions.fused_bias_gelu as fbg, megatron.core.jit as jit\n"
-        "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules,\n"
-        "    'fuser': jit.jit_fuser.__qualname__, 'wrapped': fbg.bias_gelu.__wrapped__.__module__}))\n"
+        "import megatron.core.timers as timers, megatron.core.inference.contexts.dynamic_context as dc\n"
+        "before = {'dynamo': 'torch._dynamo' in sys.modules, 'wandb': 'wandb' in sys.modules,\n"
+        "    'fuser': jit.jit_fuser.__qualname__, 'wrapped': fbg.bias_gelu.__wrapped__.__module__,\n"
+        "    'have_wandb': dc.HAVE_WANDB}\n"
+        "version = timers.wandb.__version__\n"  # the first read imports W&B itself
+        "import wandb\n"
+        "print(json.dumps(dict(before, version=version == wandb.__version__, equal=timers.wandb == wandb,\n"
+        "    same=dc.wandb == wandb, stand_in='wandb' in sys.modules and type(sys.modules['wandb']).__name__)))\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"dynamo": False, "fuser": "_deferred_compile.<locals>.compile",
-                   "wrapped": "megatron.core.fusions.fused_bias_gelu"}
+    assert got == {"dynamo": False, "wandb": False, "fuser": "_deferred_compile.<locals>.compile",
+                   "wrapped": "megatron.core.fusions.fused_bias_gelu", "have_wandb": True,
+                   "version": True, "equal": True, "same": True, "stand_in": "module"}
