@@ -55,6 +55,7 @@ from typing import Dict, List, NoReturn, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from benchmarks.harness import forklaunch  # noqa: E402
 from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS  # noqa: E402
 from megatron.training.arguments import OneLineParser, _non_negative, _positive, usage_error  # noqa: E402
 
@@ -149,7 +150,7 @@ def run_pair(flags: List[str], out_dir: str, extra: Dict[str, str], limit_s: flo
         out = open(os.path.join(out_dir, f"rank{rank}.out"), "w")
         err = open(os.path.join(out_dir, f"rank{rank}.err"), "w")
         files += [out, err]
-        procs.append(subprocess.Popen([sys.executable, WORKER, *flags], cwd=REPO,
+        procs.append(forklaunch.popen([sys.executable, WORKER, *flags], cwd=REPO,
                                       env=_env(rank, port, {"SB_TEST_DUMP": os.path.join(out_dir, "dump"),
                                                             **extra}),
                                       stdout=out, stderr=err))

@@ -63,7 +63,6 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from typing import NoReturn
@@ -72,6 +71,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks"), os.path.join(REPO, "tools")]
 LENGTHS_DIR = os.path.join(REPO, "data", "lengths")
 
+from benchmarks.harness import forklaunch  # noqa: E402
 from megatron.training import quiet_optional_extras  # noqa: E402
 from megatron.training.arguments import OneLineParser, usage_error  # noqa: E402
 
@@ -234,12 +234,10 @@ def train_for_budget(cmd: list, workers: int, budget_s: float, threads: int, run
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    ignore_usr1 = lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # noqa: E731
     with open(os.path.join(run_dir, "stdout.txt"), "w") as so, \
             open(os.path.join(run_dir, "stderr.txt"), "w") as se:
         t0 = time.time()
-        proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=env, preexec_fn=ignore_usr1,
-                                start_new_session=True)
+        proc = forklaunch.popen(cmd, stdout=so, stderr=se, env=env, ignore_usr1=True, start_new_session=True)
         start, signal_at, signalled = None, None, 0
         try:
             while proc.poll() is None:

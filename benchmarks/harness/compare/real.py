@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from benchmarks.harness import forklaunch
 from benchmarks.harness.run_flags import PROJECT_RUN_FLAGS
 
 from .arms import Arm
@@ -179,7 +180,7 @@ def launch(cmd: List[str], cfg: RealConfig, arm: str, repeat: int, summary_path:
     t0 = time.time()
     with open(os.path.join(out_dir, "stdout.txt"), "w") as so, \
             open(os.path.join(out_dir, "stderr.txt"), "w") as se:
-        proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=env, start_new_session=True)
+        proc = forklaunch.popen(cmd, stdout=so, stderr=se, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=cfg.timeout_s)
         except subprocess.TimeoutExpired:
