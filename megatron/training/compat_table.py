@@ -301,8 +301,6 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--fine-grained-offloading-", OFFLOAD),
     ("--fine-grained-activation-offloading", OFFLOAD),
     ("--delta-offload-bytes-across-pp-ranks", OFFLOAD),
-    ("--mup-", "muP parameterization is not supported"),
-    ("--use-mup", "muP parameterization is not supported"),
     ("--mhc-", "hyper-connections are not supported: this driver trains dense GPT models"),
     ("--enable-mhc-connections", "hyper-connections are not supported: this driver trains dense GPT models"),
     ("--gtp-", "GTP weight sharding is not supported (use --use-distributed-optimizer)"),

@@ -33,7 +33,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron.training import pipeline_layout, yarn
+from megatron.training import mup, pipeline_layout, yarn
 
 
 def layer_spec(args, attention=None):
@@ -111,6 +111,7 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         config_class, mla = MLATransformerConfig, mla_config_fields(args)
     return config_class(
         **mla,
+        **mup.config_fields(args),  # Megatron-LM main's muP: init scales, softmax scale (mup.py)
         kv_channels=getattr(args, "kv_channels", None),
         fp16=getattr(args, "fp16", False),
         attention_backend=AttnBackend[getattr(args, "attention_backend", "auto")],
@@ -295,6 +296,7 @@ def _gpt_chunk(args, config, spec, vocab_size, model_class, extra, stage):
         vp_stage=stage,
         **extra,
     )
+    mup.apply_to_chunk(args, chunk)
     if use_cpu(args):
         return chunk.cpu()
     return chunk.cuda(torch.cuda.current_device())
@@ -367,7 +369,8 @@ def build_optimizer(args, model: List[torch.nn.Module]):
         warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
         warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(reduce_scatter_tensor|"
                                                   r"all_gather_into_tensor)` is deprecated")
-    optimizer = get_megatron_optimizer(opt_config, model)
+    # --use-mup: Megatron-LM main's per-group LR and Adam eps (mup.py); else megatron-core's standard groups
+    optimizer = get_megatron_optimizer(opt_config, model, config_overrides=mup.optimizer_overrides(args, opt_config))
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
     return optimizer, scheduler
 
