@@ -33,7 +33,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron.training import mup, pipeline_layout, yarn
+from megatron.training import fp8, mup, pipeline_layout, yarn
 
 
 def layer_spec(args, attention=None):
@@ -112,6 +112,7 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
     return config_class(
         **mla,
         **mup.config_fields(args),  # Megatron-LM main's muP: init scales, softmax scale (mup.py)
+        **fp8.config_fields(args),  # FP8 in Transformer Engine's linears (fp8.py)
         kv_channels=getattr(args, "kv_channels", None),
         fp16=getattr(args, "fp16", False),
         attention_backend=AttnBackend[getattr(args, "attention_backend", "auto")],
@@ -313,6 +314,7 @@ def build_model(args, config, vocab_size: int, attention=None) -> List[torch.nn.
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
         use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        fp8_param_gather=bool(getattr(args, "fp8_param_gather", False)),  # fp8.py
     )
     return [
         DistributedDataParallel(
