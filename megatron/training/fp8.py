@@ -79,7 +79,7 @@ def hardware_refusal(args: argparse.Namespace, te_why: str = "") -> str:
     """The one line for ``--fp8-format`` where Transformer Engine's layers do not build
     (``te_why``: why they do not; empty where the line asks for the local spec)."""
     why = te_why or "--transformer-impl local has no FP8 GEMMs"
-    return (f"--fp8-format {args.fp8_format}: needs Transformer Engine's layers on a CUDA GPU "
+    return (f"--fp8-format: needs Transformer Engine's layers on a CUDA GPU "
             f"(--transformer-impl transformer_engine); here {why}")
 
 
