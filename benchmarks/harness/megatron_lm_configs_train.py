@@ -272,7 +272,8 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
                 runs[key] = {"passed": None, "reason": f"not run: --budget-s {budget_s:.0f} spent", "wall_s": 0.0,
                              "first": name}
             if key not in runs and name in previous and previous[name]["passed"] in (True, "stopped"):
-                runs[key] = dict(previous[name], first=name, reason=previous[name]["reason"] + " (--resume)")
+                kept = previous[name]["reason"].split(" (--resume)")[0]  # marked once, however many resumes
+                runs[key] = dict(previous[name], first=name, reason=kept + " (--resume)")
             if key not in runs:
                 run_dir = os.path.join(scratch, f"run{len(runs)}")
                 argv = config_argv(small, run_dir, data_prefix)
