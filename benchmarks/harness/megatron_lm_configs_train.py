@@ -67,16 +67,27 @@ def shrink(flags: list, iters: int = ITERS, dp: int = 1, dp_given: int = 1) -> l
         "--micro-batch-size": ["1"],
         "--eval-iters": ["1"],
     }
+    pp = num("--pipeline-model-parallel-size", 1)
+
+    def batch(sequences: int) -> int:  # the config's batch at CPU size (module docstring)
+        return dp * min(max(1, sequences // (mbs * dp_given)), 2 * pp)
+
+    first = "1"  # the step's batch (sequences) at CPU size
     if gbs is not None and "$" not in gbs[0]:
-        per_rank = max(1, int(gbs[0]) // (mbs * dp_given))
-        pp = num("--pipeline-model-parallel-size", 1)
-        new["--global-batch-size"] = [str(dp * (min(per_rank, 2 * pp) if per_rank > 2 * pp else per_rank))]
+        first = str(batch(int(gbs[0])))
+        new["--global-batch-size"] = [first]
+    schedule = given.get("--step-batch-size-schedule")
+    if schedule and not any("$" in w for w in schedule):
+        # each entry's batch shrunk alike (its thresholds, in tokens, are not reached in 2 iterations)
+        words = [w.partition(":") for w in " ".join(schedule).replace(",", " ").split()]
+        new["--step-batch-size-schedule"] = [f"{at}:{batch(int(float(size)))}" for at, _, size in words]
+        first = new["--step-batch-size-schedule"][0].partition(":")[2]  # sorted: the 0 entry leads
     for flag, value in (("--ffn-hidden-size", 2 * hidden), ("--kv-channels", hidden // heads),
                         ("--max-position-embeddings", SEQ), ("--decoder-seq-length", SEQ)):
         if flag in given:
             new[flag] = [str(value)]
     if "--train-samples" in given:
-        new["--train-samples"] = [str(iters * int(new.get("--global-batch-size", ["1"])[0]))]
+        new["--train-samples"] = [str(iters * int(first))]
     else:
         new["--train-iters"] = [str(iters)]
     out = [(f, new.pop(f, v)) for f, v in flags]

@@ -167,6 +167,10 @@ def test_train_check_shrinks_sizes_and_keeps_the_layout():
     assert many["--global-batch-size"] == ["8"]  # 128 a rank -> 2 x PP = 4, times DP 2
     assert dict(shrink([("--num-attention-heads", ["12"]), ("--train-samples", ["1000"]),
                         ("--global-batch-size", ["6"])]))["--train-samples"] == ["4"]  # 2 x 2 micro-batches
+    # the batch of a --step-batch-size-schedule (gpt3_15b_8t_release: 384 sequences) shrinks alike
+    ramp = dict(shrink([("--num-attention-heads", ["48"]), ("--micro-batch-size", ["4"]), ("--train-samples", ["9"]),
+                        ("--step-batch-size-schedule", ["0:384", "200B:768", "400B:1152"])]))
+    assert ramp["--step-batch-size-schedule"] == ["0:2", "200B:2", "400B:2"] and ramp["--train-samples"] == ["4"]
 
 
 def test_train_check_writes_a_loadable_hf_tokenizer(tmp_path):
