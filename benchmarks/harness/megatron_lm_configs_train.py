@@ -14,7 +14,9 @@ and rank 0's summary has 2 iterations of finite loss; else its one-line reason (
 line). Configs whose shrunk lines are identical (``_1node`` twins, logging-only differences)
 run once and share the verdict. The ranks are warm processes (``tests/_world.py``: each job
 runs the script as torchrun runs it, with torch and megatron-core imported once, not per
-rank per config); ``--cold`` starts real torchrun processes instead. Prints JSON (and writes
+rank per config); ``--cold`` starts real torchrun processes instead (a config with
+``--wandb-project`` always gets them: W&B's process-wide service does not survive a second run in
+one process). Prints JSON (and writes
 it to ``--out``)::
 
     .venv/bin/python -m benchmarks.harness.megatron_lm_configs_train --megatron-lm /tmp/Megatron-LM \\
@@ -231,8 +233,11 @@ class _Launcher:
 
     def run(self, argv: list, nproc: int) -> tuple:
         script = os.path.join(ROOT, "pretrain_gpt.py")
+        # W&B keeps a process-wide service connection that a second run in the same warm rank
+        # finds closed (MailboxClosedError): a config that logs to W&B gets fresh processes
+        warm = self.world is not None and "--wandb-project" not in argv
         try:
-            if self.world is not None:
+            if warm:
                 job = self.world.launch(script, argv, nproc=nproc, timeout=self.timeout)
                 return job.returncode, job.stdout, job.stderr
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
