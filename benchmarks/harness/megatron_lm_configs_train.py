@@ -325,7 +325,7 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
             "stopped_as_the_config_means": stopped, "not_run": not_run, "distinct_lines": len(runs),
             "iterations": iters, "seq_length": SEQ,
             "max_data_parallel": max_dp, "wall_s": round(time.monotonic() - began),
-            "launcher": "torchrun" if cold else "warm ranks (tests/_world.py)",
+            "launcher": "torchrun" if cold else "warm ranks (tests/_world.py); torchrun for --wandb-project configs",
             "failures": [{"config": r["config"], "reason": r["reason"]} for r in rows if r["passed"] is False],
             "configs": rows}
 
