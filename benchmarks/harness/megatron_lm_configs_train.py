@@ -14,7 +14,9 @@ and rank 0's summary has 2 iterations of finite loss; else its one-line reason (
 line). Configs whose shrunk lines are identical (``_1node`` twins, logging-only differences)
 run once and share the verdict. The ranks are warm processes (``tests/_world.py``: each job
 runs the script as torchrun runs it, with torch and megatron-core imported once, not per
-rank per config); ``--cold`` starts real torchrun processes instead. Prints JSON (and writes
+rank per config); ``--cold`` starts real torchrun processes instead (a config with
+``--wandb-project`` always gets them: W&B's process-wide service does not survive a second run in
+one process). Prints JSON (and writes
 it to ``--out``)::
 
     .venv/bin/python -m benchmarks.harness.megatron_lm_configs_train --megatron-lm /tmp/Megatron-LM \\
@@ -67,16 +69,27 @@ def shrink(flags: list, iters: int = ITERS, dp: int = 1, dp_given: int = 1) -> l
         "--micro-batch-size": ["1"],
         "--eval-iters": ["1"],
     }
+    pp = num("--pipeline-model-parallel-size", 1)
+
+    def batch(sequences: int) -> int:  # the config's batch at CPU size (module docstring)
+        return dp * min(max(1, sequences // (mbs * dp_given)), 2 * pp)
+
+    first = "1"  # the step's batch (sequences) at CPU size
     if gbs is not None and "$" not in gbs[0]:
-        per_rank = max(1, int(gbs[0]) // (mbs * dp_given))
-        pp = num("--pipeline-model-parallel-size", 1)
-        new["--global-batch-size"] = [str(dp * (min(per_rank, 2 * pp) if per_rank > 2 * pp else per_rank))]
+        first = str(batch(int(gbs[0])))
+        new["--global-batch-size"] = [first]
+    schedule = given.get("--step-batch-size-schedule")
+    if schedule and not any("$" in w for w in schedule):
+        # each entry's batch shrunk alike (its thresholds, in tokens, are not reached in 2 iterations)
+        words = [w.partition(":") for w in " ".join(schedule).replace(",", " ").split()]
+        new["--step-batch-size-schedule"] = [f"{at}:{batch(int(float(size)))}" for at, _, size in words]
+        first = new["--step-batch-size-schedule"][0].partition(":")[2]  # sorted: the 0 entry leads
     for flag, value in (("--ffn-hidden-size", 2 * hidden), ("--kv-channels", hidden // heads),
                         ("--max-position-embeddings", SEQ), ("--decoder-seq-length", SEQ)):
         if flag in given:
             new[flag] = [str(value)]
     if "--train-samples" in given:
-        new["--train-samples"] = [str(iters * int(new.get("--global-batch-size", ["1"])[0]))]
+        new["--train-samples"] = [str(iters * int(first))]
     else:
         new["--train-iters"] = [str(iters)]
     out = [(f, new.pop(f, v)) for f, v in flags]
@@ -220,8 +233,11 @@ class _Launcher:
 
     def run(self, argv: list, nproc: int) -> tuple:
         script = os.path.join(ROOT, "pretrain_gpt.py")
+        # W&B keeps a process-wide service connection that a second run in the same warm rank
+        # finds closed (MailboxClosedError): a config that logs to W&B gets fresh processes
+        warm = self.world is not None and "--wandb-project" not in argv
         try:
-            if self.world is not None:
+            if warm:
                 job = self.world.launch(script, argv, nproc=nproc, timeout=self.timeout)
                 return job.returncode, job.stdout, job.stderr
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
@@ -272,7 +288,8 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
                 runs[key] = {"passed": None, "reason": f"not run: --budget-s {budget_s:.0f} spent", "wall_s": 0.0,
                              "first": name}
             if key not in runs and name in previous and previous[name]["passed"] in (True, "stopped"):
-                runs[key] = dict(previous[name], first=name, reason=previous[name]["reason"] + " (--resume)")
+                kept = previous[name]["reason"].split(" (--resume)")[0]  # marked once, however many resumes
+                runs[key] = dict(previous[name], first=name, reason=kept + " (--resume)")
             if key not in runs:
                 run_dir = os.path.join(scratch, f"run{len(runs)}")
                 argv = config_argv(small, run_dir, data_prefix)
@@ -308,7 +325,7 @@ def measure(root: str, only=None, cold: bool = False, timeout: float = 300, iter
             "stopped_as_the_config_means": stopped, "not_run": not_run, "distinct_lines": len(runs),
             "iterations": iters, "seq_length": SEQ,
             "max_data_parallel": max_dp, "wall_s": round(time.monotonic() - began),
-            "launcher": "torchrun" if cold else "warm ranks (tests/_world.py)",
+            "launcher": "torchrun" if cold else "warm ranks (tests/_world.py); torchrun for --wandb-project configs",
             "failures": [{"config": r["config"], "reason": r["reason"]} for r in rows if r["passed"] is False],
             "configs": rows}
 

@@ -40,7 +40,9 @@ MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "swiglu", "squared_relu", "apply_layernorm_1p", "qk_layernorm", "attention_output_gate",
               "rotary_interleaved", "add_qkv_bias", "disable_bias_linear", "untie_embeddings_and_output_weights",
               "padded_vocab_size", "hidden_dropout", "attention_dropout", "multi_latent_attention", "q_lora_rank",
-              "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", *yarn.DEFAULTS)
+              "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "use_mup",
+              "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim",
+              "mup_attn_scale_power", *yarn.DEFAULTS)
 """Flags (argparse dests) saved as the checkpoint's ``args`` and read back (the YaRN ones
 resolved under yarn, None otherwise for those with a ``yarn_`` prefix)."""
 COMMAND_LINE_WINS = ("seq_length", "max_position_embeddings")

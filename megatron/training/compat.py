@@ -214,6 +214,8 @@ def check_hardware(args: argparse.Namespace, cuda: bool) -> List[str]:
     else ``ValueError`` with one line naming the flag and what it needs. Returns warning
     lines: ``--transformer-impl transformer_engine`` (Megatron-LM's default) that cannot run
     here becomes the local spec, said once."""
+    from megatron.training import fp8
+
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
         if on and not cuda:
             raise ValueError(f"{flag} needs CUDA (the CPU path trains in fp32; drop {flag} or "
@@ -230,11 +232,15 @@ def check_hardware(args: argparse.Namespace, cuda: bool) -> List[str]:
         args.attention_backend = "auto"
     if args.transformer_impl == "transformer_engine":
         why = _te_unusable(args, cuda)
+        if why and getattr(args, "fp8_format", None):  # FP8 GEMMs are TE's (fp8.py)
+            raise ValueError(fp8.hardware_refusal(args, why))
         if why:
             args.transformer_impl = "local"
             warnings.append(f"--transformer-impl transformer_engine: {why}; training with the local layer spec "
                             "(the same model and checkpoint layout without TE's fused LayerNorm-linear, linear "
                             "and attention kernels)")
+    elif getattr(args, "fp8_format", None):
+        raise ValueError(fp8.hardware_refusal(args))
     # Megatron-LM's local spec ignores --attention-backend too
     if args.attention_backend in ("flash", "fused") and args.transformer_impl == "local":
         warnings.append(f"--attention-backend {args.attention_backend} picks a Transformer Engine kernel; the "

@@ -126,12 +126,6 @@ IGNORED = {
         "--record-memory-history --memory-snapshot-path --pytorch-profiler-collect-chakra --nvtx-ranges",
 }
 HARDWARE = {
-    "needs Transformer Engine with FP8 support on a CUDA GPU (Hopper or newer), which this driver does not "
-    "drive yet": "--fp8-format --fp8-recipe --fp8-margin --fp8-interval --fp8-amax-history-len "
-                 "--fp8-amax-compute-algo --no-fp8-wgrad --disable-fp8-wgrad --fp8-param-gather "
-                 "--first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16 "
-                 "--fp8-quantizer-factory --keep-fp8-transpose-cache --te-precision-config-file "
-                 "--reuse-grad-buf-for-mxfp8-param-ag --fp8-output-proj",
     "needs Transformer Engine with FP4 support on a Blackwell GPU":
         "--fp4-format --fp4-recipe --fp4-param-gather --fp4-quantizer-factory",
     "needs CUDA graphs on a GPU, not driven by this driver":
@@ -149,6 +143,10 @@ DYNAMIC_CP = ("dynamic (hybrid) context parallelism is not in this driver: train
                "--context-parallel-size; its planning is simulated as the sparsebalance+dcp arm of "
                "benchmarks/compare.py --mode sim")
 REFUSED = {
+    "not wired into this driver's FP8 path (--fp8-format with its recipe flags, --fp8-param-gather and "
+    "--first-last-layers-bf16 are, in Transformer Engine's layers on a GPU)":
+        "--fp8-quantizer-factory --keep-fp8-transpose-cache --te-precision-config-file "
+        "--reuse-grad-buf-for-mxfp8-param-ag --fp8-output-proj",
     "architecture option not implemented: this driver's GPT layers take --normalization, --swiglu, "
     "--squared-relu, --apply-layernorm-1p, --qk-layernorm, --attention-output-gate, --add-qkv-bias, "
     "--disable-bias-linear, --position-embedding-type and the --rotary-* flags":
@@ -301,8 +299,6 @@ FAMILIES: List[Tuple[str, str]] = [
     ("--fine-grained-offloading-", OFFLOAD),
     ("--fine-grained-activation-offloading", OFFLOAD),
     ("--delta-offload-bytes-across-pp-ranks", OFFLOAD),
-    ("--mup-", "muP parameterization is not supported"),
-    ("--use-mup", "muP parameterization is not supported"),
     ("--mhc-", "hyper-connections are not supported: this driver trains dense GPT models"),
     ("--enable-mhc-connections", "hyper-connections are not supported: this driver trains dense GPT models"),
     ("--gtp-", "GTP weight sharding is not supported (use --use-distributed-optimizer)"),

@@ -19,12 +19,17 @@
   in its core-attention slot (query/key heads of ``qk-head-dim + qk-pos-emb-head-dim``,
   value heads of ``v-head-dim``); on a GPU with ``--transformer-impl transformer_engine``,
   megatron-core's TE spec for MLA. Sparse attention with MLA is refused (one line).
+* muP (``--use-mup``, ``--mup-*``): Megatron-LM main's Maximal Update Parameterization,
+  which megatron-core 0.16.1 lacks, built from the driver's side (``mup.py``).
+* FP8 (``--fp8-format`` and its recipe flags): megatron-core's TransformerConfig fields, in
+  Transformer Engine's layers on a CUDA GPU; refused in one line elsewhere (``fp8.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from megatron.training import fp8, mup
 from megatron.training.arg_checks import UsageError
 
 FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
@@ -70,6 +75,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
                    help="MLA's RoPE (default yarn, as in Megatron-LM); without MLA only rope (the GPT "
                         "layers' YaRN is --position-embedding-type yarn)")
+    mup.add_flags(p)
+    fp8.add_flags(p)
 
 
 def mla_config_fields(args: argparse.Namespace) -> dict:
@@ -103,6 +110,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _validate_expert_groups(args, world_size)
     _validate_fsdp(args)
     _validate_mla(args)
+    mup.validate(args)
+    fp8.validate(args)
 
 
 def _validate_mla(args: argparse.Namespace) -> None:

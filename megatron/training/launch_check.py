@@ -23,6 +23,8 @@ import argparse
 import shlex
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron.training.fp8 import FLAGS as FP8_FLAGS
+
 LAUNCHER_FLAGS = {
     "--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank", "--master_addr",
     "--master-addr", "--master_port", "--master-port", "--rdzv_backend", "--rdzv-backend", "--rdzv_endpoint",
@@ -128,6 +130,14 @@ def _own(flag: str, values: List[str], action, parser, cuda: bool, te: bool, tp:
     v = values[0] if values else ""
     if (flag in ("--bf16", "--fp16") or (flag == "--distributed-backend" and v == "nccl")) and not cuda:
         return "hardware", "needs CUDA"
+    if flag in FP8_FLAGS and "--fp8-format" in given:  # fp8.py: Transformer Engine's layers on a GPU
+        te_spec = (given.get("--transformer-impl") or ["transformer_engine"])[0] == "transformer_engine"
+        cp = _number((given.get("--context-parallel-size") or ["1"])[0]) or 1
+        if not (cuda and te):
+            return "hardware", "needs Transformer Engine's layers on a CUDA GPU"
+        if not te_spec or cp > 1:
+            return "unsupported", ("FP8 needs Transformer Engine's layer spec, which this driver builds only with "
+                                   "--transformer-impl transformer_engine and without context parallelism")
     if flag == "--use-flash-attn":
         return "honoured", "no effect, as in Megatron-LM main (which reads it nowhere)"
     te_impl = (given.get("--transformer-impl") or ["transformer_engine"])[0] == "transformer_engine"

@@ -33,7 +33,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron.training import pipeline_layout, yarn
+from megatron.training import fp8, mup, pipeline_layout, yarn
 
 
 def layer_spec(args, attention=None):
@@ -111,6 +111,8 @@ def _transformer_config(args, use_cpu: bool, dtype: torch.dtype, interleaved: bo
         config_class, mla = MLATransformerConfig, mla_config_fields(args)
     return config_class(
         **mla,
+        **mup.config_fields(args),  # Megatron-LM main's muP: init scales, softmax scale (mup.py)
+        **fp8.config_fields(args),  # FP8 in Transformer Engine's linears (fp8.py)
         kv_channels=getattr(args, "kv_channels", None),
         fp16=getattr(args, "fp16", False),
         attention_backend=AttnBackend[getattr(args, "attention_backend", "auto")],
@@ -295,6 +297,7 @@ def _gpt_chunk(args, config, spec, vocab_size, model_class, extra, stage):
         vp_stage=stage,
         **extra,
     )
+    mup.apply_to_chunk(args, chunk)
     if use_cpu(args):
         return chunk.cpu()
     return chunk.cuda(torch.cuda.current_device())
@@ -311,6 +314,7 @@ def build_model(args, config, vocab_size: int, attention=None) -> List[torch.nn.
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
         use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        fp8_param_gather=bool(getattr(args, "fp8_param_gather", False)),  # fp8.py
     )
     return [
         DistributedDataParallel(
@@ -367,7 +371,8 @@ def build_optimizer(args, model: List[torch.nn.Module]):
         warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
         warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(reduce_scatter_tensor|"
                                                   r"all_gather_into_tensor)` is deprecated")
-    optimizer = get_megatron_optimizer(opt_config, model)
+    # --use-mup: Megatron-LM main's per-group LR and Adam eps (mup.py); else megatron-core's standard groups
+    optimizer = get_megatron_optimizer(opt_config, model, config_overrides=mup.optimizer_overrides(args, opt_config))
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
     return optimizer, scheduler
 

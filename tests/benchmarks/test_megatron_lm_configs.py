@@ -167,6 +167,10 @@ def test_train_check_shrinks_sizes_and_keeps_the_layout():
     assert many["--global-batch-size"] == ["8"]  # 128 a rank -> 2 x PP = 4, times DP 2
     assert dict(shrink([("--num-attention-heads", ["12"]), ("--train-samples", ["1000"]),
                         ("--global-batch-size", ["6"])]))["--train-samples"] == ["4"]  # 2 x 2 micro-batches
+    # the batch of a --step-batch-size-schedule (gpt3_15b_8t_release: 384 sequences) shrinks alike
+    ramp = dict(shrink([("--num-attention-heads", ["48"]), ("--micro-batch-size", ["4"]), ("--train-samples", ["9"]),
+                        ("--step-batch-size-schedule", ["0:384", "200B:768", "400B:1152"])]))
+    assert ramp["--step-batch-size-schedule"] == ["0:2", "200B:2", "400B:2"] and ramp["--train-samples"] == ["4"]
 
 
 def test_train_check_writes_a_loadable_hf_tokenizer(tmp_path):
@@ -194,3 +198,19 @@ def test_train_check_writes_a_loadable_sentencepiece_model(tmp_path):
     tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
     assert tok.vocab_size == 200
     assert tok.decode(tok.encode("hello world")) == "hello world"
+
+
+def test_train_check_resume_keeps_a_pass_marked_once(tmp_path):
+    """A pass kept from an earlier run (--resume) is not run again and says so once, however
+    many runs it was carried through."""
+    from benchmarks.harness.megatron_lm_configs_train import measure
+
+    d = tmp_path / "tests" / "functional_tests" / "test_cases" / "gpt" / "warmup_longer_than_run"
+    os.makedirs(d)
+    (d / "model_config.yaml").write_text(WHOLE["warmup_longer_than_run"])
+    previous = {"warmup_longer_than_run": {"config": "warmup_longer_than_run", "world_size": 1, "passed": True,
+                                           "reason": "losses 6.1, 6.0 (--resume) (--resume)", "same_line_as": None,
+                                           "wall_s": 1.5}}
+    rows = measure(str(tmp_path), previous=previous)["configs"]
+    assert [(r["config"], r["passed"], r["reason"]) for r in rows] == \
+        [("warmup_longer_than_run", True, "losses 6.1, 6.0 (--resume)")]

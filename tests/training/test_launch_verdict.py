@@ -26,7 +26,7 @@ LINES = {  # name -> (extra flags, world size); the three scripts are added by t
     "te with sparse balance": (["--transformer-impl", "transformer_engine", "--sparse-balance",
                                 "--sb-cost-model", "h100-analytic"], 1),
     "bf16": (["--bf16"], 1),
-    "fp8 refused everywhere": (["--fp8-format", "hybrid"], 1),
+    "fp8 on te layers only": (["--fp8-format", "hybrid"], 1),
     "world not divisible by tp": (["--tensor-model-parallel-size", "2"], 1),
     "iters and samples both": (["--train-samples", "8"], 1),
     "flash backend with local layers": (["--attention-backend", "flash"], 1),
@@ -93,7 +93,7 @@ def test_checker_verdict_equals_the_trainers(lines, target, capsys, monkeypatch)
 
 
 def test_verdicts_that_depend_on_the_target(lines):
-    """The same line, two machines: bf16 and the whole Llama-3 script (minus FP8) train on
+    """The same line, two machines: bf16, FP8 and the whole Llama-3 script (minus FP8) train on
     a GPU only; TE with CP trains with the local spec on both, saying why (this driver's CP
     attention lives there; the CPU lacks TE besides)."""
     from megatron.training.launch_verdict import Target, judge
@@ -106,14 +106,15 @@ def test_verdicts_that_depend_on_the_target(lines):
     assert on_cpu.accepted and on_gpu.accepted
     assert any("CUDA and the transformer_engine package missing" in w for w in on_cpu.warnings)
     assert any("context-parallel attention lives in the local spec" in w for w in on_gpu.warnings)
-    fp8 = lines["fp8 refused everywhere"]
-    assert "--fp8-format" in judge(*fp8, gpu).error
+    fp8 = lines["fp8 on te layers only"]  # FP8 GEMMs are Transformer Engine's (megatron/training/fp8.py)
+    assert judge(*fp8, gpu).accepted
+    assert "--fp8-format: needs Transformer Engine's layers on a CUDA GPU" in judge(*fp8, cpu).error
 
 
 def test_the_tool_judges_the_whole_line(tmp_path, capsys):
     """The issue's case: a script whose flags each pass alone; the tool refuses the line on
-    the GPU target (FP8 is refused there too), exits 1, and the share honoured is below 1;
-    without FP8 it is accepted, with the warning the trainer prints."""
+    the GPU target (the FP8 output projection is refused there too), exits 1, and the share
+    honoured is below 1; without it the line is accepted, with the warning the trainer prints."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import check_launch_script as tool
 
@@ -123,10 +124,10 @@ def test_the_tool_judges_the_whole_line(tmp_path, capsys):
             "--transformer-impl transformer_engine --bf16 --train-iters 2 --mock-data "
             "--sparse-balance --sb-cost-model h100-analytic")
     script = tmp_path / "run.sh"
-    script.write_text(line + " --fp8-format hybrid\n")
+    script.write_text(line + " --fp8-format hybrid --fp8-output-proj\n")
     assert tool.main(["--cuda", "--te", str(script)]) == 1
     out = capsys.readouterr().out
-    assert out.startswith("REFUSED on CUDA + Transformer Engine, 4 rank(s): --fp8-format")
+    assert out.startswith("REFUSED on CUDA + Transformer Engine, 4 rank(s): --fp8-output-proj")
     assert len(out.splitlines()) < 10
     report = tool.report(script.read_text(), cuda=True, te=True)
     assert report["honoured_fraction"] < 1.0 and report["counts"]["unsupported"] == 1
