@@ -44,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -419,6 +420,24 @@ def popen(cmd: List[str], *, stdout=None, stderr=None, env: Optional[dict] = Non
     err = _fd(stderr) if stderr is not subprocess.STDOUT else _fd(stdout)
     pid = _SERVER.start(job, [_fd(stdout), err])
     return ForkedProcess(_SERVER, pid, list(cmd))
+
+
+def run(cmd: List[str], *, cwd: Optional[str] = None, env: Optional[dict] = None,
+        timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, ...)`` through :func:`popen`:
+    on a timeout the process is killed and ``TimeoutExpired`` raised with its output."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
+        try:
+            code = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            out.seek(0)
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out.read()) from None
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
 if __name__ == "__main__":

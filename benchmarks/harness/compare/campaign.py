@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import shlex
-import tempfile
 import time
 from typing import Callable, Dict, List, Sequence
 
@@ -36,12 +35,9 @@ def _run_tool(cmd: List[str], cfg: RealConfig, log: Callable, what: str) -> str:
     text = " ".join(shlex.quote(c) for c in cmd)
     log(f"[compare] {what}: OMP_NUM_THREADS={cfg.threads} {text}")
     t0 = time.time()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        code = forklaunch.popen(cmd, stdout=out, stderr=err, env=env).wait()
-        err.seek(0)
-        stderr = err.read()
-    if code != 0:
-        last = (stderr.strip().splitlines() or [f"exit code {code}"])[-1]
+    p = forklaunch.run(cmd, env=env)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
         raise RuntimeError(f"{what} failed: {last}")
     log(f"[compare] {what}: done in {time.time() - t0:.0f} s")
     return text
