@@ -47,6 +47,7 @@ whose backward only late cannot move in the free-float passes).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Tuple
 
 import numpy as np
@@ -259,7 +260,7 @@ def _meets(stage_att: np.ndarray, floor_min: np.ndarray) -> np.ndarray:
 def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
                           num_deadlines: int = 4, polish_moves: int = 16,
                           polish_budget: float = 5e5, shift_rounds: int = 4,
-                          floor: str = "stage") -> np.ndarray:
+                          floor: str = "stage", per_replica: bool = False) -> np.ndarray:
     """Level indices [D, M, S] of the critical-path plan (see module docstring).
 
     Args:
@@ -272,7 +273,18 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
         polish_budget: the local search stops after sweeping this many (op x
             candidate column) cells, which bounds planning time on large instances.
         shift_rounds: total-float raise rounds (one op per replica each).
+        per_replica: also plan every replica on its own (:func:`_per_replica_indices`) and
+            keep whichever plan is faster (then keeps more attention).
     """
+    if per_replica and inst.dp > 1:
+        kw = dict(num_caps=num_caps, num_deadlines=num_deadlines, polish_moves=polish_moves,
+                  polish_budget=polish_budget, shift_rounds=shift_rounds, floor=floor)
+        joint = critical_path_indices(inst, eps, **kw)
+        split = _per_replica_indices(inst, eps, **kw)
+        (tj, aj), (ts, as_) = objective(inst, joint), objective(inst, split)
+        if ts < tj * (1 - _TOL) or (ts <= tj * (1 + _TOL) and as_ > aj):
+            return split
+        return joint
     if not 0.0 <= eps <= 1.0:
         raise ValueError(f"eps must be in [0, 1], got {eps}")
     if num_caps < 2 or num_deadlines < 1 or shift_rounds < 0 or polish_moves < 0:
@@ -329,6 +341,28 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
     best_X = one.fill(best_X, np.full(D, best_t))
     best_X = one.fill(one.shift(best_X, np.full(D, best_t), shift_rounds), np.full(D, best_t))
     return best_X.T.reshape(D, M, S)
+
+
+def replica_instance(inst: Instance, r: int) -> Instance:
+    """Replica ``r`` of ``inst`` as an instance of its own (dp = 1)."""
+    w = None if inst.weight is None else inst.weight[r:r + 1]
+    return replace(inst, dp=1, fwd=inst.fwd[:, r:r + 1], bwd=inst.bwd[:, r:r + 1],
+                   attn=inst.attn[:, r:r + 1], weight=w)
+
+
+def _per_replica_indices(inst: Instance, eps: float, **kw) -> np.ndarray:
+    """Each replica planned as its own instance, then raised under the slowest one's time.
+
+    Why: the replicas meet only at the step's end (the slowest one) and in the attention
+    floor. The joint search's polish cuts one op of the slowest replica per move, so with
+    several replicas of nearly equal time (a balanced packing) and a lever that moves op times
+    by little (TAU levels), its moves run out before every replica's critical path is
+    shortened. Planned alone, each replica gets the whole search; each keeps its own floor
+    (its own static attention, per stage or in total), so their sum keeps the step's.
+    """
+    X = np.concatenate([critical_path_indices(replica_instance(inst, r), eps, **kw)
+                        for r in range(inst.dp)], axis=0)
+    return raise_indices(inst, X, shift_rounds=kw["shift_rounds"])
 
 
 def _critical_vars(inst: Instance, one: _Batch, X: np.ndarray) -> Tuple[np.ndarray, int]:
@@ -423,8 +457,19 @@ def raise_indices(inst: Instance, idx: np.ndarray, deadline: Optional[float] = N
 
 
 def critical_path_plan(inst: Instance, eps: float = 0.0, floor: str = "stage") -> Plan:
-    """The critical-path plan, evaluated."""
-    return make_plan(inst, critical_path_indices(inst, eps, floor=floor), "critical-path")
+    """The critical-path plan, evaluated (per replica too under threshold routing:
+    :func:`per_replica_default`)."""
+    return make_plan(inst, critical_path_indices(inst, eps, floor=floor,
+                                                 per_replica=per_replica_default(inst)),
+                     "critical-path")
+
+
+def per_replica_default(inst: Instance) -> bool:
+    """Whether DST's critical-path policy also plans each replica alone: under threshold
+    routing (TAU levels), where one level moves an op's time by little and the joint polish's
+    moves run out first (:func:`_per_replica_indices`). Top-k plans keep the joint search only
+    (their plans, pinned by tests, are unchanged)."""
+    return inst.unit == "tau"
 
 
 def policy(inst: Instance, dst) -> Plan:
