@@ -350,19 +350,55 @@ def replica_instance(inst: Instance, r: int) -> Instance:
                    attn=inst.attn[:, r:r + 1], weight=w)
 
 
+CROSS_SLACKS = (0.03, 0.1, 0.3)
+"""Per-replica planning: deeper cuts a slow replica may take below its own floor (its share of
+the attention, per stage or in total), the other replicas' raises paying for them."""
+
+
 def _per_replica_indices(inst: Instance, eps: float, **kw) -> np.ndarray:
-    """Each replica planned as its own instance, then raised under the slowest one's time.
+    """Each replica planned as its own instance; then budget moved from the slow replicas to
+    the fast ones.
 
     Why: the replicas meet only at the step's end (the slowest one) and in the attention
     floor. The joint search's polish cuts one op of the slowest replica per move, so with
     several replicas of nearly equal time (a balanced packing) and a lever that moves op times
     by little (TAU levels), its moves run out before every replica's critical path is
-    shortened. Planned alone, each replica gets the whole search; each keeps its own floor
-    (its own static attention, per stage or in total), so their sum keeps the step's.
+    shortened. Planned alone, each replica gets the whole search.
+
+    1. Each replica's plan at the step's slack ``eps`` (its own floor: its sum keeps the step's)
+       and at deeper slacks ``eps + CROSS_SLACKS`` (floors it cannot keep alone).
+    2. Deadlines ``T``, from the slowest replica's own plan down through the replicas' plan
+       times: each replica takes its plans that fit ``T``, raised into ``T``, the one keeping
+       the most attention (else the shallowest); the smallest ``T`` whose plans together keep
+       the step's floor wins (the search stops at the first ``T`` that misses it).
     """
-    X = np.concatenate([critical_path_indices(replica_instance(inst, r), eps, **kw)
-                        for r in range(inst.dp)], axis=0)
-    return raise_indices(inst, X, shift_rounds=kw["shift_rounds"])
+    D, M, S = inst.dp, inst.microbatches, inst.stages
+    floor, shift = kw["floor"], kw["shift_rounds"]
+    subs = [replica_instance(inst, r) for r in range(D)]
+    slacks = (eps,) + tuple(min(1.0, eps + x) for x in CROSS_SLACKS)
+    plans = [[critical_path_indices(sub, e, **kw) for e in slacks] for sub in subs]
+    times = np.array([[objective(sub, x)[0] for x in ps] for sub, ps in zip(subs, plans)])
+    one = _Batch(inst, 1)
+    floor_min = _floor_min(one, np.full((M * S, D), inst.k0_index, dtype=np.int64), eps, floor)
+
+    def keeps(X: np.ndarray) -> bool:
+        return bool(_meets(inst.at(X)[2].sum(axis=(0, 1))[None], floor_min)[0])
+
+    t_own = float(times[:, 0].max())
+    best = np.concatenate([raise_indices(sub, ps[0], t_own, shift) for sub, ps in zip(subs, plans)])
+    for T in np.unique(times[times < t_own * (1 - _TOL)])[::-1]:
+        fits = [[raise_indices(sub, x, float(T), shift) for x, t in zip(ps, ts) if t <= T * (1 + _TOL)]
+                for sub, ps, ts in zip(subs, plans, times)]
+        if any(not f for f in fits):
+            break
+        most = np.concatenate([max(f, key=lambda x, s=sub: float(s.at(x)[2].sum()))
+                               for f, sub in zip(fits, subs)])
+        shallow = np.concatenate([f[0] for f in fits])
+        X = most if keeps(most) else shallow if keeps(shallow) else None
+        if X is None:
+            break
+        best = X
+    return raise_indices(inst, best, shift_rounds=shift)
 
 
 def _critical_vars(inst: Instance, one: _Batch, X: np.ndarray) -> Tuple[np.ndarray, int]:

@@ -78,3 +78,21 @@ def test_policy_plans_per_replica_under_threshold_routing_only():
     assert not per_replica_default(topk)  # top-k plans: the joint search, as pinned
     np.testing.assert_array_equal(critical_path_plan(topk).budget,
                                   topk.budgets(critical_path_indices(topk, 0.0)))
+
+
+def test_a_slow_replica_cuts_below_its_own_floor_and_the_fast_ones_pay(monkeypatch):
+    from sparsebalance.tuning import critical_path as cp
+
+    slow = [[20000, 9000], [110000, 12000], [100000, 20000], [60000, 2000]]
+    inst = _tau_instance([slow, REPLICA, REPLICA])
+    k0 = np.full((3, 4, 4), inst.k0_index)
+    t0 = objective(inst, k0)[0]
+    cross = critical_path_indices(inst, 0.0, per_replica=True)
+    monkeypatch.setattr(cp, "CROSS_SLACKS", ())
+    own = critical_path_indices(inst, 0.0, per_replica=True)
+    tc, to = objective(inst, cross)[0], objective(inst, own)[0]
+    assert tc < to * (1 - 1e-4) and to < t0  # fails without the cross-replica move
+    # replica 0 keeps less than its static pairs, the others more; every stage keeps its own
+    a, a0 = inst.at(cross)[2], inst.at(k0)[2]
+    assert a[0].sum() < a0[0].sum() and a[1:].sum() > a0[1:].sum()
+    assert np.all(a.sum(axis=(0, 1)) >= a0.sum(axis=(0, 1)) * (1 - 1e-9))
