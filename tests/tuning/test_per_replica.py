@@ -92,7 +92,9 @@ def test_a_slow_replica_cuts_below_its_own_floor_and_the_fast_ones_pay(monkeypat
     own = critical_path_indices(inst, 0.0, per_replica=True)
     tc, to = objective(inst, cross)[0], objective(inst, own)[0]
     assert tc < to * (1 - 1e-4) and to < t0  # fails without the cross-replica move
-    # replica 0 keeps less than its static pairs, the others more; every stage keeps its own
+    # on some stage replica 0 keeps less than its static pairs (below its own floor), the
+    # others pay for it there; every stage keeps its static pairs over the replicas
     a, a0 = inst.at(cross)[2], inst.at(k0)[2]
-    assert a[0].sum() < a0[0].sum() and a[1:].sum() > a0[1:].sum()
+    below = a[0].sum(axis=0) < a0[0].sum(axis=0) * (1 - 1e-9)
+    assert below.any() and np.all(a[1:].sum(axis=(0, 1))[below] > a0[1:].sum(axis=(0, 1))[below])
     assert np.all(a.sum(axis=(0, 1)) >= a0.sum(axis=(0, 1)) * (1 - 1e-9))

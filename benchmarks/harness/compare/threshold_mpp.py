@@ -17,8 +17,12 @@ each arm on it, the step time (true densities) split into what could be won back
   position's share it sets the replica's time);
 * ``cap_binding``: share of the kept pairs a cap-free threshold route would keep above the cap
   (how often the cap, not TAU, decides);
-* ``dst_oracle``: the critical-path plan made on the true densities at the TAU levels (what the
-  lever could give with a perfect estimator), beside the one made on the estimator's.
+* ``dst_{joint,per_replica}_{planned,oracle}``: SAB's packing with the critical-path plan
+  (attention slack 0, per-stage floor) of the joint search or planned per replica
+  (``critical_path._per_replica_indices``), made on the estimator's densities (planned: what
+  the ``sparsebalance`` arm runs) or on the true ones (oracle: a perfect estimator), timed on
+  the truth; with its kept pairs over static's;
+* ``lowest_tau``: every op at the lowest TAU level (the lever's reach with no attention floor).
 
 Throughputs are tokens per ms; the ``*_vs_best`` numbers divide by the best static baseline's
 (megatron, wlb, dp-balanced) tokens per ms of the same steps.
@@ -42,16 +46,15 @@ from typing import Dict, Sequence
 
 import numpy as np
 
+from sparsebalance.batching.strategies.sab import pipeline_profile
 from sparsebalance.pairs import threshold_kept_pairs
 from sparsebalance.pipeline import simulate
-from sparsebalance.batching.strategies.sab import pipeline_profile
 from sparsebalance.tuning import critical_path_indices
 from sparsebalance.tuning.from_predictor import build_instance, build_tau_instance
 from sparsebalance.tuning.plan import timeline_at
 
-from .cluster_sim import MODELS, SimConfig, _nested, _packed_steps, _study, lower_bound_ms
+from .cluster_sim import MODELS, WARM_STEPS, SimConfig, _nested, _packed_steps, _study, lower_bound_ms
 from .density_study import cell_content
-from .cluster_sim import WARM_STEPS
 
 PACKERS = ("megatron", "wlb", "dp-balanced", "sab")
 BASELINES = ("megatron", "wlb", "dp-balanced")
@@ -129,9 +132,14 @@ def diagnose_cell(lengths: np.ndarray, seq_length: int, cfg: SimConfig) -> dict:
             kw = dict(pp=cfg.pp, cap=cfg.topk, tau0=content.docs.tau0, **thr)
             tinst = build_tau_instance(predictor, nested, densities=packed.true_at, **kw)
             tplan = build_tau_instance(predictor, nested, densities=packed.predicted_at, **kw)
-            for name, plan_on in (("dst_planned", tplan), ("dst_oracle", tinst)):
-                idx = critical_path_indices(plan_on, 0.0)
-                add(f"{name}_ms", timeline_at(tinst, idx).step_ms)
+            for name, plan_on in (("planned", tplan), ("oracle", tinst)):
+                for how, per in (("joint", False), ("per_replica", True)):
+                    if s != "sab" and how == "per_replica":  # (the sparsebalance arm's packing)
+                        continue
+                    idx = critical_path_indices(plan_on, 0.0, per_replica=per)
+                    add(f"dst_{how}_{name}_ms", timeline_at(tinst, idx).step_ms)
+                    add(f"dst_{how}_{name}_pairs", tinst.at(idx)[2].sum())
+            add("static_pairs", tinst.at(np.full_like(k0, tinst.k0_index))[2].sum())
             lo = np.zeros_like(k0)  # every op at the lowest TAU: the lever's reach, no floor
             add("dst_lowest_tau_ms", timeline_at(tinst, lo).step_ms)
             acc["taus"] = taus
@@ -143,8 +151,12 @@ def diagnose_cell(lengths: np.ndarray, seq_length: int, cfg: SimConfig) -> dict:
                "shaped_bound_tokens_per_ms": acc["tokens"] / acc["shaped_bound_ms"],
                "long_doc_share_max": acc["long_doc_share_max"],
                "cap_binding": 1.0 - acc["pairs_capped"] / acc["pairs_capfree"],
-               "dst_planned_tokens_per_ms": acc["tokens"] / acc["dst_planned_ms"],
-               "dst_oracle_tokens_per_ms": acc["tokens"] / acc["dst_oracle_ms"],
+               **{f"dst_{h}_{n}_tokens_per_ms": acc["tokens"] / acc[f"dst_{h}_{n}_ms"]
+                  for h in ("joint", "per_replica") for n in ("planned", "oracle")
+                  if f"dst_{h}_{n}_ms" in acc},
+               **{f"dst_{h}_{n}_pairs_vs_static": acc[f"dst_{h}_{n}_pairs"] / acc["static_pairs"]
+                  for h in ("joint", "per_replica") for n in ("planned", "oracle")
+                  if f"dst_{h}_{n}_ms" in acc},
                "lowest_tau_tokens_per_ms": acc["tokens"] / acc["dst_lowest_tau_ms"],
                "taus": acc["taus"]}
         out[s] = row
@@ -164,15 +176,41 @@ def pooled(cells: Sequence[dict]) -> dict:
         tok = sum(c["packers"][s]["tokens"] for c in cells)
         row = {}
         for k in cells[0]["packers"][s]:
-            if k.endswith("tokens_per_ms"):
+            if k.endswith("pairs_vs_static"):
+                row[k] = [c["packers"][s][k] for c in cells]
+            elif k.endswith("tokens_per_ms"):
                 ms = sum(c["packers"][s]["tokens"] / c["packers"][s][k] for c in cells)
                 row[k] = tok / ms
         out[s] = row
     best = max(BASELINES, key=lambda k: out[k]["tokens_per_ms"])
     for row in out.values():
         for k in list(row):
-            row[k.replace("tokens_per_ms", "vs_best")] = row[k] / out[best]["tokens_per_ms"]
+            if k.endswith("tokens_per_ms"):
+                row[k.replace("tokens_per_ms", "vs_best")] = row[k] / out[best]["tokens_per_ms"]
     return {"best_baseline": best, "packers": out}
+
+
+CELL_ARMS = ("megatron", "sab", "dst", "sparsebalance", "wlb", "dp-balanced", "dynamic-cp")
+
+
+def _cells(files, seqs, cfg: SimConfig, a) -> dict:
+    from .cells import make_cell, pooled_tokens_per_s
+    from .cluster_sim import simulate_cell
+
+    res = {"model": a.model, "pp": a.pp, "micro_batches": a.micro_batches,
+           "density_study": a.density_study, "arms": CELL_ARMS, "cells": [], "tables": {}}
+    for seq in seqs:
+        tabs = []
+        for f in files:
+            t = simulate_cell(np.asarray(json.load(open(f)), dtype=np.int64), seq, cfg,
+                              arms=CELL_ARMS, frontier=False).table
+            tabs.append(t)
+            res["tables"][f"{os.path.splitext(os.path.basename(f))[0]}:{seq}"] = t
+        c = make_cell(a.model, seq, a.pp, a.dp, 1, pooled_tokens_per_s(tabs))
+        res["cells"].append(c)
+        print(json.dumps({k: c[k] for k in ("model", "context", "pp", "best_baseline", "sb_vs_best")}),
+              flush=True)
+    return res
 
 
 def main(argv=None) -> None:
@@ -186,6 +224,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--density-study", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--cells", action="store_true",
+                   help="instead: compare.py's cells (sb_vs_best pooled over the files) of the arms "
+                        "below, without the frontier points (each arm's numbers are compare.py's)")
     a = p.parse_args(argv)
     if not os.path.exists(a.density_study):
         sys.exit(f"threshold_mpp: --density-study {a.density_study} does not exist")
@@ -201,6 +242,12 @@ def main(argv=None) -> None:
     except ValueError as e:
         sys.exit(f"threshold_mpp: {e}")
     t0, load0 = time.time(), os.getloadavg()[0]
+    if a.cells:
+        res = _cells(files, seqs, cfg, a)
+        res.update(seconds=time.time() - t0, load_avg=[load0, os.getloadavg()[0]])
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+        return
     res = {"model": a.model, "pp": a.pp, "dp": a.dp, "micro_batches": a.micro_batches,
            "density_study": a.density_study, "cells": {}}
     for seq in seqs:
