@@ -47,6 +47,7 @@ whose backward only late cannot move in the free-float passes).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Tuple
 
 import numpy as np
@@ -259,7 +260,7 @@ def _meets(stage_att: np.ndarray, floor_min: np.ndarray) -> np.ndarray:
 def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
                           num_deadlines: int = 4, polish_moves: int = 16,
                           polish_budget: float = 5e5, shift_rounds: int = 4,
-                          floor: str = "stage") -> np.ndarray:
+                          floor: str = "stage", per_replica: bool = False) -> np.ndarray:
     """Level indices [D, M, S] of the critical-path plan (see module docstring).
 
     Args:
@@ -272,7 +273,18 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
         polish_budget: the local search stops after sweeping this many (op x
             candidate column) cells, which bounds planning time on large instances.
         shift_rounds: total-float raise rounds (one op per replica each).
+        per_replica: also plan every replica on its own (:func:`_per_replica_indices`) and
+            keep whichever plan is faster (then keeps more attention).
     """
+    if per_replica and inst.dp > 1:
+        kw = dict(num_caps=num_caps, num_deadlines=num_deadlines, polish_moves=polish_moves,
+                  polish_budget=polish_budget, shift_rounds=shift_rounds, floor=floor)
+        joint = critical_path_indices(inst, eps, **kw)
+        split = _per_replica_indices(inst, eps, **kw)
+        (tj, aj), (ts, as_) = objective(inst, joint), objective(inst, split)
+        if ts < tj * (1 - _TOL) or (ts <= tj * (1 + _TOL) and as_ > aj):
+            return split
+        return joint
     if not 0.0 <= eps <= 1.0:
         raise ValueError(f"eps must be in [0, 1], got {eps}")
     if num_caps < 2 or num_deadlines < 1 or shift_rounds < 0 or polish_moves < 0:
@@ -329,6 +341,64 @@ def critical_path_indices(inst: Instance, eps: float = 0.0, num_caps: int = 24,
     best_X = one.fill(best_X, np.full(D, best_t))
     best_X = one.fill(one.shift(best_X, np.full(D, best_t), shift_rounds), np.full(D, best_t))
     return best_X.T.reshape(D, M, S)
+
+
+def replica_instance(inst: Instance, r: int) -> Instance:
+    """Replica ``r`` of ``inst`` as an instance of its own (dp = 1)."""
+    w = None if inst.weight is None else inst.weight[r:r + 1]
+    return replace(inst, dp=1, fwd=inst.fwd[:, r:r + 1], bwd=inst.bwd[:, r:r + 1],
+                   attn=inst.attn[:, r:r + 1], weight=w)
+
+
+CROSS_SLACKS = (0.03, 0.1, 0.3)
+"""Per-replica planning: deeper cuts a slow replica may take below its own floor (its share of
+the attention, per stage or in total), the other replicas' raises paying for them."""
+
+
+def _per_replica_indices(inst: Instance, eps: float, **kw) -> np.ndarray:
+    """Each replica planned as its own instance; then budget moved from the slow replicas to
+    the fast ones.
+
+    Why: the replicas meet only at the step's end (the slowest one) and in the attention
+    floor. The joint search's polish cuts one op of the slowest replica per move, so with
+    several replicas of nearly equal time (a balanced packing) and a lever that moves op times
+    by little (TAU levels), its moves run out before every replica's critical path is
+    shortened. Planned alone, each replica gets the whole search.
+
+    1. Each replica's plan at the step's slack ``eps`` (its own floor: its sum keeps the step's)
+       and at deeper slacks ``eps + CROSS_SLACKS`` (floors it cannot keep alone).
+    2. Deadlines ``T``, from the slowest replica's own plan down through the replicas' plan
+       times: each replica takes its plans that fit ``T``, raised into ``T``, the one keeping
+       the most attention (else the shallowest); the smallest ``T`` whose plans together keep
+       the step's floor wins (the search stops at the first ``T`` that misses it).
+    """
+    D, M, S = inst.dp, inst.microbatches, inst.stages
+    floor, shift = kw["floor"], kw["shift_rounds"]
+    subs = [replica_instance(inst, r) for r in range(D)]
+    slacks = (eps,) + tuple(min(1.0, eps + x) for x in CROSS_SLACKS)
+    plans = [[critical_path_indices(sub, e, **kw) for e in slacks] for sub in subs]
+    times = np.array([[objective(sub, x)[0] for x in ps] for sub, ps in zip(subs, plans)])
+    one = _Batch(inst, 1)
+    floor_min = _floor_min(one, np.full((M * S, D), inst.k0_index, dtype=np.int64), eps, floor)
+
+    def keeps(X: np.ndarray) -> bool:
+        return bool(_meets(inst.at(X)[2].sum(axis=(0, 1))[None], floor_min)[0])
+
+    t_own = float(times[:, 0].max())
+    best = np.concatenate([raise_indices(sub, ps[0], t_own, shift) for sub, ps in zip(subs, plans)])
+    for T in np.unique(times[times < t_own * (1 - _TOL)])[::-1]:
+        fits = [[raise_indices(sub, x, float(T), shift) for x, t in zip(ps, ts) if t <= T * (1 + _TOL)]
+                for sub, ps, ts in zip(subs, plans, times)]
+        if any(not f for f in fits):
+            break
+        most = np.concatenate([max(f, key=lambda x, s=sub: float(s.at(x)[2].sum()))
+                               for f, sub in zip(fits, subs)])
+        shallow = np.concatenate([f[0] for f in fits])
+        X = most if keeps(most) else shallow if keeps(shallow) else None
+        if X is None:
+            break
+        best = X
+    return raise_indices(inst, best, shift_rounds=shift)
 
 
 def _critical_vars(inst: Instance, one: _Batch, X: np.ndarray) -> Tuple[np.ndarray, int]:
@@ -423,8 +493,19 @@ def raise_indices(inst: Instance, idx: np.ndarray, deadline: Optional[float] = N
 
 
 def critical_path_plan(inst: Instance, eps: float = 0.0, floor: str = "stage") -> Plan:
-    """The critical-path plan, evaluated."""
-    return make_plan(inst, critical_path_indices(inst, eps, floor=floor), "critical-path")
+    """The critical-path plan, evaluated (per replica too under threshold routing:
+    :func:`per_replica_default`)."""
+    return make_plan(inst, critical_path_indices(inst, eps, floor=floor,
+                                                 per_replica=per_replica_default(inst)),
+                     "critical-path")
+
+
+def per_replica_default(inst: Instance) -> bool:
+    """Whether DST's critical-path policy also plans each replica alone: under threshold
+    routing (TAU levels), where one level moves an op's time by little and the joint polish's
+    moves run out first (:func:`_per_replica_indices`). Top-k plans keep the joint search only
+    (their plans, pinned by tests, are unchanged)."""
+    return inst.unit == "tau"
 
 
 def policy(inst: Instance, dst) -> Plan:

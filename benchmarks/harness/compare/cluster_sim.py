@@ -39,6 +39,7 @@ from sparsebalance.pairs import causal_pairs, threshold_kept_pairs
 from sparsebalance.pipeline import PipelineTimeline, simulate
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning import anchor_indices, critical_path_indices
+from sparsebalance.tuning.critical_path import per_replica_default
 from sparsebalance.tuning.from_predictor import build_instance, build_tau_instance
 from sparsebalance.tuning.instance import Instance
 from sparsebalance.tuning.plan import timeline_at
@@ -243,7 +244,7 @@ def _indices(inst: Instance, arm: Arm) -> np.ndarray:
     if arm.dst == "anchor":
         return anchor_indices(inst, "mean", arm.param)
     if arm.dst == "critical-path":
-        return critical_path_indices(inst, arm.param)
+        return critical_path_indices(inst, arm.param, per_replica=per_replica_default(inst))
     raise ValueError(f"unknown dst policy {arm.dst!r}")
 
 
