@@ -493,19 +493,9 @@ def raise_indices(inst: Instance, idx: np.ndarray, deadline: Optional[float] = N
 
 
 def critical_path_plan(inst: Instance, eps: float = 0.0, floor: str = "stage") -> Plan:
-    """The critical-path plan, evaluated (per replica too under threshold routing:
-    :func:`per_replica_default`)."""
-    return make_plan(inst, critical_path_indices(inst, eps, floor=floor,
-                                                 per_replica=per_replica_default(inst)),
-                     "critical-path")
-
-
-def per_replica_default(inst: Instance) -> bool:
-    """Whether DST's critical-path policy also plans each replica alone: under threshold
-    routing (TAU levels), where one level moves an op's time by little and the joint polish's
-    moves run out first (:func:`_per_replica_indices`). Top-k plans keep the joint search only
-    (their plans, pinned by tests, are unchanged)."""
-    return inst.unit == "tau"
+    """The critical-path plan, evaluated (the joint search; ``per_replica`` is an experiment:
+    see :func:`_per_replica_indices`)."""
+    return make_plan(inst, critical_path_indices(inst, eps, floor=floor), "critical-path")
 
 
 def policy(inst: Instance, dst) -> Plan:

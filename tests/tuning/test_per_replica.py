@@ -10,7 +10,7 @@ from sparsebalance.batching.sparsity_estimator import SparsityEstimator
 from sparsebalance.config import DSTConfig, default_ladder
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning import critical_path_indices, critical_path_plan
-from sparsebalance.tuning.critical_path import objective, per_replica_default, policy, replica_instance
+from sparsebalance.tuning.critical_path import objective, policy, replica_instance
 from sparsebalance.tuning.from_predictor import build_instance, build_tau_instance
 
 TAU0, CAP, B = 0.9, 32, 256
@@ -67,15 +67,12 @@ def test_per_replica_never_slower_than_joint_nor_below_the_floor(seed):
         assert as_ >= a0 * (1 - 1e-9)
 
 
-def test_policy_plans_per_replica_under_threshold_routing_only():
+def test_policy_keeps_the_joint_search_per_replica_is_opt_in():
     inst = _tau_instance([REPLICA] * 3)
-    assert per_replica_default(inst)
     plan = policy(inst, DSTConfig(policy="critical-path", attn_slack=0.0))
-    want = critical_path_indices(inst, 0.0, per_replica=True)
-    np.testing.assert_array_equal(plan.budget, inst.budgets(want))
+    np.testing.assert_array_equal(plan.budget, inst.budgets(critical_path_indices(inst, 0.0)))
     pred = get_predictor("h100-analytic", num_layers=8, block_size=B, topk=CAP)
     topk = build_instance(pred, [REPLICA] * 3, pp=4, k0=CAP)
-    assert not per_replica_default(topk)  # top-k plans: the joint search, as pinned
     np.testing.assert_array_equal(critical_path_plan(topk).budget,
                                   topk.budgets(critical_path_indices(topk, 0.0)))
 

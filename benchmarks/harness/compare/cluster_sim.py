@@ -39,7 +39,6 @@ from sparsebalance.pairs import causal_pairs, threshold_kept_pairs
 from sparsebalance.pipeline import PipelineTimeline, simulate
 from sparsebalance.predictor import get_predictor
 from sparsebalance.tuning import anchor_indices, critical_path_indices
-from sparsebalance.tuning.critical_path import per_replica_default
 from sparsebalance.tuning.from_predictor import build_instance, build_tau_instance
 from sparsebalance.tuning.instance import Instance
 from sparsebalance.tuning.plan import timeline_at
@@ -48,6 +47,12 @@ from .arms import ARMS, FRONTIER, SIM_ONLY, Arm
 from .density_study import MODES, CellContent, cell_content, load_study
 from .dynamic_cp import dynamic_cp_instance
 from .imbalance import step_imbalance_degree
+
+PER_REPLICA_DST = False
+"""An experiment, off: critical-path DST under threshold routing also plans each replica alone
+(``critical_path._per_replica_indices``; ``threshold_mpp --cells --per-replica``). It gained
+0.2-0.6% in the threshold cells at M = PP for ~40x the planning time and fewer kept pairs
+(results/threshold_mpp/README.md), so neither the driver nor the simulator's arms use it."""
 
 WARM_STEPS = 2
 """Threshold routing: steps' worth of documents SAB's estimator has seen before a cell's
@@ -244,7 +249,7 @@ def _indices(inst: Instance, arm: Arm) -> np.ndarray:
     if arm.dst == "anchor":
         return anchor_indices(inst, "mean", arm.param)
     if arm.dst == "critical-path":
-        return critical_path_indices(inst, arm.param, per_replica=per_replica_default(inst))
+        return critical_path_indices(inst, arm.param, per_replica=PER_REPLICA_DST and inst.unit == "tau")
     raise ValueError(f"unknown dst policy {arm.dst!r}")
 
 

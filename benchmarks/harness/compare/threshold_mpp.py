@@ -224,6 +224,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--density-study", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--per-replica", action="store_true",
+                   help="with --cells: the sparsebalance / dst arms plan DST per replica too (the experiment "
+                        "of cluster_sim.PER_REPLICA_DST, off by default)")
     p.add_argument("--cells", action="store_true",
                    help="instead: compare.py's cells (sb_vs_best pooled over the files) of the arms "
                         "below, without the frontier points (each arm's numbers are compare.py's)")
@@ -243,7 +246,11 @@ def main(argv=None) -> None:
         sys.exit(f"threshold_mpp: {e}")
     t0, load0 = time.time(), os.getloadavg()[0]
     if a.cells:
+        from . import cluster_sim
+
+        cluster_sim.PER_REPLICA_DST = a.per_replica
         res = _cells(files, seqs, cfg, a)
+        res["per_replica"] = a.per_replica
         res.update(seconds=time.time() - t0, load_avg=[load0, os.getloadavg()[0]])
         with open(a.out, "w") as fh:
             json.dump(res, fh, indent=1)
