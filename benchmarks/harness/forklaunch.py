@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRELOAD = ("megatron.training", "numpy", "torch", "megatron.core", "megatron.core.pipeline_parallel.schedules",
@@ -235,7 +235,7 @@ def _kill(pid: int, sig: int) -> None:
 
 def serve(sock: socket.socket) -> None:
     """Fork one agent per request; report each agent's pid, then its exit status."""
-    agents: Dict[int, int] = {}  # pid -> request id
+    agents = set()  # running agents' pids
     buf = b""
     while True:
         ready = select.select([sock], [], [], 0.05)[0]
@@ -245,7 +245,7 @@ def serve(sock: socket.socket) -> None:
                 break
             if pid in agents:
                 _send(sock, {"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
-                del agents[pid]
+                agents.discard(pid)
         if not ready:
             continue
         msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
@@ -273,7 +273,7 @@ def serve(sock: socket.socket) -> None:
                     os._exit(70)  # only reached if setting the job up failed
             for fd in fds:
                 os.close(fd)
-            agents[pid] = job["id"]
+            agents.add(pid)
             _send(sock, {"started": pid, "id": job["id"]})
 
 
@@ -393,9 +393,9 @@ class ForkedProcess:
         self.send_signal(signal.SIGTERM)
 
 
-def _fd(f) -> int:
+def _fd(f, inherited: int) -> int:
     if f is None:
-        return 1
+        return inherited
     return f if isinstance(f, int) else f.fileno()
 
 
@@ -404,8 +404,10 @@ def popen(cmd: List[str], *, stdout=None, stderr=None, env: Optional[dict] = Non
     """``subprocess.Popen(cmd, ...)`` (``ignore_usr1``: the process starts with SIGUSR1
     ignored), or the same command forked from the warm server (see the module's doc)."""
     env = dict(os.environ if env is None else env)
-    files_ok = all(f is None or isinstance(f, int) and f >= 0 or hasattr(f, "fileno") for f in (stdout, stderr)) \
-        or stderr is subprocess.STDOUT
+    def is_file(f) -> bool:  # None (inherited), a descriptor or a file object; not PIPE / DEVNULL
+        return f is None or isinstance(f, int) and f >= 0 or hasattr(f, "fileno")
+
+    files_ok = is_file(stdout) and (is_file(stderr) or stderr is subprocess.STDOUT)
     job = parse(cmd) if os.environ.get("SB_HARNESS_LAUNCH") == "fork" and files_ok else None
     global _SERVER
     with _SERVER_LOCK:
@@ -417,8 +419,9 @@ def popen(cmd: List[str], *, stdout=None, stderr=None, env: Optional[dict] = Non
                                 start_new_session=start_new_session)
     job.update(env=env, cwd=os.path.abspath(cwd or os.getcwd()), new_session=start_new_session,
                ignore_usr1=ignore_usr1)
-    err = _fd(stderr) if stderr is not subprocess.STDOUT else _fd(stdout)
-    pid = _SERVER.start(job, [_fd(stdout), err])
+    out = _fd(stdout, 1)
+    err = out if stderr is subprocess.STDOUT else _fd(stderr, 2)
+    pid = _SERVER.start(job, [out, err])
     return ForkedProcess(_SERVER, pid, list(cmd))
 
 

@@ -126,3 +126,21 @@ def test_an_import_time_variable_that_differs_runs_cold(script, tmp_path):
         flipped = "0" if os.environ.get("TRITON_INTERPRET") == "1" else "1"
         p = F.popen([sys.executable, script, "0"], stdout=so, env=dict(os.environ, TRITON_INTERPRET=flipped))
         assert isinstance(p, subprocess.Popen) and p.wait(timeout=60) == 0
+
+
+def test_inherited_stderr_is_fd_2_and_pipes_run_cold(script, tmp_path):
+    os.environ["SB_HARNESS_LAUNCH"] = "fork"
+    saved = os.dup(2)
+    try:
+        with open(tmp_path / "fd2.txt", "w") as f2, open(tmp_path / "fd1.out", "w") as so:
+            os.dup2(f2.fileno(), 2)
+            p = F.popen([sys.executable, script, "0"], stdout=so, env=dict(os.environ))
+            assert isinstance(p, F.ForkedProcess) and p.wait(timeout=60) == 0
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    assert (tmp_path / "fd2.txt").read_text() == "to stderr\n"
+    assert "to stderr" not in (tmp_path / "fd1.out").read_text()
+    p = F.popen([sys.executable, script, "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+    out, _ = p.communicate(timeout=60)
+    assert isinstance(p, subprocess.Popen) and p.returncode == 0 and b"to stderr" in out

@@ -92,6 +92,12 @@ def main() -> None:
             return chunks
 
         model.build_model = perturbed
+    run_pretrain(dump)
+
+
+def run_pretrain(dump: dict) -> None:
+    """``pretrain_gpt.py ARGS`` as ``__main__``; then, on rank 0, ``dump`` to ``$SB_TEST_DUMP``
+    (when set), also after a failed run."""
     sys.argv = [PRETRAIN, *sys.argv[1:]]
     try:
         runpy.run_path(PRETRAIN, run_name="__main__")

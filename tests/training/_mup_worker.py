@@ -7,13 +7,7 @@ peak / minimum LR, Adam epsilon)."""
 
 from __future__ import annotations
 
-import json
-import os
-import runpy
-import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-PRETRAIN = os.path.join(os.path.dirname(os.path.dirname(HERE)), "pretrain_gpt.py")
+from _arch_worker import run_pretrain  # this file's directory is sys.path[0]
 
 
 def main() -> None:
@@ -42,13 +36,7 @@ def main() -> None:
         return opt, scheduler
 
     model.build_model, model.build_optimizer = built, optimizer
-    sys.argv = [PRETRAIN, *sys.argv[1:]]
-    try:
-        runpy.run_path(PRETRAIN, run_name="__main__")
-    finally:
-        if int(os.environ.get("RANK", "0")) == 0 and "SB_TEST_DUMP" in os.environ:
-            with open(os.environ["SB_TEST_DUMP"], "w") as f:
-                json.dump(dump, f)
+    run_pretrain(dump)
 
 
 if __name__ == "__main__":
